@@ -1,0 +1,185 @@
+"""One frozen config tree: the base model's shape (read from config.json) and the engine's knobs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from radixlora.errors import ModelLoadError
+
+SUPPORTED_ARCHS = {"llama", "qwen2", "mistral"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def module_shape(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of a LoRA-targetable projection."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (h, self.q_dim),
+            "k_proj": (h, self.kv_dim),
+            "v_proj": (h, self.kv_dim),
+            "o_proj": (self.q_dim, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }[module]
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            cfg = json.loads((path / "config.json").read_text())
+        except FileNotFoundError as e:
+            raise ModelLoadError(f"no config.json in {path}") from e
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"config.json in {path} is not JSON: {e}") from e
+        gen = _read_optional_json(path / "generation_config.json")
+        return cls.from_hf(cfg, gen)
+
+    @classmethod
+    def from_hf(cls, cfg: dict, gen: dict | None = None) -> ModelConfig:
+        arch = cfg.get("model_type", "")
+        if arch not in SUPPORTED_ARCHS:
+            raise ModelLoadError(
+                f"unsupported model_type {arch!r}; supported: {sorted(SUPPORTED_ARCHS)}"
+            )
+        heads = cfg["num_attention_heads"]
+        sliding = cfg.get("sliding_window")
+        if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position=cfg.get("max_position_embeddings", 4096),
+            rope=_rope_config(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=arch != "qwen2" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_window=sliding,
+            eos_token_ids=_eos_ids(cfg, gen or {}),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        )
+
+
+def _read_optional_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _rope_config(cfg: dict) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters`; older checkpoints use rope_theta + rope_scaling.
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ModelLoadError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
+    if rope_type == "default":
+        return RopeConfig(theta=float(theta))
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position=int(params["original_max_position_embeddings"]),
+    )
+
+
+def _eos_ids(cfg: dict, gen: dict) -> tuple[int, ...]:
+    eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of the offline engine and the scheduler/worker processes.
+
+    `kv_pages` and `adapter_rows` size the two device pools; `max_stacked` caps the adapters
+    of one request.
+    """
+
+    dtype: str = "auto"
+    device: str = "auto"
+    page_size: int = 1
+    kv_pages: int = 4096
+    adapter_rows: int = 512
+    max_rank: int = 64
+    max_stacked: int = 8
+    max_running: int = 64
+    max_batch_tokens: int = 2048
+    max_adapter_sets_per_batch: int = 32
+    lora_backend: str = "auto"
+    attention_backend: str = "auto"
+    enable_radix_cache: bool = True
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def torch_dtype(self, model: ModelConfig) -> torch.dtype:
+        name = self.dtype
+        if name == "auto":
+            name = model.torch_dtype if model.torch_dtype in DTYPES else "float32"
+            if name != "float32" and self.resolved_device() == "cpu":
+                name = "float32"
+        if name not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or auto, got {name!r}")
+        return DTYPES[name]
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"

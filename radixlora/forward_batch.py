@@ -1,0 +1,33 @@
+"""Per-batch forward context: token inputs plus the attention and LoRA metadata, built once per
+batch and read by every layer (no wide forward() signatures, no module globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from radixlora.attention import AttentionBackend
+    from radixlora.lora.pool import LoraContext
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64 KV slots the new tokens are written to
+    logits_indices: torch.Tensor  # [num_logits] rows of the batch whose next token is sampled
+    attn_backend: AttentionBackend
+    attn_meta: Any
+    lora: LoraContext | None
+
+    def attention(self, q, k, v, layer_id: int) -> torch.Tensor:
+        return self.attn_backend.forward(q, k, v, layer_id, self.out_cache_loc, self.attn_meta)
+
+    def lora_project(self, linear: torch.nn.Linear, x: torch.Tensor, layer_id: int, group: str):
+        y = linear(x)
+        if self.lora is not None:
+            self.lora.apply(x, y, layer_id, group)
+        return y

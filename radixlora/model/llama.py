@@ -1,0 +1,98 @@
+"""Llama-family causal LM (Llama, Qwen2, Mistral) over a paged KV pool and a paged adapter pool.
+
+Projections are fused (qkv, gate_up) and every projection's LoRA delta is added through the
+forward batch's LoRA context, one batched op per projection. The model holds no per-request state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlora.config import ModelConfig
+from radixlora.forward_batch import ForwardBatch
+from radixlora.model.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_dim + 2 * cfg.kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.split = (cfg.q_dim, cfg.kv_dim, cfg.kv_dim)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]):
+        qkv = fb.lora_project(self.qkv_proj, x, self.layer_id, "qkv")
+        q, k, v = qkv.split(self.split, dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), *rope)
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), *rope)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        o = fb.attention(q, k, v, self.layer_id)
+        return fb.lora_project(self.o_proj, o.reshape(-1, self.split[0]), self.layer_id, "o")
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        gate, up = fb.lora_project(self.gate_up_proj, x, self.layer_id, "gate_up").chunk(2, dim=-1)
+        return fb.lora_project(self.down_proj, F.silu(gate) * up, self.layer_id, "down")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, layer_id)
+
+    def forward(self, h: torch.Tensor, fb: ForwardBatch, rope) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), fb, rope)
+        return h + self.mlp(self.post_attention_layernorm(h), fb)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits (fp32) of the tokens at fb.logits_indices: [num_logits, vocab]."""
+        rope = self.rotary(fb.positions)
+        h = self.embed_tokens(fb.input_ids)
+        for layer in self.layers:
+            h = layer(h, fb, rope)
+        h = self.norm(h[fb.logits_indices])
+        return self.lm_head(h).float()

@@ -1,0 +1,108 @@
+"""Hugging Face checkpoint loading: config.json + model.safetensors (or sharded with
+model.safetensors.index.json) into the fused-projection model. Checkpoint naming quirks live
+here, not in the model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from radixlora.config import ModelConfig
+from radixlora.errors import ModelLoadError
+from radixlora.model.llama import LlamaForCausalLM
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)$")
+_FUSED = {
+    "q": ("qkv_proj", 0),
+    "k": ("qkv_proj", 1),
+    "v": ("qkv_proj", 2),
+    "gate": ("gate_up_proj", 0),
+    "up": ("gate_up_proj", 1),
+}
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    if list(path.glob("*.bin")) or list(path.glob("*.pt")):
+        raise ModelLoadError(f"{path} holds only pickle weights; radixlora loads safetensors only")
+    raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def base_version(path: Path) -> str:
+    """Identity of the base checkpoint for cache keys: its config and its weight files' names
+    and sizes (hashing every weight byte would cost a full read of a multi-GB model)."""
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in weight_files(path):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()
+
+
+def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device) -> LlamaForCausalLM:
+    path = Path(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).to(dtype)
+    model = model.to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary.reset_parameters()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: dict[str, int] = {}  # parameter -> rows loaded (fused weights load in slices)
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                _load_tensor(cfg, params, loaded, name, f.get_tensor(name))
+    missing = {n for n, p in params.items() if loaded.get(n, 0) != p.shape[0]}
+    if cfg.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ModelLoadError(f"checkpoint {path} lacks tensors: {sorted(missing)[:5]}")
+    return model.eval()
+
+
+def _load_tensor(cfg, params, loaded, name, tensor) -> None:
+    target, rows = _target(cfg, name)
+    if target is None:
+        return
+    if target == "lm_head.weight" and cfg.tie_word_embeddings:
+        return
+    param = params.get(target)
+    if param is None:
+        raise ModelLoadError(f"unexpected tensor {name} in checkpoint")
+    dst = param.data if rows is None else param.data[rows[0] : rows[1]]
+    if dst.shape != tensor.shape:
+        raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(tensor)
+    loaded[target] = loaded.get(target, 0) + dst.shape[0]
+
+
+def _target(cfg: ModelConfig, name: str) -> tuple[str | None, tuple[int, int] | None]:
+    """Our parameter name for a checkpoint tensor, and the row range inside a fused weight."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return None, None
+    if not name.startswith("model.layers."):
+        return name.removeprefix("model."), None
+    m = _LAYER.match(name)
+    if m is None:
+        return name.removeprefix("model."), None
+    layer, block, proj, kind = m.groups()
+    if proj not in _FUSED:
+        return f"layers.{layer}.{block}.{proj}_proj.{kind}", None
+    fused, index = _FUSED[proj]
+    sizes = (
+        (cfg.q_dim, cfg.kv_dim, cfg.kv_dim)
+        if fused == "qkv_proj"
+        else (cfg.intermediate_size, cfg.intermediate_size)
+    )
+    start = sum(sizes[:index])
+    return f"layers.{layer}.{block}.{fused}.{kind}", (start, start + sizes[index])
