@@ -1,0 +1,266 @@
+"""Paged decode attention (one query token per request), split along the KV sequence.
+
+Flash-decoding: stage 1 runs one program per (request, kv head, split); it reads each key/value
+once for the whole GQA query group and writes a normalised partial output plus its log-sum-exp.
+Stage 2 merges the splits of each (request, q head). The KV layout and CSR metadata are those of
+`attention_extend`; the query of request b is at position kv_len_b - 1.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_extend import (
+    _FLOAT_DTYPES,
+    LOG2E,
+    _attend,
+    _block_d,
+    _check_index,
+    _check_kv_pool,
+    _check_window,
+    _dot_precision,
+    _interpreting,
+)
+
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_split_kernel(
+    q,
+    k_cache,
+    v_cache,
+    kv_indptr,
+    kv_indices,
+    mid_o,
+    mid_lse,
+    qk_scale,
+    window,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    kv_start = tl.load(kv_indptr + req)
+    kv_len = tl.load(kv_indptr + req + 1) - kv_start
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(0, kv_len - window)
+    split_len = tl.cdiv(tl.cdiv(kv_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_lo = lo + split * split_len
+    split_hi = tl.minimum(kv_len, split_lo + split_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_h
+    q_ptrs = q + req.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q_blk = tl.load(q_ptrs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start_n in range(split_lo, split_hi, BLOCK_N):
+        kv_pos = start_n + offs_n
+        n_mask = kv_pos < split_hi
+        slots = tl.load(kv_indices + kv_start + kv_pos, mask=n_mask, other=0).to(tl.int64)
+        kv_ld_mask = n_mask[:, None] & d_mask[None, :]
+        k_ptrs = k_cache + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
+        k_blk = tl.load(k_ptrs, mask=kv_ld_mask, other=0.0)
+        qk = tl.dot(q_blk, tl.trans(k_blk), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+
+        # Every iteration has >= 1 visible key, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v_ptrs = v_cache + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
+        v_blk = tl.load(v_ptrs, mask=kv_ld_mask, other=0.0)
+        acc = acc * alpha[:, None]
+        acc += tl.dot(p.to(v_blk.dtype), v_blk, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # l_i >= 1 when the split saw a key (its max term is exp2(0)), else l_i = 0 and m_i = -inf:
+    # clamping to 1 keeps empty splits at lse = -inf (weight 0 in the merge) without log2(0).
+    l_i = tl.maximum(l_i, 1.0)
+    lse = m_i + tl.math.log2(l_i)
+    acc = acc / l_i[:, None]
+    row = (req * GROUP * tl.num_programs(1) + heads).to(tl.int64) * NUM_SPLITS + split
+    tl.store(mid_lse + row, lse, mask=h_mask)
+    o_ptrs = mid_o + row[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(o_ptrs, acc, mask=h_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_merge_kernel(
+    mid_o,
+    mid_lse,
+    o,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+
+    row0 = (req * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS
+    lse = tl.load(mid_lse + row0 + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    parts_ptrs = mid_o + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
+    parts = tl.load(parts_ptrs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    w_sum = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
+    o_ptrs = o + req.to(tl.int64) * stride_ob + head * stride_oh + offs_d
+    tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=d_mask)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(batch: int, n_kv_heads: int, device: torch.device) -> int:
+    """About 2 programs per SM; depends on (batch, heads) only, so a CUDA graph can fix it."""
+    target = 2 * _num_sms(device)
+    return max(1, min(MAX_SPLITS, triton.cdiv(target, batch * n_kv_heads)))
+
+
+def _check_decode_args(q, k_cache, v_cache, o, kv_indptr, kv_indices, num_splits) -> None:
+    if q.dim() != 3 or q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"q must be [B, Hq, D] fp16/bf16/fp32, got {tuple(q.shape)} {q.dtype}")
+    if o.shape != q.shape or o.dtype != q.dtype or o.device != q.device:
+        raise ValueError(f"o must match q ({tuple(q.shape)} {q.dtype}), got {tuple(o.shape)}")
+    if q.stride(-1) != 1 or o.stride(-1) != 1:
+        raise ValueError("q and o must be contiguous in head_dim")
+    _check_kv_pool(k_cache, v_cache, q.dtype, q.device)
+    if k_cache.shape[2] != q.shape[2]:
+        raise ValueError(f"head_dim mismatch: q {q.shape[2]}, k_cache {k_cache.shape[2]}")
+    if q.shape[1] % k_cache.shape[1] != 0:
+        raise ValueError(f"n_q_heads {q.shape[1]} not a multiple of n_kv_heads {k_cache.shape[1]}")
+    _check_index("kv_indptr", kv_indptr, q.shape[0] + 1, q.device)
+    _check_index("kv_indices", kv_indices, None, q.device)
+    if num_splits is not None and not 1 <= num_splits <= 1024:
+        raise ValueError(f"num_splits must be in [1, 1024], got {num_splits}")
+
+
+def _decode_block_n() -> int:
+    return 32 if _interpreting() else 64
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    o: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of each request's single new token over its whole paged KV sequence; writes o.
+
+    Semantics:
+        for b in range(B):
+            slots = kv_indices[kv_indptr[b] : kv_indptr[b + 1]]   # kv_len = len(slots) >= 1
+            if sliding_window: slots = slots[-sliding_window:]
+            k = k_cache[slots].repeat_interleave(group, dim=1)   # [kv_len, Hq, D]
+            v = v_cache[slots].repeat_interleave(group, dim=1)
+            s = einsum("hd,khd->hk", q[b], k) * sm_scale
+            o[b] = einsum("hk,khd->hd", softmax(s, -1), v)
+
+    Args:
+        q: [B, Hq, D] one query per request (qo_indptr = arange(B + 1)); fp16/bf16/fp32.
+        k_cache, v_cache: [num_slots, Hkv, D] KV pool, same dtype; Hq = group * Hkv.
+        o: [B, Hq, D] output, same dtype as q; written in place and returned.
+        kv_indptr: [B + 1] int32, offsets of each request's slots in kv_indices.
+        kv_indices: [N] int32, slots of each request's KV in position order (the new token last).
+        sm_scale: softmax scale, usually D ** -0.5.
+        sliding_window: if set, only the last sliding_window keys are seen.
+        num_splits: splits of each request's KV range; `default_num_splits` if None.
+
+    Any head_dim works (blocks are padded to a power of 2 >= 16); accumulation is fp32.
+    """
+    _check_decode_args(q, k_cache, v_cache, o, kv_indptr, kv_indices, num_splits)
+    _check_window(sliding_window)
+    batch, n_q_heads, head_dim = q.shape
+    n_kv_heads = k_cache.shape[1]
+    if batch == 0:
+        return o
+    group = n_q_heads // n_kv_heads
+    if num_splits is None:
+        num_splits = default_num_splits(batch, n_kv_heads, q.device)
+    f32 = {"dtype": torch.float32, "device": q.device}
+    mid_o = torch.empty(batch, n_q_heads, num_splits, head_dim, **f32)
+    mid_lse = torch.empty(batch, n_q_heads, num_splits, **f32)
+    block_d = _block_d(head_dim)
+    _decode_split_kernel[(batch, n_kv_heads, num_splits)](
+        q, k_cache, v_cache, kv_indptr, kv_indices, mid_o, mid_lse,
+        sm_scale * LOG2E, sliding_window or 0,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        BLOCK_N=_decode_block_n(), USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2,
+    )  # fmt: skip
+    _decode_merge_kernel[(batch, n_q_heads)](
+        mid_o, mid_lse, o, o.stride(0), o.stride(1),
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    return o
+
+
+def decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Pure-torch reference of `decode_attention`, one request at a time; returns [B, Hq, D]."""
+    o = torch.empty_like(q)
+    kv = kv_indptr.tolist()
+    for b in range(q.shape[0]):
+        slots = kv_indices[kv[b] : kv[b + 1]].long()
+        if sliding_window is not None:
+            slots = slots[-sliding_window:]
+        visible = torch.ones(1, len(slots), dtype=torch.bool, device=q.device)
+        out = _attend(q[b : b + 1], k_cache[slots], v_cache[slots], visible, sm_scale)
+        o[b] = out[0].to(q.dtype)
+    return o

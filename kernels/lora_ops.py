@@ -1,0 +1,201 @@
+"""Batched multi-LoRA for one fused projection: batch metadata and the torch/Triton backends."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoraBatchMeta:
+    """Which pool rows (and weights) each contiguous token segment of a batch uses.
+
+    A segment is one request's tokens (decode: 1, prefill: many); its rows are the
+    concatenated rank rows of its adapter set, so a stack of k adapters is one segment.
+    A segment with no rows has no adapter and gets no delta.
+    """
+
+    seg_indptr: torch.Tensor  # [S + 1] int32, token offsets
+    row_indptr: torch.Tensor  # [S + 1] int32, offsets into row_ids
+    row_ids: torch.Tensor  # [N] int32, pool rows
+    row_scales: torch.Tensor  # [N] float32, stacking weight of each row
+    token_seg: torch.Tensor  # [T] int32, segment of each token
+    row_seg: torch.Tensor  # [N] int32, segment of each row entry
+    max_rows: int  # >= rows of any segment
+    max_seg_len: int  # >= tokens of any segment
+
+    @classmethod
+    def from_segments(
+        cls,
+        seg_lens: Sequence[int],
+        seg_rows: Sequence[Sequence[int]],
+        seg_scales: Sequence[Sequence[float]],
+        device: torch.device | str,
+    ) -> LoraBatchMeta:
+        _check_segments(seg_lens, seg_rows, seg_scales)
+        row_counts = [len(rows) for rows in seg_rows]
+
+        def to_dev(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device)
+
+        return cls(
+            seg_indptr=to_dev(_indptr(seg_lens), torch.int32),
+            row_indptr=to_dev(_indptr(row_counts), torch.int32),
+            row_ids=to_dev([r for rows in seg_rows for r in rows], torch.int32),
+            row_scales=to_dev([w for ws in seg_scales for w in ws], torch.float32),
+            token_seg=_segment_of_each(seg_lens).to(device),
+            row_seg=_segment_of_each(row_counts).to(device),
+            max_rows=max(row_counts, default=0),
+            max_seg_len=max(seg_lens, default=0),
+        )
+
+    @property
+    def num_segments(self) -> int:
+        return self.seg_indptr.numel() - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_seg.numel()
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_ids.numel()
+
+
+def _indptr(counts: Sequence[int]) -> list[int]:
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
+
+
+def _segment_of_each(counts: Sequence[int]) -> torch.Tensor:
+    segs = torch.arange(len(counts), dtype=torch.int32)
+    return torch.repeat_interleave(segs, torch.tensor(counts, dtype=torch.long))
+
+
+def _check_segments(
+    seg_lens: Sequence[int],
+    seg_rows: Sequence[Sequence[int]],
+    seg_scales: Sequence[Sequence[float]],
+) -> None:
+    if not len(seg_lens) == len(seg_rows) == len(seg_scales):
+        raise ValueError(
+            f"seg_lens, seg_rows, seg_scales differ in length: "
+            f"{len(seg_lens)}, {len(seg_rows)}, {len(seg_scales)}"
+        )
+    for s, (n, rows, scales) in enumerate(zip(seg_lens, seg_rows, seg_scales, strict=True)):
+        if n < 0 or len(rows) != len(scales):
+            raise ValueError(
+                f"segment {s}: length {n} must be >= 0 and rows ({len(rows)}) "
+                f"need one scale each ({len(scales)})"
+            )
+        if any(r < 0 for r in rows):
+            raise ValueError(f"segment {s}: negative pool row in {list(rows)}")
+
+
+class LoraBackend(ABC):
+    """Applies the LoRA deltas of one fused projection for a whole batch."""
+
+    name: str
+
+    @abstractmethod
+    def apply(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        a_pool: torch.Tensor,
+        b_pool: torch.Tensor,
+        out_offsets: Sequence[int],
+        meta: LoraBatchMeta,
+    ) -> None:
+        """Semantics (mutates y only):
+            for s in range(S):
+                t0, t1 = seg_indptr[s], seg_indptr[s + 1]
+                r0, r1 = row_indptr[s], row_indptr[s + 1]
+                rows, sc = row_ids[r0:r1], row_scales[r0:r1]
+                for i in range(n_slices):
+                    cols = slice(out_offsets[i], out_offsets[i + 1])
+                    v = (x[t0:t1].float() @ a_pool[i, rows].float().T) * sc
+                    y[t0:t1, cols] += v @ b_pool[rows, cols].float()
+
+        Args:
+            x: [T, in_dim]; y: [T, out_total], updated in place.
+            a_pool: [n_slices, num_rows, in_dim]; b_pool: [num_rows, out_total] (scaling folded).
+            out_offsets: n_slices + 1 python ints, the column range of each slice in y/b_pool.
+            meta: the batch's segments and rows (num_tokens == T).
+        """
+
+
+class TorchLoraBackend(LoraBackend):
+    """Batched pure torch (CPU path and reference): every row of the batch against every token,
+    masked to the token's own segment. O(T * N) work, no loop over segments."""
+
+    name = "torch"
+
+    def apply(self, x, y, a_pool, b_pool, out_offsets, meta) -> None:
+        _check_tokens(x, y, meta)
+        if meta.num_rows == 0:
+            return
+        rows = meta.row_ids.long()
+        v = x.float() @ a_pool[:, rows].float().transpose(1, 2)
+        v *= token_row_weights(meta)
+        b_sel = b_pool[rows].float()
+        off = list(out_offsets)
+        delta = torch.cat([v[i] @ b_sel[:, off[i] : off[i + 1]] for i in range(len(off) - 1)], 1)
+        y += delta.to(y.dtype)
+
+
+def token_row_weights(meta: LoraBatchMeta) -> torch.Tensor:
+    """[T, N] float32: row_scales[n] where token t and row entry n share a segment, else 0."""
+    same_seg = meta.token_seg[:, None] == meta.row_seg[None, :]
+    return same_seg.float() * meta.row_scales[None, :]
+
+
+class TritonLoraBackend(LoraBackend):
+    """SGMV shrink + expand: two launches per projection whatever the adapter mix."""
+
+    name = "triton"
+
+    def __init__(self, split_k: int | None = None) -> None:
+        # Imported here so the torch backend works where triton is absent.
+        from .sgmv_expand import sgmv_expand
+        from .sgmv_shrink import sgmv_shrink
+
+        self._shrink, self._expand, self.split_k = sgmv_shrink, sgmv_expand, split_k
+
+    def apply(self, x, y, a_pool, b_pool, out_offsets, meta) -> None:
+        _check_tokens(x, y, meta)
+        if meta.num_rows == 0:
+            return
+        index = (meta.seg_indptr, meta.row_indptr, meta.row_ids)
+        v = self._shrink(
+            x, a_pool, *index, meta.row_scales, meta.max_rows,
+            max_seg_len=meta.max_seg_len, split_k=self.split_k,
+        )  # fmt: skip
+        self._expand(v, b_pool, out_offsets, *index, y, max_seg_len=meta.max_seg_len)
+
+
+def _check_tokens(x: torch.Tensor, y: torch.Tensor, meta: LoraBatchMeta) -> None:
+    if x.shape[0] != meta.num_tokens or y.shape[0] != meta.num_tokens:
+        raise ValueError(
+            f"x {tuple(x.shape)} and y {tuple(y.shape)} must have meta's {meta.num_tokens} tokens"
+        )
+
+
+LORA_BACKENDS: dict[str, type[LoraBackend]] = {
+    TorchLoraBackend.name: TorchLoraBackend,
+    TritonLoraBackend.name: TritonLoraBackend,
+}
+
+
+def make_lora_backend(name: str, device: torch.device | str) -> LoraBackend:
+    """The backend called `name`; "auto" is triton on CUDA, torch elsewhere."""
+    if name == "auto":
+        name = "triton" if torch.device(device).type == "cuda" else "torch"
+    if name not in LORA_BACKENDS:
+        raise ValueError(f"unknown LoRA backend {name!r}; choose auto or {sorted(LORA_BACKENDS)}")
+    return LORA_BACKENDS[name]()

@@ -1,0 +1,322 @@
+"""SGMV microbenchmark: LoRA deltas of one Llama-3-8B layer (7 projections, fused as qkv, o,
+gate_up, down) for a decode batch, against the adapter-bytes floor and naive baselines.
+
+    python scripts/bench_sgmv.py            # H200: full shapes, bf16
+    python scripts/bench_sgmv.py --smoke    # CPU: tiny shapes under TRITON_INTERPRET=1
+
+Each variant is checked against TorchLoraBackend (fp32 math) before it is timed. Writes
+$OUT/bench_sgmv.json when OUT is set; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `kernels` without installing
+from kernels.lora_ops import (  # noqa: E402
+    LoraBackend,
+    LoraBatchMeta,
+    TorchLoraBackend,
+    TritonLoraBackend,
+)
+from kernels.sgmv_expand import sgmv_expand  # noqa: E402
+from kernels.sgmv_shrink import sgmv_shrink  # noqa: E402
+
+HBM_BYTES_PER_S = 4.24e12  # measured device-to-device copy on the H200
+MAX_REL_ERR = 2e-2
+SPARE_ROWS = 32
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    hidden: int
+    intermediate: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+    def projections(self) -> list[tuple[str, int, list[int]]]:
+        """(name, in_dim, slice widths) of the fused projections."""
+        q, kv = self.n_q_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return [
+            ("qkv", self.hidden, [q, kv, kv]),
+            ("o", q, [self.hidden]),
+            ("gate_up", self.hidden, [self.intermediate, self.intermediate]),
+            ("down", self.intermediate, [self.hidden]),
+        ]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    shape: LayerShape
+    tokens: int
+    rank: int
+    stack_k: int
+    dtype: torch.dtype
+    device: str
+    split_sweep: tuple[int, ...]
+
+
+FULL = BenchConfig(LayerShape(4096, 14336, 32, 8, 128), 64, 16, 5, torch.bfloat16, "cuda",
+                   (1, 2, 4, 8, 16))  # fmt: skip
+SMOKE = BenchConfig(LayerShape(64, 96, 4, 2, 16), 6, 4, 3, torch.bfloat16, "cpu", (1, 2))
+
+
+@dataclass
+class Projection:
+    name: str
+    x: torch.Tensor  # [T, in_dim]
+    a_pool: torch.Tensor  # [n_slices, num_rows, in_dim]
+    b_pool: torch.Tensor  # [num_rows, out_total]
+    out_offsets: list[int]
+
+    def adapter_bytes(self, rows: int) -> int:
+        """Bytes of `rows` adapter rows of A (every slice) and B."""
+        n_slices, _, in_dim = self.a_pool.shape
+        return rows * (n_slices * in_dim + self.b_pool.shape[1]) * self.a_pool.element_size()
+
+
+@dataclass
+class Result:
+    scenario: str
+    variant: str
+    eager_us: float
+    graph_us: float | None
+    bytes_read: int  # adapter rows (or base weights) the variant must read at least once
+    rel_err: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def floor_us(self) -> float:
+        return self.bytes_read / HBM_BYTES_PER_S * 1e6
+
+
+@dataclass
+class Scenario:
+    name: str
+    num_adapters: int
+    rank: int
+    # adapters (and weights) of each single-token segment
+    sets: list[list[tuple[int, float]]]
+
+
+def scenarios(cfg: BenchConfig) -> list[Scenario]:
+    t, k = cfg.tokens, cfg.stack_k
+    weights = [0.2 + 0.8 * i / max(k - 1, 1) for i in range(k)]
+    return [
+        Scenario(f"distinct r{cfg.rank}", t, cfg.rank, [[(i, 1.0)] for i in range(t)]),
+        Scenario(f"identical r{cfg.rank}", t, cfg.rank, [[(0, 1.0)] for _ in range(t)]),
+        Scenario(f"stack k={k} r{cfg.rank}", t * k, cfg.rank,
+                 [[(i * k + j, weights[j]) for j in range(k)] for i in range(t)]),
+        Scenario(f"single r{cfg.rank * k}", t, cfg.rank * k, [[(i, 1.0)] for i in range(t)]),
+    ]  # fmt: skip
+
+
+def scattered_rows(num_adapters: int, rank: int, gen: torch.Generator) -> list[list[int]]:
+    """Pool rows of each adapter, scattered as a paged pool leaves them; the pool has
+    num_adapters * rank + SPARE_ROWS rows."""
+    perm = torch.randperm(num_adapters * rank + SPARE_ROWS, generator=gen).tolist()
+    return [perm[i * rank : (i + 1) * rank] for i in range(num_adapters)]
+
+
+def build_projections(cfg: BenchConfig, num_rows: int) -> list[Projection]:
+    gen = torch.Generator(cfg.device).manual_seed(0)
+
+    def randn(*shape: int, std: float = 1.0) -> torch.Tensor:
+        t = torch.randn(*shape, generator=gen, device=cfg.device, dtype=torch.float32)
+        return (t * std).to(cfg.dtype)
+
+    projs = []
+    for name, in_dim, widths in cfg.shape.projections():
+        a = randn(len(widths), num_rows, in_dim, std=in_dim**-0.5)
+        b = randn(num_rows, sum(widths), std=1 / 8)
+        offsets = [sum(widths[:i]) for i in range(len(widths) + 1)]
+        projs.append(Projection(name, randn(cfg.tokens, in_dim), a, b, offsets))
+    return projs
+
+
+def seg_rows_of(sc: Scenario, adapter_rows: list[list[int]]) -> list[list[int]]:
+    return [[r for a, _ in s for r in adapter_rows[a]] for s in sc.sets]
+
+
+def build_meta(sc: Scenario, adapter_rows: list[list[int]], device: str) -> LoraBatchMeta:
+    seg_scales = [[w for a, w in s for _ in adapter_rows[a]] for s in sc.sets]
+    seg_lens = [1] * len(sc.sets)
+    return LoraBatchMeta.from_segments(seg_lens, seg_rows_of(sc, adapter_rows), seg_scales, device)
+
+
+def layer_fn(backend: LoraBackend, projs, ys, meta) -> Callable[[], None]:
+    def run() -> None:
+        for p, y in zip(projs, ys, strict=True):
+            backend.apply(p.x, y, p.a_pool, p.b_pool, p.out_offsets, meta)
+
+    return run
+
+
+class NaiveBmmBackend(LoraBackend):
+    """Per-token gather of its adapter rows + torch.bmm (the baseline to beat); needs every
+    segment to be one token with the same number of rows."""
+
+    name = "naive-bmm"
+
+    def apply(self, x, y, a_pool, b_pool, out_offsets, meta) -> None:
+        rows = meta.row_ids.long().view(meta.num_tokens, -1)  # [T, R]
+        scales = meta.row_scales.view(meta.num_tokens, -1, 1).to(x.dtype)
+        a_tok = a_pool[:, rows].flatten(0, 1)  # [n_slices * T, R, in_dim]
+        x_rep = x.repeat(a_pool.shape[0], 1).unsqueeze(-1)  # [n_slices * T, in_dim, 1]
+        v = torch.bmm(a_tok, x_rep).view(a_pool.shape[0], meta.num_tokens, -1, 1) * scales
+        b_tok = b_pool[rows]  # [T, R, out_total]
+        for i in range(a_pool.shape[0]):
+            cols = slice(out_offsets[i], out_offsets[i + 1])
+            y[:, cols] += torch.bmm(v[i].transpose(1, 2), b_tok[:, :, cols]).squeeze(1)
+
+
+def max_rel_err(backend: LoraBackend, projs, meta) -> float:
+    worst = 0.0
+    for p in projs:
+        y = torch.zeros(p.x.shape[0], p.out_offsets[-1], dtype=p.x.dtype, device=p.x.device)
+        ref = torch.zeros_like(y, dtype=torch.float32)
+        backend.apply(p.x, y, p.a_pool, p.b_pool, p.out_offsets, meta)
+        TorchLoraBackend().apply(p.x, ref, p.a_pool, p.b_pool, p.out_offsets, meta)
+        err = (y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)
+        worst = max(worst, err.item())
+    return worst
+
+
+def time_us(fn: Callable[[], None], device: str) -> tuple[float, float | None]:
+    """(eager median, CUDA-graph median) in microseconds; CPU: median of 2 wall-clock runs."""
+    if device != "cuda":
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(times), None
+    eager = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+    try:
+        graph = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3
+    except RuntimeError:
+        graph = None
+    return eager, graph
+
+
+def bench_variant(scenario, variant, backend, projs, meta, bytes_read, device) -> Result:
+    err = max_rel_err(backend, projs, meta)
+    if err > MAX_REL_ERR:  # wrong results are not timed
+        return Result(scenario, variant, math.nan, None, bytes_read, err)
+    ys = [torch.zeros(p.x.shape[0], p.out_offsets[-1], dtype=p.x.dtype, device=device)
+          for p in projs]  # fmt: skip
+    eager, graph = time_us(layer_fn(backend, projs, ys, meta), device)
+    return Result(scenario, variant, eager, graph, bytes_read, err)
+
+
+def bench_scenario(cfg: BenchConfig, sc: Scenario, sweep: bool) -> list[Result]:
+    gen = torch.Generator().manual_seed(0)
+    adapter_rows = scattered_rows(sc.num_adapters, sc.rank, gen)
+    projs = build_projections(cfg, sc.num_adapters * sc.rank + SPARE_ROWS)
+    meta = build_meta(sc, adapter_rows, cfg.device)
+    distinct_rows = len({r for rows in seg_rows_of(sc, adapter_rows) for r in rows})
+    bytes_read = sum(p.adapter_bytes(distinct_rows) for p in projs)
+    variants: list[tuple[str, LoraBackend]] = [("sgmv", TritonLoraBackend())]
+    if sweep:
+        variants += [(f"sgmv split_k={s}", TritonLoraBackend(s)) for s in cfg.split_sweep]
+    variants += [("naive gather+bmm", NaiveBmmBackend()), ("torch masked", TorchLoraBackend())]
+    run = [bench_variant(sc.name, v, b, projs, meta, bytes_read, cfg.device) for v, b in variants]
+    if sweep:
+        run[0].extra = per_kernel_breakdown(projs, meta, cfg.device)
+    return run
+
+
+def per_kernel_breakdown(projs, meta, device: str) -> dict[str, float]:
+    """Eager microseconds of shrink and expand per projection (default split_k)."""
+    index = (meta.seg_indptr, meta.row_indptr, meta.row_ids)
+    seg_len = {"max_seg_len": meta.max_seg_len}
+    out: dict[str, float] = {}
+    for p in projs:
+        y = torch.zeros(p.x.shape[0], p.out_offsets[-1], dtype=p.x.dtype, device=device)
+        shrink = (p.x, p.a_pool, *index, meta.row_scales, meta.max_rows)
+        v = sgmv_shrink(*shrink, **seg_len)
+        expand = (v, p.b_pool, p.out_offsets, *index, y)
+        out[f"{p.name}.shrink"] = time_us(lambda a=shrink: sgmv_shrink(*a, **seg_len), device)[0]
+        out[f"{p.name}.expand"] = time_us(lambda a=expand: sgmv_expand(*a, **seg_len), device)[0]
+    return out
+
+
+def bench_base_gemms(cfg: BenchConfig) -> Result:
+    """The layer's 7 base GEMMs (fused as 4), for scale: what the LoRA deltas add to."""
+    to = {"dtype": cfg.dtype, "device": cfg.device}
+    mats = [(torch.randn(cfg.tokens, i, **to), torch.randn(sum(w), i, **to) * i**-0.5)
+            for _, i, w in cfg.shape.projections()]  # fmt: skip
+    weight_bytes = sum(w.numel() * w.element_size() for _, w in mats)
+    eager, graph = time_us(lambda: [x @ w.T for x, w in mats], cfg.device)
+    return Result("base", "7 base GEMMs", eager, graph, weight_bytes)
+
+
+def format_table(results: list[Result]) -> str:
+    head = f"{'scenario':<16} {'variant':<20} {'eager us':>9} {'graph us':>9} {'MB read':>8} "
+    lines = [head + f"{'floor us':>9} {'x floor':>8} {'rel err':>8}"]
+    for r in results:
+        best = min(t for t in (r.eager_us, r.graph_us) if t is not None)
+        graph = f"{r.graph_us:9.1f}" if r.graph_us is not None else f"{'-':>9}"
+        err = f"{r.rel_err:8.1e}" if r.rel_err is not None else f"{'-':>8}"
+        lines.append(f"{r.scenario:<16} {r.variant:<20} {r.eager_us:9.1f} {graph} "
+                     f"{r.bytes_read / 1e6:8.2f} {r.floor_us:9.2f} {best / r.floor_us:8.2f} "
+                     f"{err}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def stack_ratio(results: list[Result], cfg: BenchConfig) -> float:
+    def best(scenario: str) -> float:
+        r = next(r for r in results if r.scenario == scenario and r.variant == "sgmv")
+        return r.graph_us if r.graph_us is not None else r.eager_us
+
+    return best(f"stack k={cfg.stack_k} r{cfg.rank}") / best(f"single r{cfg.rank * cfg.stack_k}")
+
+
+def environment(cfg: BenchConfig) -> dict:
+    env = {"torch": torch.__version__, "triton": triton.__version__, "device": cfg.device}
+    if cfg.device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter)")
+    cfg = SMOKE if parser.parse_args().smoke else FULL
+    results = [bench_base_gemms(cfg)]
+    for i, sc in enumerate(scenarios(cfg)):
+        results += bench_scenario(cfg, sc, sweep=i == 0)
+    ratio = stack_ratio(results, cfg)
+    if out_dir := os.environ.get("OUT"):
+        payload = {"config": {**asdict(cfg), "dtype": str(cfg.dtype)}, "env": environment(cfg),
+                   "hbm_bytes_per_s": HBM_BYTES_PER_S, "stack_ratio": ratio,
+                   "results": [{**asdict(r), "floor_us": r.floor_us} for r in results]}  # fmt: skip
+        Path(out_dir, "bench_sgmv.json").write_text(json.dumps(payload, indent=2))
+    kernels = ", ".join(f"{k} {v:.1f}" for k, v in results[1].extra.items())
+    print(f"per kernel, {results[1].scenario}, eager us: {kernels}")
+    print(f"stack k={cfg.stack_k} r{cfg.rank} / single r{cfg.rank * cfg.stack_k}: {ratio:.3f} "
+          "(target within 10%)")  # fmt: skip
+    print(format_table(results))
+    failed = [f"{r.scenario} / {r.variant}" for r in results if math.isnan(r.eager_us)]
+    if failed:
+        raise SystemExit(f"rel err > {MAX_REL_ERR}, not timed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

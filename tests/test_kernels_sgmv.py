@@ -1,0 +1,316 @@
+"""SGMV shrink/expand and the LoRA backends against a pure-torch loop reference (M6).
+
+The Triton kernels run under TRITON_INTERPRET=1 on the CPU; shapes stay tiny.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: before any import
+
+import random  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from radixlora.kernels.lora_ops import (  # noqa: E402
+    LoraBatchMeta,
+    TorchLoraBackend,
+    TritonLoraBackend,
+    make_lora_backend,
+)
+from radixlora.kernels.sgmv_expand import sgmv_expand, sgmv_expand_ref  # noqa: E402
+from radixlora.kernels.sgmv_shrink import sgmv_shrink, sgmv_shrink_ref  # noqa: E402
+
+RANKS = [4, 8, 16, 32, 64, 12, 4, 8, 16, 24]
+SLICE_WIDTHS = {1: [96], 2: [48, 32], 3: [40, 16, 24]}  # q/k/v unequal, as under GQA
+
+
+def loop_ref(x, y, a_pool, b_pool, out_offsets, seg_lens, seg_rows, seg_scales) -> None:
+    """The semantics, straight from python lists (independent of LoraBatchMeta)."""
+    t0, off = 0, out_offsets
+    for n, rows, scales in zip(seg_lens, seg_rows, seg_scales, strict=True):
+        t1 = t0 + n
+        if rows:
+            idx, sc = torch.tensor(rows), torch.tensor(scales, dtype=torch.float32)
+            for i in range(a_pool.shape[0]):
+                v = (x[t0:t1].float() @ a_pool[i, idx].float().T) * sc
+                delta = v @ b_pool[idx, off[i] : off[i + 1]].float()
+                y[t0:t1, off[i] : off[i + 1]] += delta.to(y.dtype)
+        t0 = t1
+
+
+@dataclass
+class Pool:
+    a: torch.Tensor  # [n_slices, num_rows, in_dim]
+    b: torch.Tensor  # [num_rows, out_total]
+    out_offsets: list[int]
+    adapter_rows: list[list[int]]  # rows of each adapter: scattered, in no order
+
+
+def make_pool(ranks, widths, in_dim, dtype=torch.float32, seed=0) -> Pool:
+    g = torch.Generator().manual_seed(seed)
+    spare = 7  # rows nobody owns, filled with data a wrong gather would pick up
+    perm = torch.randperm(sum(ranks) + spare, generator=g).tolist()
+    adapter_rows, start = [], 0
+    for r in ranks:
+        adapter_rows.append(perm[start : start + r])
+        start += r
+    num_rows, out_total = len(perm), sum(widths)
+    a = torch.randn(len(widths), num_rows, in_dim, generator=g) / in_dim**0.5
+    b = torch.randn(num_rows, out_total, generator=g) / 4
+    offsets = [sum(widths[:i]) for i in range(len(widths) + 1)]
+    return Pool(a.to(dtype), b.to(dtype), offsets, adapter_rows)
+
+
+def stack_rows(pool: Pool, adapter_sets):
+    """adapter_sets: per segment, [(adapter, weight), ...] -> seg_rows, seg_scales."""
+    seg_rows = [[r for a, _ in aset for r in pool.adapter_rows[a]] for aset in adapter_sets]
+    seg_scales = [[w for a, w in aset for _ in pool.adapter_rows[a]] for aset in adapter_sets]
+    return seg_rows, seg_scales
+
+
+def _single(adapters):
+    return [[(a, 1.0)] if a is not None else [] for a in adapters]
+
+
+def scenario(name: str, n_adapters: int):
+    """(seg_lens, adapter_sets) for one batch shape x adapter popularity pattern."""
+    rng = random.Random(name)
+    if name == "decode_distinct":
+        return [1] * 10, _single(range(10))
+    if name == "decode_identical":
+        return [1] * 9, _single([3] * 9)
+    if name == "skewed":  # one long prefill + many decodes, zipf-like popularity, some base-only
+        adapters = [0 if rng.random() < 0.6 else rng.choice([None, 1, 4, 7]) for _ in range(13)]
+        return [24] + [1] * 12, _single(adapters)
+    if name == "no_adapter_mix":  # includes an empty segment that has an adapter
+        return [3, 1, 0, 5, 1, 2], _single([None, 2, 5, None, 4, None])
+    if name == "stacks":  # k = 1..8 adapters per segment, weights != 1
+        lens = [2, 1, 4, 1, 1, 3, 1, 2]
+        sets = [
+            [(a, rng.uniform(-1.5, 1.5)) for a in rng.sample(range(n_adapters), k)]
+            for k in range(1, 9)
+        ]
+        return lens, sets
+    if name == "prefill_mixed":
+        return [7, 13, 9, 1], _single([5, 0, 5, 9])
+    raise KeyError(name)
+
+
+SCENARIOS = ["decode_distinct", "decode_identical", "skewed", "no_adapter_mix", "stacks"]
+SCENARIOS += ["prefill_mixed"]
+
+
+def build_case(name, n_slices, in_dim=48, dtype=torch.float32, seed=0):
+    pool = make_pool(RANKS, SLICE_WIDTHS[n_slices], in_dim, dtype, seed)
+    seg_lens, sets = scenario(name, len(RANKS))
+    seg_rows, seg_scales = stack_rows(pool, sets)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(sum(seg_lens), in_dim, generator=g).to(dtype)
+    y0 = torch.randn(sum(seg_lens), pool.out_offsets[-1], generator=g).to(dtype)
+    return pool, x, y0, (seg_lens, seg_rows, seg_scales)
+
+
+def expected(pool, x, y0, segs) -> torch.Tensor:
+    y = y0.float().clone()
+    loop_ref(x, y, pool.a, pool.b, pool.out_offsets, *segs)
+    return y
+
+
+def run_backend(backend, pool, x, y0, segs) -> torch.Tensor:
+    y = y0.clone()
+    meta = LoraBatchMeta.from_segments(*segs, device="cpu")
+    backend.apply(x, y, pool.a, pool.b, pool.out_offsets, meta)
+    return y
+
+
+@pytest.mark.parametrize("n_slices", [1, 2, 3])
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_triton_backend_matches_loop_reference(name, n_slices):
+    pool, x, y0, segs = build_case(name, n_slices, in_dim=48 if n_slices != 2 else 64)
+    y = run_backend(TritonLoraBackend(split_k=2), pool, x, y0, segs)
+    torch.testing.assert_close(y, expected(pool, x, y0, segs), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n_slices", [1, 2, 3])
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_torch_backend_matches_loop_reference(name, n_slices):
+    pool, x, y0, segs = build_case(name, n_slices)
+    y = run_backend(TorchLoraBackend(), pool, x, y0, segs)
+    torch.testing.assert_close(y, expected(pool, x, y0, segs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_split_k_variants_agree(split_k):
+    pool, x, y0, segs = build_case("stacks", 2, in_dim=64)
+    y = run_backend(TritonLoraBackend(split_k=split_k), pool, x, y0, segs)
+    torch.testing.assert_close(y, expected(pool, x, y0, segs), rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_matches_fp32_reference():
+    pool, x, y0, segs = build_case("skewed", 3, dtype=torch.bfloat16)
+    y = run_backend(TritonLoraBackend(), pool, x, y0, segs)
+    ref = expected(pool, x, y0, segs)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=3e-2)
+
+
+def _meta_args(meta: LoraBatchMeta):
+    return meta.seg_indptr, meta.row_indptr, meta.row_ids
+
+
+def test_shrink_writes_zeros_outside_rows_and_overwrites_out():
+    pool, x, _, segs = build_case("no_adapter_mix", 3)
+    meta = LoraBatchMeta.from_segments(*segs, device="cpu")
+    args = (*_meta_args(meta), meta.row_scales, meta.max_rows)
+    out = torch.full((3, x.shape[0], meta.max_rows), 7.0)
+    v = sgmv_shrink(x, pool.a, *args, out=out, split_k=2)
+    assert v is out
+    torch.testing.assert_close(v, sgmv_shrink_ref(x, pool.a, *args), rtol=1e-5, atol=1e-5)
+    assert v[:, :3].abs().max() == 0  # first segment has no adapter
+
+
+def test_expand_leaves_base_only_tokens_bitwise_untouched():
+    pool, x, y0, segs = build_case("no_adapter_mix", 2)
+    meta = LoraBatchMeta.from_segments(*segs, device="cpu")
+    v = torch.randn(2, x.shape[0], meta.max_rows)
+    y = y0.clone()
+    sgmv_expand(v, pool.b, pool.out_offsets, *_meta_args(meta), y)
+    y_ref = y0.clone()
+    sgmv_expand_ref(v, pool.b, pool.out_offsets, *_meta_args(meta), y_ref)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    base_only = (meta.token_seg == 0) | (meta.token_seg == 3) | (meta.token_seg == 5)
+    assert torch.equal(y[base_only], y0[base_only])
+
+
+def test_kernels_accept_strided_pools():
+    pool, x, y0, segs = build_case("decode_distinct", 2)
+    wide_b = torch.randn(pool.b.shape[0], pool.b.shape[1] + 5)
+    wide_b[:, 3 : 3 + pool.b.shape[1]] = pool.b
+    a_t = pool.a.transpose(1, 2).contiguous().transpose(1, 2)  # in_dim not the last stride
+    strided = Pool(a_t, wide_b[:, 3 : 3 + pool.b.shape[1]], pool.out_offsets, pool.adapter_rows)
+    y = run_backend(TritonLoraBackend(split_k=2), strided, x, y0, segs)
+    torch.testing.assert_close(y, expected(pool, x, y0, segs), rtol=1e-4, atol=1e-4)
+
+
+def test_reference_kernels_match_loop_reference():
+    pool, x, y0, segs = build_case("stacks", 3)
+    meta = LoraBatchMeta.from_segments(*segs, device="cpu")
+    args = _meta_args(meta)
+    v = sgmv_shrink_ref(x, pool.a, *args, meta.row_scales, meta.max_rows)
+    y = y0.clone()
+    sgmv_expand_ref(v, pool.b, pool.out_offsets, *args, y)
+    torch.testing.assert_close(y, expected(pool, x, y0, segs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", [TorchLoraBackend(), TritonLoraBackend()])
+def test_batch_without_rows_is_a_no_op(backend):
+    pool, x, y0, _ = build_case("decode_distinct", 3)
+    segs = ([4, 0, 6], [[], [], []], [[], [], []])
+    y = run_backend(backend, pool, x[:10], y0[:10], segs)
+    assert torch.equal(y, y0[:10])
+    meta = LoraBatchMeta.from_segments(*segs, device="cpu")
+    v = sgmv_shrink(x[:10], pool.a, *_meta_args(meta), meta.row_scales, meta.max_rows)
+    assert v.shape == (3, 10, 0)
+
+
+def test_from_segments_derives_indices():
+    meta = LoraBatchMeta.from_segments([2, 0, 3], [[5, 1], [9], []], [[1.0, 1.0], [0.5], []], "cpu")
+    assert meta.seg_indptr.tolist() == [0, 2, 2, 5]
+    assert meta.row_indptr.tolist() == [0, 2, 3, 3]
+    assert meta.row_ids.tolist() == [5, 1, 9]
+    assert meta.token_seg.tolist() == [0, 0, 2, 2, 2]
+    assert meta.row_seg.tolist() == [0, 0, 1]
+    assert (meta.max_rows, meta.max_seg_len, meta.num_tokens, meta.num_rows) == (2, 3, 5, 3)
+    assert meta.seg_indptr.dtype == meta.row_ids.dtype == torch.int32
+    assert meta.row_scales.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "segs",
+    [
+        ([1, 2], [[0]], [[1.0]]),
+        ([1], [[0, 1]], [[1.0]]),
+        ([-1], [[0]], [[1.0]]),
+        ([1], [[-3]], [[1.0]]),
+    ],
+)
+def test_from_segments_rejects_inconsistent_lists(segs):
+    with pytest.raises(ValueError):
+        LoraBatchMeta.from_segments(*segs, device="cpu")
+
+
+def _shrink_call(**bad):
+    pool, x, _, segs = build_case("decode_distinct", 3)
+    meta = LoraBatchMeta.from_segments(*segs, device="cpu")
+    kwargs = dict(
+        x=x, a_pool=pool.a, seg_indptr=meta.seg_indptr, row_indptr=meta.row_indptr,
+        row_ids=meta.row_ids, row_scales=meta.row_scales, max_rows=meta.max_rows,
+        split_k=None, out=None,
+    )  # fmt: skip
+    kwargs.update({k: f(kwargs[k]) if callable(f) else f for k, f in bad.items()})
+    return lambda: sgmv_shrink(**kwargs)
+
+
+SHRINK_BAD = {
+    "in_dim": {"x": lambda x: x[:, :-1]},
+    "dtype": {"x": lambda x: x.double()},
+    "a_pool_2d": {"a_pool": lambda a: a[0]},
+    "row_ids_int64": {"row_ids": lambda r: r.long()},
+    "scales_len": {"row_scales": lambda s: s[:-1]},
+    "indptr_len": {"row_indptr": lambda r: r[:-1]},
+    "negative_max_rows": {"max_rows": -1},
+    "split_k_zero": {"split_k": 0},
+    "out_shape": {"out": torch.zeros(3, 1, 1)},
+}
+
+
+@pytest.mark.parametrize("case", sorted(SHRINK_BAD))
+def test_shrink_rejects_bad_arguments(case):
+    with pytest.raises(ValueError):
+        _shrink_call(**SHRINK_BAD[case])()
+
+
+def _expand_call(**bad):
+    pool, x, y0, segs = build_case("decode_distinct", 3)
+    meta = LoraBatchMeta.from_segments(*segs, device="cpu")
+    kwargs = dict(
+        v=torch.zeros(3, x.shape[0], meta.max_rows), b_pool=pool.b, out_offsets=pool.out_offsets,
+        seg_indptr=meta.seg_indptr, row_indptr=meta.row_indptr, row_ids=meta.row_ids, y=y0,
+    )  # fmt: skip
+    kwargs.update({k: f(kwargs[k]) for k, f in bad.items()})
+    return lambda: sgmv_expand(**kwargs)
+
+
+EXPAND_BAD = {
+    "v_dtype": {"v": lambda v: v.half()},
+    "v_tokens": {"v": lambda v: v[:, :-1]},
+    "y_width": {"y": lambda y: y[:, :-1]},
+    "b_pool_3d": {"b_pool": lambda b: b[None]},
+    "offsets_end": {"out_offsets": lambda o: [*o[:-1], o[-1] - 1]},
+    "offsets_count": {"out_offsets": lambda o: o[:-1]},
+    "offsets_decreasing": {"out_offsets": lambda o: [0, o[2], o[1], o[3]]},
+    "four_slices": {
+        "v": lambda v: torch.zeros(4, *v.shape[1:]),
+        "out_offsets": lambda o: [0, 1, 2, 3, o[-1]],
+    },
+    "seg_indptr_dtype": {"seg_indptr": lambda s: s.float()},
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXPAND_BAD))
+def test_expand_rejects_bad_arguments(case):
+    with pytest.raises(ValueError):
+        _expand_call(**EXPAND_BAD[case])()
+
+
+def test_backend_rejects_token_count_mismatch_and_unknown_name():
+    pool, x, y0, segs = build_case("decode_distinct", 1)
+    meta = LoraBatchMeta.from_segments(*segs, device="cpu")
+    with pytest.raises(ValueError):
+        TorchLoraBackend().apply(x[:-1], y0[:-1], pool.a, pool.b, pool.out_offsets, meta)
+    with pytest.raises(ValueError):
+        make_lora_backend("cutlass", "cpu")
+    assert make_lora_backend("auto", "cpu").name == "torch"
