@@ -1,0 +1,215 @@
+"""PEFT LoRA adapters: read, validate and hash an `adapter_config.json` +
+`adapter_model.safetensors` directory into host tensors ready for the paged adapter pool.
+Every failure is an AdapterError naming the adapter and the reason; nothing is ever unpickled."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+
+from radixlora.config import ModelConfig
+from radixlora.errors import AdapterError
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MODULE_GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+GROUP_OF = {m: g for g, mods in MODULE_GROUPS.items() for m in mods}
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))"
+    r"\.lora_(A|B)(?:\.[^.]+)?\.weight$"
+)
+MAX_ADAPTER_BYTES = 8 << 30
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One validated adapter version. `content_hash` (sha256 of config + tensors) is its identity:
+    the same name re-published with other weights is a different adapter."""
+
+    name: str
+    path: str
+    content_hash: str
+    rank: int
+    group_ranks: dict[str, int]
+    # (layer, module) -> (A [r, in] fp32, B [out, r] fp32 with alpha/r folded in)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def adapter_id(self) -> str:
+        return self.content_hash
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() + b.numel() for a, b in self.weights.values()) * 4
+
+
+def load_adapter(name: str, path: str | Path, model: ModelConfig, max_rank: int) -> LoraAdapter:
+    path = Path(path)
+    config_bytes, tensor_bytes = _read_files(name, path)
+    config = _parse_config(name, config_bytes)
+    tensors = _parse_tensors(name, tensor_bytes)
+    weights = _build_weights(name, config, tensors, model, max_rank)
+    group_ranks: dict[str, int] = {}
+    for (_, module), (a, _) in weights.items():
+        group = GROUP_OF[module]
+        group_ranks[group] = max(group_ranks.get(group, 0), a.shape[0])
+    digest = hashlib.sha256(config_bytes + b"\0" + tensor_bytes).hexdigest()
+    return LoraAdapter(name, str(path), digest, max(group_ranks.values()), group_ranks, weights)
+
+
+def _read_files(name: str, path: Path) -> tuple[bytes, bytes]:
+    if not path.is_dir():
+        raise AdapterError(name, f"directory {path} does not exist")
+    config_path = path / "adapter_config.json"
+    tensor_path = path / "adapter_model.safetensors"
+    if not config_path.is_file():
+        raise AdapterError(name, f"no adapter_config.json in {path}")
+    if not tensor_path.is_file():
+        if (path / "adapter_model.bin").exists():
+            raise AdapterError(
+                name,
+                "only a pickle adapter_model.bin was found; radixlora never "
+                "unpickles: convert it to adapter_model.safetensors",
+            )
+        raise AdapterError(name, f"no adapter_model.safetensors in {path}")
+    if tensor_path.stat().st_size > MAX_ADAPTER_BYTES:
+        raise AdapterError(name, "adapter_model.safetensors is larger than 8 GiB")
+    return config_path.read_bytes(), tensor_path.read_bytes()
+
+
+def _parse_config(name: str, raw: bytes) -> dict:
+    try:
+        config = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterError(name, f"adapter_config.json is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise AdapterError(name, "adapter_config.json must hold a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(
+            name, f"peft_type {config.get('peft_type')!r} is not supported (LORA only)"
+        )
+    unsupported = {
+        "use_dora": "DoRA adapters",
+        "modules_to_save": "modules_to_save",
+        "fan_in_fan_out": "fan_in_fan_out",
+        "trainable_token_indices": "trainable tokens",
+    }
+    for key, what in unsupported.items():
+        if config.get(key):
+            raise AdapterError(name, f"{what} are not supported", code="unsupported_adapter")
+    if config.get("bias", "none") != "none":
+        raise AdapterError(
+            name,
+            f"bias={config['bias']!r} is not supported (only 'none')",
+            code="unsupported_adapter",
+        )
+    return config
+
+
+def _parse_tensors(name: str, raw: bytes) -> dict[str, torch.Tensor]:
+    if not raw:
+        raise AdapterError(name, "adapter_model.safetensors is empty")
+    try:
+        return load_safetensors(raw)
+    except (SafetensorError, ValueError, RuntimeError, OverflowError) as e:
+        raise AdapterError(name, f"adapter_model.safetensors is corrupted: {e}") from e
+
+
+def _build_weights(name, config, tensors, model: ModelConfig, max_rank):
+    pairs = _pair_tensors(name, tensors, model)
+    layers = _layers_to_transform(config)
+    weights = {}
+    for (layer, module, key), (a, b) in sorted(pairs.items()):
+        if layers is not None and layer not in layers:
+            raise AdapterError(name, f"{key} is outside layers_to_transform")
+        rank, alpha = _rank_alpha(config, key)
+        _check_shapes(name, key, a, b, rank, model.module_shape(module), max_rank)
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        a, b = a.float(), b.float() * scale
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterError(name, f"{key} holds NaN or infinite values")
+        weights[(layer, module)] = (a.contiguous(), b.contiguous())
+    if not weights:
+        raise AdapterError(name, "adapter_model.safetensors holds no LoRA weights")
+    return weights
+
+
+def _pair_tensors(name, tensors, model: ModelConfig):
+    halves: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
+    for tensor_name, tensor in tensors.items():
+        match = _KEY.match(tensor_name)
+        if "lora_magnitude_vector" in tensor_name:
+            raise AdapterError(name, "DoRA adapters are not supported", code="unsupported_adapter")
+        if match is None:
+            raise AdapterError(
+                name,
+                f"tensor {tensor_name!r} is not a LoRA weight of a "
+                f"{'/'.join(LORA_MODULES)} projection of this base model",
+            )
+        key, layer, module, side = (
+            match.group(1),
+            int(match.group(2)),
+            match.group(3),
+            match.group(4),
+        )
+        if module not in LORA_MODULES:
+            raise AdapterError(
+                name,
+                f"target module {module!r} is not supported; supported: {', '.join(LORA_MODULES)}",
+            )
+        if layer >= model.num_layers:
+            raise AdapterError(name, f"{key}: the base model has {model.num_layers} layers")
+        halves.setdefault((layer, module, key), {})[side] = tensor
+    for (_, _, key), pair in halves.items():
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(name, f"{key} has lora_{'A' if 'A' not in pair else 'B'} missing")
+    return {k: (v["A"], v["B"]) for k, v in halves.items()}
+
+
+def _layers_to_transform(config: dict) -> set[int] | None:
+    layers = config.get("layers_to_transform")
+    if layers is None:
+        return None
+    return {layers} if isinstance(layers, int) else set(layers)
+
+
+def _rank_alpha(config: dict, key: str) -> tuple[int, float]:
+    """PEFT's rule: the first pattern key matching the end of the module path wins."""
+    rank = _pattern_value(config.get("rank_pattern") or {}, key, config.get("r", 8))
+    alpha = _pattern_value(config.get("alpha_pattern") or {}, key, config.get("lora_alpha", 8))
+    return rank, alpha
+
+
+def _pattern_value(patterns: dict, key: str, default):
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", key):
+            return value
+    return default
+
+
+def _check_shapes(name, key, a, b, rank, shape, max_rank) -> None:
+    in_dim, out_dim = shape
+    if not isinstance(rank, int) or rank <= 0:
+        raise AdapterError(name, f"{key}: rank r={rank!r} must be a positive integer")
+    if rank > max_rank:
+        raise AdapterError(name, f"{key}: rank {rank} exceeds the server's max rank {max_rank}")
+    if a.dim() != 2 or b.dim() != 2:
+        raise AdapterError(name, f"{key}: LoRA weights must be 2-D")
+    if tuple(a.shape) != (rank, in_dim) or tuple(b.shape) != (out_dim, rank):
+        raise AdapterError(
+            name,
+            f"{key}: shape mismatch: lora_A {tuple(a.shape)} and lora_B "
+            f"{tuple(b.shape)}, expected ({rank}, {in_dim}) and ({out_dim}, {rank})",
+        )

@@ -1,0 +1,190 @@
+"""Paged adapter memory (S-LoRA style). For each (layer, module group) the worker holds
+  a_pool [n_slices, num_rows, in_dim] and b_pool [num_rows, out_total];
+an adapter of rank r takes r rank rows from a free list shared by all layers, so any mix of ranks
+fits without padding to a max rank and loads/unloads never fragment memory. The scheduler owns
+row bookkeeping (RowAllocator, AdapterResidency); the worker owns the tensors (AdapterPool)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from radixlora.config import ModelConfig
+from radixlora.kernels.lora_ops import LoraBatchMeta
+from radixlora.lora.adapter import GROUP_OF, MODULE_GROUPS, LoraAdapter
+
+
+def group_dims(cfg: ModelConfig, group: str) -> tuple[int, list[int]]:
+    """(in_dim, out_offsets) of a fused module group."""
+    modules = MODULE_GROUPS[group]
+    in_dim = cfg.module_shape(modules[0])[0]
+    offsets = [0]
+    for m in modules:
+        offsets.append(offsets[-1] + cfg.module_shape(m)[1])
+    return in_dim, offsets
+
+
+class AdapterPool:
+    """Device tensors of the paged adapter pool."""
+
+    def __init__(self, cfg: ModelConfig, num_rows: int, dtype: torch.dtype, device):
+        self.num_rows = num_rows
+        self.out_offsets = {g: group_dims(cfg, g)[1] for g in MODULE_GROUPS}
+        self.a: list[dict[str, torch.Tensor]] = []
+        self.b: list[dict[str, torch.Tensor]] = []
+        for _ in range(cfg.num_layers):
+            a_layer, b_layer = {}, {}
+            for group, modules in MODULE_GROUPS.items():
+                in_dim, offsets = group_dims(cfg, group)
+                a_layer[group] = torch.zeros(
+                    len(modules), num_rows, in_dim, dtype=dtype, device=device
+                )
+                b_layer[group] = torch.zeros(num_rows, offsets[-1], dtype=dtype, device=device)
+            self.a.append(a_layer)
+            self.b.append(b_layer)
+
+    @staticmethod
+    def bytes_per_row(cfg: ModelConfig, dtype: torch.dtype) -> int:
+        per_layer = 0
+        for group, modules in MODULE_GROUPS.items():
+            in_dim, offsets = group_dims(cfg, group)
+            per_layer += len(modules) * in_dim + offsets[-1]
+        return per_layer * cfg.num_layers * torch.finfo(dtype).bits // 8
+
+    def write(self, adapter: LoraAdapter, rows: np.ndarray) -> None:
+        """Copy an adapter's weights into `rows` (len == adapter.rank), zeroing what it lacks."""
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.a[0]["qkv"].device)
+        for layer_a, layer_b in zip(self.a, self.b):
+            for group in MODULE_GROUPS:
+                layer_a[group][:, idx] = 0
+                layer_b[group][idx] = 0
+        for (layer, module), (a, b) in adapter.weights.items():
+            group = GROUP_OF[module]
+            slot = MODULE_GROUPS[group].index(module)
+            lo, hi = self.out_offsets[group][slot], self.out_offsets[group][slot + 1]
+            r = a.shape[0]
+            dst_a = self.a[layer][group]
+            dst_a[slot, idx[:r]] = a.to(dst_a.device, dst_a.dtype, non_blocking=True)
+            dst_b = self.b[layer][group]
+            dst_b[idx[:r], lo:hi] = b.t().to(dst_b.device, dst_b.dtype, non_blocking=True)
+
+
+class RowAllocator:
+    def __init__(self, num_rows: int):
+        self.num_rows = num_rows
+        self._free = list(range(num_rows - 1, -1, -1))
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> np.ndarray:
+        if n > len(self._free):
+            raise MemoryError(f"adapter pool exhausted: need {n} rows, {len(self._free)} free")
+        return np.array([self._free.pop() for _ in range(n)], dtype=np.int32)
+
+    def free(self, rows: np.ndarray) -> None:
+        self._free.extend(int(r) for r in rows)
+
+
+@dataclass
+class ResidentAdapter:
+    adapter: LoraAdapter
+    rows: np.ndarray
+    refs: int = 0
+    pinned: bool = False
+
+
+class AdapterResidency:
+    """Which adapter occupies which pool rows, with reference counts and LRU eviction of
+    unreferenced adapters. Bookkeeping only: loads are returned for the worker to execute."""
+
+    def __init__(self, num_rows: int):
+        self.rows = RowAllocator(num_rows)
+        self.resident: OrderedDict[str, ResidentAdapter] = OrderedDict()
+
+    def is_resident(self, adapter_id: str) -> bool:
+        return adapter_id in self.resident
+
+    def rows_of(self, adapter_id: str) -> np.ndarray:
+        return self.resident[adapter_id].rows
+
+    def can_acquire(self, adapters: list[LoraAdapter]) -> bool:
+        missing = sum(a.rank for a in adapters if a.adapter_id not in self.resident)
+        protected = {a.adapter_id for a in adapters}
+        reclaimable = sum(
+            len(r.rows)
+            for k, r in self.resident.items()
+            if r.refs == 0 and not r.pinned and k not in protected
+        )
+        return missing <= self.rows.num_free() + reclaimable
+
+    def acquire(self, adapters: list[LoraAdapter]) -> list[tuple[LoraAdapter, np.ndarray]]:
+        """Take a reference on each adapter, making it resident; returns the loads to execute.
+        Call only after can_acquire() said yes."""
+        loads = []
+        protected = {a.adapter_id for a in adapters}
+        for adapter in adapters:
+            entry = self.resident.get(adapter.adapter_id)
+            if entry is None:
+                self._reclaim(adapter.rank, protected)
+                entry = ResidentAdapter(adapter, self.rows.alloc(adapter.rank))
+                self.resident[adapter.adapter_id] = entry
+                loads.append((adapter, entry.rows))
+            entry.refs += 1
+            self.resident.move_to_end(adapter.adapter_id)
+        return loads
+
+    def release(self, adapter_ids) -> None:
+        for adapter_id in adapter_ids:
+            entry = self.resident[adapter_id]
+            if entry.refs <= 0:
+                raise RuntimeError(f"adapter {adapter_id[:12]} released more often than acquired")
+            entry.refs -= 1
+
+    def refs(self, adapter_id: str) -> int:
+        entry = self.resident.get(adapter_id)
+        return entry.refs if entry else 0
+
+    def evict(self, adapter_id: str) -> bool:
+        """Drop an unreferenced adapter from the pool; False if it is in use."""
+        entry = self.resident.get(adapter_id)
+        if entry is None:
+            return True
+        if entry.refs > 0:
+            return False
+        self.rows.free(entry.rows)
+        del self.resident[adapter_id]
+        return True
+
+    def _reclaim(self, need: int, protected: set[str]) -> None:
+        for adapter_id in list(self.resident):
+            if self.rows.num_free() >= need:
+                return
+            entry = self.resident[adapter_id]
+            if entry.refs == 0 and not entry.pinned and adapter_id not in protected:
+                self.evict(adapter_id)
+
+
+class LoraContext:
+    """LoRA inputs of one forward batch: the pool, the backend, one metadata per module group
+    (None when no request of the batch uses that group, so its work is skipped, not zeroed)."""
+
+    def __init__(self, pool: AdapterPool, backend, metas: dict[str, LoraBatchMeta | None]):
+        self.pool = pool
+        self.backend = backend
+        self.metas = metas
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor, layer_id: int, group: str) -> None:
+        meta = self.metas[group]
+        if meta is not None:
+            self.backend.apply(
+                x,
+                y,
+                self.pool.a[layer_id][group],
+                self.pool.b[layer_id][group],
+                self.pool.out_offsets[group],
+                meta,
+            )
