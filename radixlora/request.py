@@ -1,0 +1,104 @@
+"""A generation request as the scheduler sees it: token ids, adapter set, KV ownership."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixlora.lora.adapter import LoraAdapter
+from radixlora.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class AdapterSet:
+    """Canonical adapter set: (adapter, weight) sorted by adapter id (content hash), so the merge
+    order and the cache namespace never depend on the order a request or file events give."""
+
+    entries: tuple[tuple[LoraAdapter, float], ...] = ()
+
+    @classmethod
+    def of(cls, pairs: list[tuple[LoraAdapter, float]]) -> AdapterSet:
+        return cls(tuple(sorted(pairs, key=lambda p: p[0].adapter_id)))
+
+    @property
+    def adapters(self) -> list[LoraAdapter]:
+        return [a for a, _ in self.entries]
+
+    @property
+    def key(self) -> tuple[tuple[str, float], ...]:
+        return tuple((a.adapter_id, w) for a, w in self.entries)
+
+    @property
+    def label(self) -> str:
+        if not self.entries:
+            return "base"
+        return "+".join(a.name if w == 1.0 else f"{a.name}*{w:g}" for a, w in self.entries)
+
+
+def cache_namespace(base_version: str, adapter_set: AdapterSet, cache_salt: str | None) -> tuple:
+    """Radix-tree namespace: every component tagged by its kind, so no salt or name can
+    impersonate another component; compared in full by the tree, never only by hash."""
+    return (("base", base_version), ("adapters", adapter_set.key), ("salt", cache_salt or ""))
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: np.ndarray  # int32
+    params: SamplingParams
+    adapter_set: AdapterSet
+    namespace: tuple
+    seed: int
+    eos_ids: frozenset[int]
+    arrival_step: int = 0
+    parent: Req | None = None  # an n > 1 sibling waits until the parent's prompt is cached
+    status: ReqStatus = ReqStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    kv_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    kv_len: int = 0  # tokens whose KV is computed
+    cached_len: int = 0  # leading kv_slots owned by the radix tree (locked through last_node)
+    last_node: object = None
+    prompt_cached: bool = False
+    cached_tokens: int = 0  # prefix tokens served from the cache at first admission
+    finish_reason: str | None = None
+    num_retractions: int = 0
+
+    @property
+    def fill_ids(self) -> np.ndarray:
+        """Tokens whose KV must exist before the next token is sampled."""
+        if not self.output_ids:
+            return self.prompt_ids
+        return np.concatenate([self.prompt_ids, np.asarray(self.output_ids, np.int32)])
+
+    @property
+    def fill_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining_prefill(self) -> int:
+        return self.fill_len - self.kv_len
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    def check_finished(self) -> None:
+        token = self.output_ids[-1]
+        if (
+            not self.params.ignore_eos
+            and token in self.eos_ids
+            or token in self.params.stop_token_ids
+        ):
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= self.params.max_tokens:
+            self.finish_reason = "length"

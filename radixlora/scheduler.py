@@ -1,0 +1,319 @@
+"""The scheduler: decides every step's batch and owns all bookkeeping (waiting queue, KV pages,
+radix tree, adapter residency); it never touches device tensors. The offline Engine and the
+scheduler process drive the same class: schedule() -> BatchPlan, the model runner executes it,
+process_results() folds the sampled tokens back in."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixlora.config import EngineConfig
+from radixlora.errors import InvalidRequestError
+from radixlora.kv_cache import KVAllocator
+from radixlora.lora.adapter import LoraAdapter
+from radixlora.lora.pool import AdapterResidency
+from radixlora.radix_cache import RadixCache
+from radixlora.request import Req, ReqStatus
+
+AGING_STEPS = 64
+
+
+@dataclass
+class ScheduledReq:
+    req: Req
+    extend_ids: np.ndarray  # tokens whose KV this step computes
+    start: int  # position of extend_ids[0]
+    sample: bool  # True when this step completes the fill, so a token is sampled
+
+
+@dataclass
+class BatchPlan:
+    items: list[ScheduledReq]
+    adapter_loads: list[tuple[LoraAdapter, np.ndarray]] = field(default_factory=list)
+    # per adapter set key: group -> (rows, scales)
+    lora_rows: dict[tuple, dict[str, tuple[list[int], list[float]]]] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(item.extend_ids) for item in self.items)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, max_context: int):
+        self.config = config
+        self.max_context = max_context
+        self.kv = KVAllocator(config.kv_pages, config.page_size)
+        self.residency = AdapterResidency(config.adapter_rows)
+        self.tree = RadixCache(config.page_size) if config.enable_radix_cache else None
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.step_count = 0
+        self.num_retractions = 0
+
+    # ---- intake ----------------------------------------------------------------------------
+
+    def check_admissible(self, req: Req) -> None:
+        """Reject at once what can never be served (instead of letting it wait forever)."""
+        prompt_len = len(req.prompt_ids)
+        if prompt_len == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if req.max_total_tokens > self.max_context:
+            raise InvalidRequestError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({req.params.max_tokens}) exceeds the "
+                f"context length {self.max_context}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        if self.kv.pages_for(req.max_total_tokens) > self.kv.num_pages - 1:
+            raise InvalidRequestError(
+                f"prompt + max_tokens = {req.max_total_tokens} tokens exceeds the whole KV pool "
+                f"({self.kv.capacity_tokens} tokens)",
+                param="max_tokens",
+                code="kv_pool_exceeded",
+            )
+        rank = sum(a.rank for a in req.adapter_set.adapters)
+        if rank > self.residency.rows.num_rows:
+            raise InvalidRequestError(
+                f"the adapter set needs {rank} rank rows, the adapter pool holds "
+                f"{self.residency.rows.num_rows}",
+                param="adapters",
+            )
+
+    def add(self, req: Req) -> None:
+        self.check_admissible(req)
+        req.arrival_step = self.step_count
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- batch formation -------------------------------------------------------------------
+
+    def schedule(self) -> BatchPlan | None:
+        self.step_count += 1
+        budget = self.config.max_batch_tokens
+        items = self._schedule_running(budget)
+        budget -= sum(len(i.extend_ids) for i in items)
+        plan = BatchPlan(items)
+        self._admit_waiting(plan, budget)
+        if not plan.items:
+            return None
+        for item in plan.items:
+            key = item.req.adapter_set.key
+            if key not in plan.lora_rows:
+                plan.lora_rows[key] = self._lora_rows(item.req)
+        return plan
+
+    def _schedule_running(self, budget: int) -> list[ScheduledReq]:
+        items: list[ScheduledReq] = []
+        for req in list(self.running):
+            if req.status is not ReqStatus.RUNNING:
+                continue  # retracted while an older request made room
+            n = min(req.remaining_prefill, budget - sum(len(i.extend_ids) for i in items))
+            if n <= 0:
+                continue
+            while not self._reserve_kv(req, n):
+                victim = self._pick_victim()
+                self._retract(victim)
+                if victim is req:
+                    break
+            if req.status is ReqStatus.RUNNING:
+                items.append(self._item(req, n))
+        return [i for i in items if i.req.status is ReqStatus.RUNNING]
+
+    def _admit_waiting(self, plan: BatchPlan, budget: int) -> None:
+        adapter_sets = {r.adapter_set.key for r in self.running}
+        for req in self._waiting_by_priority():
+            if budget <= 0 or len(self.running) >= self.config.max_running:
+                return
+            aged = self.step_count - req.arrival_step >= AGING_STEPS
+            if req.parent is not None and not self._parent_ready(req.parent):
+                continue
+            new_set = req.adapter_set.key not in adapter_sets
+            if new_set and len(adapter_sets) >= self.config.max_adapter_sets_per_batch:
+                if aged:
+                    return
+                continue
+            if not self.residency.can_acquire(req.adapter_set.adapters):
+                if aged:
+                    return  # stop taking rows from the starved request
+                continue
+            if not self._start(req, plan, budget):
+                return
+            budget -= len(plan.items[-1].extend_ids)
+            adapter_sets.add(req.adapter_set.key)
+
+    def _waiting_by_priority(self) -> list[Req]:
+        def key(req: Req):
+            aged = self.step_count - req.arrival_step >= AGING_STEPS
+            resident = all(
+                self.residency.is_resident(a.adapter_id) for a in req.adapter_set.adapters
+            )
+            return (not aged, not resident, req.arrival_step)
+
+        return sorted(self.waiting, key=key)
+
+    @staticmethod
+    def _parent_ready(parent: Req) -> bool:
+        return parent.prompt_cached or parent.status is ReqStatus.FINISHED
+
+    def _start(self, req: Req, plan: BatchPlan, budget: int) -> bool:
+        """Match the prefix, reserve KV and adapters, move req to running. False if no KV."""
+        self._match_prefix(req)
+        n = min(req.remaining_prefill, budget)
+        if not self._reserve_kv(req, n):
+            self._release_kv(req)
+            return False
+        plan.adapter_loads += self.residency.acquire(req.adapter_set.adapters)
+        self.waiting.remove(req)
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
+        plan.items.append(self._item(req, n))
+        return True
+
+    def _item(self, req: Req, n: int) -> ScheduledReq:
+        start = req.kv_len
+        extend = req.fill_ids[start : start + n]
+        return ScheduledReq(req, extend, start, sample=start + n == req.fill_len)
+
+    def _lora_rows(self, req: Req) -> dict[str, tuple[list[int], list[float]]]:
+        rows: dict[str, tuple[list[int], list[float]]] = {}
+        for adapter, weight in req.adapter_set.entries:
+            pool_rows = self.residency.rows_of(adapter.adapter_id)
+            for group, rank in adapter.group_ranks.items():
+                ids, scales = rows.setdefault(group, ([], []))
+                ids += pool_rows[:rank].tolist()
+                scales += [weight] * rank
+        return rows
+
+    # ---- KV ----------------------------------------------------------------------------------
+
+    def _match_prefix(self, req: Req) -> None:
+        if self.tree is None:
+            return
+        match = self.tree.match_prefix(req.namespace, req.fill_ids[: req.fill_len - 1])
+        cached = len(match.kv_slots)
+        req.kv_slots = match.kv_slots.astype(np.int32, copy=True)
+        req.kv_len = req.cached_len = cached
+        if req.num_retractions == 0:
+            req.cached_tokens = cached
+        if cached:
+            req.last_node = match.last_node
+            self.tree.inc_lock_ref(match.last_node)
+
+    def _reserve_kv(self, req: Req, n: int) -> bool:
+        need = self.kv.pages_for(req.kv_len + n) - len(req.kv_slots) // self.kv.page_size
+        if need <= 0:
+            return True
+        if not self.kv.can_alloc(need) and self.tree is not None:
+            self.tree.evict(need * self.kv.page_size - self.kv.free_tokens(), self.kv.free)
+        if not self.kv.can_alloc(need):
+            return False
+        req.kv_slots = np.concatenate([req.kv_slots, self.kv.alloc(need)])
+        return True
+
+    def _release_kv(self, req: Req) -> None:
+        """Give back the request's own pages and its lock on the tree."""
+        self.kv.free(req.kv_slots[req.cached_len :])
+        if req.last_node is not None:
+            self.tree.dec_lock_ref(req.last_node)
+        req.kv_slots = np.zeros(0, np.int32)
+        req.kv_len = req.cached_len = 0
+        req.last_node = None
+
+    def _cache_prefix(self, req: Req, num_tokens: int) -> None:
+        """Hand the request's first num_tokens (page-aligned) of KV to the radix tree and lock
+        the new path instead of the old one; duplicates of already-cached KV are freed."""
+        ps = self.kv.page_size
+        aligned = num_tokens // ps * ps
+        if self.tree is None or aligned <= req.cached_len:
+            return
+        tokens = req.fill_ids[:aligned]
+        existing = self.tree.insert(req.namespace, tokens, req.kv_slots[:aligned])
+        if existing > req.cached_len:
+            self.kv.free(req.kv_slots[req.cached_len : existing])
+        match = self.tree.match_prefix(req.namespace, tokens, record_stats=False)
+        req.kv_slots[:aligned] = match.kv_slots
+        self.tree.inc_lock_ref(match.last_node)
+        if req.last_node is not None:
+            self.tree.dec_lock_ref(req.last_node)
+        req.last_node = match.last_node
+        req.cached_len = aligned
+
+    def _pick_victim(self) -> Req:
+        return max(self.running, key=lambda r: (r.arrival_step, len(r.output_ids) == 0))
+
+    def _retract(self, req: Req) -> None:
+        """Free a running request's KV; it resumes later by recomputing prompt + output so far
+        (sampling noise depends only on (seed, step), so its output is unchanged)."""
+        self._release_kv(req)
+        self.residency.release(a.adapter_id for a in req.adapter_set.adapters)
+        self.running.remove(req)
+        req.status = ReqStatus.WAITING
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(req)
+
+    # ---- results -----------------------------------------------------------------------------
+
+    def process_results(
+        self,
+        plan: BatchPlan,
+        tokens: list[int],
+        logprobs: list[float],
+        top: list[list[tuple[int, float]]] | None,
+    ) -> list[Req]:
+        """Fold one step's sampled tokens in; returns the requests that finished."""
+        finished = []
+        sampled = iter(range(len(tokens)))
+        for item in plan.items:
+            req = item.req
+            req.kv_len += len(item.extend_ids)
+            if not item.sample:
+                continue
+            i = next(sampled)
+            if req.status is not ReqStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.output_ids.append(tokens[i])
+            req.output_logprobs.append(logprobs[i])
+            if top is not None and req.params.logprobs:
+                req.top_logprobs.append(top[i][: req.params.logprobs])
+            if not req.prompt_cached:
+                self._cache_prefix(req, len(req.prompt_ids))
+                req.prompt_cached = True
+            req.check_finished()
+            if req.finish_reason is not None:
+                self._finish(req)
+                finished.append(req)
+        return finished
+
+    def _finish(self, req: Req) -> None:
+        self._cache_prefix(req, req.kv_len)
+        self._release_kv(req)
+        self.residency.release(a.adapter_id for a in req.adapter_set.adapters)
+        self.running.remove(req)
+        req.status = ReqStatus.FINISHED
+
+    def abort(self, req: Req) -> None:
+        if req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status is ReqStatus.RUNNING:
+            self._release_kv(req)
+            self.residency.release(a.adapter_id for a in req.adapter_set.adapters)
+            self.running.remove(req)
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = "abort"
+
+    # ---- accounting ----------------------------------------------------------------------------
+
+    def free_kv_tokens(self) -> int:
+        """Free KV tokens, counting what the tree could evict."""
+        evictable = self.tree.evictable_size() if self.tree is not None else 0
+        return self.kv.free_tokens() + evictable
+
+    def flush_cache(self) -> None:
+        if self.tree is not None:
+            self.tree.evict(self.tree.total_size(), self.kv.free)
