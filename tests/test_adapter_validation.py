@@ -1,0 +1,214 @@
+"""Every bad adapter raises a clear AdapterError naming it and the reason; the engine keeps
+serving the others (RELIABILITY.md items 1-10, issue 2 item 5)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from radixlora import (
+    AdapterError,
+    AdapterNotFoundError,
+    Engine,
+    InvalidRequestError,
+    SamplingParams,
+)
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoints, adapters):
+    return Engine(checkpoints["llama"], adapters={"a": adapters["llama"]["a"]}, max_rank=32)
+
+
+def clone(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_config(path: Path, **changes) -> Path:
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def edit_tensors(path: Path, fn) -> Path:
+    file = path / "adapter_model.safetensors"
+    tensors = fn(load_file(file))
+    save_file(tensors, file)
+    return path
+
+
+def _rename(tensors, old, new):
+    return {k.replace(old, new): v for k, v in tensors.items()}
+
+
+def bad_adapters(good: Path, tmp: Path):
+    def c(name):
+        return clone(good, tmp / name)
+
+    cases = {
+        "missing_dir": (tmp / "nope", "does not exist"),
+        "no_config": (_unlink(c("no_config"), "adapter_config.json"), "no adapter_config.json"),
+        "config_not_json": (
+            _write(c("config_not_json"), "adapter_config.json", b"{nope"),
+            "not valid JSON",
+        ),
+        "r_zero": (edit_config(c("r_zero"), r=0), "positive integer"),
+        "r_negative": (edit_config(c("r_negative"), r=-4), "positive integer"),
+        "r_too_big": (_rank64(c("r_too_big")), "exceeds the server's max rank"),
+        "wrong_module": (
+            edit_tensors(
+                c("wrong_module"), lambda t: _rename(t, "self_attn.q_proj", "attn.c_attn")
+            ),
+            "not a LoRA weight",
+        ),
+        "unknown_target": (
+            edit_tensors(
+                c("unknown_target"), lambda t: _rename(t, "self_attn.q_proj", "self_attn.qq_proj")
+            ),
+            "not supported",
+        ),
+        "layer_out_of_range": (
+            edit_tensors(c("layer_out_of_range"), lambda t: _rename(t, "layers.1.", "layers.7.")),
+            "2 layers",
+        ),
+        "shape_mismatch": (edit_tensors(c("shape_mismatch"), _shrink_first_b), "shape mismatch"),
+        "empty_tensors": (_write(c("empty_tensors"), "adapter_model.safetensors", b""), "empty"),
+        "corrupt_header": (
+            _write(
+                c("corrupt_header"),
+                "adapter_model.safetensors",
+                b"\xff\x00\x00\x00\x00\x00\x00\x00garbage",
+            ),
+            "corrupted",
+        ),
+        "truncated": (_truncate(c("truncated")), "corrupted"),
+        "pickle_only": (_pickle_only(c("pickle_only")), "never unpickles"),
+        "dora": (edit_config(c("dora"), use_dora=True), "DoRA"),
+        "modules_to_save": (
+            edit_config(c("modules_to_save"), modules_to_save=["lm_head"]),
+            "modules_to_save",
+        ),
+        "bias": (edit_config(c("bias"), bias="all"), "bias"),
+        "nan": (edit_tensors(c("nan"), _poison), "NaN"),
+        "missing_half": (edit_tensors(c("missing_half"), _drop_one_b), "lora_B missing"),
+    }
+    return cases
+
+
+def _unlink(path: Path, name: str) -> Path:
+    (path / name).unlink()
+    return path
+
+
+def _write(path: Path, name: str, data: bytes) -> Path:
+    (path / name).write_bytes(data)
+    return path
+
+
+def _truncate(path: Path) -> Path:
+    file = path / "adapter_model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    return path
+
+
+def _pickle_only(path: Path) -> Path:
+    (path / "adapter_model.safetensors").rename(path / "adapter_model.bin")
+    return path
+
+
+def _rank64(path: Path) -> Path:
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg["r"] = 64
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    return edit_tensors(
+        path,
+        lambda t: {
+            k: (torch.randn(64, v.shape[1]) if "lora_A" in k else torch.randn(v.shape[0], 64))
+            for k, v in t.items()
+        },
+    )
+
+
+def _shrink_first_b(t):
+    key = sorted(k for k in t if "lora_B" in k)[0]
+    t[key] = t[key][:-1].contiguous()
+    return t
+
+
+def _poison(t):
+    key = sorted(t)[0]
+    t[key] = t[key].clone()
+    t[key][0, 0] = float("nan")
+    return t
+
+
+def _drop_one_b(t):
+    del t[sorted(k for k in t if "lora_B" in k)[0]]
+    return t
+
+
+def test_every_bad_adapter_is_refused_with_its_reason(engine, adapters, tmp_path):
+    before = engine.generate([5, 6, 7], GREEDY, adapters="a")[0].outputs[0].token_ids
+    for name, (path, reason) in bad_adapters(adapters["llama"]["a"], tmp_path).items():
+        with pytest.raises(AdapterError) as info:
+            engine.load_adapter(name, path)
+        assert info.value.name == name
+        assert reason in str(info.value), (name, str(info.value))
+        assert name not in engine.adapters
+    after = engine.generate([5, 6, 7], GREEDY, adapters="a")[0].outputs[0].token_ids
+    assert after == before
+
+
+@pytest.mark.parametrize("name", ["", "x" * 200, "../evil", "a/b", "/abs", "a:b"])
+def test_bad_adapter_names(engine, adapters, name):
+    with pytest.raises(InvalidRequestError):
+        engine.load_adapter(name, adapters["llama"]["b"])
+
+
+def test_request_errors(engine):
+    with pytest.raises(AdapterNotFoundError):
+        engine.generate([1, 2], GREEDY, adapters="unknown")
+    with pytest.raises(InvalidRequestError, match="at most 8"):
+        engine.generate([1, 2], GREEDY, adapters=[("a", 1.0)] * 9)
+    with pytest.raises(InvalidRequestError, match="named twice"):
+        engine.generate([1, 2], GREEDY, adapters=[("a", 1.0), ("a", 0.5)])
+    with pytest.raises(InvalidRequestError, match="finite"):
+        engine.generate([1, 2], GREEDY, adapters=[("a", float("nan"))])
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.generate([[]], GREEDY)
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        engine.generate([1, 999999], GREEDY)
+    with pytest.raises(InvalidRequestError, match="context length"):
+        engine.generate([1, 2], SamplingParams(max_tokens=10_000))
+    for bad in (
+        dict(max_tokens=0),
+        dict(max_tokens=1.5),
+        dict(temperature=-1),
+        dict(temperature=float("nan")),
+        dict(top_p=0),
+        dict(top_p=2),
+        dict(n=0),
+        dict(logprobs=21),
+        dict(top_k=-5),
+        dict(min_p=float("inf")),
+    ):
+        with pytest.raises(InvalidRequestError):
+            engine.generate([1, 2], SamplingParams(**bad))
+    assert engine.generate([1, 2], GREEDY, adapters="a")[0].outputs[0].token_ids
+
+
+def test_stack_cap_is_configurable(checkpoints, adapters):
+    eng = Engine(checkpoints["llama"], adapters=adapters["llama"], max_rank=64, max_stacked=2)
+    with pytest.raises(InvalidRequestError, match="at most 2"):
+        eng.generate([1, 2], GREEDY, adapters=[("a", 1.0), ("b", 1.0), ("c", 1.0)])
+    assert eng.generate([1, 2], GREEDY, adapters=[("a", 1.0), ("b", 1.0)])[0].outputs[0].token_ids
