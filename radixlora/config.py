@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -167,7 +167,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enable_radix_cache: bool = True
     seed: int = 0
-    extra: dict = field(default_factory=dict)
+    load_format: str = "safetensors"  # or "dummy": random weights, for benchmarks
 
     def torch_dtype(self, model: ModelConfig) -> torch.dtype:
         name = self.dtype

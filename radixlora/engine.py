@@ -56,7 +56,7 @@ class Engine:
         self.config = dataclasses.replace(config or EngineConfig(), **overrides)
         self.model_path = Path(model)
         self.model_cfg = ModelConfig.from_dir(self.model_path)
-        self.base_version = base_version(self.model_path)
+        self.base_version = base_version(self.model_path, self.config.load_format)
         self.tokenizer = Tokenizer.from_dir(self.model_path)
         self.runner = ModelRunner(self.model_path, self.model_cfg, self.config)
         self.scheduler = Scheduler(self.config, max_context=self.model_cfg.max_position)
@@ -71,7 +71,11 @@ class Engine:
     def load_adapter(self, name: str, path: str | Path) -> LoraAdapter:
         """Validate and register an adapter (re-using a name publishes a new version)."""
         _check_adapter_name(name)
-        adapter = load_adapter(name, path, self.model_cfg, self.config.max_rank)
+        return self.add_adapter(load_adapter(name, path, self.model_cfg, self.config.max_rank))
+
+    def add_adapter(self, adapter: LoraAdapter) -> LoraAdapter:
+        """Register an already validated adapter under adapter.name."""
+        name = adapter.name
         if adapter.rank > self.config.adapter_rows:
             raise InvalidRequestError(f"adapter {name!r} of rank {adapter.rank} exceeds the pool")
         previous = self.adapters.get(name)

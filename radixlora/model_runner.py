@@ -33,7 +33,7 @@ class ModelRunner:
         self.cfg = model_cfg
         self.device = torch.device(config.resolved_device())
         self.dtype = config.torch_dtype(model_cfg)
-        self.model = load_model(model_path, model_cfg, self.dtype, self.device)
+        self.model = load_model(model_path, model_cfg, self.dtype, self.device, config.load_format)
         num_slots = config.kv_pages * config.page_size
         self.kv_pool = KVPool(
             model_cfg.num_layers,

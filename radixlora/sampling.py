@@ -74,6 +74,7 @@ class SamplingBatch:
     steps: torch.Tensor  # [B] int64 index of the token being sampled
     num_top_logprobs: int = 0
     needs_filter: bool = field(default=False)
+    all_greedy: bool = field(default=False)
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int], device):
@@ -89,6 +90,7 @@ class SamplingBatch:
             steps=t(steps, torch.int64),
             num_top_logprobs=max((p.logprobs or 0) for p in params),
             needs_filter=any(p.top_p < 1 or p.top_k > 0 or p.min_p > 0 for p in params),
+            all_greedy=all(p.temperature == 0 for p in params),
         )
 
 
@@ -103,14 +105,14 @@ class SampleOutput:
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
     """logits: [B, V] fp32. Logprobs are of the raw model distribution (before temperature)."""
     logprobs = torch.log_softmax(logits, dim=-1)
-    greedy = logits.argmax(dim=-1)
-    temp = batch.temperature.clamp_min(1e-6)[:, None]
-    scores = logits / temp
-    if batch.needs_filter:
-        scores = _filter(scores, batch)
-    noise = gumbel_noise(batch.seeds, batch.steps, logits.shape[-1])
-    sampled = (scores + noise).argmax(dim=-1)
-    tokens = torch.where(batch.temperature == 0, greedy, sampled)
+    tokens = logits.argmax(dim=-1)
+    if not batch.all_greedy:
+        scores = logits / batch.temperature.clamp_min(1e-6)[:, None]
+        if batch.needs_filter:
+            scores = _filter(scores, batch)
+        noise = gumbel_noise(batch.seeds, batch.steps, logits.shape[-1])
+        sampled = (scores + noise).argmax(dim=-1)
+        tokens = torch.where(batch.temperature == 0, tokens, sampled)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     top_ids = top_lp = None
     if batch.num_top_logprobs:

@@ -19,6 +19,9 @@ from radixlora.radix_cache import RadixCache
 from radixlora.request import Req, ReqStatus
 
 AGING_STEPS = 64
+# Share of a running request's remaining max_tokens kept free when admitting new work, so that
+# admissions do not immediately force retractions (retraction stays the fallback).
+DECODE_RESERVE_RATIO = 0.3
 
 
 @dataclass
@@ -126,8 +129,12 @@ class Scheduler:
 
     def _admit_waiting(self, plan: BatchPlan, budget: int) -> None:
         adapter_sets = {r.adapter_set.key for r in self.running}
+        reserved = sum(self._decode_reserve(r) for r in self.running)
         for req in self._waiting_by_priority():
             if budget <= 0 or len(self.running) >= self.config.max_running:
+                return
+            need = req.remaining_prefill + self._decode_reserve(req)
+            if self.running and self.free_kv_tokens() - reserved < need:
                 return
             aged = self.step_count - req.arrival_step >= AGING_STEPS
             if req.parent is not None and not self._parent_ready(req.parent):
@@ -145,6 +152,11 @@ class Scheduler:
                 return
             budget -= len(plan.items[-1].extend_ids)
             adapter_sets.add(req.adapter_set.key)
+            reserved += self._decode_reserve(req)
+
+    @staticmethod
+    def _decode_reserve(req: Req) -> int:
+        return int(DECODE_RESERVE_RATIO * (req.params.max_tokens - len(req.output_ids)))
 
     def _waiting_by_priority(self) -> list[Req]:
         def key(req: Req):

@@ -39,16 +39,20 @@ def weight_files(path: Path) -> list[Path]:
     raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
 
-def base_version(path: Path) -> str:
+def base_version(path: Path, load_format: str = "safetensors") -> str:
     """Identity of the base checkpoint for cache keys: its config and its weight files' names
     and sizes (hashing every weight byte would cost a full read of a multi-GB model)."""
     h = hashlib.sha256((path / "config.json").read_bytes())
+    if load_format == "dummy":
+        return h.hexdigest() + "-dummy"
     for f in weight_files(path):
         h.update(f"{f.name}:{f.stat().st_size}".encode())
     return h.hexdigest()
 
 
-def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device) -> LlamaForCausalLM:
+def load_model(
+    path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device, load_format: str = "safetensors"
+) -> LlamaForCausalLM:
     path = Path(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg).to(dtype)
@@ -56,6 +60,10 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device) -
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary.reset_parameters()
+    if load_format == "dummy":
+        return _randomize(model).eval()
+    if load_format != "safetensors":
+        raise ModelLoadError(f"unknown load_format {load_format!r}: safetensors or dummy")
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: dict[str, int] = {}  # parameter -> rows loaded (fused weights load in slices)
     for file in weight_files(path):
@@ -106,3 +114,15 @@ def _target(cfg: ModelConfig, name: str) -> tuple[str | None, tuple[int, int] | 
     )
     start = sum(sizes[:index])
     return f"layers.{layer}.{block}.{fused}.{kind}", (start, start + sizes[index])
+
+
+@torch.no_grad()
+def _randomize(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Random weights (benchmarks without a checkpoint): N(0, 0.02), norms at 1."""
+    gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(0)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
+    return model

@@ -1,0 +1,201 @@
+"""End-to-end engine benchmarks on a Llama-3-8B-shaped model with random bf16 weights
+(load_format="dummy") and random in-memory adapters. Issue 5 targets b, c1, c2, c3, d, e.
+
+    python scripts/bench_engine.py              # on the H200; prints a table, JSON to $OUT
+    python scripts/bench_engine.py --smoke      # tiny shapes on the CPU, checks the script runs
+
+Timing: wall clock around engine.step(); every step ends in a device->host copy of the sampled
+tokens, so each step is synchronized. Medians over steps; throughput over whole runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from radixlora import Engine, SamplingParams
+from radixlora.config import ModelConfig
+from radixlora.lora.adapter import GROUP_OF, LoraAdapter
+
+LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                 max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                 tie_word_embeddings=False, eos_token_id=128001, torch_dtype="bfloat16")
+SMOKE = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+ALL7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+HBM_BYTES_PER_S = 4.24e12  # measured device-to-device copy bandwidth on the H200
+
+
+def random_adapter(cfg: ModelConfig, name: str, rank: int, modules, seed: int,
+                   device) -> LoraAdapter:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weights, group_ranks = {}, {}
+    for layer in range(cfg.num_layers):
+        for module in modules:
+            in_dim, out_dim = cfg.module_shape(module)
+            a = torch.randn(rank, in_dim, generator=gen, device=device) / in_dim**0.5
+            b = torch.randn(out_dim, rank, generator=gen, device=device) * 0.01
+            weights[(layer, module)] = (a.cpu(), b.cpu())
+            group_ranks[GROUP_OF[module]] = rank
+    return LoraAdapter(name, "<random>", f"random-{name}-{seed}-{rank}", rank, group_ranks,
+                       weights)
+
+
+def model_dir(shape: dict) -> Path:
+    path = Path(tempfile.mkdtemp(prefix="bench-engine-"))
+    (path / "config.json").write_text(json.dumps(shape))
+    return path
+
+
+def make_engine(path: Path, args, **kw) -> Engine:
+    return Engine(path, load_format="dummy", device=args.device, dtype=args.dtype, **kw)
+
+
+def run_until_done(engine: Engine) -> list[tuple[float, int, bool]]:
+    """(seconds, batch size, decode-only) of every step until the engine is idle."""
+    steps = []
+    while engine.scheduler.has_work():
+        running = list(engine.scheduler.running)
+        decode_only = bool(running) and all(r.remaining_prefill == 1 for r in running) and not (
+            engine.scheduler.waiting)
+        start = time.perf_counter()
+        engine.step()
+        steps.append((time.perf_counter() - start, len(running), decode_only))
+    return steps
+
+
+def decode_step_ms(engine: Engine, batch: int, specs, prompt_len: int, new_tokens: int,
+                   rng) -> float:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    vocab = engine.model_cfg.vocab_size
+    for i in range(batch):
+        engine.submit(rng.integers(3, vocab, prompt_len).tolist(), params,
+                      adapters=specs[i % len(specs)], cache_salt=str(rng.integers(1 << 30)))
+    steps = run_until_done(engine)
+    decode = [s for s, b, d in steps if d and b == batch]
+    return 1e3 * statistics.median(decode)
+
+
+def throughput(engine: Engine, n: int, specs, prompt_len: int, new_tokens: int, rng) -> dict:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    vocab = engine.model_cfg.vocab_size
+    for i in range(n):
+        engine.submit(rng.integers(3, vocab, prompt_len).tolist(), params,
+                      adapters=specs[i % len(specs)], cache_salt=str(rng.integers(1 << 30)))
+    start = time.perf_counter()
+    steps = run_until_done(engine)
+    elapsed = time.perf_counter() - start
+    decode = [s for s, _, d in steps if d]
+    return {"tok_per_s": n * new_tokens / elapsed, "seconds": elapsed,
+            "mean_decode_step_ms": 1e3 * statistics.fmean(decode) if decode else float("nan"),
+            "steps": len(steps)}
+
+
+def zipf_specs(names: list[str], n: int, alpha: float, rng) -> list[str]:
+    weights = 1.0 / np.arange(1, len(names) + 1) ** alpha
+    picks = rng.choice(len(names), size=n, p=weights / weights.sum())
+    return [names[i] for i in picks]
+
+
+def ttft_hit_vs_miss(engine: Engine, names: list[str], system_len: int, rng) -> dict:
+    vocab = engine.model_cfg.vocab_size
+    system = rng.integers(3, vocab, system_len).tolist()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    miss, hit = [], []
+    for name in names:
+        for _ in range(3):
+            start = time.perf_counter()
+            req = engine.submit(system + rng.integers(3, vocab, 16).tolist(), params,
+                                adapters=name)[0]
+            while not req.output_ids:
+                engine.step()
+            (hit if req.cached_tokens else miss).append(time.perf_counter() - start)
+            run_until_done(engine)
+    return {"ttft_miss_ms": 1e3 * statistics.median(miss), "ttft_hit_ms": 1e3 * statistics.median(hit)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args()
+    shape = SMOKE if args.smoke else LLAMA3_8B
+    scale = 8 if args.smoke else 1  # fewer requests / tokens in smoke mode
+    rng = np.random.default_rng(0)
+    path = model_dir(shape)
+    results: dict = {}
+    kw = dict(kv_pages=20_000 if args.smoke else 200_000, max_running=256 // scale,
+              max_batch_tokens=8192, adapter_rows=2048 if not args.smoke else 1024, max_rank=64,
+              max_adapter_sets_per_batch=128)
+    engine = make_engine(path, args, **kw)
+    cfg, dev = engine.model_cfg, engine.runner.device
+    weight_bytes = sum(t.numel() * t.element_size() for t in engine.runner.model.parameters())
+    results["weight_bytes"] = weight_bytes
+    results["floor_decode_ms"] = 1e3 * weight_bytes / HBM_BYTES_PER_S
+    one = random_adapter(cfg, "one", 16, ALL7, 1, dev)
+    engine.add_adapter(one)
+    decode_step_ms(engine, 1, [None], 32, 8, rng)  # warm-up / compile
+    decode_step_ms(engine, 1, ["one"], 32, 8, rng)
+    results["b_base_bs1_ms"] = decode_step_ms(engine, 1, [None], 128, 64 // scale, rng)
+    results["b_one_adapter_bs1_ms"] = decode_step_ms(engine, 1, ["one"], 128, 64 // scale, rng)
+    results["e_no_adapter_bs32_ms"] = decode_step_ms(engine, 32, [None], 128, 64 // scale, rng)
+    bare = make_engine(path, args, **{**kw, "adapter_rows": 16, "kv_pages": 20_000})
+    decode_step_ms(bare, 32, [None], 32, 8, rng)
+    results["e_lora_disabled_bs32_ms"] = decode_step_ms(bare, 32, [None], 128, 64 // scale, rng)
+    del bare
+    s1 = [random_adapter(cfg, f"s1-{i}", 8, QKVO, 100 + i, dev) for i in range(100 // scale)]
+    z64 = [random_adapter(cfg, f"z-{i}", 16, ALL7, 300 + i, dev) for i in range(64 // scale)]
+    for adapter in s1 + z64:
+        engine.add_adapter(adapter)
+    n, prompt_len, new = 256 // scale, 512 // scale, 128 // scale
+    results["c_base"] = throughput(engine, n, [None], prompt_len, new, rng)
+    results["c1_s1"] = throughput(engine, n, zipf_specs([a.name for a in s1], n, 1.0, rng),
+                                  prompt_len, new, rng)
+    results["c2_zipf64"] = throughput(engine, n, zipf_specs([a.name for a in z64], n, 1.0, rng),
+                                      prompt_len, new, rng)
+    peer_specs = [a.name for a in z64[:8]]
+    peer = throughput(engine, 32, peer_specs, 256 // scale, 64 // scale, rng)
+    results["c3_peer_shape_8_adapters_bs32"] = peer
+    results["d"] = ttft_hit_vs_miss(engine, [a.name for a in z64[:10]], 2048 // scale, rng)
+    report(results)
+
+
+def report(r: dict) -> None:
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "bench_engine.json").write_text(json.dumps(r, indent=2))
+    rows = [
+        ("b floor (weights / 4.24 TB/s) ms", r["floor_decode_ms"]),
+        ("b base bs1 decode step ms", r["b_base_bs1_ms"]),
+        ("b ratio to floor", r["b_base_bs1_ms"] / r["floor_decode_ms"]),
+        ("b one adapter bs1 ms", r["b_one_adapter_bs1_ms"]),
+        ("b adapter / base", r["b_one_adapter_bs1_ms"] / r["b_base_bs1_ms"]),
+        ("e no-adapter batch bs32 ms", r["e_no_adapter_bs32_ms"]),
+        ("e LoRA-disabled engine bs32 ms", r["e_lora_disabled_bs32_ms"]),
+        ("c base tok/s", r["c_base"]["tok_per_s"]),
+        ("c1 S1 tok/s", r["c1_s1"]["tok_per_s"]),
+        ("c1 S1 / base", r["c1_s1"]["tok_per_s"] / r["c_base"]["tok_per_s"]),
+        ("c2 zipf64 tok/s", r["c2_zipf64"]["tok_per_s"]),
+        ("c2 mean decode step ms", r["c2_zipf64"]["mean_decode_step_ms"]),
+        ("c base mean decode step ms", r["c_base"]["mean_decode_step_ms"]),
+        ("c3 peer shape tok/s (peer 94.7)", r["c3_peer_shape_8_adapters_bs32"]["tok_per_s"]),
+        ("d TTFT miss ms", r["d"]["ttft_miss_ms"]),
+        ("d TTFT hit ms", r["d"]["ttft_hit_ms"]),
+        ("d speedup", r["d"]["ttft_miss_ms"] / r["d"]["ttft_hit_ms"]),
+    ]
+    for name, value in rows:
+        print(f"{name:<36}{value:>12.3f}")
+
+
+if __name__ == "__main__":
+    main()
