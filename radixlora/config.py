@@ -166,6 +166,7 @@ class EngineConfig:
     lora_backend: str = "auto"
     attention_backend: str = "auto"
     enable_radix_cache: bool = True
+    cuda_graph: bool = True  # decode steps replay captured graphs (CUDA only)
     seed: int = 0
     load_format: str = "safetensors"  # or "dummy": random weights, for benchmarks
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from radixlora.attention import AttentionInputs, make_attention_backend
+from radixlora.attention import AttentionInputs, TritonAttentionBackend, make_attention_backend
 from radixlora.config import EngineConfig, ModelConfig
+from radixlora.cuda_graph import CudaGraphRunner
 from radixlora.forward_batch import ForwardBatch
 from radixlora.kernels.lora_ops import LoraBatchMeta, make_lora_backend
 from radixlora.kv_cache import KVPool
@@ -45,15 +46,42 @@ class ModelRunner:
         )
         self.adapter_pool = AdapterPool(model_cfg, config.adapter_rows, self.dtype, self.device)
         self.attn_backend = make_attention_backend(
-            config.attention_backend, self.kv_pool, model_cfg.num_heads, model_cfg.head_dim,
-            model_cfg.sliding_window, self.device)
+            config.attention_backend,
+            self.kv_pool,
+            model_cfg.num_heads,
+            model_cfg.head_dim,
+            model_cfg.sliding_window,
+            self.device,
+        )
         self.lora_backend = make_lora_backend(config.lora_backend, self.device)
+        self.graphs = None
+        if config.cuda_graph and self.device.type == "cuda":
+            if not isinstance(self.attn_backend, TritonAttentionBackend):
+                raise ValueError("cuda_graph needs attention_backend triton (or auto on CUDA)")
+            self.graphs = CudaGraphRunner(
+                self,
+                config.max_running,
+                model_cfg.max_position,
+                config.max_rank * config.max_stacked,
+            )
 
     def execute(self, plan: BatchPlan) -> StepOutput:
         for adapter, rows in plan.adapter_loads:
             self.adapter_pool.write(adapter, rows)
-        fb, sampled = self._forward_batch(plan)
-        logits = self.model(fb)
+        host = _host_inputs(plan)
+        segments = _lora_segments(plan)
+        sampled = [i for i in plan.items if i.sample]
+        if self._use_graph(plan, segments):
+            logits = self.graphs.forward(
+                host["input_ids"],
+                host["positions"],
+                host["out_cache_loc"],
+                host["kv_lens"],
+                host["kv_indices"],
+                segments,
+            )
+        else:
+            logits = self.model(self._forward_batch(host, segments))
         if not sampled:
             return StepOutput([], [], None)
         out = sample(logits, self._sampling_batch(sampled))
@@ -64,52 +92,37 @@ class ModelRunner:
             ]
         return StepOutput(out.token_ids.tolist(), out.logprobs.tolist(), top)
 
-    def _forward_batch(self, plan: BatchPlan) -> tuple[ForwardBatch, list]:
-        items = plan.items
-        qo_lens = [len(i.extend_ids) for i in items]
-        kv_lens = [i.start + n for i, n in zip(items, qo_lens)]
-        ends = np.cumsum(qo_lens)
-        host = {
-            "input_ids": np.concatenate([i.extend_ids for i in items]),
-            "positions": np.concatenate([np.arange(i.start, k) for i, k in zip(items, kv_lens)]),
-            "out_cache_loc": np.concatenate(
-                [i.req.kv_slots[i.start : k] for i, k in zip(items, kv_lens)]
-            ),
-            "kv_indices": np.concatenate([i.req.kv_slots[:k] for i, k in zip(items, kv_lens)]),
-            "logits_indices": np.array([e - 1 for i, e in zip(items, ends) if i.sample], np.int64),
-        }
-        dev = {k: torch.from_numpy(v.astype(np.int64)).to(self.device) for k, v in host.items()}
+    def _use_graph(self, plan: BatchPlan, segments) -> bool:
+        if self.graphs is None:
+            return False
+        decode = all(len(i.extend_ids) == 1 and i.sample for i in plan.items)
+        rows = max((len(r) for rows, _ in (segments or {}).values() for r in rows), default=0)
+        return decode and self.graphs.fits(len(plan.items), rows)
+
+    def _forward_batch(self, host: dict, segments) -> ForwardBatch:
+        names = ("input_ids", "positions", "out_cache_loc", "kv_indices", "logits_indices")
+        dev = {k: torch.from_numpy(host[k].astype(np.int64)).to(self.device) for k in names}
         attn_meta = self.attn_backend.build_metadata(
-            AttentionInputs(qo_lens, kv_lens, dev["kv_indices"])
+            AttentionInputs(host["qo_lens"], host["kv_lens"].tolist(), dev["kv_indices"])
         )
-        fb = ForwardBatch(
+        lora = None
+        if segments is not None:
+            metas = {
+                g: LoraBatchMeta.from_segments(host["qo_lens"], rows, scales, self.device)
+                if any(rows)
+                else None
+                for g, (rows, scales) in segments.items()
+            }
+            lora = LoraContext(self.adapter_pool, self.lora_backend, metas)
+        return ForwardBatch(
             dev["input_ids"],
             dev["positions"],
             dev["out_cache_loc"],
             dev["logits_indices"],
             self.attn_backend,
             attn_meta,
-            self._lora_context(plan, qo_lens),
+            lora,
         )
-        return fb, [i for i in items if i.sample]
-
-    def _lora_context(self, plan: BatchPlan, qo_lens: list[int]) -> LoraContext | None:
-        metas = {}
-        for group in MODULE_GROUPS:
-            seg_rows, seg_scales = [], []
-            for item in plan.items:
-                rows, scales = plan.lora_rows[item.req.adapter_set.key].get(group, ([], []))
-                seg_rows.append(rows)
-                seg_scales.append(scales)
-            has_rows = any(seg_rows)
-            metas[group] = (
-                LoraBatchMeta.from_segments(qo_lens, seg_rows, seg_scales, self.device)
-                if has_rows
-                else None
-            )
-        if all(m is None for m in metas.values()):
-            return None
-        return LoraContext(self.adapter_pool, self.lora_backend, metas)
 
     def _sampling_batch(self, sampled) -> SamplingBatch:
         return SamplingBatch.build(
@@ -118,3 +131,33 @@ class ModelRunner:
             [len(i.req.output_ids) for i in sampled],
             self.device,
         )
+
+
+def _host_inputs(plan: BatchPlan) -> dict:
+    """Flat host arrays of one batch (one segment per request, in plan order)."""
+    items = plan.items
+    qo_lens = [len(i.extend_ids) for i in items]
+    kv_lens = np.array([i.start + n for i, n in zip(items, qo_lens)], np.int64)
+    ends = np.cumsum(qo_lens)
+    return {
+        "qo_lens": qo_lens,
+        "kv_lens": kv_lens,
+        "input_ids": np.concatenate([i.extend_ids for i in items]),
+        "positions": np.concatenate([np.arange(i.start, k) for i, k in zip(items, kv_lens)]),
+        "out_cache_loc": np.concatenate(
+            [i.req.kv_slots[i.start : k] for i, k in zip(items, kv_lens)]
+        ),
+        "kv_indices": np.concatenate([i.req.kv_slots[:k] for i, k in zip(items, kv_lens)]),
+        "logits_indices": np.array([e - 1 for i, e in zip(items, ends) if i.sample], np.int64),
+    }
+
+
+def _lora_segments(plan: BatchPlan) -> dict[str, tuple[list, list]] | None:
+    """group -> (rows per request, scales per request); None when no request has an adapter."""
+    if all(not plan.lora_rows[i.req.adapter_set.key] for i in plan.items):
+        return None
+    segments = {}
+    for group in MODULE_GROUPS:
+        pairs = [plan.lora_rows[i.req.adapter_set.key].get(group, ([], [])) for i in plan.items]
+        segments[group] = ([p[0] for p in pairs], [p[1] for p in pairs])
+    return segments

@@ -112,10 +112,11 @@ class Scheduler:
 
     def _schedule_running(self, budget: int) -> list[ScheduledReq]:
         items: list[ScheduledReq] = []
+        used = 0
         for req in list(self.running):
             if req.status is not ReqStatus.RUNNING:
                 continue  # retracted while an older request made room
-            n = min(req.remaining_prefill, budget - sum(len(i.extend_ids) for i in items))
+            n = min(req.remaining_prefill, budget - used)
             if n <= 0:
                 continue
             while not self._reserve_kv(req, n):
@@ -125,6 +126,7 @@ class Scheduler:
                     break
             if req.status is ReqStatus.RUNNING:
                 items.append(self._item(req, n))
+                used += n
         return [i for i in items if i.req.status is ReqStatus.RUNNING]
 
     def _admit_waiting(self, plan: BatchPlan, budget: int) -> None:
@@ -188,7 +190,10 @@ class Scheduler:
 
     def _item(self, req: Req, n: int) -> ScheduledReq:
         start = req.kv_len
-        extend = req.fill_ids[start : start + n]
+        if start >= len(req.prompt_ids):  # decode / recomputed output: no prompt copy needed
+            extend = np.asarray(req.output_ids[start - len(req.prompt_ids) :][:n], np.int32)
+        else:
+            extend = req.fill_ids[start : start + n]
         return ScheduledReq(req, extend, start, sample=start + n == req.fill_len)
 
     def _lora_rows(self, req: Req) -> dict[str, tuple[list[int], list[float]]]:

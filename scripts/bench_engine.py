@@ -139,6 +139,10 @@ def main() -> None:
               max_adapter_sets_per_batch=128)
     engine = make_engine(path, args, **kw)
     cfg, dev = engine.model_cfg, engine.runner.device
+    start = time.perf_counter()
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.capture_all()
+    results["graph_capture_s"] = time.perf_counter() - start
     weight_bytes = sum(t.numel() * t.element_size() for t in engine.runner.model.parameters())
     results["weight_bytes"] = weight_bytes
     results["floor_decode_ms"] = 1e3 * weight_bytes / HBM_BYTES_PER_S
@@ -150,6 +154,8 @@ def main() -> None:
     results["b_one_adapter_bs1_ms"] = decode_step_ms(engine, 1, ["one"], 128, 64 // scale, rng)
     results["e_no_adapter_bs32_ms"] = decode_step_ms(engine, 32, [None], 128, 64 // scale, rng)
     bare = make_engine(path, args, **{**kw, "adapter_rows": 16, "kv_pages": 20_000})
+    if bare.runner.graphs is not None:
+        bare.runner.graphs.capture_all()
     decode_step_ms(bare, 32, [None], 32, 8, rng)
     results["e_lora_disabled_bs32_ms"] = decode_step_ms(bare, 32, [None], 128, 64 // scale, rng)
     del bare
@@ -175,6 +181,7 @@ def report(r: dict) -> None:
     if out:
         Path(out, "bench_engine.json").write_text(json.dumps(r, indent=2))
     rows = [
+        ("graph capture s", r["graph_capture_s"]),
         ("b floor (weights / 4.24 TB/s) ms", r["floor_decode_ms"]),
         ("b base bs1 decode step ms", r["b_base_bs1_ms"]),
         ("b ratio to floor", r["b_base_bs1_ms"] / r["floor_decode_ms"]),
