@@ -120,7 +120,8 @@ def ttft_hit_vs_miss(engine: Engine, names: list[str], system_len: int, rng) -> 
                 engine.step()
             (hit if req.cached_tokens else miss).append(time.perf_counter() - start)
             run_until_done(engine)
-    return {"ttft_miss_ms": 1e3 * statistics.median(miss), "ttft_hit_ms": 1e3 * statistics.median(hit)}
+    return {"ttft_miss_ms": 1e3 * statistics.median(miss),
+            "ttft_hit_ms": 1e3 * statistics.median(hit)}
 
 
 def main() -> None:

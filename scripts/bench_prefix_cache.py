@@ -70,7 +70,7 @@ def main() -> None:
     engine.scheduler.flush_cache()
     miss, hit = [], []
     for name in adapters:
-        for q in range(args.questions):
+        for _ in range(args.questions):
             question = rng.integers(3, vocab, args.question_tokens).tolist()
             seconds, cached = ttft(engine, system + question, params, name)
             (hit if cached else miss).append(seconds)
