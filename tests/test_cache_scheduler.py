@@ -186,3 +186,18 @@ def test_chunked_prefill_matches_unchunked(checkpoints, adapters):
     got = chunked.generate(prompts, GREEDY, adapters=["a", "b", None])
     assert_same_outputs(got, want)
     assert_all_free(chunked)
+
+
+def test_unload_drops_the_adapters_namespaces(checkpoints, adapters):
+    eng = make(checkpoints, {k: adapters["llama"][k] for k in "ab"})
+    prompt = tokens(11, 20)
+    eng.generate(prompt, GREEDY, adapters="a")
+    eng.generate(prompt, GREEDY, adapters=[("a", 1.0), ("b", 1.0)])
+    eng.generate(prompt, GREEDY, adapters="b")
+    a_id = eng.adapters["a"].adapter_id
+    eng.unload_adapter("a")
+    remaining = [dict(ns)["adapters"] for ns in eng.scheduler.tree.namespaces()]
+    assert remaining and all(a_id not in [aid for aid, _ in key] for key in remaining)
+    assert not eng.scheduler.residency.is_resident(a_id)
+    assert eng.generate(prompt, GREEDY, adapters="b")[0].cached_tokens == 19
+    assert_all_free(eng)

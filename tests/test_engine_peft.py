@@ -94,3 +94,9 @@ def test_heterogeneous_ranks_in_one_batch(setup):
     outs = engine.generate(prompts, GREEDY, adapters=specs)
     for p, spec, out in zip(prompts, specs, outs):
         check_against(logprobs(ref_model, p + out.outputs[0].token_ids, [spec]), p, out.outputs[0])
+
+
+def test_every_slot_and_row_is_free_afterwards(setup):
+    from tests.conftest import assert_all_free
+
+    assert_all_free(setup[1])

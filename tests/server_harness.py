@@ -1,0 +1,113 @@
+"""Start `radixlora serve` in a subprocess on the tiny random model and talk to it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from radixlora.tiny import build_tiny_adapter, build_tiny_model
+
+MODEL_NAME = "tiny"
+ENGINE_FLAGS = ["--kv-pages", "600", "--max-running", "16", "--adapter-rows", "64"]
+
+
+def build_checkpoints(root: Path) -> tuple[Path, dict[str, Path]]:
+    model = build_tiny_model(root / MODEL_NAME)
+    adapters = {
+        "support": build_tiny_adapter(model, root / "support", rank=8, seed=1),
+        "legal": build_tiny_adapter(model, root / "legal", rank=4, seed=2),
+    }
+    return model, adapters
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: Path, adapters: dict[str, Path], log_path: Path, *extra: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "radixlora.cli", "serve", "--model", str(model),
+               "--port", str(self.port), "--log-level", "warning", *ENGINE_FLAGS, *extra]
+        for name, path in adapters.items():
+            cmd += ["--adapter", f"{name}={path}"]
+        self.log_path = log_path
+        self.log = open(log_path, "wb")  # noqa: SIM115 (lives as long as the server)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+
+    def wait_ready(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if self.http.get("/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready in {timeout_s} s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def info(self) -> dict:
+        return self.http.get("/get_server_info").json()
+
+    def child_pids(self) -> list[int]:
+        return [pid for name, pid in self.info()["pids"].items() if name != "api"]
+
+    def wait_idle(self, timeout_s: float = 10) -> dict:
+        """Scheduler info once nothing runs, waits or holds a tree lock."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            sched = self.info()["scheduler"]
+            idle = (sched["running"] == 0 and sched["waiting"] == 0
+                    and sched["open_requests"] == 0 and sched["kv_protected_tokens"] == 0)
+            if idle or time.monotonic() > deadline:
+                return sched
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.http.close()
+        self.log.close()
+        return self.proc.returncode
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def assert_all_kv_free(sched: dict) -> None:
+    assert sched["running"] == 0 and sched["waiting"] == 0 and sched["open_requests"] == 0
+    assert sched["kv_protected_tokens"] == 0
+    assert sched["kv_free_tokens"] + sched["kv_cached_tokens"] == sched["kv_capacity_tokens"]
+    assert all(refs == 0 for refs in sched["adapter_refs"].values())
