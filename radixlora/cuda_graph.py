@@ -1,10 +1,13 @@
-"""CUDA graphs for decode steps. Each (batch bucket, LoRA row bucket) gets one graph captured on
-first use; every input a decode step needs (token ids, positions, KV slots, attention and LoRA
-metadata) lives in static buffers that are refilled before replay, so a step costs a few
-host-to-device copies and one graph launch instead of ~1,000 kernel launches.
+"""CUDA graphs for decode steps and short extends. Each (batch bucket, token bucket, LoRA row
+bucket) gets one graph captured on first use (or all at once by capture_all); every input of a
+step (token ids, positions, KV slots, attention and LoRA metadata) lives in static buffers
+refilled before replay, so a step costs a few host-to-device copies and one graph launch
+instead of ~1,000 kernel launches. A decode graph (one token per request) uses the split-K
+decode kernel; an extend graph (short prompts or cache hits, mixed with decodes) the extend one.
 
-Padding rows of a bucket decode token 0 at position 0 into the reserved KV slot 0 over a
-one-token context, with no adapter rows; their logits are never read."""
+Padding requests decode token 0 at position 0 into the reserved KV slot 0 over a one-token
+context with no adapter rows; padding tokens past the last request belong to no segment. Their
+logits are never read."""
 
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from radixlora.lora.adapter import MODULE_GROUPS
 from radixlora.lora.pool import LoraContext
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+EXTEND_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512)
+MAX_EXTEND_BATCH = 16
 ROW_BUCKETS = (0, 32, 128, 512)
 
 
@@ -30,24 +35,37 @@ class _Graph:
     logits: torch.Tensor
 
 
-class CudaGraphRunner:
+@dataclass(frozen=True)
+class GraphKey:
+    batch: int
+    tokens: int
+    rows: int
+
+    @property
+    def decode(self) -> bool:
+        return self.tokens == self.batch
+
+
+class StaticInputs:
+    """Static input buffers of every graph and the bucketing rules; device-agnostic, so the
+    padding logic runs (and is tested) on the CPU too through static_forward()."""
+
     def __init__(self, runner, max_batch: int, max_context: int, max_rows: int):
         self.runner = runner
         self.buckets = [b for b in BATCH_BUCKETS if b <= max_batch] or [1]
-        self.row_buckets = [r for r in ROW_BUCKETS if r <= max_rows] + (
-            [max_rows] if max_rows not in ROW_BUCKETS else []
-        )
+        self.extend_buckets = [b for b in self.buckets if b <= MAX_EXTEND_BATCH]
+        self.row_buckets = sorted({r for r in ROW_BUCKETS if r < max_rows} | {max_rows})
         dev, n = runner.device, self.buckets[-1]
+        t = max(n, EXTEND_TOKEN_BUCKETS[-1])
         i32 = dict(dtype=torch.int32, device=dev)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.out_cache_loc = torch.zeros(t, dtype=torch.int64, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
         self.qo_indptr = torch.arange(n + 1, **i32)
         self.kv_indptr = torch.arange(n + 1, **i32)
         self.kv_indices = torch.zeros(n * max_context, **i32)
-        self.seg_indptr = torch.arange(n + 1, **i32)
-        self.token_seg = torch.arange(n, **i32)
+        self.token_seg = torch.zeros(t, **i32)
         rows = n * self.row_buckets[-1] + 1
         self.row_indptr = {g: torch.zeros(n + 1, **i32) for g in MODULE_GROUPS}
         self.row_ids = {g: torch.zeros(rows, **i32) for g in MODULE_GROUPS}
@@ -55,96 +73,143 @@ class CudaGraphRunner:
             g: torch.zeros(rows, dtype=torch.float32, device=dev) for g in MODULE_GROUPS
         }
         self.row_seg = torch.zeros(rows, **i32)
-        self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.pool = torch.cuda.graph_pool_handle()
 
-    def capture_all(self) -> None:
-        """Capture every (batch bucket, row bucket) graph now instead of on first use."""
-        for bucket in reversed(self.buckets):
-            for rows in self.row_buckets:
-                if (bucket, rows) not in self.graphs:
-                    self._capture(bucket, rows)
-
-    def fits(self, batch: int, max_rows: int) -> bool:
-        return batch <= self.buckets[-1] and max_rows <= self.row_buckets[-1]
-
-    def forward(
-        self, input_ids, positions, out_cache_loc, kv_lens, kv_indices, lora_segments
-    ) -> torch.Tensor:
-        """Logits [batch, vocab] of one decode step. lora_segments: group -> (rows, scales)
-        per request, or None when no request of the batch has an adapter."""
-        batch = len(input_ids)
-        bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
-        need = _max_rows(lora_segments)
+    def key_for(self, qo_lens: list[int], max_rows: int, has_lora: bool) -> GraphKey | None:
+        """The graph a batch replays into, or None when it needs the eager path."""
+        batch, tokens = len(qo_lens), sum(qo_lens)
+        if batch > self.buckets[-1] or max_rows > self.row_buckets[-1]:
+            return None
         rows = (
-            0
-            if lora_segments is None
-            else self.row_buckets[bisect.bisect_left(self.row_buckets, max(need, 1))]
+            self.row_buckets[bisect.bisect_left(self.row_buckets, max(max_rows, 1))]
+            if (has_lora)
+            else 0
         )
-        self._fill(
-            batch, bucket, input_ids, positions, out_cache_loc, kv_lens, kv_indices, lora_segments
-        )
-        entry = self.graphs.get((bucket, rows)) or self._capture(bucket, rows)
-        entry.graph.replay()
-        return entry.logits[:batch]
+        bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
+        if tokens == batch:
+            return GraphKey(bucket, bucket, rows)
+        if batch > self.extend_buckets[-1]:
+            return None
+        bucket = self.extend_buckets[bisect.bisect_left(self.extend_buckets, batch)]
+        need = tokens + bucket - batch  # padding requests take one token each
+        if need > EXTEND_TOKEN_BUCKETS[-1]:
+            return None
+        token_bucket = EXTEND_TOKEN_BUCKETS[bisect.bisect_left(EXTEND_TOKEN_BUCKETS, need)]
+        return GraphKey(bucket, max(token_bucket, bucket + 1), rows)
 
-    def _fill(
-        self, batch, bucket, input_ids, positions, out_cache_loc, kv_lens, kv_indices, lora_segments
-    ) -> None:
-        pad = bucket - batch
-        self.input_ids[:bucket].copy_(_host(np.pad(input_ids, (0, pad)), np.int64))
-        self.positions[:bucket].copy_(_host(np.pad(positions, (0, pad)), np.int64))
-        self.out_cache_loc[:bucket].copy_(_host(np.pad(out_cache_loc, (0, pad)), np.int64))
-        lens = np.concatenate([kv_lens, np.ones(pad, np.int64)])
-        self.kv_indptr[: bucket + 1].copy_(_host(np.concatenate([[0], np.cumsum(lens)]), np.int32))
-        indices = np.concatenate([kv_indices, np.zeros(pad, np.int64)])
-        self.kv_indices[: len(indices)].copy_(_host(indices, np.int32))
-        if lora_segments is None:
+    def static_forward(self, key: GraphKey, host: dict, lora_segments) -> torch.Tensor:
+        """What a graph replay computes, run eagerly: logits of each request's last token."""
+        self._fill(key, host, lora_segments)
+        return self.runner.model(self._static_batch(key))[: len(host["qo_lens"])]
+
+    def _fill(self, key: GraphKey, host: dict, lora_segments) -> None:
+        qo_lens = host["qo_lens"]
+        pad_reqs = key.batch - len(qo_lens)
+        pad_tokens = key.tokens - sum(qo_lens) - pad_reqs
+        self._copy(self.input_ids, _pad(host["input_ids"], pad_reqs + pad_tokens), np.int64)
+        self._copy(self.positions, _pad(host["positions"], pad_reqs + pad_tokens), np.int64)
+        self._copy(self.out_cache_loc, _pad(host["out_cache_loc"], pad_reqs + pad_tokens), np.int64)
+        qo = np.concatenate([qo_lens, np.ones(pad_reqs, np.int64)])
+        kv = np.concatenate([host["kv_lens"], np.ones(pad_reqs, np.int64)])
+        self._copy(self.qo_indptr, _indptr(qo), np.int32)
+        self._copy(self.kv_indptr, _indptr(kv), np.int32)
+        self._copy(self.logits_indices, np.cumsum(qo) - 1, np.int64)
+        self._copy(self.kv_indices, _pad(host["kv_indices"], pad_reqs), np.int32)
+        if lora_segments is None or not key.rows:
             return
         for group in MODULE_GROUPS:
             seg_rows, seg_scales = lora_segments[group]
-            counts = [len(r) for r in seg_rows] + [0] * pad
-            self.row_indptr[group][: bucket + 1].copy_(
-                _host(np.concatenate([[0], np.cumsum(counts)]), np.int32)
+            self._copy(
+                self.row_indptr[group],
+                _indptr(np.array([len(r) for r in seg_rows] + [0] * pad_reqs)),
+                np.int32,
             )
             flat = [r for rows in seg_rows for r in rows]
             if flat:
-                self.row_ids[group][: len(flat)].copy_(_host(np.asarray(flat), np.int32))
-                scales = np.asarray([s for ss in seg_scales for s in ss], np.float32)
-                self.row_scales[group][: len(flat)].copy_(_host(scales, np.float32))
+                self._copy(self.row_ids[group], np.asarray(flat), np.int32)
+                self._copy(
+                    self.row_scales[group],
+                    np.asarray([s for ss in seg_scales for s in ss]),
+                    np.float32,
+                )
 
-    def _static_batch(self, bucket: int, rows: int) -> ForwardBatch:
+    @staticmethod
+    def _copy(dst: torch.Tensor, values: np.ndarray, dtype) -> None:
+        src = torch.from_numpy(np.ascontiguousarray(values, dtype=dtype))
+        dst[: len(src)].copy_(src, non_blocking=False)
+
+    def _static_batch(self, key: GraphKey) -> ForwardBatch:
+        b, t, rows = key.batch, key.tokens, key.rows
         attn = TritonAttentionMeta(
-            self.qo_indptr[: bucket + 1], self.kv_indptr[: bucket + 1], self.kv_indices, 1, True
+            self.qo_indptr[: b + 1], self.kv_indptr[: b + 1], self.kv_indices, t - b + 1, key.decode
         )
         lora = None
         if rows:
+            n = b * rows + 1
             metas = {
                 g: LoraBatchMeta(
-                    self.seg_indptr[: bucket + 1],
-                    self.row_indptr[g][: bucket + 1],
-                    self.row_ids[g][: bucket * rows + 1],
-                    self.row_scales[g][: bucket * rows + 1],
-                    self.token_seg[:bucket],
-                    self.row_seg[: bucket * rows + 1],
+                    self.qo_indptr[: b + 1],
+                    self.row_indptr[g][: b + 1],
+                    self.row_ids[g][:n],
+                    self.row_scales[g][:n],
+                    self.token_seg[:t],
+                    self.row_seg[:n],
                     rows,
-                    1,
+                    t - b + 1,
                 )
                 for g in MODULE_GROUPS
             }
             lora = LoraContext(self.runner.adapter_pool, self.runner.lora_backend, metas)
         return ForwardBatch(
-            self.input_ids[:bucket],
-            self.positions[:bucket],
-            self.out_cache_loc[:bucket],
-            self.logits_indices[:bucket],
+            self.input_ids[:t],
+            self.positions[:t],
+            self.out_cache_loc[:t],
+            self.logits_indices[:b],
             self.runner.attn_backend,
             attn,
             lora,
         )
 
-    def _capture(self, bucket: int, rows: int) -> _Graph:
-        fb = self._static_batch(bucket, rows)
+    def _reset_inputs(self, key: GraphKey) -> None:
+        """Safe contents for warm-up and capture: padding requests only."""
+        self._fill(
+            key,
+            {
+                "qo_lens": [],
+                "kv_lens": np.zeros(0, np.int64),
+                "input_ids": np.zeros(0),
+                "positions": np.zeros(0),
+                "out_cache_loc": np.zeros(0),
+                "kv_indices": np.zeros(0),
+            },
+            None,
+        )
+        for group in MODULE_GROUPS:
+            self.row_indptr[group].zero_()
+
+
+class CudaGraphRunner(StaticInputs):
+    def __init__(self, runner, max_batch: int, max_context: int, max_rows: int):
+        super().__init__(runner, max_batch, max_context, max_rows)
+        self.graphs: dict[GraphKey, _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def forward(self, key: GraphKey, host: dict, lora_segments) -> torch.Tensor:
+        """Logits [batch, vocab] of each request's last token, by replaying key's graph."""
+        entry = self.graphs.get(key) or self._capture(key)  # capture resets the buffers
+        self._fill(key, host, lora_segments)
+        entry.graph.replay()
+        return entry.logits[: len(host["qo_lens"])]
+
+    def capture_decode(self) -> None:
+        """Capture every decode graph now (extend graphs are captured on first use)."""
+        for rows in self.row_buckets:
+            for bucket in reversed(self.buckets):
+                if GraphKey(bucket, bucket, rows) not in self.graphs:
+                    self._capture(GraphKey(bucket, bucket, rows))
+
+    def _capture(self, key: GraphKey) -> _Graph:
+        self._reset_inputs(key)
+        fb = self._static_batch(key)
         model = self.runner.model
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -156,15 +221,13 @@ class CudaGraphRunner:
         with torch.cuda.graph(graph, pool=self.pool):
             logits = model(fb)
         entry = _Graph(graph, logits)
-        self.graphs[(bucket, rows)] = entry
+        self.graphs[key] = entry
         return entry
 
 
-def _max_rows(lora_segments) -> int:
-    if lora_segments is None:
-        return 0
-    return max((len(r) for rows, _ in lora_segments.values() for r in rows), default=0)
+def _pad(values: np.ndarray, n: int) -> np.ndarray:
+    return np.concatenate([np.asarray(values), np.zeros(n, np.int64)])
 
 
-def _host(values: np.ndarray, dtype) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=dtype))
+def _indptr(counts: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(counts)])

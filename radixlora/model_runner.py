@@ -71,15 +71,11 @@ class ModelRunner:
         host = _host_inputs(plan)
         segments = _lora_segments(plan)
         sampled = [i for i in plan.items if i.sample]
-        if self._use_graph(plan, segments):
-            logits = self.graphs.forward(
-                host["input_ids"],
-                host["positions"],
-                host["out_cache_loc"],
-                host["kv_lens"],
-                host["kv_indices"],
-                segments,
-            )
+        key = self._graph_key(host, segments)
+        if key is not None:
+            logits = self.graphs.forward(key, host, segments)
+            if len(sampled) < len(plan.items):
+                logits = logits[[i.sample for i in plan.items]]
         else:
             logits = self.model(self._forward_batch(host, segments))
         if not sampled:
@@ -92,12 +88,11 @@ class ModelRunner:
             ]
         return StepOutput(out.token_ids.tolist(), out.logprobs.tolist(), top)
 
-    def _use_graph(self, plan: BatchPlan, segments) -> bool:
+    def _graph_key(self, host: dict, segments):
         if self.graphs is None:
-            return False
-        decode = all(len(i.extend_ids) == 1 and i.sample for i in plan.items)
+            return None
         rows = max((len(r) for rows, _ in (segments or {}).values() for r in rows), default=0)
-        return decode and self.graphs.fits(len(plan.items), rows)
+        return self.graphs.key_for(host["qo_lens"], rows, segments is not None)
 
     def _forward_batch(self, host: dict, segments) -> ForwardBatch:
         names = ("input_ids", "positions", "out_cache_loc", "kv_indices", "logits_indices")

@@ -85,6 +85,27 @@ def decode_step_ms(engine: Engine, batch: int, specs, prompt_len: int, new_token
     return 1e3 * statistics.median(decode)
 
 
+def graph_replay_ms(engine: Engine, rows: int) -> float:
+    """Device time of the batch-1 decode graph alone (no host work), median of 50 replays."""
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return float("nan")
+    from radixlora.cuda_graph import GraphKey
+
+    entry = graphs.graphs.get(GraphKey(1, 1, rows))
+    if entry is None:
+        return float("nan")
+    times = []
+    for _ in range(50):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        entry.graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def throughput(engine: Engine, n: int, specs, prompt_len: int, new_tokens: int, rng) -> dict:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     vocab = engine.model_cfg.vocab_size
@@ -142,7 +163,7 @@ def main() -> None:
     cfg, dev = engine.model_cfg, engine.runner.device
     start = time.perf_counter()
     if engine.runner.graphs is not None:
-        engine.runner.graphs.capture_all()
+        engine.runner.graphs.capture_decode()
     results["graph_capture_s"] = time.perf_counter() - start
     weight_bytes = sum(t.numel() * t.element_size() for t in engine.runner.model.parameters())
     results["weight_bytes"] = weight_bytes
@@ -153,10 +174,12 @@ def main() -> None:
     decode_step_ms(engine, 1, ["one"], 32, 8, rng)
     results["b_base_bs1_ms"] = decode_step_ms(engine, 1, [None], 128, 64 // scale, rng)
     results["b_one_adapter_bs1_ms"] = decode_step_ms(engine, 1, ["one"], 128, 64 // scale, rng)
+    results["b_graph_replay_bs1_ms"] = graph_replay_ms(engine, rows=0)
+    results["b_graph_replay_bs1_adapter_ms"] = graph_replay_ms(engine, rows=32)
     results["e_no_adapter_bs32_ms"] = decode_step_ms(engine, 32, [None], 128, 64 // scale, rng)
     bare = make_engine(path, args, **{**kw, "adapter_rows": 16, "kv_pages": 20_000})
     if bare.runner.graphs is not None:
-        bare.runner.graphs.capture_all()
+        bare.runner.graphs.capture_decode()
     decode_step_ms(bare, 32, [None], 32, 8, rng)
     results["e_lora_disabled_bs32_ms"] = decode_step_ms(bare, 32, [None], 128, 64 // scale, rng)
     del bare
@@ -186,7 +209,9 @@ def report(r: dict) -> None:
         ("b floor (weights / 4.24 TB/s) ms", r["floor_decode_ms"]),
         ("b base bs1 decode step ms", r["b_base_bs1_ms"]),
         ("b ratio to floor", r["b_base_bs1_ms"] / r["floor_decode_ms"]),
+        ("b graph replay only bs1 ms", r["b_graph_replay_bs1_ms"]),
         ("b one adapter bs1 ms", r["b_one_adapter_bs1_ms"]),
+        ("b graph replay only bs1 adapter ms", r["b_graph_replay_bs1_adapter_ms"]),
         ("b adapter / base", r["b_one_adapter_bs1_ms"] / r["b_base_bs1_ms"]),
         ("e no-adapter batch bs32 ms", r["e_no_adapter_bs32_ms"]),
         ("e LoRA-disabled engine bs32 ms", r["e_lora_disabled_bs32_ms"]),
