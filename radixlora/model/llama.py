@@ -7,12 +7,12 @@ forward batch's LoRA context, one batched op per projection. The model holds no 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixlora.config import ModelConfig
 from radixlora.forward_batch import ForwardBatch
-from radixlora.model.rope import RotaryEmbedding, apply_rotary
+from radixlora.model.ops import rms_norm, rotary, silu_mul
+from radixlora.model.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -21,10 +21,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """(norm(x + residual), x + residual): the residual add is fused into the norm."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -40,11 +39,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.q_dim, cfg.hidden_size, bias=cfg.o_bias)
         self.split = (cfg.q_dim, cfg.kv_dim, cfg.kv_dim)
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]):
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, inv_freq: torch.Tensor):
         qkv = fb.lora_project(self.qkv_proj, x, self.layer_id, "qkv")
         q, k, v = qkv.split(self.split, dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), *rope)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), *rope)
+        q, k = rotary(
+            q.view(-1, self.num_heads, self.head_dim),
+            k.view(-1, self.num_kv_heads, self.head_dim),
+            fb.positions,
+            inv_freq,
+        )
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         o = fb.attention(q, k, v, self.layer_id)
         return fb.lora_project(self.o_proj, o.reshape(-1, self.split[0]), self.layer_id, "o")
@@ -58,8 +61,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        gate, up = fb.lora_project(self.gate_up_proj, x, self.layer_id, "gate_up").chunk(2, dim=-1)
-        return fb.lora_project(self.down_proj, F.silu(gate) * up, self.layer_id, "down")
+        gate_up = fb.lora_project(self.gate_up_proj, x, self.layer_id, "gate_up")
+        return fb.lora_project(self.down_proj, silu_mul(gate_up), self.layer_id, "down")
 
 
 class DecoderLayer(nn.Module):
@@ -70,9 +73,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, layer_id)
 
-    def forward(self, h: torch.Tensor, fb: ForwardBatch, rope) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), fb, rope)
-        return h + self.mlp(self.post_attention_layernorm(h), fb)
+    def forward(self, h, residual, fb: ForwardBatch, inv_freq: torch.Tensor):
+        """(mlp output, residual stream before it); the residual adds live in the norms."""
+        x, residual = self.input_layernorm(h, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, fb, inv_freq), residual)
+        return self.mlp(x, fb), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -90,9 +95,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits (fp32) of the tokens at fb.logits_indices: [num_logits, vocab]."""
-        rope = self.rotary(fb.positions)
-        h = self.embed_tokens(fb.input_ids)
+        h, residual = self.embed_tokens(fb.input_ids), None
         for layer in self.layers:
-            h = layer(h, fb, rope)
-        h = self.norm(h[fb.logits_indices])
+            h, residual = layer(h, residual, fb, self.rotary.inv_freq)
+        h, _ = self.norm((h + residual)[fb.logits_indices])
         return self.lm_head(h).float()

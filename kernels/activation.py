@@ -1,0 +1,92 @@
+"""SiLU-and-multiply of a fused gate_up projection output (the Llama MLP activation)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .attention_extend import _interpreting
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_BLOCK = 1024
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """Pure-torch reference of `silu_and_mul` (radixlora.model.llama.MLP.forward)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, inter, stride_in, stride_out,
+                         BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate_ptrs = gate_up_ptr + row * stride_in + cols
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0)
+    up = tl.load(gate_ptrs + inter, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    # F.silu is x / (1 + exp(-x)) in fp32, rounded to the input dtype before the product
+    act = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype)
+    out = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_gate_up(gate_up: torch.Tensor) -> None:
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [T, 2 * I], got {tuple(gate_up.shape)}")
+    if gate_up.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"gate_up must be float16/bfloat16/float32, got {gate_up.dtype}")
+    if gate_up.shape[1] > 1 and gate_up.stride(1) != 1:
+        raise ValueError(f"gate_up rows must be contiguous, got strides {gate_up.stride()}")
+
+
+def _output(out: torch.Tensor | None, gate_up: torch.Tensor) -> torch.Tensor:
+    shape = (gate_up.shape[0], gate_up.shape[1] // 2)
+    if out is None:
+        return torch.empty(shape, dtype=gate_up.dtype, device=gate_up.device)
+    if out.shape != shape or out.dtype != gate_up.dtype or out.device != gate_up.device:
+        raise ValueError(
+            f"out must be {gate_up.dtype} {shape} on {gate_up.device}, got {out.dtype} "
+            f"{tuple(out.shape)} on {out.device}"
+        )
+    if shape[1] > 1 and out.stride(1) != 1:
+        raise ValueError(f"out rows must be contiguous, got strides {out.stride()}")
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Semantics:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    silu is computed in fp32 and rounded to gate_up's dtype, then the product is computed in
+    fp32 and rounded again, as the two eager torch ops do. exp is the GPU's fast exp2-based
+    one (torch's is libdevice expf): the fp32 silu may differ in its last bits, which reach a
+    bf16/fp16 output only when they move its rounding.
+
+    Args:
+        gate_up: [T, 2 * I] float16/bfloat16/float32 (T may be 0), rows of stride 1; gate is
+            the first half of each row, up the second.
+        out: [T, I] of gate_up's dtype, rows of stride 1 | None.
+
+    Returns:
+        out: [T, I], gate_up's dtype.
+    """
+    _check_gate_up(gate_up)
+    out = _output(out, gate_up)
+    num_tokens, inter = out.shape
+    if num_tokens == 0 or inter == 0:
+        return out
+    block = triton.next_power_of_2(inter)
+    if not _interpreting():  # the interpreter's cost is per program: one per row there
+        block = min(block, _MAX_BLOCK)
+    grid = (num_tokens, triton.cdiv(inter, block))
+    _silu_and_mul_kernel[grid](
+        gate_up, out, inter, gate_up.stride(0), out.stride(0),
+        BLOCK=block, num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,222 @@
+"""Fused elementwise kernels (RMSNorm, add + RMSNorm, rotary, SiLU-and-mul) vs pure-torch
+references that are checked against the model's own code.
+
+The Triton kernels run under TRITON_INTERPRET=1 on the CPU, in fp32 and fp16 only: the
+interpreter truncates fp32 -> bf16 instead of rounding to nearest even, so bf16 is checked on
+the GPU by scripts/bench_fused.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from radixlora.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from radixlora.kernels.rmsnorm import (  # noqa: E402
+    MAX_HIDDEN,
+    fused_add_rmsnorm,
+    fused_add_rmsnorm_ref,
+    rmsnorm,
+    rmsnorm_ref,
+)
+from radixlora.kernels.rotary import apply_rotary_, apply_rotary_ref  # noqa: E402
+
+from radixlora.config import RopeConfig  # noqa: E402
+from radixlora.model.llama import RMSNorm  # noqa: E402
+from radixlora.model.rope import RotaryEmbedding, apply_rotary, inv_frequencies  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+EPS = 1e-6
+LLAMA3_ROPE = RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0,
+                         original_max_position=64)  # fmt: skip
+POSITIONS = {0: [], 1: [100], 7: [0, 5, 100, 3, 2047, 1, 70000]}
+
+
+def randn(*shape: int, dtype=torch.float32, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    tol = TOL[torch.float16 if expected.dtype == torch.float16 else torch.float32]
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+
+
+def norm_weight(hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    return (1 + 0.2 * randn(hidden, seed=9)).to(dtype)
+
+
+# --- the references are the model's code ---------------------------------------------------
+
+
+def test_references_match_model_code():
+    x, gate_up = randn(5, 96), randn(5, 2 * 48, seed=1)
+    norm = RMSNorm(96, EPS)
+    with torch.no_grad():
+        norm.weight.copy_(norm_weight(96, torch.float32))
+        assert torch.equal(rmsnorm_ref(x, norm.weight, EPS), norm(x))
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(silu_and_mul_ref(gate_up), F.silu(gate) * up)
+
+    rope, positions = RotaryEmbedding(16, LLAMA3_ROPE), torch.tensor(POSITIONS[7])
+    cos, sin = rope(positions)
+    q, k = randn(7, 4, 16, dtype=torch.float16), randn(7, 2, 16, dtype=torch.float16, seed=1)
+    q_ref, k_ref = apply_rotary_ref(q, k, positions, rope.inv_freq)
+    assert torch.equal(q_ref, apply_rotary(q, cos, sin))
+    assert torch.equal(k_ref, apply_rotary(k, cos, sin))
+
+
+# --- rmsnorm --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [0, 1, 7])
+@pytest.mark.parametrize("hidden", [96, 128])
+def test_rmsnorm(dtype, num_tokens, hidden):
+    x, weight = randn(num_tokens, hidden, dtype=dtype, scale=3.0), norm_weight(hidden, dtype)
+    assert_close(rmsnorm(x, weight, EPS), rmsnorm_ref(x, weight, EPS))
+
+
+def test_rmsnorm_fp32_weight_promotes():
+    x, weight = randn(7, 96, dtype=torch.float16), norm_weight(96, torch.float32)
+    out = rmsnorm(x, weight, EPS)
+    assert out.dtype == torch.float32
+    assert_close(out, rmsnorm_ref(x, weight, EPS))
+
+
+def test_rmsnorm_max_hidden():
+    x, weight = randn(1, MAX_HIDDEN), norm_weight(MAX_HIDDEN, torch.float32)
+    assert_close(rmsnorm(x, weight, EPS), rmsnorm_ref(x, weight, EPS))
+
+
+def test_rmsnorm_strided_rows_and_in_place():
+    wide = randn(7, 128)
+    x, weight = wide[:, :96], norm_weight(96, torch.float32)
+    expected, tail = rmsnorm_ref(x, weight, EPS), wide[:, 96:].clone()
+    assert rmsnorm(x, weight, EPS, out=x) is x
+    assert_close(x, expected)
+    assert torch.equal(wide[:, 96:], tail)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [0, 1, 7])
+def test_fused_add_rmsnorm(dtype, num_tokens):
+    x, residual = randn(num_tokens, 96, dtype=dtype), randn(num_tokens, 96, dtype=dtype, seed=1)
+    weight = norm_weight(96, dtype)
+    normed, new_residual = fused_add_rmsnorm(x, residual, weight, EPS)
+    normed_ref, residual_ref = fused_add_rmsnorm_ref(x, residual, weight, EPS)
+    assert torch.equal(new_residual, residual_ref)
+    assert_close(normed, normed_ref)
+
+
+def test_fused_add_rmsnorm_in_place():
+    x, residual, weight = randn(7, 96), randn(7, 96, seed=1), norm_weight(96, torch.float32)
+    normed_ref, residual_ref = fused_add_rmsnorm_ref(x, residual, weight, EPS)
+    normed, new_residual = fused_add_rmsnorm(x, residual, weight, EPS, out=x,
+                                             residual_out=residual)  # fmt: skip
+    assert normed is x and new_residual is residual
+    assert torch.equal(residual, residual_ref)
+    assert_close(x, normed_ref)
+
+
+# --- rotary ---------------------------------------------------------------------------------
+
+
+def fused_qkv(num_tokens: int, hq: int, hk: int, head_dim: int, dtype: torch.dtype):
+    """(qkv, q, k): q [T, hq, D] and k [T, hk, D] are strided views of qkv, as the model's."""
+    qkv = randn(num_tokens, (hq + 2 * hk) * head_dim, dtype=dtype, scale=2.0)
+    q, k, _ = qkv.split((hq * head_dim, hk * head_dim, hk * head_dim), dim=-1)
+    return qkv, q.view(-1, hq, head_dim), k.view(-1, hk, head_dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [0, 1, 7])
+@pytest.mark.parametrize("head_dim", [16, 12])
+def test_rotary_gqa_views_of_fused_qkv(dtype, num_tokens, head_dim):
+    qkv, q, k = fused_qkv(num_tokens, 4, 2, head_dim, dtype)
+    positions = torch.tensor(POSITIONS[num_tokens], dtype=torch.int64)
+    inv_freq = inv_frequencies(head_dim, LLAMA3_ROPE)
+    q_ref, k_ref = apply_rotary_ref(q, k, positions, inv_freq)
+    v_before = qkv[:, 6 * head_dim :].clone()
+
+    assert apply_rotary_(q, k, positions, inv_freq) is None
+    assert_close(q, q_ref)
+    assert_close(k, k_ref)
+    assert torch.equal(qkv[:, 6 * head_dim :], v_before)
+    if dtype == torch.float16 and num_tokens:  # rounded op by op as eager torch rounds
+        assert (q == q_ref).float().mean() > 0.98 and (k == k_ref).float().mean() > 0.98
+
+
+def test_rotary_int32_positions_and_contiguous_heads():
+    q, k = randn(7, 4, 16), randn(7, 1, 16, seed=1)
+    positions = torch.tensor(POSITIONS[7], dtype=torch.int32)
+    inv_freq = inv_frequencies(16, RopeConfig())
+    q_ref, k_ref = apply_rotary_ref(q, k, positions, inv_freq)
+    apply_rotary_(q, k, positions, inv_freq)
+    assert_close(q, q_ref)
+    assert_close(k, k_ref)
+
+
+# --- silu_and_mul ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [0, 1, 7])
+def test_silu_and_mul(dtype, num_tokens):
+    gate_up = randn(num_tokens, 2 * 48, dtype=dtype, scale=3.0)
+    out, expected = silu_and_mul(gate_up), silu_and_mul_ref(gate_up)
+    assert_close(out, expected)
+    if dtype == torch.float16 and num_tokens:
+        assert (out == expected).float().mean() > 0.98
+
+
+def test_silu_and_mul_strided_rows_into_out():
+    gate_up = randn(7, 2 * 48 + 32, scale=3.0)[:, : 2 * 48]
+    out = torch.empty(7, 48)
+    assert silu_and_mul(gate_up, out=out) is out
+    assert_close(out, silu_and_mul_ref(gate_up))
+
+
+# --- launcher checks ------------------------------------------------------------------------
+
+X, W = randn(3, 8), norm_weight(8, torch.float32)
+X_WIDE, W_WIDE = torch.zeros(1, MAX_HIDDEN + 1), torch.ones(MAX_HIDDEN + 1)
+Q, K, POS, INV = randn(3, 4, 8), randn(3, 2, 8), torch.arange(3), torch.ones(4)
+BAD_CALLS = {
+    "rms x 1-D": lambda: rmsnorm(X[0], W, EPS),
+    "rms x int": lambda: rmsnorm(X.long(), W, EPS),
+    "rms weight shape": lambda: rmsnorm(X, W[:4], EPS),
+    "rms H too large": lambda: rmsnorm(X_WIDE, W_WIDE, EPS),
+    "rms x column-strided": lambda: rmsnorm(randn(8, 3).t(), W, EPS),
+    "rms out dtype": lambda: rmsnorm(X, W, EPS, out=torch.empty(3, 8, dtype=torch.float16)),
+    "rms out shape": lambda: rmsnorm(X, W, EPS, out=torch.empty(4, 8)),
+    "add residual dtype": lambda: fused_add_rmsnorm(X, X.half(), W, EPS),
+    "add residual shape": lambda: fused_add_rmsnorm(X, X[:2], W, EPS),
+    "rot q 2-D": lambda: apply_rotary_(Q.flatten(1), K, POS, INV),
+    "rot k head_dim": lambda: apply_rotary_(Q, randn(3, 2, 6), POS, torch.ones(3)),
+    "rot k dtype": lambda: apply_rotary_(Q, K.half(), POS, INV),
+    "rot k tokens": lambda: apply_rotary_(Q, K[:2], POS, INV),
+    "rot odd head_dim": lambda: apply_rotary_(randn(3, 4, 7), randn(3, 2, 7), POS, torch.ones(3)),
+    "rot positions float": lambda: apply_rotary_(Q, K, POS.float(), INV),
+    "rot positions length": lambda: apply_rotary_(Q, K, POS[:2], INV),
+    "rot inv_freq length": lambda: apply_rotary_(Q, K, POS, torch.ones(8)),
+    "rot inv_freq fp64": lambda: apply_rotary_(Q, K, POS, INV.double()),
+    "rot q head_dim stride": lambda: apply_rotary_(randn(3, 8, 4).transpose(1, 2), K, POS, INV),
+    "silu 1-D": lambda: silu_and_mul(X[0]),
+    "silu odd width": lambda: silu_and_mul(randn(3, 7)),
+    "silu int": lambda: silu_and_mul(X.long()),
+    "silu out shape": lambda: silu_and_mul(X, out=torch.empty(3, 8)),
+    "silu out dtype": lambda: silu_and_mul(X, out=torch.empty(3, 4, dtype=torch.float16)),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CALLS))
+def test_launcher_rejects(name):
+    with pytest.raises(ValueError):
+        BAD_CALLS[name]()
