@@ -68,6 +68,8 @@ class KVAllocator:
             raise MemoryError(f"KV pool exhausted: need {num_pages} pages, {len(self._free)} free")
         pages = np.array([self._free.pop() for _ in range(num_pages)], dtype=np.int32)
         self._is_free[pages] = False
+        if self.page_size == 1:
+            return pages
         offsets = np.arange(self.page_size, dtype=np.int32)
         return (pages[:, None] * self.page_size + offsets[None, :]).reshape(-1)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +27,7 @@ class AdapterSet:
     def adapters(self) -> list[LoraAdapter]:
         return [a for a, _ in self.entries]
 
-    @property
+    @functools.cached_property
     def key(self) -> tuple[tuple[str, float], ...]:
         return tuple((a.adapter_id, w) for a, w in self.entries)
 
@@ -64,7 +65,8 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    kv_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    slot_buf: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    num_slots: int = 0  # slots held (whole pages); slot_buf grows geometrically
     kv_len: int = 0  # tokens whose KV is computed
     cached_len: int = 0  # leading kv_slots owned by the radix tree (locked through last_node)
     last_node: object = None
@@ -72,6 +74,24 @@ class Req:
     cached_tokens: int = 0  # prefix tokens served from the cache at first admission
     finish_reason: str | None = None
     num_retractions: int = 0
+
+    @property
+    def kv_slots(self) -> np.ndarray:
+        """KV slot of every position this request holds (a view: writes go through)."""
+        return self.slot_buf[: self.num_slots]
+
+    def set_slots(self, slots: np.ndarray) -> None:
+        self.slot_buf = np.array(slots, dtype=np.int32)
+        self.num_slots = len(slots)
+
+    def append_slots(self, slots: np.ndarray) -> None:
+        end = self.num_slots + len(slots)
+        if end > len(self.slot_buf):
+            grown = np.zeros(max(end, 2 * len(self.slot_buf)), np.int32)
+            grown[: self.num_slots] = self.kv_slots
+            self.slot_buf = grown
+        self.slot_buf[self.num_slots : end] = slots
+        self.num_slots = end
 
     @property
     def fill_ids(self) -> np.ndarray:

@@ -199,10 +199,10 @@ class Scheduler:
     def _lora_rows(self, req: Req) -> dict[str, tuple[list[int], list[float]]]:
         rows: dict[str, tuple[list[int], list[float]]] = {}
         for adapter, weight in req.adapter_set.entries:
-            pool_rows = self.residency.rows_of(adapter.adapter_id)
+            group_rows = self.residency.group_rows(adapter.adapter_id)
             for group, rank in adapter.group_ranks.items():
                 ids, scales = rows.setdefault(group, ([], []))
-                ids += pool_rows[:rank].tolist()
+                ids += group_rows[group]
                 scales += [weight] * rank
         return rows
 
@@ -213,7 +213,7 @@ class Scheduler:
             return
         match = self.tree.match_prefix(req.namespace, req.fill_ids[: req.fill_len - 1])
         cached = len(match.kv_slots)
-        req.kv_slots = match.kv_slots.astype(np.int32, copy=True)
+        req.set_slots(match.kv_slots)
         req.kv_len = req.cached_len = cached
         if req.num_retractions == 0:
             req.cached_tokens = cached
@@ -222,14 +222,14 @@ class Scheduler:
             self.tree.inc_lock_ref(match.last_node)
 
     def _reserve_kv(self, req: Req, n: int) -> bool:
-        need = self.kv.pages_for(req.kv_len + n) - len(req.kv_slots) // self.kv.page_size
+        need = self.kv.pages_for(req.kv_len + n) - req.num_slots // self.kv.page_size
         if need <= 0:
             return True
         if not self.kv.can_alloc(need) and self.tree is not None:
             self.tree.evict(need * self.kv.page_size - self.kv.free_tokens(), self.kv.free)
         if not self.kv.can_alloc(need):
             return False
-        req.kv_slots = np.concatenate([req.kv_slots, self.kv.alloc(need)])
+        req.append_slots(self.kv.alloc(need))
         return True
 
     def _release_kv(self, req: Req) -> None:
@@ -237,7 +237,7 @@ class Scheduler:
         self.kv.free(req.kv_slots[req.cached_len :])
         if req.last_node is not None:
             self.tree.dec_lock_ref(req.last_node)
-        req.kv_slots = np.zeros(0, np.int32)
+        req.set_slots(np.zeros(0, np.int32))
         req.kv_len = req.cached_len = 0
         req.last_node = None
 

@@ -95,6 +95,7 @@ class ResidentAdapter:
     rows: np.ndarray
     refs: int = 0
     pinned: bool = False
+    group_rows: dict[str, list[int]] | None = None
 
 
 class AdapterResidency:
@@ -110,6 +111,14 @@ class AdapterResidency:
 
     def rows_of(self, adapter_id: str) -> np.ndarray:
         return self.resident[adapter_id].rows
+
+    def group_rows(self, adapter_id: str) -> dict[str, list[int]]:
+        """Pool rows each module group of a resident adapter uses (its first group-rank rows)."""
+        entry = self.resident[adapter_id]
+        if entry.group_rows is None:
+            rows = entry.rows.tolist()
+            entry.group_rows = {g: rows[:r] for g, r in entry.adapter.group_ranks.items()}
+        return entry.group_rows
 
     def can_acquire(self, adapters: list[LoraAdapter]) -> bool:
         missing = sum(a.rank for a in adapters if a.adapter_id not in self.resident)
