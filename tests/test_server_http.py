@@ -5,6 +5,7 @@ disconnects every KV slot must be free."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 
@@ -16,6 +17,7 @@ import zmq
 
 from radixlora import Engine, SamplingParams
 from radixlora.server.client import RequestError, RuntimeClient
+from radixlora.tiny import build_tiny_adapter
 from tests.server_harness import (
     MODEL_NAME,
     ServerProcess,
@@ -39,9 +41,16 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(checkpoints, tmp_path_factory):
+def fickle(checkpoints, tmp_path_factory):
+    """An adapter whose files test_adapter_changed_on_disk rewrites after start-up."""
+    return build_tiny_adapter(checkpoints[0], tmp_path_factory.mktemp("fickle"), rank=4, seed=9)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints, fickle, tmp_path_factory):
     model, adapters = checkpoints
-    proc = ServerProcess(model, adapters, tmp_path_factory.mktemp("logs") / "server.log")
+    proc = ServerProcess(model, {**adapters, "fickle": fickle},
+                         tmp_path_factory.mktemp("logs") / "server.log")
     try:
         proc.wait_ready()
         yield proc
@@ -205,11 +214,15 @@ def test_sglang_generate(server):
                 texts.append(msgspec.json.decode(line[6:])["text"])
     assert texts[-1] == outs[0]["text"]
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # cumulative, as SGLang
+    prefix = server.http.post("/generate", json={"text": "The quick",
+                                                 "sampling_params": {"max_new_tokens": 0}})
+    assert prefix.json()["meta_info"]["prompt_tokens"] == outs[0]["meta_info"]["prompt_tokens"]
+    assert prefix.json()["text"] == ""  # RuntimeEndpoint.cache_prefix
 
 
 def test_models_and_model_info(client, server):
     ids = {m.id for m in client.models.list().data}
-    assert ids == {MODEL_NAME, "support", "legal"}
+    assert {MODEL_NAME, "support", "legal"} <= ids <= {MODEL_NAME, "support", "legal", "fickle"}
     info = server.http.get("/get_model_info").json()
     assert info["is_generation"] and info["model_path"].endswith(MODEL_NAME)
 
@@ -239,6 +252,20 @@ def test_metrics(server, client):
                  "radixlora_inter_token_latency_seconds_bucket",
                  "radixlora_kv_usage_ratio", "radixlora_radix_hit_rate"):
         assert name in text, name
+
+
+def test_adapter_changed_on_disk_fails_only_its_requests(server, checkpoints, fickle, tmp_path):
+    other = build_tiny_adapter(checkpoints[0], tmp_path / "other", rank=4, seed=10)
+    shutil.copy(other / "adapter_model.safetensors", fickle / "adapter_model.safetensors")
+    body = {"model": "fickle", "prompt": "hi", "max_tokens": 3}
+    resp = server.http.post("/v1/completions", json=body)
+    assert resp.status_code == 500
+    assert resp.json()["error"]["code"] == "adapter_load_failed"
+    assert server.http.post("/v1/completions", json={**body, "model": "support"}).status_code == 200
+    ids = {m["id"] for m in server.http.get("/v1/models").json()["data"]}
+    assert "fickle" not in ids and "support" in ids
+    assert server.http.post("/v1/completions", json=body).status_code == 404
+    assert_all_kv_free(server.wait_idle())
 
 
 # ---- errors ------------------------------------------------------------------------------------

@@ -1,0 +1,185 @@
+"""The HTTP app (Starlette routes, orjson responses, OpenAI-shaped errors) over a Runtime."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import time
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from radixlora.errors import InvalidRequestError
+from radixlora.server.args import ServerArgs
+from radixlora.server.http import (
+    ClientGone,
+    HttpError,
+    error_response,
+    json_response,
+    read_json,
+)
+from radixlora.server.metrics import Metrics
+from radixlora.server.openai_api import OpenAIHandlers
+from radixlora.server.protocol import ChatRequest, CompletionRequest, GenerateRequest
+from radixlora.server.runtime import (
+    DuplicateRequestId,
+    Health,
+    ReqFailed,
+    Runtime,
+    ServiceUnavailable,
+)
+from radixlora.server.sglang_api import SglangHandlers
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED = 499
+
+
+def guarded(fn):
+    """Turn every expected failure into an OpenAI-shaped error response."""
+
+    @functools.wraps(fn)
+    async def wrapper(self, request: Request) -> Response:
+        try:
+            return await fn(self, request)
+        except HttpError as e:
+            return self.error(e.status, e.message, e.code, e.param)
+        except InvalidRequestError as e:
+            return self.error(400, e.message, e.code, e.param)
+        except ReqFailed as e:
+            err = e.error
+            return self.error(err.status, err.message, err.code, err.param)
+        except DuplicateRequestId as e:
+            return self.error(409, str(e), "duplicate_request_id", "rid")
+        except ServiceUnavailable as e:
+            return self.error(503, e.message, "unavailable")
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        except Exception:
+            log.exception("unexpected failure in %s", request.url.path)
+            return self.error(500, "internal server error (logged)", "internal_error")
+
+    return wrapper
+
+
+class Api:
+    def __init__(self, args: ServerArgs, runtime: Runtime, metrics: Metrics, vocab_size: int,
+                 pids: dict[str, int]):
+        self.args = args
+        self.runtime = runtime
+        self.metrics = metrics
+        self.pids = pids
+        self.started = time.time()
+        self.openai = OpenAIHandlers(runtime, args.model_name, vocab_size)
+        self.sglang = SglangHandlers(runtime, args.model_name, vocab_size)
+
+    def error(self, status: int, message: str, code: str, param: str | None = None) -> Response:
+        self.metrics.on_error(code)
+        return error_response(status, message, code, param)
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/health_generate", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/generate", self.generate, methods=["POST"]),
+            Route("/get_model_info", self.model_info, methods=["GET"]),
+            Route("/get_server_info", self.server_info, methods=["GET"]),
+            Route("/flush_cache", self.flush_cache, methods=["POST"]),
+            Route("/abort_request", self.abort_request, methods=["POST"]),
+        ]
+        return Starlette(routes=routes)
+
+    # ---- endpoints ---------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        health = self.runtime.health
+        if health is Health.OK:
+            return json_response({"status": "ok"})
+        message = self.runtime.dead_reason or f"the server is {health.value}"
+        return error_response(503, message, health.value)
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @guarded
+    async def models(self, request: Request) -> Response:
+        info = await self.runtime.query_info()
+        base = self.args.model_name
+        created = int(self.started)
+        data = [{"id": base, "object": "model", "created": created, "owned_by": "radixlora",
+                 "root": self.args.model, "parent": None}]
+        data += [
+            {"id": a["name"], "object": "model", "created": created, "owned_by": "radixlora",
+             "root": a["path"], "parent": base, "adapter_id": a["adapter_id"], "rank": a["rank"]}
+            for a in info["adapters"]
+        ]
+        return json_response({"object": "list", "data": data})
+
+    @guarded
+    async def completions(self, request: Request) -> Response:
+        self.runtime.check_accepting()
+        req = await read_json(request, CompletionRequest, self.args.max_body_bytes)
+        return await self.openai.completions(request, req)
+
+    @guarded
+    async def chat(self, request: Request) -> Response:
+        self.runtime.check_accepting()
+        req = await read_json(request, ChatRequest, self.args.max_body_bytes)
+        return await self.openai.chat(request, req)
+
+    @guarded
+    async def generate(self, request: Request) -> Response:
+        self.runtime.check_accepting()
+        req = await read_json(request, GenerateRequest, self.args.max_body_bytes)
+        return await self.sglang.generate(request, req)
+
+    async def model_info(self, request: Request) -> Response:
+        return json_response({
+            "model_path": self.args.model,
+            "tokenizer_path": self.args.model,
+            "served_model_name": self.args.model_name,
+            "is_generation": True,
+        })
+
+    @guarded
+    async def server_info(self, request: Request) -> Response:
+        scheduler = await self.runtime.query_info()
+        return json_response({
+            "version": "0.1.0",
+            "model_path": self.args.model,
+            "served_model_name": self.args.model_name,
+            "host": self.args.host,
+            "port": self.args.port,
+            "engine": dataclasses.asdict(self.args.engine_config()),
+            "zmq_client_endpoint": self.args.endpoints.client,
+            "zmq_endpoints": msgspec.structs.asdict(self.args.endpoints),
+            "pids": {"api": os.getpid(), **self.pids},
+            "health": self.runtime.health.value,
+            "open_generations": len(self.runtime.generations),
+            "scheduler": scheduler,
+        })
+
+    @guarded
+    async def flush_cache(self, request: Request) -> Response:
+        info = await self.runtime.query_info(flush_cache=True)
+        return json_response({"kv_free_tokens": info["kv_free_tokens"]})
+
+    @guarded
+    async def abort_request(self, request: Request) -> Response:
+        body = await read_json(request, dict, self.args.max_body_bytes)
+        rid = body.get("rid")
+        if not isinstance(rid, str) or not rid:
+            raise InvalidRequestError("rid must be a non-empty string", param="rid")
+        if not self.runtime.cancel(rid):
+            raise HttpError(404, f"no request with id {rid!r} is in flight", "unknown_request_id",
+                            "rid")
+        return json_response({"aborted": rid})

@@ -1,0 +1,71 @@
+"""ServerArgs: everything `radixlora serve` was asked for, frozen, handed to every child process
+as JSON (its only start-up input besides the environment)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import msgspec
+
+from radixlora.config import EngineConfig
+
+ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"extra"}
+
+
+class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
+    """ZeroMQ addresses (ipc:// in a private directory, or tcp://127.0.0.1)."""
+
+    launcher: str
+    api: str
+    tokenizer: str
+    scheduler: str
+    worker: str
+    client: str
+
+    @classmethod
+    def in_dir(cls, directory: str | Path, client: str | None = None) -> Endpoints:
+        def ipc(name: str) -> str:
+            return f"ipc://{Path(directory) / name}"
+
+        return cls(
+            launcher=ipc("launcher"),
+            api=ipc("api"),
+            tokenizer=ipc("tokenizer"),
+            scheduler=ipc("scheduler"),
+            worker=ipc("worker"),
+            client=client or ipc("client"),
+        )
+
+
+class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    adapters: dict[str, str] = {}
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    zmq_client_port: int | None = None
+    engine: dict[str, object] = {}  # EngineConfig overrides
+    drain_timeout_s: float = 30.0
+    ready_timeout_s: float = 300.0
+    max_body_bytes: int = 8 << 20
+    log_level: str = "info"
+    endpoints: Endpoints | None = None
+    launcher_pid: int = 0
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).resolve().name
+
+    def engine_config(self) -> EngineConfig:
+        unknown = set(self.engine) - ENGINE_FIELDS
+        if unknown:
+            raise ValueError(f"unknown engine options: {sorted(unknown)}")
+        return EngineConfig(**self.engine)
+
+    def to_json(self) -> str:
+        return msgspec.json.encode(self).decode()
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> ServerArgs:
+        return msgspec.json.decode(raw, type=cls)

@@ -1,0 +1,131 @@
+"""ZeroMQ plumbing shared by the processes: an inbox (PULL, bound) that drops bytes which are
+not a valid message, outboxes (PUSH, connected), and the start-up of a child process."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import msgspec
+import zmq
+
+from radixlora.errors import RadixLoraError
+from radixlora.server.args import ServerArgs
+from radixlora.server.messages import Codec, Message, Ready
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+PARENT_POLL_S = 1.0
+
+
+def check_local(endpoint: str) -> None:
+    """Only ipc:// or loopback tcp: nothing is ever reachable from another machine."""
+    if endpoint.startswith("ipc://") or endpoint.startswith("tcp://127.0.0.1:"):
+        return
+    raise ValueError(f"refusing ZeroMQ endpoint {endpoint!r}: use ipc:// or tcp://127.0.0.1")
+
+
+class Inbox:
+    """A bound PULL socket decoding one inbox union; garbage is logged and skipped."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, inbox_type):
+        check_local(endpoint)
+        self.sock = ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.codec = Codec(inbox_type)
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self.sock.poll(timeout_ms))
+
+    def recv(self):
+        """Blocking receive of the next valid message."""
+        while True:
+            msg = self.codec.decode(self.sock.recv())
+            if msg is not None:
+                return msg
+
+    def recv_nowait(self) -> list:
+        """Every valid message already queued."""
+        out = []
+        while True:
+            try:
+                raw = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            msg = self.codec.decode(raw)
+            if msg is not None:
+                out.append(msg)
+
+
+class Outbox:
+    """A connected PUSH socket."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str):
+        check_local(endpoint)
+        self.sock = ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(endpoint)
+        self.encoder = msgspec.msgpack.Encoder()
+
+    def send(self, msg: Message) -> None:
+        self.sock.send(self.encoder.encode(msg))
+
+
+def setup_logging(level: str, proc: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s [{proc}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Exit when the launcher goes, however it goes (SIGKILL included): no orphans."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent_pid and os.getppid() != parent_pid:
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    if parent_pid:
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def child_main(proc: str, run) -> None:
+    """Entry point of a child: `python -m radixlora.server.X ARGS_JSON`."""
+    args = ServerArgs.from_json(sys.argv[1])
+    setup_logging(args.log_level, proc)
+    die_with_parent(args.launcher_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when children stop
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    ctx = zmq.Context()
+    try:
+        run(args, ctx)
+    except SystemExit:
+        raise
+    except RadixLoraError as e:
+        log.error("%s process cannot start: %s", proc, e)
+        sys.exit(1)
+    except BaseException:
+        log.exception("%s process failed", proc)
+        sys.exit(1)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def send_ready(ctx: zmq.Context, args: ServerArgs, proc: str, info: dict | None = None) -> None:
+    out = Outbox(ctx, args.endpoints.launcher)
+    out.send(Ready(proc=proc, pid=os.getpid(), info=info or {}))
+    out.sock.close(linger=1000)

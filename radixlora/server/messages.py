@@ -1,0 +1,236 @@
+"""Typed messages between the server processes: msgspec Structs tagged per kind, encoded with
+msgpack. Each process has one inbox (a PULL socket) whose union type lists what it accepts;
+token id arrays travel as raw little-endian int32 bytes. Nothing is ever pickled.
+
+Channels (sender -> receiver: messages):
+  api -> tokenizer:        GenerateReq, AbortReq
+  tokenizer -> scheduler:  TokenizedReq, AbortReq
+  api -> scheduler:        InfoQuery
+  scheduler -> worker:     PlanMsg
+  worker -> scheduler:     StepResult
+  scheduler -> tokenizer:  TokenBatch, ReqError
+  tokenizer -> api:        OutputBatch, ReqError
+  scheduler -> api:        InfoReply, SchedulerStats
+  child -> launcher:       Ready
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import numpy as np
+
+from radixlora.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def ids_to_bytes(ids) -> bytes:
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def bytes_to_ids(raw: bytes) -> np.ndarray:
+    if len(raw) % 4:
+        raise ValueError(f"an int32 array needs a multiple of 4 bytes, got {len(raw)}")
+    return np.frombuffer(raw, dtype="<i4").astype(np.int32)
+
+
+class Message(msgspec.Struct, tag=True, kw_only=True):
+    """Base of every message; the class name is its tag."""
+
+
+# ---- api -> tokenizer ------------------------------------------------------------------------
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str
+
+
+class AdapterChoice(msgspec.Struct, array_like=True):
+    name: str
+    weight: float = 1.0
+
+
+class GenerateReq(Message):
+    """One prompt of one HTTP/ZMQ request. Exactly one of prompt, input_ids, messages is set.
+    fill_context: params.max_tokens is replaced by what the context leaves after the prompt."""
+
+    rid: str
+    params: SamplingParams
+    fill_context: bool = False
+    prompt_only: bool = False  # tokenize and answer with no tokens (SGLang max_new_tokens=0)
+    prompt: str | None = None
+    input_ids: bytes | None = None
+    messages: list[ChatMessage] | None = None
+    adapters: list[AdapterChoice] | None = None
+    stop: list[str] = []
+    token_texts: bool = False  # attach per-token strings (for logprobs)
+
+
+class AbortReq(Message):
+    rid: str
+    index: int | None = None  # one sample of an n > 1 request, or all of them
+
+
+# ---- tokenizer -> scheduler ------------------------------------------------------------------
+
+
+class TokenizedReq(Message):
+    rid: str
+    input_ids: bytes
+    params: SamplingParams
+    adapters: list[AdapterChoice] | None = None
+
+
+# ---- scheduler <-> worker --------------------------------------------------------------------
+
+
+class PlanItem(msgspec.Struct, array_like=True):
+    rid: str
+    extend_ids: bytes  # int32: tokens whose KV this step computes
+    start: int  # position of extend_ids[0]
+    kv_slots: bytes  # int32: the request's KV slots for positions [0, start + len(extend_ids))
+    sample: bool
+    params: SamplingParams
+    seed: int
+    step: int  # index of the output token sampled (number of outputs so far)
+    lora_key: int  # index into PlanMsg.lora_rows
+
+
+class AdapterLoad(msgspec.Struct, array_like=True):
+    adapter_id: str  # content hash; the worker checks the files it reads still hash to it
+    name: str
+    path: str
+    rows: bytes  # int32 pool rows
+
+
+class GroupRows(msgspec.Struct, array_like=True):
+    rows: list[int]
+    scales: list[float]
+
+
+class PlanMsg(Message):
+    step: int
+    items: list[PlanItem]
+    adapter_loads: list[AdapterLoad] = []
+    lora_rows: list[dict[str, GroupRows]] = []  # per adapter set: module group -> rows
+
+
+class StepResult(Message):
+    step: int
+    token_ids: bytes = b""  # int32, one per sampled item in plan order
+    logprobs: list[float] = []
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+    failed_adapters: dict[str, str] = {}  # adapter id -> reason; the step did not run
+    error: str | None = None  # the step did not run
+
+
+# ---- scheduler -> tokenizer -> api -----------------------------------------------------------
+
+
+class TokenOut(msgspec.Struct, array_like=True):
+    rid: str
+    index: int
+    token_ids: bytes  # int32, new tokens since the last TokenOut of this sample
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]] | None
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class TokenBatch(Message):
+    outputs: list[TokenOut]
+
+
+class ReqError(Message):
+    rid: str
+    message: str
+    code: str = "invalid_request"
+    param: str | None = None
+    status: int = 400
+
+
+class SampleOutput(msgspec.Struct, array_like=True):
+    """New output of one sample: text and tokens since the previous SampleOutput."""
+
+    rid: str
+    index: int
+    text: str
+    token_ids: bytes
+    logprobs: list[float]
+    token_texts: list[str] | None
+    top: list[list[tuple[int, float, str]]] | None
+    finish_reason: str | None
+    matched_stop: str | int | None
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class OutputBatch(Message):
+    outputs: list[SampleOutput]
+
+
+# ---- control ---------------------------------------------------------------------------------
+
+
+class InfoQuery(Message):
+    qid: int
+    flush_cache: bool = False
+
+
+class AdapterInfo(msgspec.Struct, kw_only=True):
+    name: str
+    adapter_id: str
+    path: str
+    rank: int
+
+
+class InfoReply(Message):
+    qid: int
+    info: dict
+
+
+class SchedulerStats(Message):
+    kv_capacity: int
+    kv_used: int
+    kv_cached: int
+    running: int
+    waiting: int
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class Ready(Message):
+    proc: str
+    pid: int
+    info: dict = {}
+
+
+ApiInbox = OutputBatch | ReqError | InfoReply | SchedulerStats
+TokenizerInbox = GenerateReq | AbortReq | TokenBatch | ReqError
+SchedulerInbox = TokenizedReq | AbortReq | InfoQuery | StepResult
+WorkerInbox = PlanMsg
+LauncherInbox = Ready
+
+
+class Codec:
+    """msgpack encoder plus a decoder for one inbox type."""
+
+    def __init__(self, inbox_type):
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(inbox_type)
+
+    def encode(self, msg: Message) -> bytes:
+        return self.encoder.encode(msg)
+
+    def decode(self, raw: bytes):
+        """The message, or None (logged) for bytes that are not a valid message."""
+        try:
+            return self.decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("dropped %d bytes that are not a valid message: %s", len(raw), e)
+            return None

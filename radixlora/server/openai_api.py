@@ -1,0 +1,197 @@
+"""OpenAI-compatible /v1/completions and /v1/chat/completions (streaming or not)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+
+from radixlora.server.http import (
+    SSE_DONE,
+    EventStream,
+    json_response,
+    sse,
+    stream_body,
+    until_disconnect,
+)
+from radixlora.server.messages import GenerateReq, SampleOutput, ids_to_bytes
+from radixlora.server.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    adapter_choices,
+    adapter_label,
+    chat_messages,
+    chat_params,
+    completion_params,
+    completion_prompts,
+    stop_list,
+)
+from radixlora.server.runtime import Generation, Runtime, Sample
+
+
+class OpenAIHandlers:
+    def __init__(self, runtime: Runtime, model_name: str, vocab_size: int):
+        self.runtime = runtime
+        self.model_name = model_name
+        self.vocab_size = vocab_size
+
+    # ---- /v1/completions ---------------------------------------------------------------------
+
+    def completion_reqs(self, req: CompletionRequest, rid: str) -> tuple[list[GenerateReq], str]:
+        params = completion_params(req, self.vocab_size)
+        choices = adapter_choices(req.model, self.model_name, req.adapters)
+        stops = stop_list(req.stop)
+        reqs = []
+        for p, prompt in enumerate(completion_prompts(req.prompt)):
+            text, ids = (prompt, None) if isinstance(prompt, str) else (None, ids_to_bytes(prompt))
+            reqs.append(GenerateReq(
+                rid=f"{rid}-{p}", params=params, fill_context=req.max_tokens is None, prompt=text,
+                input_ids=ids, adapters=choices, stop=stops, token_texts=req.logprobs is not None,
+            ))
+        return reqs, adapter_label(choices)
+
+    async def completions(self, request: Request, req: CompletionRequest):
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        reqs, label = self.completion_reqs(req, rid)
+        gens = self.runtime.submit(reqs, label)
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()),
+                "model": req.model}
+        if req.stream:
+            return await self._stream(request, gens, self._completion_chunks(gens, head, req))
+        await until_disconnect(request, self.runtime.collect(gens))
+        n = req.n
+        choices = [
+            {
+                "index": p * n + s.index,
+                "text": s.text,
+                "logprobs": completion_logprobs(s) if req.logprobs is not None else None,
+                "finish_reason": s.finish_reason,
+            }
+            for p, gen in enumerate(gens)
+            for s in sorted(gen.samples.values(), key=lambda s: s.index)
+        ]
+        return json_response({**head, "choices": choices, "usage": usage(gens)})
+
+    async def _completion_chunks(self, gens, head, req) -> AsyncIterator[bytes]:
+        offsets: dict[int, int] = {}
+        async for p, out in self.runtime.events(gens):
+            index = p * req.n + out.index
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(_as_sample(out), offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + len(out.text)
+            choice = {"index": index, "text": out.text, "logprobs": logprobs,
+                      "finish_reason": out.finish_reason}
+            yield sse({**head, "choices": [choice]})
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield sse({**head, "choices": [], "usage": usage(gens)})
+        yield SSE_DONE
+
+    # ---- /v1/chat/completions ----------------------------------------------------------------
+
+    def chat_req(self, req: ChatRequest, rid: str) -> tuple[GenerateReq, str]:
+        params = chat_params(req, self.vocab_size)
+        choices = adapter_choices(req.model, self.model_name, req.adapters)
+        max_tokens = req.max_tokens if req.max_completion_tokens is None else (
+            req.max_completion_tokens)
+        gen = GenerateReq(
+            rid=rid, params=params, fill_context=max_tokens is None,
+            messages=chat_messages(req.messages),
+            adapters=choices, stop=stop_list(req.stop), token_texts=req.logprobs,
+        )
+        return gen, adapter_label(choices)
+
+    async def chat(self, request: Request, req: ChatRequest):
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        gen_req, label = self.chat_req(req, rid)
+        gens = self.runtime.submit([gen_req], label)
+        head = {"id": rid, "object": "chat.completion", "created": int(time.time()),
+                "model": req.model}
+        if req.stream:
+            head["object"] = "chat.completion.chunk"
+            return await self._stream(request, gens, self._chat_chunks(gens, head, req))
+        await until_disconnect(request, self.runtime.collect(gens))
+        choices = [
+            {
+                "index": s.index,
+                "message": {"role": "assistant", "content": s.text},
+                "logprobs": chat_logprobs(s) if req.logprobs else None,
+                "finish_reason": s.finish_reason,
+            }
+            for s in sorted(gens[0].samples.values(), key=lambda s: s.index)
+        ]
+        return json_response({**head, "choices": choices, "usage": usage(gens)})
+
+    async def _chat_chunks(self, gens, head, req) -> AsyncIterator[bytes]:
+        started: set[int] = set()
+        async for _, out in self.runtime.events(gens):
+            if out.index not in started:
+                started.add(out.index)
+                first = {"index": out.index, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None}
+                yield sse({**head, "choices": [first]})
+            delta = {"content": out.text} if out.text else {}
+            logprobs = chat_logprobs(_as_sample(out)) if req.logprobs else None
+            choice = {"index": out.index, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": out.finish_reason}
+            yield sse({**head, "choices": [choice]})
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield sse({**head, "choices": [], "usage": usage(gens)})
+        yield SSE_DONE
+
+    # ---- shared ------------------------------------------------------------------------------
+
+    async def _stream(self, request: Request, gens: list[Generation], chunks):
+        """Wait for the first chunk before answering 200, so that errors found by the tokenizer
+        or scheduler (unknown adapter, context length) are still proper 4xx responses."""
+        first = await until_disconnect(request, chunks.__anext__())
+        return EventStream(stream_body(first, chunks))
+
+
+def _as_sample(out: SampleOutput) -> Sample:
+    sample = Sample(out.index)
+    sample.add(out, [])
+    return sample
+
+
+def usage(gens: list[Generation]) -> dict:
+    prompt = sum(g.prompt_tokens for g in gens)
+    completion = sum(len(s.token_ids) for g in gens for s in g.samples.values())
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(g.cached_tokens for g in gens)},
+    }
+
+
+def completion_logprobs(s: Sample, offset: int = 0) -> dict:
+    offsets = []
+    for text in s.token_texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": s.token_texts,
+        "token_logprobs": s.logprobs,
+        "top_logprobs": [{t: lp for _, lp, t in row} for row in s.top] if s.top else None,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(s: Sample) -> dict:
+    tops = s.top or [[] for _ in s.token_texts]
+    return {
+        "content": [
+            {
+                "token": text,
+                "logprob": lp,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": t, "logprob": tlp, "bytes": list(t.encode())} for _, tlp, t in top
+                ],
+            }
+            for text, lp, top in zip(s.token_texts, s.logprobs, tops)
+        ]
+    }

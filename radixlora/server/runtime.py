@@ -1,0 +1,294 @@
+"""The api process's bridge to the other processes: submits GenerateReqs, routes SampleOutputs
+back to per-request queues, answers info queries, tracks health. Outgoing sockets are plain
+PUSH sockets with no high-water mark, so a send never blocks the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from radixlora.server.args import ServerArgs
+from radixlora.server.ipc import check_local
+from radixlora.server.messages import (
+    AbortReq,
+    ApiInbox,
+    Codec,
+    GenerateReq,
+    InfoQuery,
+    InfoReply,
+    OutputBatch,
+    ReqError,
+    SampleOutput,
+    SchedulerStats,
+    bytes_to_ids,
+)
+
+log = logging.getLogger(__name__)
+
+INFO_TIMEOUT_S = 10.0
+
+
+class Health(enum.Enum):
+    STARTING = "starting"
+    OK = "ok"
+    DRAINING = "draining"
+    DEAD = "dead"
+
+
+class ServiceUnavailable(Exception):
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+@dataclass
+class Sample:
+    """Everything generated for one sample, accumulated from its SampleOutputs."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)
+    top: list[list[tuple[int, float, str]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+
+    def add(self, out: SampleOutput, ids: list[int]) -> None:
+        self.text += out.text
+        self.token_ids += ids
+        self.logprobs += out.logprobs
+        self.token_texts += out.token_texts or []
+        self.top += out.top or []
+        self.finish_reason = out.finish_reason
+        self.matched_stop = out.matched_stop
+
+
+@dataclass
+class Generation:
+    """One prompt in flight: its queue of events and what has arrived so far."""
+
+    req: GenerateReq
+    adapter_label: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    samples: dict[int, Sample] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    created: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+
+    @property
+    def n(self) -> int:
+        return self.req.params.n
+
+    @property
+    def finished(self) -> bool:
+        done = [s for s in self.samples.values() if s.finish_reason is not None]
+        return len(done) >= self.n
+
+
+class Runtime:
+    def __init__(self, args: ServerArgs, metrics=None):
+        self.args = args
+        self.metrics = metrics
+        self.ctx = zmq.asyncio.Context()
+        self.sync_ctx = zmq.Context()
+        endpoints = args.endpoints
+        self.inbox = self._bind_inbox(endpoints.api)
+        self.to_tokenizer = self._outbox(endpoints.tokenizer)
+        self.to_scheduler = self._outbox(endpoints.scheduler)
+        self.codec = Codec(ApiInbox)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.generations: dict[str, Generation] = {}
+        self.info_waiters: dict[int, asyncio.Future] = {}
+        self.qids = itertools.count(1)
+        self.stats: SchedulerStats | None = None
+        self.health = Health.STARTING
+        self.dead_reason: str | None = None
+
+    def _bind_inbox(self, endpoint: str) -> zmq.asyncio.Socket:
+        check_local(endpoint)
+        sock = self.ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(endpoint)
+        return sock
+
+    def _outbox(self, endpoint: str) -> zmq.Socket:
+        check_local(endpoint)
+        sock = self.sync_ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        return sock
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def check_accepting(self) -> None:
+        if self.health is Health.OK:
+            return
+        if self.health is Health.DRAINING:
+            raise ServiceUnavailable("the server is shutting down and accepts no new requests")
+        raise ServiceUnavailable(self.dead_reason or f"the server is {self.health.value}")
+
+    def submit(
+        self, reqs: list[GenerateReq], adapter_label: str
+    ) -> list[Generation]:
+        """Submit the prompts of one client request; their events share one queue."""
+        self.check_accepting()
+        rids = [r.rid for r in reqs]
+        for rid in rids:
+            if rid in self.generations or rids.count(rid) > 1:
+                raise DuplicateRequestId(rid)
+        queue: asyncio.Queue = asyncio.Queue()
+        gens = [Generation(req, adapter_label, queue) for req in reqs]
+        for gen in gens:
+            self.generations[gen.req.rid] = gen
+            self.to_tokenizer.send(self.encoder.encode(gen.req))
+            if self.metrics is not None:
+                self.metrics.on_submit(gen)
+        return gens
+
+    def abort(self, rid: str) -> bool:
+        gen = self.generations.pop(rid, None)
+        if gen is None:
+            return False
+        self.to_tokenizer.send(self.encoder.encode(AbortReq(rid=rid)))
+        if self.metrics is not None:
+            self.metrics.on_abort(gen)
+        return True
+
+    def cancel(self, rid: str) -> bool:
+        """Abort on behalf of another caller (/abort_request): the request's own client gets
+        its samples back with finish_reason "abort"."""
+        gen = self.generations.get(rid)
+        if gen is None:
+            return False
+        self.abort(rid)
+        for index in range(gen.n):
+            sample = gen.samples.setdefault(index, Sample(index))
+            if sample.finish_reason is None:
+                out = SampleOutput(rid=rid, index=index, text="", token_ids=b"", logprobs=[],
+                                   token_texts=None, top=None, finish_reason="abort",
+                                   matched_stop=None, prompt_tokens=gen.prompt_tokens,
+                                   cached_tokens=gen.cached_tokens)
+                sample.add(out, [])
+                gen.queue.put_nowait(out)
+        return True
+
+    async def events(self, gens: list[Generation]) -> AsyncIterator[tuple[int, SampleOutput]]:
+        """(prompt index, SampleOutput) until every sample of every prompt finished; raises
+        ReqFailed on the first error. Leaving early (cancelled, client gone) aborts the rest."""
+        position = {gen.req.rid: p for p, gen in enumerate(gens)}
+        queue = gens[0].queue
+        try:
+            while not all(gen.finished for gen in gens):
+                event = await queue.get()
+                if isinstance(event, ReqError):
+                    if self.metrics is not None:
+                        self.metrics.on_error(event.code)
+                    raise ReqFailed(event)
+                yield position[event.rid], event
+        finally:
+            for gen in gens:
+                if gen.finished:
+                    self.generations.pop(gen.req.rid, None)
+                else:
+                    self.abort(gen.req.rid)
+
+    async def collect(self, gens: list[Generation]) -> list[Generation]:
+        async for _ in self.events(gens):
+            pass
+        return gens
+
+    # ---- inbox -------------------------------------------------------------------------------
+
+    async def pump(self) -> None:
+        """Forever: route every inbox message (garbage is logged and dropped)."""
+        while True:
+            msg = self.codec.decode(await self.inbox.recv())
+            if msg is None:
+                continue
+            try:
+                self._route(msg)
+            except Exception:
+                log.exception("failed to route %s", type(msg).__name__)
+
+    def _route(self, msg) -> None:
+        if isinstance(msg, OutputBatch):
+            for out in msg.outputs:
+                self._on_output(out)
+        elif isinstance(msg, ReqError):
+            gen = self.generations.get(msg.rid)
+            if gen is not None:
+                gen.queue.put_nowait(msg)
+        elif isinstance(msg, SchedulerStats):
+            self.stats = msg
+            if self.metrics is not None:
+                self.metrics.on_stats(msg)
+        elif isinstance(msg, InfoReply):
+            waiter = self.info_waiters.pop(msg.qid, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(msg.info)
+
+    def _on_output(self, out: SampleOutput) -> None:
+        gen = self.generations.get(out.rid)
+        if gen is None:
+            return  # aborted
+        ids = bytes_to_ids(out.token_ids).tolist()
+        sample = gen.samples.setdefault(out.index, Sample(out.index))
+        sample.add(out, ids)
+        if out.index == 0:
+            gen.prompt_tokens, gen.cached_tokens = out.prompt_tokens, out.cached_tokens
+        if self.metrics is not None:
+            self.metrics.on_output(gen, out, len(ids))
+        gen.queue.put_nowait(out)
+
+    # ---- control -----------------------------------------------------------------------------
+
+    async def query_info(self, flush_cache: bool = False) -> dict:
+        if self.health is Health.DEAD:
+            raise ServiceUnavailable(self.dead_reason or "a server process died")
+        qid = next(self.qids)
+        waiter = asyncio.get_running_loop().create_future()
+        self.info_waiters[qid] = waiter
+        self.to_scheduler.send(self.encoder.encode(InfoQuery(qid=qid, flush_cache=flush_cache)))
+        try:
+            return await asyncio.wait_for(waiter, INFO_TIMEOUT_S)
+        except asyncio.TimeoutError as e:
+            raise ServiceUnavailable("the scheduler did not answer in time") from e
+        finally:
+            self.info_waiters.pop(qid, None)
+
+    def mark_dead(self, reason: str) -> None:
+        """A child died: fail everything in flight at once."""
+        self.health = Health.DEAD
+        self.dead_reason = reason
+        for gen in list(self.generations.values()):
+            gen.queue.put_nowait(
+                ReqError(rid=gen.req.rid, message=reason, code="server_error", status=503)
+            )
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+        self.sync_ctx.destroy(linger=0)
+
+
+class ReqFailed(Exception):
+    def __init__(self, error: ReqError):
+        super().__init__(error.message)
+        self.error = error
+
+
+class DuplicateRequestId(Exception):
+    def __init__(self, rid: str):
+        super().__init__(f"request id {rid!r} is already in use")
+        self.rid = rid

@@ -1,0 +1,379 @@
+"""The scheduler process: owns the Scheduler (waiting queue, KV pages, radix tree, adapter
+residency) and turns each BatchPlan into a PlanMsg for the worker. While the worker runs step N
+this process keeps taking requests and aborts off its inbox; step N's results are folded in
+before step N+1 is planned (the Scheduler needs step N's tokens to plan decode)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from pathlib import Path
+
+import zmq
+
+from radixlora.config import ModelConfig
+from radixlora.engine import _sample_seed
+from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
+from radixlora.lora.adapter import LoraAdapter, load_adapter
+from radixlora.model.loader import base_version
+from radixlora.request import AdapterSet, Req, ReqStatus
+from radixlora.scheduler import BatchPlan, Scheduler
+from radixlora.server.args import ServerArgs
+from radixlora.server.ipc import Inbox, Outbox, child_main, send_ready
+from radixlora.server.messages import (
+    AbortReq,
+    AdapterChoice,
+    AdapterLoad,
+    GroupRows,
+    InfoQuery,
+    InfoReply,
+    PlanItem,
+    PlanMsg,
+    ReqError,
+    SchedulerInbox,
+    SchedulerStats,
+    StepResult,
+    TokenBatch,
+    TokenizedReq,
+    TokenOut,
+    bytes_to_ids,
+    ids_to_bytes,
+)
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.5
+IDLE_POLL_MS = 100
+
+
+class AdapterTable:
+    """Served adapters by name. Each is validated and hashed here; the worker re-reads the files
+    and must find the same content hash."""
+
+    def __init__(self, model_cfg: ModelConfig, max_rank: int, max_stacked: int):
+        self.model_cfg = model_cfg
+        self.max_rank = max_rank
+        self.max_stacked = max_stacked
+        self.by_name: dict[str, LoraAdapter] = {}
+
+    def load(self, name: str, path: str) -> LoraAdapter:
+        adapter = load_adapter(name, path, self.model_cfg, self.max_rank)
+        self.by_name[name] = adapter
+        return adapter
+
+    def drop(self, adapter_id: str) -> list[str]:
+        names = [n for n, a in self.by_name.items() if a.adapter_id == adapter_id]
+        for name in names:
+            del self.by_name[name]
+        return names
+
+    def resolve(self, choices: list[AdapterChoice] | None) -> AdapterSet:
+        if not choices:
+            return AdapterSet()
+        if len(choices) > self.max_stacked:
+            raise InvalidRequestError(
+                f"{len(choices)} adapters requested; at most {self.max_stacked} can be "
+                "stacked in one request",
+                param="adapters",
+                code="too_many_adapters",
+            )
+        if len({c.name for c in choices}) != len(choices):
+            raise InvalidRequestError("an adapter is named twice", param="adapters")
+        pairs = []
+        for choice in choices:
+            if choice.name not in self.by_name:
+                raise AdapterNotFoundError(choice.name)
+            if not math.isfinite(choice.weight):
+                raise InvalidRequestError("adapter weights must be finite", param="adapters")
+            pairs.append((self.by_name[choice.name], float(choice.weight)))
+        return AdapterSet.of(pairs)
+
+
+class SchedulerService:
+    """The process's logic without sockets: requests in, plans out, results in, tokens out."""
+
+    def __init__(self, args: ServerArgs):
+        self.config = args.engine_config()
+        self.model_cfg = ModelConfig.from_dir(args.model)
+        self.base_version = base_version(Path(args.model))
+        self.scheduler = Scheduler(self.config, max_context=self.model_cfg.max_position)
+        self.adapters = AdapterTable(self.model_cfg, self.config.max_rank, self.config.max_stacked)
+        for name, path in args.adapters.items():
+            self.adapters.load(name, path)
+        self.rng = random.Random(self.config.seed)
+        self.reqs: dict[str, list[Req]] = {}
+        self.owner: dict[Req, tuple[str, int]] = {}
+        self.in_flight: tuple[PlanMsg, BatchPlan] | None = None
+        self.num_steps = 0
+
+    # ---- intake ------------------------------------------------------------------------------
+
+    def add(self, msg: TokenizedReq) -> ReqError | None:
+        if msg.rid in self.reqs:
+            return ReqError(rid=msg.rid, message=f"request id {msg.rid!r} is already in use",
+                            param="rid", code="duplicate_request_id", status=409)
+        try:
+            group = self._make_reqs(msg)
+            for req in group:
+                self.scheduler.check_admissible(req)
+        except InvalidRequestError as e:
+            return ReqError(rid=msg.rid, message=e.message, code=e.code, param=e.param)
+        except AdapterError as e:
+            status = 404 if isinstance(e, AdapterNotFoundError) else 400
+            return ReqError(rid=msg.rid, message=str(e), code=e.code, param="model", status=status)
+        self.reqs[msg.rid] = group
+        for index, req in enumerate(group):
+            self.owner[req] = (msg.rid, index)
+            self.scheduler.add(req)
+        return None
+
+    def _make_reqs(self, msg: TokenizedReq) -> list[Req]:
+        params = msg.params
+        params.validate(self.model_cfg.vocab_size)
+        adapter_set = self.adapters.resolve(msg.adapters)
+        namespace = (
+            ("base", self.base_version),
+            ("adapters", adapter_set.key),
+            ("salt", ""),
+        )
+        base_seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
+        ids = bytes_to_ids(msg.input_ids)
+        reqs: list[Req] = []
+        for i in range(params.n):
+            reqs.append(
+                Req(
+                    rid=f"{msg.rid}#{i}",
+                    prompt_ids=ids,
+                    params=params,
+                    adapter_set=adapter_set,
+                    namespace=namespace,
+                    seed=_sample_seed(base_seed, i),
+                    eos_ids=frozenset(self.model_cfg.eos_token_ids),
+                    parent=reqs[0] if i and self.scheduler.tree is not None else None,
+                )
+            )
+        return reqs
+
+    def abort(self, msg: AbortReq) -> None:
+        group = self.reqs.get(msg.rid)
+        if group is None:
+            log.debug("abort of unknown or finished request %s", msg.rid)
+            return
+        for index, req in enumerate(group):
+            if msg.index is None or msg.index == index:
+                self._drop(req)
+
+    def _drop(self, req: Req) -> None:
+        if req.status is not ReqStatus.FINISHED:
+            self.scheduler.abort(req)
+        rid, _ = self.owner.pop(req, (None, 0))
+        group = self.reqs.get(rid)
+        if group is not None and all(r not in self.owner for r in group):
+            del self.reqs[rid]
+
+    # ---- steps -------------------------------------------------------------------------------
+
+    def next_plan(self) -> PlanMsg | None:
+        """Plan the next step unless one is in flight."""
+        if self.in_flight is not None or not self.scheduler.has_work():
+            return None
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return None
+        self.num_steps += 1
+        msg = plan_to_msg(plan, self.num_steps)
+        self.in_flight = (msg, plan)
+        return msg
+
+    def on_result(self, result: StepResult) -> tuple[TokenBatch | None, list[ReqError]]:
+        if self.in_flight is None or result.step != self.in_flight[0].step:
+            log.warning("dropped a result for step %d, which is not in flight", result.step)
+            return None, []
+        _, plan = self.in_flight
+        self.in_flight = None
+        if result.error is not None:
+            return None, self._fail_step(plan, result.error)
+        if result.failed_adapters:
+            return None, self._fail_adapters(result.failed_adapters)
+        top = None
+        if result.top_ids is not None:
+            top = [list(zip(i, lp)) for i, lp in zip(result.top_ids, result.top_logprobs)]
+        tokens = bytes_to_ids(result.token_ids).tolist()
+        self.scheduler.process_results(plan, tokens, result.logprobs, top)
+        outputs = [out for item in plan.items if item.sample and (out := self._token_out(item.req))]
+        return (TokenBatch(outputs=outputs) if outputs else None), []
+
+    def _token_out(self, req: Req) -> TokenOut | None:
+        owner = self.owner.get(req)
+        if owner is None or req.finish_reason == "abort":
+            return None
+        top = [req.top_logprobs[-1]] if req.params.logprobs else None
+        out = TokenOut(
+            rid=owner[0],
+            index=owner[1],
+            token_ids=ids_to_bytes(req.output_ids[-1:]),
+            logprobs=req.output_logprobs[-1:],
+            top=top,
+            finish_reason=req.finish_reason,
+            prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.cached_tokens,
+        )
+        if req.finish_reason is not None:
+            self._drop(req)
+        return out
+
+    def _fail_step(self, plan: BatchPlan, reason: str) -> list[ReqError]:
+        """The worker could not run the step: its requests fail, nothing else does."""
+        log.error("step failed in the worker: %s", reason)
+        owners = {self.owner[i.req][0] for i in plan.items if i.req in self.owner}
+        return [self._fail(rid, f"the worker failed: {reason}", "worker_error", 500)
+                for rid in owners]
+
+    def _fail_adapters(self, failed: dict[str, str]) -> list[ReqError]:
+        """Adapters the worker could not load: drop them and fail every request using them."""
+        errors = []
+        for adapter_id, reason in failed.items():
+            names = self.adapters.drop(adapter_id)
+            log.error("adapter %s (%s) failed to load and is dropped: %s", names, adapter_id[:12],
+                      reason)
+            users = [rid for rid, group in self.reqs.items()
+                     if any(a.adapter_id == adapter_id for a in group[0].adapter_set.adapters)]
+            errors += [self._fail(rid, f"adapter {names} failed to load: {reason}",
+                                  "adapter_load_failed", 500) for rid in users]
+            self.scheduler.residency.evict(adapter_id)
+        return errors
+
+    def _fail(self, rid: str, message: str, code: str, status: int) -> ReqError:
+        self.abort(AbortReq(rid=rid))
+        return ReqError(rid=rid, message=message, code=code, status=status)
+
+    # ---- accounting --------------------------------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        sched = self.scheduler
+        tree = sched.tree
+        hits = lookups = 0
+        if tree is not None:
+            for hit, lookup in tree.namespace_stats().values():
+                hits, lookups = hits + hit, lookups + lookup
+        return SchedulerStats(
+            kv_capacity=sched.kv.capacity_tokens,
+            kv_used=sched.kv.capacity_tokens - sched.kv.free_tokens(),
+            kv_cached=tree.total_size() if tree is not None else 0,
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            prompt_tokens=lookups,
+            cached_tokens=hits,
+        )
+
+    def info(self, flush_cache: bool = False) -> dict:
+        sched = self.scheduler
+        if flush_cache:
+            sched.flush_cache()
+        tree = sched.tree
+        residency = sched.residency
+        return {
+            "kv_capacity_tokens": sched.kv.capacity_tokens,
+            "kv_free_tokens": sched.kv.free_tokens(),
+            "kv_cached_tokens": tree.total_size() if tree is not None else 0,
+            "kv_protected_tokens": tree.protected_size() if tree is not None else 0,
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "open_requests": len(self.reqs),
+            "steps": self.num_steps,
+            "retractions": sched.num_retractions,
+            "adapter_rows_total": residency.rows.num_rows,
+            "adapter_rows_free": residency.rows.num_free(),
+            "adapter_refs": {aid: e.refs for aid, e in residency.resident.items()},
+            "adapters": [
+                {"name": n, "adapter_id": a.adapter_id, "path": a.path, "rank": a.rank}
+                for n, a in self.adapters.by_name.items()
+            ],
+        }
+
+
+def plan_to_msg(plan: BatchPlan, step: int) -> PlanMsg:
+    keys = list(plan.lora_rows)
+    index = {key: i for i, key in enumerate(keys)}
+    items = [
+        PlanItem(
+            rid=item.req.rid,
+            extend_ids=ids_to_bytes(item.extend_ids),
+            start=item.start,
+            kv_slots=ids_to_bytes(item.req.kv_slots[: item.start + len(item.extend_ids)]),
+            sample=item.sample,
+            params=item.req.params,
+            seed=item.req.seed,
+            step=len(item.req.output_ids),
+            lora_key=index[item.req.adapter_set.key],
+        )
+        for item in plan.items
+    ]
+    loads = [
+        AdapterLoad(adapter_id=a.adapter_id, name=a.name, path=a.path, rows=ids_to_bytes(rows))
+        for a, rows in plan.adapter_loads
+    ]
+    lora_rows = [
+        {g: GroupRows([int(r) for r in rows], [float(s) for s in scales])
+         for g, (rows, scales) in plan.lora_rows[key].items()}
+        for key in keys
+    ]
+    return PlanMsg(step=step, items=items, adapter_loads=loads, lora_rows=lora_rows)
+
+
+class SchedulerLoop:
+    def __init__(self, args: ServerArgs, ctx: zmq.Context, service: SchedulerService):
+        self.service = service
+        self.inbox = Inbox(ctx, args.endpoints.scheduler, SchedulerInbox)
+        self.to_worker = Outbox(ctx, args.endpoints.worker)
+        self.to_tokenizer = Outbox(ctx, args.endpoints.tokenizer)
+        self.to_api = Outbox(ctx, args.endpoints.api)
+        self.next_stats = 0.0
+
+    def run(self) -> None:
+        stalled = False  # work is queued but nothing can be scheduled until something changes
+        while True:
+            busy = self.service.in_flight is None and self.service.scheduler.has_work()
+            if self.inbox.poll(0 if busy and not stalled else IDLE_POLL_MS):
+                for msg in self.inbox.recv_nowait():
+                    self.handle(msg)
+            plan = self.service.next_plan()
+            if plan is not None:
+                self.to_worker.send(plan)
+            stalled = plan is None and self.service.in_flight is None
+            self.maybe_send_stats()
+
+    def handle(self, msg) -> None:
+        service = self.service
+        if isinstance(msg, TokenizedReq):
+            error = service.add(msg)
+            if error is not None:
+                self.to_tokenizer.send(error)
+        elif isinstance(msg, AbortReq):
+            service.abort(msg)
+        elif isinstance(msg, StepResult):
+            batch, errors = service.on_result(msg)
+            for m in ([batch] if batch else []) + errors:
+                self.to_tokenizer.send(m)
+        elif isinstance(msg, InfoQuery):
+            self.to_api.send(InfoReply(qid=msg.qid, info=service.info(msg.flush_cache)))
+
+    def maybe_send_stats(self) -> None:
+        now = time.monotonic()
+        if now >= self.next_stats:
+            self.next_stats = now + STATS_INTERVAL_S
+            self.to_api.send(self.service.stats())
+
+
+def run(args: ServerArgs, ctx: zmq.Context) -> None:
+    service = SchedulerService(args)
+    loop = SchedulerLoop(args, ctx, service)
+    info = {"adapters": service.info()["adapters"]}
+    send_ready(ctx, args, "scheduler", info)
+    loop.run()
+
+
+if __name__ == "__main__":
+    child_main("scheduler", run)

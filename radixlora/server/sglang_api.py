@@ -1,0 +1,167 @@
+"""SGLang-native /generate: text or input_ids (one or a batch), sampling_params, lora_path per
+prompt, stream (cumulative text per event, as SGLang's RuntimeEndpoint expects), logprobs."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+
+from radixlora.errors import InvalidRequestError
+from radixlora.sampling import MAX_TOP_LOGPROBS
+from radixlora.server.http import (
+    SSE_DONE,
+    EventStream,
+    json_response,
+    sse,
+    stream_body,
+    until_disconnect,
+)
+from radixlora.server.messages import AdapterChoice, GenerateReq, ids_to_bytes
+from radixlora.server.protocol import (
+    GenerateRequest,
+    SglSamplingParams,
+    adapter_label,
+    build_params,
+    check_penalties,
+    completion_prompts,
+    stop_list,
+)
+from radixlora.server.runtime import Generation, Runtime, Sample
+
+
+class SglangHandlers:
+    def __init__(self, runtime: Runtime, model_name: str, vocab_size: int):
+        self.runtime = runtime
+        self.model_name = model_name
+        self.vocab_size = vocab_size
+
+    def generate_reqs(self, req: GenerateRequest) -> tuple[list[GenerateReq], bool]:
+        prompts, batched = _prompts(req)
+        count = len(prompts)
+        sampling = _per_prompt(req.sampling_params or SglSamplingParams(), count,
+                               "sampling_params")
+        loras = _per_prompt(req.lora_path, count, "lora_path")
+        rids = _rids(req.rid, count)
+        if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs_num must be between 0 and {MAX_TOP_LOGPROBS}",
+                param="top_logprobs_num",
+            )
+        reqs = []
+        for prompt, sp, lora, rid in zip(prompts, sampling, loras, rids):
+            text, ids = (prompt, None) if isinstance(prompt, str) else (None, ids_to_bytes(prompt))
+            reqs.append(GenerateReq(
+                rid=rid, params=self._params(sp, req), prompt=text, input_ids=ids,
+                prompt_only=sp.max_new_tokens == 0,
+                adapters=[AdapterChoice(lora)] if lora else None, stop=stop_list(sp.stop),
+                token_texts=req.return_logprob,
+            ))
+        return reqs, batched
+
+    def _params(self, sp: SglSamplingParams, req: GenerateRequest):
+        for name in ("regex", "json_schema", "ebnf"):
+            if getattr(sp, name) is not None:
+                raise InvalidRequestError(f"{name} is not supported", param=name,
+                                          code="unsupported_parameter")
+        check_penalties(frequency_penalty=sp.frequency_penalty,
+                        presence_penalty=sp.presence_penalty,
+                        repetition_penalty=sp.repetition_penalty)
+        return build_params(
+            self.vocab_size,
+            max_tokens=sp.max_new_tokens or 1,  # 0: prompt only, answered by the tokenizer
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            min_p=sp.min_p,
+            seed=sp.sampling_seed if sp.sampling_seed is not None else sp.seed,
+            n=sp.n,
+            stop_token_ids=tuple(sp.stop_token_ids or ()),
+            ignore_eos=sp.ignore_eos,
+            logprobs=req.top_logprobs_num if req.return_logprob else None,
+        )
+
+    async def generate(self, request: Request, req: GenerateRequest):
+        reqs, batched = self.generate_reqs(req)
+        labels = {adapter_label(r.adapters) for r in reqs}
+        gens = self.runtime.submit(reqs, labels.pop() if len(labels) == 1 else "mixed")
+        start = time.monotonic()
+        if req.stream:
+            chunks = self._chunks(gens, req, start)
+            first = await until_disconnect(request, chunks.__anext__())
+            return EventStream(stream_body(first, chunks))
+        await until_disconnect(request, self.runtime.collect(gens))
+        outs = [
+            meta_output(gen, s, req, time.monotonic() - start)
+            for gen in gens
+            for s in sorted(gen.samples.values(), key=lambda s: s.index)
+        ]
+        return json_response(outs if batched or len(outs) > 1 else outs[0])
+
+    async def _chunks(self, gens: list[Generation], req, start) -> AsyncIterator[bytes]:
+        n = gens[0].n
+        async for p, out in self.runtime.events(gens):
+            sample = gens[p].samples[out.index]
+            chunk = meta_output(gens[p], sample, req, time.monotonic() - start)
+            chunk["index"] = p * n + out.index
+            yield sse(chunk)
+        yield SSE_DONE
+
+
+def _prompts(req: GenerateRequest) -> tuple[list, bool]:
+    if (req.text is None) == (req.input_ids is None):
+        raise InvalidRequestError("give exactly one of text and input_ids", param="text")
+    if req.text is not None:
+        if isinstance(req.text, str):
+            return [req.text], False
+        return completion_prompts(req.text), True
+    prompts = completion_prompts(req.input_ids)
+    return prompts, bool(req.input_ids) and isinstance(req.input_ids[0], list)
+
+
+def _per_prompt(value, count: int, param: str) -> list:
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise InvalidRequestError(f"{param}: {len(value)} entries for {count} prompts",
+                                  param=param)
+    return value
+
+
+def _rids(rid, count: int) -> list[str]:
+    if rid is None:
+        base = uuid.uuid4().hex
+        return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
+    rids = _per_prompt(rid, count, "rid")
+    if any(not r for r in rids):
+        raise InvalidRequestError("request ids must be non-empty strings", param="rid")
+    return rids
+
+
+def meta_output(gen: Generation, s: Sample, req: GenerateRequest, latency: float) -> dict:
+    rid = gen.req.rid if gen.n == 1 else f"{gen.req.rid}-{s.index}"
+    meta = {
+        "id": rid,
+        "finish_reason": _finish(s),
+        "prompt_tokens": gen.prompt_tokens,
+        "completion_tokens": len(s.token_ids),
+        "cached_tokens": gen.cached_tokens,
+        "e2e_latency": latency,
+    }
+    if req.return_logprob:
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = [
+            [lp, t, text] for lp, t, text in zip(s.logprobs, s.token_ids, s.token_texts)
+        ]
+        meta["output_top_logprobs"] = [[[lp, t, text] for t, lp, text in row] for row in s.top]
+    return {"text": s.text, "output_ids": s.token_ids, "meta_info": meta}
+
+
+def _finish(s: Sample) -> dict | None:
+    if s.finish_reason is None:
+        return None
+    if s.finish_reason == "length":
+        return {"type": "length", "length": len(s.token_ids)}
+    return {"type": s.finish_reason, "matched": s.matched_stop}

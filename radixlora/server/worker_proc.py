@@ -1,0 +1,134 @@
+"""The worker process: owns the ModelRunner (weights, KV pool, adapter pool) and executes the
+scheduler's PlanMsgs. Adapters are read from disk by path the first time a plan loads them and
+must hash to the adapter id the scheduler validated; otherwise the step does not run and the
+scheduler fails only the requests that use that adapter."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from radixlora.config import ModelConfig
+from radixlora.errors import AdapterError
+from radixlora.lora.adapter import LoraAdapter, load_adapter
+from radixlora.model_runner import ModelRunner
+from radixlora.sampling import SamplingParams
+from radixlora.scheduler import BatchPlan, ScheduledReq
+from radixlora.server.args import ServerArgs
+from radixlora.server.ipc import Inbox, Outbox, child_main, send_ready
+from radixlora.server.messages import (
+    AdapterLoad,
+    PlanMsg,
+    StepResult,
+    WorkerInbox,
+    bytes_to_ids,
+    ids_to_bytes,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdapterSetKey:
+    key: int
+
+
+@dataclass
+class PlannedReq:
+    """The part of a Req that ModelRunner reads, rebuilt from a PlanItem."""
+
+    kv_slots: np.ndarray
+    params: SamplingParams
+    seed: int
+    output_ids: range  # only its length, the index of the token sampled, is read
+    adapter_set: AdapterSetKey
+
+
+class WorkerService:
+    def __init__(self, args: ServerArgs):
+        self.config = args.engine_config()
+        self.model_cfg = ModelConfig.from_dir(args.model)
+        self.runner = ModelRunner(Path(args.model), self.model_cfg, self.config)
+        self.host_adapters: dict[str, LoraAdapter] = {}
+
+    def execute(self, msg: PlanMsg) -> StepResult:
+        loads, failed = self._resolve_loads(msg.adapter_loads)
+        if failed:
+            return StepResult(step=msg.step, failed_adapters=failed)
+        try:
+            out = self.runner.execute(to_batch_plan(msg, loads))
+        except Exception as e:
+            log.exception("step %d failed", msg.step)
+            return StepResult(step=msg.step, error=f"{type(e).__name__}: {e}")
+        top_ids = top_lp = None
+        if out.top_logprobs is not None:
+            top_ids = [[i for i, _ in row] for row in out.top_logprobs]
+            top_lp = [[lp for _, lp in row] for row in out.top_logprobs]
+        return StepResult(
+            step=msg.step,
+            token_ids=ids_to_bytes(out.token_ids),
+            logprobs=out.logprobs,
+            top_ids=top_ids,
+            top_logprobs=top_lp,
+        )
+
+    def _resolve_loads(self, loads: list[AdapterLoad]):
+        resolved, failed = [], {}
+        for load in loads:
+            try:
+                resolved.append((self._host_adapter(load), bytes_to_ids(load.rows)))
+            except AdapterError as e:
+                log.error("adapter %s: %s", load.name, e)
+                failed[load.adapter_id] = str(e)
+        return resolved, failed
+
+    def _host_adapter(self, load: AdapterLoad) -> LoraAdapter:
+        adapter = self.host_adapters.get(load.adapter_id)
+        if adapter is None:
+            adapter = load_adapter(load.name, load.path, self.model_cfg, self.config.max_rank)
+            if adapter.adapter_id != load.adapter_id:
+                raise AdapterError(
+                    load.name, "its files changed on disk after validation (content hash differs)"
+                )
+            self.host_adapters[load.adapter_id] = adapter
+        return adapter
+
+
+def to_batch_plan(msg: PlanMsg, loads: list[tuple[LoraAdapter, np.ndarray]]) -> BatchPlan:
+    items = [
+        ScheduledReq(
+            PlannedReq(
+                kv_slots=bytes_to_ids(item.kv_slots),
+                params=item.params,
+                seed=item.seed,
+                output_ids=range(item.step),
+                adapter_set=AdapterSetKey(item.lora_key),
+            ),
+            extend_ids=bytes_to_ids(item.extend_ids),
+            start=item.start,
+            sample=item.sample,
+        )
+        for item in msg.items
+    ]
+    lora_rows = {
+        i: {g: (r.rows, r.scales) for g, r in groups.items()}
+        for i, groups in enumerate(msg.lora_rows)
+    }
+    return BatchPlan(items, adapter_loads=loads, lora_rows=lora_rows)
+
+
+def run(args: ServerArgs, ctx: zmq.Context) -> None:
+    service = WorkerService(args)
+    inbox = Inbox(ctx, args.endpoints.worker, WorkerInbox)
+    to_scheduler = Outbox(ctx, args.endpoints.scheduler)
+    send_ready(ctx, args, "worker", {"device": str(service.runner.device)})
+    while True:
+        to_scheduler.send(service.execute(inbox.recv()))
+
+
+if __name__ == "__main__":
+    child_main("worker", run)
