@@ -7,24 +7,22 @@ outs = engine.generate(["Hello"], SamplingParams(max_tokens=16), adapters=[("sql
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from radixlora.adapters import AdapterRegistry
 from radixlora.config import EngineConfig, ModelConfig
-from radixlora.errors import AdapterNotFoundError, InvalidRequestError, RadixLoraError
-from radixlora.lora.adapter import LoraAdapter, load_adapter
+from radixlora.errors import InvalidRequestError, RadixLoraError
+from radixlora.lora.adapter import LoraAdapter
 from radixlora.model.loader import base_version
 from radixlora.model_runner import ModelRunner
-from radixlora.request import AdapterSet, Req, ReqStatus, cache_namespace
+from radixlora.request import AdapterSet, Req, ReqStatus, build_requests, cache_namespace
 from radixlora.sampling import SamplingParams
 from radixlora.scheduler import Scheduler
 from radixlora.tokenizer import Tokenizer
-
-MAX_ADAPTER_NAME = 128
 
 
 @dataclass
@@ -60,7 +58,9 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(self.model_path)
         self.runner = ModelRunner(self.model_path, self.model_cfg, self.config)
         self.scheduler = Scheduler(self.config, max_context=self.model_cfg.max_position)
-        self.adapters: dict[str, LoraAdapter] = {}
+        self.registry = AdapterRegistry(
+            self.model_cfg, self.config.max_rank, self.config.max_stacked, self.config.adapter_rows
+        )
         self._rng = random.Random(self.config.seed)
         self._next_rid = 0
         for name, path in (adapters or {}).items():
@@ -68,32 +68,31 @@ class Engine:
 
     # ---- adapters ----------------------------------------------------------------------------
 
+    @property
+    def adapters(self) -> dict[str, LoraAdapter]:
+        return self.registry.by_name
+
     def load_adapter(self, name: str, path: str | Path) -> LoraAdapter:
         """Validate and register an adapter (re-using a name publishes a new version)."""
-        _check_adapter_name(name)
-        return self.add_adapter(load_adapter(name, path, self.model_cfg, self.config.max_rank))
+        adapter, replaced = self.registry.load(name, path)
+        if replaced is not None:
+            self._forget(replaced)
+        return adapter
 
     def add_adapter(self, adapter: LoraAdapter) -> LoraAdapter:
         """Register an already validated adapter under adapter.name."""
-        name = adapter.name
-        if adapter.rank > self.config.adapter_rows:
-            raise InvalidRequestError(f"adapter {name!r} of rank {adapter.rank} exceeds the pool")
-        previous = self.adapters.get(name)
-        self.adapters[name] = adapter
-        if previous is not None and previous.adapter_id != adapter.adapter_id:
-            self._forget(previous)
+        adapter, replaced = self.registry.add(adapter)
+        if replaced is not None:
+            self._forget(replaced)
         return adapter
 
     def unload_adapter(self, name: str) -> None:
-        adapter = self.adapters.pop(name, None)
-        if adapter is None:
-            raise AdapterNotFoundError(name)
-        self._forget(adapter)
+        self._forget(self.registry.remove(name))
 
     def _forget(self, adapter: LoraAdapter) -> None:
         """Drop an adapter version no name points to: its cache namespaces and, once no running
         request holds it, its pool rows (in-flight requests finish on it first)."""
-        if any(a.adapter_id == adapter.adapter_id for a in self.adapters.values()):
+        if self.registry.is_named(adapter.adapter_id):
             return
         tree = self.scheduler.tree
         if tree is not None:
@@ -102,26 +101,7 @@ class Engine:
 
     def resolve_adapters(self, spec) -> AdapterSet:
         """None, a name, or a list of names / (name, weight) pairs -> canonical AdapterSet."""
-        if spec is None:
-            return AdapterSet()
-        pairs = [spec] if isinstance(spec, str) else list(spec)
-        if len(pairs) > self.config.max_stacked:
-            raise InvalidRequestError(
-                f"{len(pairs)} adapters requested; at most {self.config.max_stacked} can be "
-                "stacked in one request",
-                param="adapters",
-                code="too_many_adapters",
-            )
-        resolved, seen = [], set()
-        for pair in pairs:
-            name, weight = (pair, 1.0) if isinstance(pair, str) else _pair(pair)
-            if name not in self.adapters:
-                raise AdapterNotFoundError(name)
-            if name in seen:
-                raise InvalidRequestError(f"adapter {name!r} is named twice", param="adapters")
-            seen.add(name)
-            resolved.append((self.adapters[name], weight))
-        return AdapterSet.of(resolved)
+        return self.registry.resolve(spec)
 
     # ---- generation --------------------------------------------------------------------------
 
@@ -176,22 +156,17 @@ class Engine:
         adapter_set = self.resolve_adapters(spec)
         namespace = cache_namespace(self.base_version, adapter_set, cache_salt)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        reqs: list[Req] = []
-        for i in range(params.n):
-            reqs.append(
-                Req(
-                    rid=f"req-{self._next_rid}-{i}",
-                    prompt_ids=ids,
-                    params=params,
-                    adapter_set=adapter_set,
-                    namespace=namespace,
-                    seed=_sample_seed(base_seed, i),
-                    eos_ids=frozenset(self.model_cfg.eos_token_ids),
-                    parent=reqs[0] if i and self.scheduler.tree is not None else None,
-                )
-            )
         self._next_rid += 1
-        return reqs
+        return build_requests(
+            f"req-{self._next_rid}",
+            ids,
+            params,
+            adapter_set,
+            namespace,
+            base_seed,
+            frozenset(self.model_cfg.eos_token_ids),
+            share_prompt=self.scheduler.tree is not None,
+        )
 
     def _prompt_ids(self, prompt) -> np.ndarray:
         if isinstance(prompt, str):
@@ -232,41 +207,9 @@ class Engine:
         return out
 
 
-def _check_adapter_name(name) -> None:
-    if not isinstance(name, str) or not name or len(name) > MAX_ADAPTER_NAME:
-        raise InvalidRequestError(
-            f"adapter names must be 1-{MAX_ADAPTER_NAME} characters", param="name"
-        )
-    if any(c in name for c in "/\\:\0") or name in (".", ".."):
-        raise InvalidRequestError(
-            f"adapter name {name!r} may not contain / \\ : or NUL", param="name"
-        )
-
-
-def _pair(pair) -> tuple[str, float]:
-    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)):
-        raise InvalidRequestError(
-            f"an adapter entry must be a name or (name, weight), got {pair!r}", param="adapters"
-        )
-    weight = pair[1]
-    if (
-        isinstance(weight, bool)
-        or not isinstance(weight, (int, float))
-        or not math.isfinite(weight)
-    ):
-        raise InvalidRequestError(
-            f"adapter weight must be a finite number, got {weight!r}", param="adapters"
-        )
-    return pair[0], float(weight)
-
-
 def _uses(namespace: tuple, adapter_id: str) -> bool:
     adapters = dict(namespace).get("adapters", ())
     return any(aid == adapter_id for aid, _ in adapters)
-
-
-def _sample_seed(seed: int, index: int) -> int:
-    return seed if index == 0 else (seed ^ (index * 0x9E3779B97F4A7C15)) & (2**63 - 1)
 
 
 def _as_prompt_list(prompts) -> list:

@@ -44,6 +44,40 @@ def cache_namespace(base_version: str, adapter_set: AdapterSet, cache_salt: str 
     return (("base", base_version), ("adapters", adapter_set.key), ("salt", cache_salt or ""))
 
 
+def build_requests(
+    rid: str,
+    prompt_ids: np.ndarray,
+    params: SamplingParams,
+    adapter_set: AdapterSet,
+    namespace: tuple,
+    base_seed: int,
+    eos_ids: frozenset[int],
+    share_prompt: bool,
+) -> list[Req]:
+    """The params.n requests of one prompt; with share_prompt, siblings wait for the first
+    one's prompt KV to enter the radix cache and reuse it."""
+    reqs: list[Req] = []
+    for i in range(params.n):
+        reqs.append(
+            Req(
+                rid=f"{rid}#{i}",
+                prompt_ids=prompt_ids,
+                params=params,
+                adapter_set=adapter_set,
+                namespace=namespace,
+                seed=sample_seed(base_seed, i),
+                eos_ids=eos_ids,
+                parent=reqs[0] if i and share_prompt else None,
+            )
+        )
+    return reqs
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """Seed of the index-th sample of a request seeded with `seed`."""
+    return seed if index == 0 else (seed ^ (index * 0x9E3779B97F4A7C15)) & (2**63 - 1)
+
+
 class ReqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -6,25 +6,22 @@ before step N+1 is planned (the Scheduler needs step N's tokens to plan decode).
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from pathlib import Path
 
 import zmq
 
+from radixlora.adapters import AdapterRegistry
 from radixlora.config import ModelConfig
-from radixlora.engine import _sample_seed
 from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
-from radixlora.lora.adapter import LoraAdapter, load_adapter
 from radixlora.model.loader import base_version
-from radixlora.request import AdapterSet, Req, ReqStatus
+from radixlora.request import Req, ReqStatus, build_requests, cache_namespace
 from radixlora.scheduler import BatchPlan, Scheduler
 from radixlora.server.args import ServerArgs
 from radixlora.server.ipc import Inbox, Outbox, child_main, send_ready
 from radixlora.server.messages import (
     AbortReq,
-    AdapterChoice,
     AdapterLoad,
     GroupRows,
     InfoQuery,
@@ -48,49 +45,6 @@ STATS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 100
 
 
-class AdapterTable:
-    """Served adapters by name. Each is validated and hashed here; the worker re-reads the files
-    and must find the same content hash."""
-
-    def __init__(self, model_cfg: ModelConfig, max_rank: int, max_stacked: int):
-        self.model_cfg = model_cfg
-        self.max_rank = max_rank
-        self.max_stacked = max_stacked
-        self.by_name: dict[str, LoraAdapter] = {}
-
-    def load(self, name: str, path: str) -> LoraAdapter:
-        adapter = load_adapter(name, path, self.model_cfg, self.max_rank)
-        self.by_name[name] = adapter
-        return adapter
-
-    def drop(self, adapter_id: str) -> list[str]:
-        names = [n for n, a in self.by_name.items() if a.adapter_id == adapter_id]
-        for name in names:
-            del self.by_name[name]
-        return names
-
-    def resolve(self, choices: list[AdapterChoice] | None) -> AdapterSet:
-        if not choices:
-            return AdapterSet()
-        if len(choices) > self.max_stacked:
-            raise InvalidRequestError(
-                f"{len(choices)} adapters requested; at most {self.max_stacked} can be "
-                "stacked in one request",
-                param="adapters",
-                code="too_many_adapters",
-            )
-        if len({c.name for c in choices}) != len(choices):
-            raise InvalidRequestError("an adapter is named twice", param="adapters")
-        pairs = []
-        for choice in choices:
-            if choice.name not in self.by_name:
-                raise AdapterNotFoundError(choice.name)
-            if not math.isfinite(choice.weight):
-                raise InvalidRequestError("adapter weights must be finite", param="adapters")
-            pairs.append((self.by_name[choice.name], float(choice.weight)))
-        return AdapterSet.of(pairs)
-
-
 class SchedulerService:
     """The process's logic without sockets: requests in, plans out, results in, tokens out."""
 
@@ -99,7 +53,8 @@ class SchedulerService:
         self.model_cfg = ModelConfig.from_dir(args.model)
         self.base_version = base_version(Path(args.model))
         self.scheduler = Scheduler(self.config, max_context=self.model_cfg.max_position)
-        self.adapters = AdapterTable(self.model_cfg, self.config.max_rank, self.config.max_stacked)
+        self.adapters = AdapterRegistry(self.model_cfg, self.config.max_rank,
+                                        self.config.max_stacked, self.config.adapter_rows)
         for name, path in args.adapters.items():
             self.adapters.load(name, path)
         self.rng = random.Random(self.config.seed)
@@ -132,29 +87,13 @@ class SchedulerService:
     def _make_reqs(self, msg: TokenizedReq) -> list[Req]:
         params = msg.params
         params.validate(self.model_cfg.vocab_size)
-        adapter_set = self.adapters.resolve(msg.adapters)
-        namespace = (
-            ("base", self.base_version),
-            ("adapters", adapter_set.key),
-            ("salt", ""),
-        )
+        choices = [(c.name, c.weight) for c in msg.adapters] if msg.adapters else None
+        adapter_set = self.adapters.resolve(choices)
+        namespace = cache_namespace(self.base_version, adapter_set, None)
         base_seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
-        ids = bytes_to_ids(msg.input_ids)
-        reqs: list[Req] = []
-        for i in range(params.n):
-            reqs.append(
-                Req(
-                    rid=f"{msg.rid}#{i}",
-                    prompt_ids=ids,
-                    params=params,
-                    adapter_set=adapter_set,
-                    namespace=namespace,
-                    seed=_sample_seed(base_seed, i),
-                    eos_ids=frozenset(self.model_cfg.eos_token_ids),
-                    parent=reqs[0] if i and self.scheduler.tree is not None else None,
-                )
-            )
-        return reqs
+        return build_requests(msg.rid, bytes_to_ids(msg.input_ids), params, adapter_set,
+                              namespace, base_seed, frozenset(self.model_cfg.eos_token_ids),
+                              share_prompt=self.scheduler.tree is not None)
 
     def abort(self, msg: AbortReq) -> None:
         group = self.reqs.get(msg.rid)
