@@ -75,6 +75,7 @@ def serve(args: argparse.Namespace) -> None:
         zmq_client_port=args.zmq_client_port,
         engine=engine,
         drain_timeout_s=args.drain_timeout,
+        step_timeout_s=args.step_timeout,
         log_level=args.log_level,
     )
     raise SystemExit(run_server(server_args))
@@ -93,6 +94,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--zmq-client-port", type=int, default=None,
                    help="tcp://127.0.0.1:PORT for ZeroMQ clients (default: an ipc:// socket)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--step-timeout", type=float, default=600.0,
+                   help="seconds one worker step may take before the worker counts as hung")
     p.add_argument("--log-level", default="info")
     for flag in ENGINE_FLAGS:
         kind = str if flag in ("device", "dtype") else int

@@ -4,6 +4,7 @@ start-up that cannot succeed (non-zero exit, a clear message)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -69,6 +70,32 @@ def test_sigkill_worker(checkpoints, tmp_path):
     _wait_gone(children)
     server.stop()
     assert "worker process" in server.logs()
+
+
+def test_hung_worker_stops_the_service(checkpoints, tmp_path):
+    model, adapters = checkpoints
+    server = ServerProcess(model, adapters, tmp_path / "log", "--step-timeout", "2")
+    server.wait_ready()
+    pids = server.info()["pids"]
+    children = [pid for name, pid in pids.items() if name != "api"]
+    os.kill(pids["worker"], signal.SIGSTOP)  # hung: alive, never answers
+    status = {}
+
+    def request():
+        try:
+            body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4}
+            status["code"] = server.http.post("/v1/completions", json=body).status_code
+        except httpx.TransportError as e:
+            status["code"] = type(e).__name__
+
+    t = threading.Thread(target=request)
+    t.start()
+    assert server.proc.wait(30) != 0
+    t.join(10)
+    assert status["code"] in (503, "RemoteProtocolError", "ReadError")
+    _wait_gone(children)
+    server.stop()
+    assert "hung" in server.logs()
 
 
 def os_kill(pid: int) -> None:

@@ -47,6 +47,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     zmq_client_port: int | None = None
     engine: dict[str, object] = {}  # EngineConfig overrides
     drain_timeout_s: float = 30.0
+    step_timeout_s: float = 600.0  # a worker step running longer is a hung worker
     ready_timeout_s: float = 300.0
     max_body_bytes: int = 8 << 20
     log_level: str = "info"

@@ -61,6 +61,7 @@ class SchedulerService:
         self.reqs: dict[str, list[Req]] = {}
         self.owner: dict[Req, tuple[str, int]] = {}
         self.in_flight: tuple[PlanMsg, BatchPlan] | None = None
+        self.in_flight_since = 0.0
         self.num_steps = 0
 
     # ---- intake ------------------------------------------------------------------------------
@@ -124,6 +125,7 @@ class SchedulerService:
         self.num_steps += 1
         msg = plan_to_msg(plan, self.num_steps)
         self.in_flight = (msg, plan)
+        self.in_flight_since = time.monotonic()
         return msg
 
     def on_result(self, result: StepResult) -> tuple[TokenBatch | None, list[ReqError]]:
@@ -264,6 +266,7 @@ def plan_to_msg(plan: BatchPlan, step: int) -> PlanMsg:
 
 class SchedulerLoop:
     def __init__(self, args: ServerArgs, ctx: zmq.Context, service: SchedulerService):
+        self.args = args
         self.service = service
         self.inbox = Inbox(ctx, args.endpoints.scheduler, SchedulerInbox)
         self.to_worker = Outbox(ctx, args.endpoints.worker)
@@ -283,6 +286,17 @@ class SchedulerLoop:
                 self.to_worker.send(plan)
             stalled = plan is None and self.service.in_flight is None
             self.maybe_send_stats()
+            self.check_worker_alive()
+
+    def check_worker_alive(self) -> None:
+        """A step that never returns means a hung worker: exit, so the launcher reports it and
+        shuts the service down instead of leaving every request waiting forever."""
+        service = self.service
+        waited = time.monotonic() - service.in_flight_since
+        if service.in_flight is not None and waited > self.args.step_timeout_s:
+            log.error("worker step %d has run %.1f s (limit %.1f s): the worker is hung",
+                      service.in_flight[0].step, waited, self.args.step_timeout_s)
+            raise SystemExit(3)
 
     def handle(self, msg) -> None:
         service = self.service
