@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: setup
-	$(BIN)/radixlora demo
+	$(BIN)/radixlora serve
 
 test: setup
 	$(BIN)/ruff check radixlora kernels frontend tests scripts

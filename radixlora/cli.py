@@ -1,42 +1,36 @@
-"""Command line: `radixlora demo` (offline Engine on a tiny random checkpoint) and `radixlora serve`
-(the multi-process HTTP/ZeroMQ server, radixlora.server)."""
+"""Command line: `radixlora serve` (the multi-process HTTP/ZeroMQ server; with no --model, the
+bundled demo), `radixlora demo` (the demo through the offline Engine) and `radixlora batch` (a
+JSONL file of OpenAI batch requests, radixlora.batch)."""
 
 from __future__ import annotations
 
 import argparse
-import tempfile
+import os
 from pathlib import Path
 
 from radixlora.engine import Engine
 from radixlora.sampling import SamplingParams
-from radixlora.tiny import build_tiny_adapter, build_tiny_model
 
 
 def demo(args: argparse.Namespace) -> None:
-    root = Path(args.workdir or tempfile.mkdtemp(prefix="radixlora-demo-"))
-    model = build_tiny_model(root / "model")
-    adapters = {
-        "support": build_tiny_adapter(model, root / "support", rank=8, seed=1),
-        "legal": build_tiny_adapter(model, root / "legal", rank=16, seed=2),
-    }
-    engine = Engine(model, adapters=adapters)
-    prompt = "A radix cache shares prefix KV"
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    specs = [None, "support", "legal", [("legal", 0.5), ("support", 1.0)]]
+    """The bundled demo through the offline Engine: one prompt, every adapter set, one batch."""
+    from radixlora.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR, format_prompt
+
+    engine = Engine(DEMO_MODEL_DIR, adapters=DEMO_ADAPTERS)
+    prompt = format_prompt(args.text)
+    specs = [None, *DEMO_ADAPTERS, [("upper", 1.0), ("reverse", 1.0)]]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     outs = engine.generate([prompt] * len(specs), params, adapters=specs)
-    print(
-        f"model: tiny random Llama in {root} (outputs are random text: the point is that each "
-        "adapter set changes them, in one batched forward)"
-    )
+    print(f"prompt: {prompt!r}  (bundled demo model; one batched forward per step)")
     for out in outs:
-        print(f"  [{out.adapters:>22}] {prompt!r} -> {out.outputs[0].text!r}")
+        print(f"  [{out.adapters:>14}] {out.outputs[0].text.strip()}")
 
 
 ENGINE_FLAGS = ("kv_pages", "page_size", "adapter_rows", "max_rank", "max_stacked", "max_running",
                 "max_batch_tokens", "device", "dtype")
 
 
-def _adapter_pairs(values: list[str]) -> dict[str, str]:
+def adapter_pairs(values: list[str]) -> dict[str, str]:
     pairs = {}
     for value in values:
         name, sep, path = value.partition("=")
@@ -46,30 +40,38 @@ def _adapter_pairs(values: list[str]) -> dict[str, str]:
     return pairs
 
 
-def _adapter_dir(directory: str) -> dict[str, str]:
-    root = Path(directory)
-    if not root.is_dir():
+def _check_dir(directory: str | None) -> str | None:
+    if directory is not None and not Path(directory).is_dir():
         raise SystemExit(f"--adapter-dir {directory} is not a directory")
-    return {d.name: str(d) for d in sorted(root.iterdir()) if (d / "adapter_config.json").is_file()}
+    return directory
 
 
 def serve(args: argparse.Namespace) -> None:
-    from radixlora.server.args import ServerArgs
     from radixlora.server.launcher import serve as run_server
 
-    adapters = _adapter_dir(args.adapter_dir) if args.adapter_dir else {}
-    adapters.update(_adapter_pairs(args.adapter))
-    model = args.model
-    if model is None:
-        root = Path(tempfile.mkdtemp(prefix="radixlora-tiny-"))
-        model = str(build_tiny_model(root / "model"))
-        adapters.setdefault("support", str(build_tiny_adapter(model, root / "support", 8, 1)))
-        adapters.setdefault("legal", str(build_tiny_adapter(model, root / "legal", 16, 2)))
+    adapters = adapter_pairs(args.adapter)
+    model, served_name = args.model, args.served_model_name
+    if model is None:  # the bundled demo: a small trained model and one adapter per task
+        from radixlora.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR
+
+        model, served_name = DEMO_MODEL_DIR, served_name or "radixlora-demo"
+        for name, path in DEMO_ADAPTERS.items():
+            adapters.setdefault(name, str(path))
+    try:
+        server_args = _server_args(args, model, adapters, served_name)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    raise SystemExit(run_server(server_args))
+
+
+def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], served_name):
+    from radixlora.server.args import ServerArgs
+
     engine = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
-    server_args = ServerArgs(
+    return ServerArgs(
         model=str(model),
         adapters=adapters,
-        served_model_name=args.served_model_name,
+        served_model_name=served_name,
         host=args.host,
         port=args.port,
         zmq_client_port=args.zmq_client_port,
@@ -77,17 +79,43 @@ def serve(args: argparse.Namespace) -> None:
         drain_timeout_s=args.drain_timeout,
         step_timeout_s=args.step_timeout,
         log_level=args.log_level,
+        adapter_dir=_check_dir(args.adapter_dir),
+        adapter_rate=args.adapter_rate,
+        adapter_burst=args.adapter_burst,
+        adapter_quiet_s=args.adapter_quiet,
+        max_swaps_per_s=args.max_swaps_per_s,
+        host_adapter_bytes=args.host_adapter_bytes,
+        adapter_failure_policy=args.adapter_failure_policy,
+        enable_admin=args.enable_admin,
+        admin_api_key=args.admin_api_key or os.environ.get("RADIXLORA_ADMIN_API_KEY"),
+        allowed_adapter_roots=args.allowed_adapter_root,
     )
-    raise SystemExit(run_server(server_args))
 
 
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model and its adapters over HTTP and ZeroMQ")
     p.add_argument("--model", default=None,
-                   help="HF checkpoint directory (default: a tiny random demo model)")
+                   help="HF checkpoint directory (default: the bundled demo model and adapters)")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH")
     p.add_argument("--adapter-dir", default=None,
-                   help="serve every PEFT adapter directory inside DIR, named after it")
+                   help="watch DIR (registry process): every sub-directory is an adapter named "
+                        "after it, hot-swapped as it is added, rewritten or deleted")
+    p.add_argument("--adapter-rate", type=float, default=1.0,
+                   help="new adapters admitted per second from --adapter-dir (token bucket)")
+    p.add_argument("--adapter-burst", type=int, default=1)
+    p.add_argument("--adapter-quiet", type=float, default=0.5,
+                   help="seconds --adapter-dir must be quiet before a change is examined")
+    p.add_argument("--max-swaps-per-s", type=float, default=10.0,
+                   help="hard cap on adapter loads into the device pool per second (0: none)")
+    p.add_argument("--host-adapter-bytes", type=int, default=2 << 30,
+                   help="byte budget of the worker's host LRU tier of adapters")
+    p.add_argument("--adapter-failure-policy", choices=("reject", "base"), default="reject")
+    p.add_argument("--enable-admin", action="store_true",
+                   help="enable POST /v1/{load,unload,pin,unpin}_lora_adapter")
+    p.add_argument("--admin-api-key", default=None,
+                   help="Bearer key of the admin endpoints (or RADIXLORA_ADMIN_API_KEY)")
+    p.add_argument("--allowed-adapter-root", action="append", default=[],
+                   help="directory the admin endpoints may load adapters from (repeatable)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
@@ -97,20 +125,40 @@ def _serve_parser(sub) -> None:
     p.add_argument("--step-timeout", type=float, default=600.0,
                    help="seconds one worker step may take before the worker counts as hung")
     p.add_argument("--log-level", default="info")
+    add_engine_flags(p)
+    p.set_defaults(func=serve)
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """--kv-pages, --max-running, ...: EngineConfig overrides (default: the config's)."""
     for flag in ENGINE_FLAGS:
         kind = str if flag in ("device", "dtype") else int
         p.add_argument("--" + flag.replace("_", "-"), type=kind, default=None)
-    p.set_defaults(func=serve)
+
+
+def batch(args: argparse.Namespace) -> None:
+    from radixlora.batch import run_from_args
+
+    raise SystemExit(run_from_args(args))
+
+
+def _batch_parser(sub) -> None:
+    from radixlora.batch import add_arguments
+
+    p = sub.add_parser("batch", help="run a JSONL file of OpenAI batch requests (resumable)")
+    add_arguments(p)
+    p.set_defaults(func=batch)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="radixlora")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="run the offline Engine on a tiny random model with 2 adapters")
-    p.add_argument("--workdir", default=None)
-    p.add_argument("--max-tokens", type=int, default=12)
+    p = sub.add_parser("demo", help="the bundled demo through the offline Engine")
+    p.add_argument("--text", default="the red fox ate 42 fish")
+    p.add_argument("--max-tokens", type=int, default=40)
     p.set_defaults(func=demo)
     _serve_parser(sub)
+    _batch_parser(sub)
     args = parser.parse_args(argv)
     args.func(args)
 

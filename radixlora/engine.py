@@ -41,6 +41,7 @@ class RequestOutput:
     adapters: str
     outputs: list[CompletionOutput] = field(default_factory=list)
     cached_tokens: int = 0
+    prompt_logprobs: list[float] = field(default_factory=list)  # from logprob_start on
 
 
 class Engine:
@@ -132,15 +133,36 @@ class Engine:
             self.step()
         return [self.output_of(group) for group in groups]
 
-    def submit(self, prompt, params: SamplingParams, adapters=None, cache_salt=None) -> list[Req]:
+    def submit(
+        self, prompt, params: SamplingParams, adapters=None, cache_salt=None,
+        logprob_start: int | None = None,
+    ) -> list[Req]:
         """Validate and queue one prompt (n requests for n samples) without running; drive it
-        with step() and read it with output_of()."""
-        reqs = self.make_requests(prompt, params, adapters, cache_salt)
+        with step() and read it with output_of(). With logprob_start, each request also gets
+        the logprob of every prompt token from that position on (req.input_logprobs)."""
+        reqs = self.make_requests(prompt, params, adapters, cache_salt, logprob_start)
         for req in reqs:
             self.scheduler.check_admissible(req)
         for req in reqs:
             self.scheduler.add(req)
         return reqs
+
+    def score(self, prompts, logprob_start: int | list[int], adapters=None,
+              cache_salt: str | None = None) -> list[list[float]]:
+        """For each prompt (text or token ids), the logprob of each token from position
+        logprob_start (>= 1) on, given all tokens before it: one prefill through the scheduler
+        (chunked, batched with other work, reusing and filling the prefix cache), no output."""
+        prompt_list = _as_prompt_list(prompts)
+        starts = _per_prompt(logprob_start, len(prompt_list), int)
+        specs = _adapter_specs(adapters, len(prompt_list))
+        params = SamplingParams(max_tokens=1, seed=0)
+        reqs = [
+            self.submit(p, params, spec, cache_salt, start)[0]
+            for p, start, spec in zip(prompt_list, starts, specs)
+        ]
+        while self.scheduler.has_work():
+            self.step()
+        return [list(req.input_logprobs) for req in reqs]
 
     def step(self) -> list[Req]:
         """Run one scheduler step; returns the requests that finished in it."""
@@ -148,16 +170,25 @@ class Engine:
         if plan is None:
             raise RadixLoraError("scheduler made no progress with requests pending")
         out = self.runner.execute(plan)
-        return self.scheduler.process_results(plan, out.token_ids, out.logprobs, out.top_logprobs)
+        return self.scheduler.process_results(
+            plan, out.token_ids, out.logprobs, out.top_logprobs, out.input_logprobs
+        )
 
-    def make_requests(self, prompt, params: SamplingParams, spec, cache_salt) -> list[Req]:
+    def make_requests(
+        self, prompt, params: SamplingParams, spec, cache_salt, logprob_start: int | None = None
+    ) -> list[Req]:
         params.validate(self.model_cfg.vocab_size)
         ids = self._prompt_ids(prompt)
+        if logprob_start is not None and not 1 <= logprob_start <= len(ids):
+            raise InvalidRequestError(
+                f"logprob_start must be in [1, {len(ids)}], got {logprob_start}",
+                param="logprob_start",
+            )
         adapter_set = self.resolve_adapters(spec)
         namespace = cache_namespace(self.base_version, adapter_set, cache_salt)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self._next_rid += 1
-        return build_requests(
+        reqs = build_requests(
             f"req-{self._next_rid}",
             ids,
             params,
@@ -167,6 +198,9 @@ class Engine:
             frozenset(self.model_cfg.eos_token_ids),
             share_prompt=self.scheduler.tree is not None,
         )
+        for req in reqs:
+            req.logprob_start = logprob_start
+        return reqs
 
     def _prompt_ids(self, prompt) -> np.ndarray:
         if isinstance(prompt, str):
@@ -189,7 +223,10 @@ class Engine:
     def output_of(self, group: list[Req]) -> RequestOutput:
         first = group[0]
         out = RequestOutput(
-            first.prompt_ids.tolist(), first.adapter_set.label, cached_tokens=first.cached_tokens
+            first.prompt_ids.tolist(),
+            first.adapter_set.label,
+            cached_tokens=first.cached_tokens,
+            prompt_logprobs=list(first.input_logprobs),
         )
         for i, req in enumerate(group):
             assert req.status is ReqStatus.FINISHED

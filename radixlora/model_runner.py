@@ -27,6 +27,7 @@ class StepOutput:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]] | None
+    input_logprobs: list[list[float]] | None = None  # per plan item, when any item is scored
 
 
 class ModelRunner:
@@ -71,22 +72,29 @@ class ModelRunner:
         host = _host_inputs(plan)
         segments = _lora_segments(plan)
         sampled = [i for i in plan.items if i.sample]
-        key = self._graph_key(host, segments)
+        scored = _scored_rows(plan)
+        key = self._graph_key(host, segments) if scored is None else None
         if key is not None:
             logits = self.graphs.forward(key, host, segments)
             if len(sampled) < len(plan.items):
                 logits = logits[[i.sample for i in plan.items]]
         else:
+            if scored is not None:
+                host["logits_indices"] = np.concatenate([scored[0], host["logits_indices"]])
             logits = self.model(self._forward_batch(host, segments))
+        input_logprobs = None
+        if scored is not None:
+            input_logprobs = _prompt_logprobs(logits[: len(scored[0])], scored)
+            logits = logits[len(scored[0]) :]
         if not sampled:
-            return StepOutput([], [], None)
+            return StepOutput([], [], None, input_logprobs)
         out = sample(logits, self._sampling_batch(sampled))
         top = None
         if out.top_ids is not None:
             top = [
                 list(zip(i, lp)) for i, lp in zip(out.top_ids.tolist(), out.top_logprobs.tolist())
             ]
-        return StepOutput(out.token_ids.tolist(), out.logprobs.tolist(), top)
+        return StepOutput(out.token_ids.tolist(), out.logprobs.tolist(), top, input_logprobs)
 
     def _graph_key(self, host: dict, segments):
         if self.graphs is None:
@@ -145,6 +153,30 @@ def _host_inputs(plan: BatchPlan) -> dict:
         "kv_indices": np.concatenate([i.req.kv_slots[:k] for i, k in zip(items, kv_lens)]),
         "logits_indices": np.array([e - 1 for i, e in zip(items, ends) if i.sample], np.int64),
     }
+
+
+def _scored_rows(plan: BatchPlan) -> tuple[np.ndarray, np.ndarray, list[int]] | None:
+    """(batch rows whose logits are scored, the prompt token each scores, count per item);
+    None when no item of the plan scores prompt tokens."""
+    if all(i.score_ids is None for i in plan.items):
+        return None
+    rows, targets, counts, offset = [], [], [], 0
+    for item in plan.items:
+        ids = item.score_ids if item.score_ids is not None else np.zeros(0, np.int32)
+        rows.append(offset + item.score_from - item.start + np.arange(len(ids)))
+        targets.append(ids.astype(np.int64))
+        counts.append(len(ids))
+        offset += len(item.extend_ids)
+    return np.concatenate(rows), np.concatenate(targets), counts
+
+
+def _prompt_logprobs(logits: torch.Tensor, scored) -> list[list[float]]:
+    """Per plan item, the logprobs of the prompt tokens its scored rows predict."""
+    _, targets, counts = scored
+    ids = torch.from_numpy(targets).to(logits.device)
+    values = torch.log_softmax(logits.float(), dim=-1).gather(1, ids[:, None])[:, 0].tolist()
+    ends = np.cumsum(counts)
+    return [values[e - c : e] for c, e in zip(counts, ends)]
 
 
 def _lora_segments(plan: BatchPlan) -> dict[str, tuple[list, list]] | None:

@@ -108,6 +108,10 @@ class Req:
     cached_tokens: int = 0  # prefix tokens served from the cache at first admission
     finish_reason: str | None = None
     num_retractions: int = 0
+    # Prompt logprobs: logprob of prompt_ids[i] given prompt_ids[:i] for i >= logprob_start,
+    # filled in during prefill (prefix-cache matches stop before position logprob_start - 1).
+    logprob_start: int | None = None
+    input_logprobs: list[float] = field(default_factory=list)
 
     @property
     def kv_slots(self) -> np.ndarray:

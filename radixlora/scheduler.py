@@ -5,6 +5,7 @@ process_results() folds the sampled tokens back in."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from radixlora.lora.adapter import LoraAdapter
 from radixlora.lora.pool import AdapterResidency
 from radixlora.radix_cache import RadixCache
 from radixlora.request import Req, ReqStatus
+from radixlora.token_bucket import TokenBucket
 
 AGING_STEPS = 64
 # Share of a running request's remaining max_tokens kept free when admitting new work, so that
@@ -30,6 +32,9 @@ class ScheduledReq:
     extend_ids: np.ndarray  # tokens whose KV this step computes
     start: int  # position of extend_ids[0]
     sample: bool  # True when this step completes the fill, so a token is sampled
+    # prompt logprobs: positions score_from, score_from + 1, ... of this chunk predict these ids
+    score_from: int = 0
+    score_ids: np.ndarray | None = None
 
 
 @dataclass
@@ -55,6 +60,8 @@ class Scheduler:
         self.running: list[Req] = []
         self.step_count = 0
         self.num_retractions = 0
+        self.swap_bucket: TokenBucket | None = None  # hard cap on adapter loads per second
+        self.num_swap_deferred = 0  # requests the cap held back in the last schedule()
 
     # ---- intake ----------------------------------------------------------------------------
 
@@ -97,6 +104,7 @@ class Scheduler:
 
     def schedule(self) -> BatchPlan | None:
         self.step_count += 1
+        self.num_swap_deferred = 0
         budget = self.config.max_batch_tokens
         items = self._schedule_running(budget)
         budget -= sum(len(i.extend_ids) for i in items)
@@ -150,11 +158,27 @@ class Scheduler:
                 if aged:
                     return  # stop taking rows from the starved request
                 continue
+            if not self._swap_allowed(req):
+                self.num_swap_deferred += 1
+                if aged:
+                    return
+                continue
             if not self._start(req, plan, budget):
                 return
             budget -= len(plan.items[-1].extend_ids)
             adapter_sets.add(req.adapter_set.key)
             reserved += self._decode_reserve(req)
+
+    def _swap_allowed(self, req: Req) -> bool:
+        """The swap cap: loads wait for tokens (a request needing more loads than the burst
+        goes once the bucket is full, so it cannot starve)."""
+        if self.swap_bucket is None:
+            return True
+        missing = sum(not self.residency.is_resident(a.adapter_id)
+                      for a in req.adapter_set.adapters)
+        if not missing:
+            return True
+        return self.swap_bucket.available(time.monotonic()) >= min(missing, self.swap_bucket.burst)
 
     @staticmethod
     def _decode_reserve(req: Req) -> int:
@@ -181,7 +205,10 @@ class Scheduler:
         if not self._reserve_kv(req, n):
             self._release_kv(req)
             return False
-        plan.adapter_loads += self.residency.acquire(req.adapter_set.adapters)
+        loads = self.residency.acquire(req.adapter_set.adapters)
+        if loads and self.swap_bucket is not None:
+            self.swap_bucket.take(time.monotonic(), len(loads))
+        plan.adapter_loads += loads
         self.waiting.remove(req)
         req.status = ReqStatus.RUNNING
         self.running.append(req)
@@ -194,7 +221,13 @@ class Scheduler:
             extend = np.asarray(req.output_ids[start - len(req.prompt_ids) :][:n], np.int32)
         else:
             extend = req.fill_ids[start : start + n]
-        return ScheduledReq(req, extend, start, sample=start + n == req.fill_len)
+        item = ScheduledReq(req, extend, start, sample=start + n == req.fill_len)
+        if req.logprob_start is not None:
+            first = max(start, req.logprob_start - 1)
+            end = min(start + n, len(req.prompt_ids) - 1)  # position end predicts token end + 1
+            if first < end:
+                item.score_from, item.score_ids = first, req.prompt_ids[first + 1 : end + 1]
+        return item
 
     def _lora_rows(self, req: Req) -> dict[str, tuple[list[int], list[float]]]:
         rows: dict[str, tuple[list[int], list[float]]] = {}
@@ -211,7 +244,10 @@ class Scheduler:
     def _match_prefix(self, req: Req) -> None:
         if self.tree is None:
             return
-        match = self.tree.match_prefix(req.namespace, req.fill_ids[: req.fill_len - 1])
+        upto = req.fill_len - 1
+        if req.logprob_start is not None:  # scored positions need their logits computed
+            upto = min(upto, req.logprob_start - 1)
+        match = self.tree.match_prefix(req.namespace, req.fill_ids[:upto])
         cached = len(match.kv_slots)
         req.set_slots(match.kv_slots)
         req.kv_len = req.cached_len = cached
@@ -270,6 +306,7 @@ class Scheduler:
         self.residency.release(a.adapter_id for a in req.adapter_set.adapters)
         self.running.remove(req)
         req.status = ReqStatus.WAITING
+        req.input_logprobs.clear()  # recomputed with the prompt
         req.num_retractions += 1
         self.num_retractions += 1
         self.waiting.appendleft(req)
@@ -282,13 +319,17 @@ class Scheduler:
         tokens: list[int],
         logprobs: list[float],
         top: list[list[tuple[int, float]]] | None,
+        input_logprobs: list[list[float]] | None = None,
     ) -> list[Req]:
-        """Fold one step's sampled tokens in; returns the requests that finished."""
+        """Fold one step's sampled tokens (and, for items with scored positions, their prompt
+        logprobs, one list per plan item) in; returns the requests that finished."""
         finished = []
         sampled = iter(range(len(tokens)))
-        for item in plan.items:
+        for k, item in enumerate(plan.items):
             req = item.req
             req.kv_len += len(item.extend_ids)
+            if input_logprobs is not None:
+                req.input_logprobs += input_logprobs[k]
             if not item.sample:
                 continue
             i = next(sampled)

@@ -24,6 +24,7 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+
 from radixlora.kernels.attention_decode import (  # noqa: E402
     decode_attention,
     decode_attention_ref,

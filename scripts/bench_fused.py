@@ -29,6 +29,8 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+
+from radixlora.config import RopeConfig  # noqa: E402
 from radixlora.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from radixlora.kernels.rmsnorm import (  # noqa: E402
     fused_add_rmsnorm,
@@ -41,8 +43,6 @@ from radixlora.kernels.rotary import (  # noqa: E402
     apply_rotary_,
     apply_rotary_ref,
 )
-
-from radixlora.config import RopeConfig  # noqa: E402
 from radixlora.model.rope import RotaryEmbedding  # noqa: E402
 
 EPS = 1e-5

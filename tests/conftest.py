@@ -8,6 +8,9 @@ import os
 
 # CPU-only suite: Triton kernels run in the interpreter; triton reads this at kernel import.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# One intra-op thread per process: tests start server subprocesses on a 2-core machine, where
+# more threads only contend (set before torch is imported; inherited by the subprocesses).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import json  # noqa: E402
 from pathlib import Path

@@ -34,11 +34,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: Path, adapters: dict[str, Path], log_path: Path, *extra: str):
+    def __init__(self, model: Path | None, adapters: dict[str, Path], log_path: Path,
+                 *extra: str):
+        """model None: `radixlora serve` without --model (the bundled demo)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "radixlora.cli", "serve", "--model", str(model),
-               "--port", str(self.port), "--log-level", "warning", *ENGINE_FLAGS, *extra]
+        cmd = [sys.executable, "-m", "radixlora.cli", "serve", "--port", str(self.port),
+               "--log-level", "warning", *ENGINE_FLAGS, *extra]
+        if model is not None:
+            cmd += ["--model", str(model)]
         for name, path in adapters.items():
             cmd += ["--adapter", f"{name}={path}"]
         self.log_path = log_path

@@ -9,6 +9,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
 from radixlora.kernels.attention_decode import decode_attention, decode_attention_ref  # noqa: E402
 from radixlora.kernels.attention_extend import extend_attention, extend_attention_ref  # noqa: E402
 

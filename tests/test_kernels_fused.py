@@ -15,6 +15,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are deco
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from radixlora.config import RopeConfig  # noqa: E402
 from radixlora.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from radixlora.kernels.rmsnorm import (  # noqa: E402
     MAX_HIDDEN,
@@ -24,8 +26,6 @@ from radixlora.kernels.rmsnorm import (  # noqa: E402
     rmsnorm_ref,
 )
 from radixlora.kernels.rotary import apply_rotary_, apply_rotary_ref  # noqa: E402
-
-from radixlora.config import RopeConfig  # noqa: E402
 from radixlora.model.llama import RMSNorm  # noqa: E402
 from radixlora.model.rope import RotaryEmbedding, apply_rotary, inv_frequencies  # noqa: E402
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
 from radixlora.kernels.lora_ops import (  # noqa: E402
     LoraBatchMeta,
     TorchLoraBackend,

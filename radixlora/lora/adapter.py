@@ -57,7 +57,15 @@ class LoraAdapter:
 
 def load_adapter(name: str, path: str | Path, model: ModelConfig, max_rank: int) -> LoraAdapter:
     path = Path(path)
-    config_bytes, tensor_bytes = _read_files(name, path)
+    config_bytes, tensor_bytes = read_adapter_files(name, path)
+    return adapter_from_bytes(name, path, config_bytes, tensor_bytes, model, max_rank)
+
+
+def adapter_from_bytes(
+    name: str, path: str | Path, config_bytes: bytes, tensor_bytes: bytes, model: ModelConfig,
+    max_rank: int,
+) -> LoraAdapter:
+    """Validate the two files' bytes; the content hash covers exactly these bytes."""
     config = _parse_config(name, config_bytes)
     tensors = _parse_tensors(name, tensor_bytes)
     weights = _build_weights(name, config, tensors, model, max_rank)
@@ -69,7 +77,8 @@ def load_adapter(name: str, path: str | Path, model: ModelConfig, max_rank: int)
     return LoraAdapter(name, str(path), digest, max(group_ranks.values()), group_ranks, weights)
 
 
-def _read_files(name: str, path: Path) -> tuple[bytes, bytes]:
+def read_adapter_files(name: str, path: Path) -> tuple[bytes, bytes]:
+    """(adapter_config.json, adapter_model.safetensors) bytes, or an AdapterError."""
     if not path.is_dir():
         raise AdapterError(name, f"directory {path} does not exist")
     config_path = path / "adapter_config.json"

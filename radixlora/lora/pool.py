@@ -105,6 +105,18 @@ class AdapterResidency:
     def __init__(self, num_rows: int):
         self.rows = RowAllocator(num_rows)
         self.resident: OrderedDict[str, ResidentAdapter] = OrderedDict()
+        self.pinned: set[str] = set()  # adapter ids never evicted while resident
+        self.num_evictions = 0
+
+    def pin(self, adapter_id: str) -> None:
+        self.pinned.add(adapter_id)
+        if adapter_id in self.resident:
+            self.resident[adapter_id].pinned = True
+
+    def unpin(self, adapter_id: str) -> None:
+        self.pinned.discard(adapter_id)
+        if adapter_id in self.resident:
+            self.resident[adapter_id].pinned = False
 
     def is_resident(self, adapter_id: str) -> bool:
         return adapter_id in self.resident
@@ -139,7 +151,8 @@ class AdapterResidency:
             entry = self.resident.get(adapter.adapter_id)
             if entry is None:
                 self._reclaim(adapter.rank, protected)
-                entry = ResidentAdapter(adapter, self.rows.alloc(adapter.rank))
+                entry = ResidentAdapter(adapter, self.rows.alloc(adapter.rank),
+                                        pinned=adapter.adapter_id in self.pinned)
                 self.resident[adapter.adapter_id] = entry
                 loads.append((adapter, entry.rows))
             entry.refs += 1
@@ -166,6 +179,7 @@ class AdapterResidency:
             return False
         self.rows.free(entry.rows)
         del self.resident[adapter_id]
+        self.num_evictions += 1
         return True
 
     def _reclaim(self, need: int, protected: set[str]) -> None:

@@ -15,6 +15,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from radixlora.errors import InvalidRequestError
+from radixlora.server.admin import AdminHandlers
 from radixlora.server.args import ServerArgs
 from radixlora.server.http import (
     ClientGone,
@@ -77,6 +78,7 @@ class Api:
         self.started = time.time()
         self.openai = OpenAIHandlers(runtime, args.model_name, vocab_size)
         self.sglang = SglangHandlers(runtime, args.model_name, vocab_size)
+        self.admin = AdminHandlers(args, runtime)
 
     def error(self, status: int, message: str, code: str, param: str | None = None) -> Response:
         self.metrics.on_error(code)
@@ -95,6 +97,10 @@ class Api:
             Route("/get_server_info", self.server_info, methods=["GET"]),
             Route("/flush_cache", self.flush_cache, methods=["POST"]),
             Route("/abort_request", self.abort_request, methods=["POST"]),
+            Route("/v1/load_lora_adapter", self.load_lora, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload_lora, methods=["POST"]),
+            Route("/v1/pin_lora_adapter", self.pin_lora, methods=["POST"]),
+            Route("/v1/unpin_lora_adapter", self.unpin_lora, methods=["POST"]),
         ]
         return Starlette(routes=routes)
 
@@ -102,6 +108,9 @@ class Api:
 
     async def health(self, request: Request) -> Response:
         health = self.runtime.health
+        degraded = self.runtime.degraded_reason
+        if health is Health.OK and degraded is not None:
+            return json_response({"status": "degraded", "reason": degraded})
         if health is Health.OK:
             return json_response({"status": "ok"})
         message = self.runtime.dead_reason or f"the server is {health.value}"
@@ -164,6 +173,8 @@ class Api:
             "zmq_endpoints": msgspec.structs.asdict(self.args.endpoints),
             "pids": {"api": os.getpid(), **self.pids},
             "health": self.runtime.health.value,
+            "degraded_reason": self.runtime.degraded_reason,
+            "adapter_events": [msgspec.structs.asdict(e) for e in self.runtime.recent_events],
             "open_generations": len(self.runtime.generations),
             "scheduler": scheduler,
         })
@@ -183,3 +194,19 @@ class Api:
             raise HttpError(404, f"no request with id {rid!r} is in flight", "unknown_request_id",
                             "rid")
         return json_response({"aborted": rid})
+
+    @guarded
+    async def load_lora(self, request: Request) -> Response:
+        return await self.admin.load(request)
+
+    @guarded
+    async def unload_lora(self, request: Request) -> Response:
+        return await self.admin.unload(request)
+
+    @guarded
+    async def pin_lora(self, request: Request) -> Response:
+        return await self.admin.pin(request)
+
+    @guarded
+    async def unpin_lora(self, request: Request) -> Response:
+        return await self.admin.unpin(request)

@@ -22,6 +22,7 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
     scheduler: str
     worker: str
     client: str
+    registry: str = ""  # the registry's PUB socket (AdapterEvents)
 
     @classmethod
     def in_dir(cls, directory: str | Path, client: str | None = None) -> Endpoints:
@@ -35,6 +36,7 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
             scheduler=ipc("scheduler"),
             worker=ipc("worker"),
             client=client or ipc("client"),
+            registry=ipc("registry"),
         )
 
 
@@ -53,6 +55,24 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     log_level: str = "info"
     endpoints: Endpoints | None = None
     launcher_pid: int = 0
+    state_dir: str = ""  # private to this server: adapter snapshots, registry state
+    # hot-swap (docs/server.md, "Hot-swap")
+    adapter_dir: str | None = None  # watched by the registry process
+    adapter_rate: float = 1.0  # new adapters admitted per second (token bucket)
+    adapter_burst: int = 1
+    adapter_quiet_s: float = 0.5  # a changed adapter directory must be quiet this long
+    max_swaps_per_s: float = 10.0  # adapter loads into the device pool, hard cap
+    host_adapter_bytes: int = 2 << 30  # worker's host LRU of validated adapters
+    adapter_failure_policy: str = "reject"  # or "base": serve base-only, say so
+    enable_admin: bool = False
+    admin_api_key: str | None = None
+    allowed_adapter_roots: list[str] = []
+
+    def __post_init__(self):
+        if self.adapter_failure_policy not in ("reject", "base"):
+            raise ValueError("adapter_failure_policy must be 'reject' or 'base'")
+        if self.enable_admin and not self.admin_api_key:
+            raise ValueError("--enable-admin needs --admin-api-key")
 
     @property
     def model_name(self) -> str:

@@ -32,8 +32,9 @@ class ClientGone(Exception):
     """The client disconnected before the answer was ready."""
 
 
-def json_response(obj, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+def json_response(obj, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json",
+                    headers=headers)
 
 
 def error_body(status: int, message: str, code: str, param: str | None = None) -> dict:

@@ -1,7 +1,9 @@
 """`radixlora serve`: start the tokenizer, scheduler and worker processes, wait until each has
 acknowledged, then serve HTTP from this process (which is also the api process). A child that
 dies turns /health to 503 and makes the launcher exit non-zero after stopping the others;
-SIGTERM/SIGINT drain: new requests get 503, in-flight ones finish, exit 0."""
+SIGTERM/SIGINT drain: new requests get 503, in-flight ones finish, exit 0. The registry process
+(with --adapter-dir) is not needed to serve: if it dies, /health says "degraded" (HTTP 200) and
+the launcher restarts it."""
 
 from __future__ import annotations
 
@@ -33,7 +35,10 @@ from radixlora.server.runtime import Health, Runtime
 log = logging.getLogger(__name__)
 
 CHILDREN = ("tokenizer", "scheduler", "worker")
+OPTIONAL = ("registry",)  # restarted when it dies; serving goes on without it
 WATCH_INTERVAL_S = 0.2
+RESTART_DELAY_S = (0.5, 30.0)  # first and largest delay before restarting an optional child
+RESTART_RESET_S = 60.0  # a child up this long starts again from the first delay
 DEAD_GRACE_S = 1.0
 STOP_TIMEOUT_S = 5.0
 
@@ -46,20 +51,42 @@ class Children:
     """The child processes; each runs `python -m radixlora.server.<name>_proc ARGS_JSON`."""
 
     def __init__(self, args: ServerArgs):
+        self.args = args
+        self.names = CHILDREN + (OPTIONAL if args.adapter_dir else ())
         self.procs: dict[str, subprocess.Popen] = {}
-        for name in CHILDREN:
-            cmd = [sys.executable, "-m", f"radixlora.server.{name}_proc", args.to_json()]
-            self.procs[name] = subprocess.Popen(cmd, start_new_session=True)
+        self.pids: dict[str, int] = {}  # kept up to date (the api shows it)
+        self.started: dict[str, float] = {}
+        self.restart_delay: dict[str, float] = {}
+        for name in self.names:
+            self.spawn(name)
 
-    @property
-    def pids(self) -> dict[str, int]:
-        return {name: p.pid for name, p in self.procs.items()}
+    def spawn(self, name: str) -> None:
+        cmd = [sys.executable, "-m", f"radixlora.server.{name}_proc", self.args.to_json()]
+        self.procs[name] = subprocess.Popen(cmd, start_new_session=True)
+        self.pids[name] = self.procs[name].pid
+        self.started[name] = time.monotonic()
 
-    def first_dead(self) -> str | None:
-        for name, proc in self.procs.items():
-            code = proc.poll()
-            if code is not None:
-                return f"the {name} process (pid {proc.pid}) exited with code {code}"
+    def next_restart_delay(self, name: str) -> float:
+        """Exponential backoff for a child that keeps dying; reset once it stayed up."""
+        first, largest = RESTART_DELAY_S
+        previous = self.restart_delay.get(name)
+        up_s = time.monotonic() - self.started.get(name, 0.0)
+        delay = first if previous is None or up_s > RESTART_RESET_S else min(2 * previous, largest)
+        self.restart_delay[name] = delay
+        return delay
+
+    def exit_reason(self, name: str) -> str | None:
+        proc = self.procs[name]
+        code = proc.poll()
+        if code is None:
+            return None
+        return f"the {name} process (pid {proc.pid}) exited with code {code}"
+
+    def first_dead(self, names=CHILDREN) -> str | None:
+        for name in names:
+            reason = self.exit_reason(name)
+            if reason is not None:
+                return reason
         return None
 
     def stop(self) -> None:
@@ -78,12 +105,12 @@ class Children:
 def wait_ready(inbox: Inbox, children: Children, timeout_s: float) -> dict[str, Ready]:
     ready: dict[str, Ready] = {}
     deadline = time.monotonic() + timeout_s
-    while len(ready) < len(CHILDREN):
-        dead = children.first_dead()
+    while len(ready) < len(children.names):
+        dead = children.first_dead(children.names)
         if dead is not None:
             raise StartupError(f"{dead} before it was ready")
         if time.monotonic() > deadline:
-            missing = sorted(set(CHILDREN) - set(ready))
+            missing = sorted(set(children.names) - set(ready))
             raise StartupError(f"no ready acknowledgement from {missing} in {timeout_s:.0f} s")
         if inbox.poll(100):
             for msg in inbox.recv_nowait():
@@ -117,12 +144,16 @@ class Launcher:
         os.chmod(self.workdir, 0o700)
         client = (f"tcp://127.0.0.1:{args.zmq_client_port}"
                   if args.zmq_client_port is not None else None)
+        state_dir = os.path.join(self.workdir, "state")
+        os.mkdir(state_dir)
         self.args = msgspec.structs.replace(
-            args, endpoints=Endpoints.in_dir(self.workdir, client), launcher_pid=os.getpid()
+            args, endpoints=Endpoints.in_dir(self.workdir, client), launcher_pid=os.getpid(),
+            state_dir=state_dir,
         )
         self.exit_code = 0
         self.server: DrainingServer | None = None
         self.runtime: Runtime | None = None
+        self.restart_at: dict[str, float] = {}  # dead optional child -> when to restart it
 
     def run(self) -> int:
         ctx = zmq.Context()
@@ -153,8 +184,9 @@ class Launcher:
                                 lifespan="off", log_level=args.log_level, access_log=False,
                                 timeout_graceful_shutdown=5)
         self.server = DrainingServer(config, self.begin_drain)
-        tasks = [asyncio.create_task(c) for c in
-                 (runtime.pump(), gateway.serve(), self.watch(children), self.announce())]
+        jobs = (runtime.pump(), runtime.pump_events(), gateway.serve(), self.watch(children),
+                self.announce())
+        tasks = [asyncio.create_task(c) for c in jobs]
         runtime.health = Health.OK
         try:
             await self.server.serve()
@@ -177,11 +209,30 @@ class Launcher:
             dead = children.first_dead()
             if dead is not None:
                 break
+            for name in OPTIONAL:
+                if name in children.names:
+                    self.restart_if_dead(children, name)
         log.error("%s; stopping the server", dead)
         self.runtime.mark_dead(dead)
         await asyncio.sleep(DEAD_GRACE_S)
         self.exit_code = 1
         self.server.should_exit = True
+
+    def restart_if_dead(self, children: Children, name: str) -> None:
+        """Restart a dead optional child after its backoff delay, without pausing the watch
+        over the others."""
+        reason = children.exit_reason(name)
+        if reason is None:
+            return
+        now = time.monotonic()
+        if name not in self.restart_at:
+            delay = children.next_restart_delay(name)
+            log.error("%s; serving continues (degraded), restarting it in %.1f s", reason, delay)
+            self.runtime.mark_degraded(reason)
+            self.restart_at[name] = now + delay
+        elif now >= self.restart_at[name]:
+            del self.restart_at[name]
+            children.spawn(name)
 
     def begin_drain(self) -> None:
         runtime = self.runtime

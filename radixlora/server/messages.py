@@ -10,7 +10,9 @@ Channels (sender -> receiver: messages):
   worker -> scheduler:     StepResult
   scheduler -> tokenizer:  TokenBatch, ReqError
   tokenizer -> api:        OutputBatch, ReqError
-  scheduler -> api:        InfoReply, SchedulerStats
+  scheduler -> api:        InfoReply, SchedulerStats, AdminReply
+  api -> scheduler:        AdminReq
+  registry -> scheduler, api (PUB/SUB): AdapterEvent
   child -> launcher:       Ready
 """
 
@@ -126,6 +128,7 @@ class StepResult(Message):
     top_logprobs: list[list[float]] | None = None
     failed_adapters: dict[str, str] = {}  # adapter id -> reason; the step did not run
     error: str | None = None  # the step did not run
+    load_seconds: list[float] = []  # one per adapter load of the step
 
 
 # ---- scheduler -> tokenizer -> api -----------------------------------------------------------
@@ -140,6 +143,7 @@ class TokenOut(msgspec.Struct, array_like=True):
     finish_reason: str | None
     prompt_tokens: int
     cached_tokens: int
+    fallback: str | None = None  # why the request is served base-only (policy "base")
 
 
 class TokenBatch(Message):
@@ -168,6 +172,7 @@ class SampleOutput(msgspec.Struct, array_like=True):
     matched_stop: str | int | None
     prompt_tokens: int
     cached_tokens: int
+    fallback: str | None = None
 
 
 class OutputBatch(Message):
@@ -202,6 +207,44 @@ class SchedulerStats(Message):
     waiting: int
     prompt_tokens: int
     cached_tokens: int
+    adapter_loads: int = 0  # cumulative loads into the device pool
+    adapter_evictions: int = 0  # cumulative
+    adapter_load_seconds: list[float] = []  # worker load latencies since the last stats
+    resident_adapters: int = 0
+    resident_bytes: int = 0  # fp32 host bytes of the resident adapters' weights
+    swaps_waiting: int = 0  # requests held back by the swap cap at the last step
+
+
+class AdapterEvent(Message):
+    """One change of the registry's active set. `seq` grows by one per published change and
+    survives registry restarts; kind "hello" (a registry that just started and found its
+    subscribers) carries the last seq and changes nothing."""
+
+    seq: int
+    kind: str  # added | updated | removed | rejected | skipped | hello
+    name: str = ""
+    adapter_id: str = ""  # content hash (added, updated, removed, skipped)
+    path: str = ""  # the immutable content-addressed snapshot (added, updated)
+    reason: str = ""  # rejected / skipped: a label for metrics (duplicate_content, bad_rank...)
+    message: str = ""  # rejected: the validation error, for people
+    at: float = 0.0  # wall-clock time of publication
+
+
+class AdminReq(Message):
+    """load / unload / pin / unpin of one adapter name (POST /v1/*_lora_adapter)."""
+
+    qid: int
+    op: str
+    name: str
+    path: str = ""
+
+
+class AdminReply(Message):
+    qid: int
+    status: int = 200
+    message: str = ""
+    code: str = ""
+    info: dict = {}
 
 
 class Ready(Message):
@@ -210,9 +253,9 @@ class Ready(Message):
     info: dict = {}
 
 
-ApiInbox = OutputBatch | ReqError | InfoReply | SchedulerStats
+ApiInbox = OutputBatch | ReqError | InfoReply | SchedulerStats | AdminReply
 TokenizerInbox = GenerateReq | AbortReq | TokenBatch | ReqError
-SchedulerInbox = TokenizedReq | AbortReq | InfoQuery | StepResult
+SchedulerInbox = TokenizedReq | AbortReq | InfoQuery | StepResult | AdminReq
 WorkerInbox = PlanMsg
 LauncherInbox = Ready
 

@@ -1,6 +1,7 @@
 """Prometheus metrics of the api process (its own registry, exposed at /metrics): per-adapter
 request and token counters, TTFT / inter-token / end-to-end latency histograms, and the
-scheduler's KV usage and radix hit rate."""
+scheduler's KV usage and radix hit rate, and the adapter lifecycle (registry events, loads
+into the device pool, their latency, evictions, residency)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from radixlora.server.messages import SampleOutput, SchedulerStats
+from radixlora.server.messages import AdapterEvent, SampleOutput, SchedulerStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5, 10, 30, 60)
+LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
 class Metrics:
@@ -45,7 +47,35 @@ class Metrics:
         self.waiting = Gauge("radixlora_waiting_requests", "Waiting requests", registry=r)
         self.hit_rate = Gauge("radixlora_radix_hit_rate",
                               "Radix cache hit tokens / looked-up prompt tokens", registry=r)
+        self.adapter_events = Counter("radixlora_adapter_events", "Registry events by kind",
+                                      ["kind"], registry=r)
+        self.adapter_skips = Counter("radixlora_adapter_skips", "Adapters skipped by the registry",
+                                     ["skip_reason"], registry=r)
+        self.adapter_rejections = Counter("radixlora_adapter_rejections",
+                                          "Adapters the registry rejected", ["reason"], registry=r)
+        self.adapter_loads = Gauge("radixlora_adapter_loads",
+                                   "Adapter loads into the device pool since start", registry=r)
+        self.adapter_evictions = Gauge("radixlora_adapter_evictions",
+                                       "Adapters evicted from the device pool since start",
+                                       registry=r)
+        self.adapter_load_latency = Histogram("radixlora_adapter_load_seconds",
+                                              "Worker time to get an adapter to the pool (disk "
+                                              "or host tier)", buckets=LOAD_BUCKETS, registry=r)
+        self.resident_adapters = Gauge("radixlora_resident_adapters",
+                                       "Adapters resident in the device pool", registry=r)
+        self.resident_bytes = Gauge("radixlora_resident_adapter_bytes",
+                                    "Weight bytes (fp32) of the resident adapters", registry=r)
+        self.swaps_waiting = Gauge("radixlora_adapter_swaps_waiting",
+                                   "Requests held back by the swap cap at the last step",
+                                   registry=r)
         self._last_token: dict[tuple[str, int], float] = {}
+
+    def on_adapter_event(self, event: AdapterEvent) -> None:
+        self.adapter_events.labels(event.kind).inc()
+        if event.kind == "skipped":
+            self.adapter_skips.labels(event.reason).inc()
+        elif event.kind == "rejected":
+            self.adapter_rejections.labels(event.reason).inc()
 
     def on_submit(self, gen) -> None:
         self.requests.labels(gen.adapter_label).inc()
@@ -86,6 +116,13 @@ class Metrics:
         self.waiting.set(stats.waiting)
         if stats.prompt_tokens:
             self.hit_rate.set(stats.cached_tokens / stats.prompt_tokens)
+        self.adapter_loads.set(stats.adapter_loads)
+        self.adapter_evictions.set(stats.adapter_evictions)
+        for seconds in stats.adapter_load_seconds:
+            self.adapter_load_latency.observe(seconds)
+        self.resident_adapters.set(stats.resident_adapters)
+        self.resident_bytes.set(stats.resident_bytes)
+        self.swaps_waiting.set(stats.swaps_waiting)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

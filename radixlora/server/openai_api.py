@@ -72,7 +72,7 @@ class OpenAIHandlers:
             for p, gen in enumerate(gens)
             for s in sorted(gen.samples.values(), key=lambda s: s.index)
         ]
-        return json_response({**head, "choices": choices, "usage": usage(gens)})
+        return fallback_response({**head, "choices": choices, "usage": usage(gens)}, gens)
 
     async def _completion_chunks(self, gens, head, req) -> AsyncIterator[bytes]:
         offsets: dict[int, int] = {}
@@ -84,7 +84,7 @@ class OpenAIHandlers:
             offsets[index] = offsets.get(index, 0) + len(out.text)
             choice = {"index": index, "text": out.text, "logprobs": logprobs,
                       "finish_reason": out.finish_reason}
-            yield sse({**head, "choices": [choice]})
+            yield sse({**head, **fallback_fields(gens), "choices": [choice]})
         if req.stream_options is not None and req.stream_options.include_usage:
             yield sse({**head, "choices": [], "usage": usage(gens)})
         yield SSE_DONE
@@ -122,7 +122,7 @@ class OpenAIHandlers:
             }
             for s in sorted(gens[0].samples.values(), key=lambda s: s.index)
         ]
-        return json_response({**head, "choices": choices, "usage": usage(gens)})
+        return fallback_response({**head, "choices": choices, "usage": usage(gens)}, gens)
 
     async def _chat_chunks(self, gens, head, req) -> AsyncIterator[bytes]:
         started: set[int] = set()
@@ -136,7 +136,7 @@ class OpenAIHandlers:
             logprobs = chat_logprobs(_as_sample(out)) if req.logprobs else None
             choice = {"index": out.index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": out.finish_reason}
-            yield sse({**head, "choices": [choice]})
+            yield sse({**head, **fallback_fields(gens), "choices": [choice]})
         if req.stream_options is not None and req.stream_options.include_usage:
             yield sse({**head, "choices": [], "usage": usage(gens)})
         yield SSE_DONE
@@ -148,6 +148,24 @@ class OpenAIHandlers:
         or scheduler (unknown adapter, context length) are still proper 4xx responses."""
         first = await until_disconnect(request, chunks.__anext__())
         return EventStream(stream_body(first, chunks))
+
+
+FALLBACK_FINGERPRINT = "radixlora-base-fallback"
+FALLBACK_HEADER = "x-radixlora-adapter-fallback"
+
+
+def fallback_fields(gens: list[Generation]) -> dict:
+    """Policy "base": a request whose adapter was unavailable says it was served base-only."""
+    reason = next((g.fallback for g in gens if g.fallback), None)
+    if reason is None:
+        return {}
+    return {"system_fingerprint": FALLBACK_FINGERPRINT, "adapter_fallback": reason}
+
+
+def fallback_response(body: dict, gens: list[Generation]):
+    fields = fallback_fields(gens)
+    headers = {FALLBACK_HEADER: "base"} if fields else None
+    return json_response({**body, **fields}, headers=headers)
 
 
 def _as_sample(out: SampleOutput) -> Sample:

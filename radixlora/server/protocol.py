@@ -105,6 +105,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     input_ids: list | None = None
     sampling_params: SglSamplingParams | list[SglSamplingParams] | None = None
     lora_path: str | list[str | None] | None = None
+    adapters: list[AdapterRef] | None = None  # radixlora: a weighted stack for every prompt
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0

@@ -5,6 +5,7 @@ PUSH sockets with no high-water mark, so a send never blocks the event loop."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import itertools
 import logging
@@ -20,6 +21,9 @@ from radixlora.server.args import ServerArgs
 from radixlora.server.ipc import check_local
 from radixlora.server.messages import (
     AbortReq,
+    AdapterEvent,
+    AdminReply,
+    AdminReq,
     ApiInbox,
     Codec,
     GenerateReq,
@@ -85,6 +89,7 @@ class Generation:
     cached_tokens: int = 0
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    fallback: str | None = None  # served base-only (policy "base"), and why
 
     @property
     def n(self) -> int:
@@ -114,12 +119,25 @@ class Runtime:
         self.stats: SchedulerStats | None = None
         self.health = Health.STARTING
         self.dead_reason: str | None = None
+        self.degraded_reason: str | None = None  # the registry is down; serving goes on
+        self.event_sub = self._subscribe(endpoints.registry) if args.adapter_dir else None
+        self.event_codec = Codec(AdapterEvent)
+        self.recent_events: collections.deque[AdapterEvent] = collections.deque(maxlen=256)
 
     def _bind_inbox(self, endpoint: str) -> zmq.asyncio.Socket:
         check_local(endpoint)
         sock = self.ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(endpoint)
+        return sock
+
+    def _subscribe(self, endpoint: str) -> zmq.asyncio.Socket:
+        check_local(endpoint)
+        sock = self.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(endpoint)
         return sock
 
     def _outbox(self, endpoint: str) -> zmq.Socket:
@@ -222,6 +240,25 @@ class Runtime:
             except Exception:
                 log.exception("failed to route %s", type(msg).__name__)
 
+    async def pump_events(self) -> None:
+        """Forever: the registry's AdapterEvents (for metrics, /health and server info)."""
+        if self.event_sub is None:
+            return
+        while True:
+            event = self.event_codec.decode(await self.event_sub.recv())
+            if event is None:
+                continue
+            if event.kind == "hello":
+                if self.degraded_reason is not None:
+                    log.info("the registry is back (event seq %d)", event.seq)
+                self.degraded_reason = None
+            self.recent_events.append(event)
+            if self.metrics is not None:
+                self.metrics.on_adapter_event(event)
+
+    def mark_degraded(self, reason: str) -> None:
+        self.degraded_reason = reason
+
     def _route(self, msg) -> None:
         if isinstance(msg, OutputBatch):
             for out in msg.outputs:
@@ -234,10 +271,10 @@ class Runtime:
             self.stats = msg
             if self.metrics is not None:
                 self.metrics.on_stats(msg)
-        elif isinstance(msg, InfoReply):
+        elif isinstance(msg, (InfoReply, AdminReply)):
             waiter = self.info_waiters.pop(msg.qid, None)
             if waiter is not None and not waiter.done():
-                waiter.set_result(msg.info)
+                waiter.set_result(msg.info if isinstance(msg, InfoReply) else msg)
 
     def _on_output(self, out: SampleOutput) -> None:
         gen = self.generations.get(out.rid)
@@ -248,6 +285,8 @@ class Runtime:
         sample.add(out, ids)
         if out.index == 0:
             gen.prompt_tokens, gen.cached_tokens = out.prompt_tokens, out.cached_tokens
+        if out.fallback:
+            gen.fallback = out.fallback
         if self.metrics is not None:
             self.metrics.on_output(gen, out, len(ids))
         gen.queue.put_nowait(out)
@@ -261,6 +300,22 @@ class Runtime:
         waiter = asyncio.get_running_loop().create_future()
         self.info_waiters[qid] = waiter
         self.to_scheduler.send(self.encoder.encode(InfoQuery(qid=qid, flush_cache=flush_cache)))
+        try:
+            return await asyncio.wait_for(waiter, INFO_TIMEOUT_S)
+        except asyncio.TimeoutError as e:
+            raise ServiceUnavailable("the scheduler did not answer in time") from e
+        finally:
+            self.info_waiters.pop(qid, None)
+
+    async def admin(self, op: str, name: str, path: str = "") -> AdminReply:
+        """Ask the scheduler to load / unload / pin / unpin an adapter."""
+        if self.health is Health.DEAD:
+            raise ServiceUnavailable(self.dead_reason or "a server process died")
+        qid = next(self.qids)
+        waiter = asyncio.get_running_loop().create_future()
+        self.info_waiters[qid] = waiter
+        self.to_scheduler.send(self.encoder.encode(AdminReq(qid=qid, op=op, name=name,
+                                                            path=path)))
         try:
             return await asyncio.wait_for(waiter, INFO_TIMEOUT_S)
         except asyncio.TimeoutError as e:

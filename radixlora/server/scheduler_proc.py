@@ -6,6 +6,7 @@ before step N+1 is planned (the Scheduler needs step N's tokens to plan decode).
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from pathlib import Path
@@ -16,13 +17,18 @@ from radixlora.adapters import AdapterRegistry
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
 from radixlora.model.loader import base_version
-from radixlora.request import Req, ReqStatus, build_requests, cache_namespace
+from radixlora.request import AdapterSet, Req, ReqStatus, build_requests, cache_namespace
 from radixlora.scheduler import BatchPlan, Scheduler
+from radixlora.server.adapter_lifecycle import AdapterLifecycle
+from radixlora.server.adapter_store import AdapterStore
 from radixlora.server.args import ServerArgs
-from radixlora.server.ipc import Inbox, Outbox, child_main, send_ready
+from radixlora.server.ipc import Inbox, Outbox, check_local, child_main, send_ready
 from radixlora.server.messages import (
     AbortReq,
+    AdapterEvent,
     AdapterLoad,
+    AdminReq,
+    Codec,
     GroupRows,
     InfoQuery,
     InfoReply,
@@ -38,6 +44,7 @@ from radixlora.server.messages import (
     bytes_to_ids,
     ids_to_bytes,
 )
+from radixlora.token_bucket import TokenBucket
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +60,21 @@ class SchedulerService:
         self.model_cfg = ModelConfig.from_dir(args.model)
         self.base_version = base_version(Path(args.model))
         self.scheduler = Scheduler(self.config, max_context=self.model_cfg.max_position)
+        if args.max_swaps_per_s > 0:
+            self.scheduler.swap_bucket = TokenBucket(args.max_swaps_per_s,
+                                                     max(1, math.ceil(args.max_swaps_per_s)))
         self.adapters = AdapterRegistry(self.model_cfg, self.config.max_rank,
                                         self.config.max_stacked, self.config.adapter_rows)
         for name, path in args.adapters.items():
             self.adapters.load(name, path)
+        self.policy = args.adapter_failure_policy
+        store = AdapterStore(Path(args.state_dir) / "adapters") if args.state_dir else None
+        self.lifecycle = AdapterLifecycle(self.adapters, self.scheduler, store, self.model_cfg,
+                                          self.config.max_rank, self._in_use)
+        self.num_loads = 0
+        self.load_seconds: list[float] = []
         self.rng = random.Random(self.config.seed)
+        self.fallbacks: dict[str, str] = {}  # rid -> why it is served base-only
         self.reqs: dict[str, list[Req]] = {}
         self.owner: dict[Req, tuple[str, int]] = {}
         self.in_flight: tuple[PlanMsg, BatchPlan] | None = None
@@ -89,12 +106,24 @@ class SchedulerService:
         params = msg.params
         params.validate(self.model_cfg.vocab_size)
         choices = [(c.name, c.weight) for c in msg.adapters] if msg.adapters else None
-        adapter_set = self.adapters.resolve(choices)
+        adapter_set, fallback = self._resolve(choices)
         namespace = cache_namespace(self.base_version, adapter_set, None)
         base_seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
-        return build_requests(msg.rid, bytes_to_ids(msg.input_ids), params, adapter_set,
+        reqs = build_requests(msg.rid, bytes_to_ids(msg.input_ids), params, adapter_set,
                               namespace, base_seed, frozenset(self.model_cfg.eos_token_ids),
                               share_prompt=self.scheduler.tree is not None)
+        if fallback:
+            self.fallbacks[msg.rid] = fallback
+        return reqs
+
+    def _resolve(self, choices) -> tuple[AdapterSet, str]:
+        """The adapter set, or with policy "base" and an unknown adapter, base-only and why."""
+        try:
+            return self.adapters.resolve(choices), ""
+        except AdapterNotFoundError as e:
+            if self.policy != "base":
+                raise
+            return AdapterSet(), f"adapter {e.name!r} is not available; served by the base model"
 
     def abort(self, msg: AbortReq) -> None:
         group = self.reqs.get(msg.rid)
@@ -112,6 +141,13 @@ class SchedulerService:
         group = self.reqs.get(rid)
         if group is not None and all(r not in self.owner for r in group):
             del self.reqs[rid]
+            self.fallbacks.pop(rid, None)
+            if self.lifecycle.retired:
+                self.lifecycle.sweep()
+
+    def _in_use(self, adapter_id: str) -> bool:
+        return any(a.adapter_id == adapter_id
+                   for group in self.reqs.values() for a in group[0].adapter_set.adapters)
 
     # ---- steps -------------------------------------------------------------------------------
 
@@ -141,6 +177,8 @@ class SchedulerService:
         top = None
         if result.top_ids is not None:
             top = [list(zip(i, lp)) for i, lp in zip(result.top_ids, result.top_logprobs)]
+        self.num_loads += len(plan.adapter_loads)
+        self.load_seconds += result.load_seconds
         tokens = bytes_to_ids(result.token_ids).tolist()
         self.scheduler.process_results(plan, tokens, result.logprobs, top)
         outputs = [out for item in plan.items if item.sample and (out := self._token_out(item.req))]
@@ -150,6 +188,7 @@ class SchedulerService:
         owner = self.owner.get(req)
         if owner is None or req.finish_reason == "abort":
             return None
+        fallback = self.fallbacks.get(owner[0])
         top = [req.top_logprobs[-1]] if req.params.logprobs else None
         out = TokenOut(
             rid=owner[0],
@@ -160,6 +199,7 @@ class SchedulerService:
             finish_reason=req.finish_reason,
             prompt_tokens=len(req.prompt_ids),
             cached_tokens=req.cached_tokens,
+            fallback=fallback,
         )
         if req.finish_reason is not None:
             self._drop(req)
@@ -207,7 +247,17 @@ class SchedulerService:
             waiting=len(sched.waiting),
             prompt_tokens=lookups,
             cached_tokens=hits,
+            adapter_loads=self.num_loads,
+            adapter_evictions=sched.residency.num_evictions,
+            adapter_load_seconds=self._take_load_seconds(),
+            resident_adapters=len(sched.residency.resident),
+            resident_bytes=sum(e.adapter.nbytes for e in sched.residency.resident.values()),
+            swaps_waiting=sched.num_swap_deferred,
         )
+
+    def _take_load_seconds(self) -> list[float]:
+        out, self.load_seconds = self.load_seconds, []
+        return out
 
     def info(self, flush_cache: bool = False) -> dict:
         sched = self.scheduler
@@ -228,6 +278,11 @@ class SchedulerService:
             "adapter_rows_total": residency.rows.num_rows,
             "adapter_rows_free": residency.rows.num_free(),
             "adapter_refs": {aid: e.refs for aid, e in residency.resident.items()},
+            "adapter_pinned": sorted(residency.pinned),
+            "adapter_retired": sorted(self.lifecycle.retired),
+            "adapter_loads": self.num_loads,
+            "adapter_evictions": residency.num_evictions,
+            "adapter_event_seq": self.lifecycle.last_seq,
             "adapters": [
                 {"name": n, "adapter_id": a.adapter_id, "path": a.path, "rank": a.rank}
                 for n, a in self.adapters.by_name.items()
@@ -272,13 +327,22 @@ class SchedulerLoop:
         self.to_worker = Outbox(ctx, args.endpoints.worker)
         self.to_tokenizer = Outbox(ctx, args.endpoints.tokenizer)
         self.to_api = Outbox(ctx, args.endpoints.api)
+        self.events = subscribe(ctx, args.endpoints.registry) if args.adapter_dir else None
+        self.event_codec = Codec(AdapterEvent)
+        self.poller = zmq.Poller()
+        for sock in (self.inbox.sock, self.events):
+            if sock is not None:
+                self.poller.register(sock, zmq.POLLIN)
         self.next_stats = 0.0
 
     def run(self) -> None:
         stalled = False  # work is queued but nothing can be scheduled until something changes
         while True:
             busy = self.service.in_flight is None and self.service.scheduler.has_work()
-            if self.inbox.poll(0 if busy and not stalled else IDLE_POLL_MS):
+            ready = dict(self.poller.poll(0 if busy and not stalled else IDLE_POLL_MS))
+            if self.events is not None and self.events in ready:
+                self.take_events()
+            if self.inbox.sock in ready:
                 for msg in self.inbox.recv_nowait():
                     self.handle(msg)
             plan = self.service.next_plan()
@@ -298,6 +362,16 @@ class SchedulerLoop:
                       service.in_flight[0].step, waited, self.args.step_timeout_s)
             raise SystemExit(3)
 
+    def take_events(self) -> None:
+        while True:
+            try:
+                raw = self.events.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = self.event_codec.decode(raw)
+            if event is not None:
+                self.service.lifecycle.on_event(event)
+
     def handle(self, msg) -> None:
         service = self.service
         if isinstance(msg, TokenizedReq):
@@ -312,12 +386,24 @@ class SchedulerLoop:
                 self.to_tokenizer.send(m)
         elif isinstance(msg, InfoQuery):
             self.to_api.send(InfoReply(qid=msg.qid, info=service.info(msg.flush_cache)))
+        elif isinstance(msg, AdminReq):
+            self.to_api.send(service.lifecycle.admin(msg))
 
     def maybe_send_stats(self) -> None:
         now = time.monotonic()
         if now >= self.next_stats:
             self.next_stats = now + STATS_INTERVAL_S
             self.to_api.send(self.service.stats())
+
+
+def subscribe(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    check_local(endpoint)
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(endpoint)
+    return sock
 
 
 def run(args: ServerArgs, ctx: zmq.Context) -> None:

@@ -44,6 +44,7 @@ class SglangHandlers:
         sampling = _per_prompt(req.sampling_params or SglSamplingParams(), count,
                                "sampling_params")
         loras = _per_prompt(req.lora_path, count, "lora_path")
+        stack = _stack(req)
         rids = _rids(req.rid, count)
         if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(
@@ -56,7 +57,8 @@ class SglangHandlers:
             reqs.append(GenerateReq(
                 rid=rid, params=self._params(sp, req), prompt=text, input_ids=ids,
                 prompt_only=sp.max_new_tokens == 0,
-                adapters=[AdapterChoice(lora)] if lora else None, stop=stop_list(sp.stop),
+                adapters=stack or ([AdapterChoice(lora)] if lora else None),
+                stop=stop_list(sp.stop),
                 token_texts=req.return_logprob,
             ))
         return reqs, batched
@@ -119,6 +121,17 @@ def _prompts(req: GenerateRequest) -> tuple[list, bool]:
         return completion_prompts(req.text), True
     prompts = completion_prompts(req.input_ids)
     return prompts, bool(req.input_ids) and isinstance(req.input_ids[0], list)
+
+
+def _stack(req: GenerateRequest) -> list[AdapterChoice] | None:
+    """`adapters` ([{"name", "weight"}], as on /v1/completions) stacks adapters for every
+    prompt; it excludes lora_path."""
+    if req.adapters is None:
+        return None
+    if req.lora_path is not None:
+        raise InvalidRequestError("name adapters either in lora_path or in adapters, not both",
+                                  param="adapters")
+    return [AdapterChoice(a.name, a.weight) for a in req.adapters]
 
 
 def _per_prompt(value, count: int, param: str) -> list:

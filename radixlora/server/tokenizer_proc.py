@@ -167,6 +167,7 @@ class TokenizerService:
             matched_stop=matched,
             prompt_tokens=out.prompt_tokens,
             cached_tokens=out.cached_tokens,
+            fallback=out.fallback,
         )
 
     def _texts(self, ids: list[int]) -> list[str]:

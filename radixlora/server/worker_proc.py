@@ -6,6 +6,8 @@ scheduler fails only the requests that use that adapter."""
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,12 +55,16 @@ class WorkerService:
         self.config = args.engine_config()
         self.model_cfg = ModelConfig.from_dir(args.model)
         self.runner = ModelRunner(Path(args.model), self.model_cfg, self.config)
-        self.host_adapters: dict[str, LoraAdapter] = {}
+        # host tier: validated adapters by id, least recently loaded first, within a byte budget
+        self.host_adapters: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self.host_budget = args.host_adapter_bytes
 
     def execute(self, msg: PlanMsg) -> StepResult:
+        started = time.perf_counter()
         loads, failed = self._resolve_loads(msg.adapter_loads)
         if failed:
             return StepResult(step=msg.step, failed_adapters=failed)
+        load_s = (time.perf_counter() - started) / len(loads) if loads else 0.0
         try:
             out = self.runner.execute(to_batch_plan(msg, loads))
         except Exception as e:
@@ -74,6 +80,7 @@ class WorkerService:
             logprobs=out.logprobs,
             top_ids=top_ids,
             top_logprobs=top_lp,
+            load_seconds=[load_s] * len(loads),
         )
 
     def _resolve_loads(self, loads: list[AdapterLoad]):
@@ -88,14 +95,23 @@ class WorkerService:
 
     def _host_adapter(self, load: AdapterLoad) -> LoraAdapter:
         adapter = self.host_adapters.get(load.adapter_id)
-        if adapter is None:
+        if adapter is not None:
+            self.host_adapters.move_to_end(load.adapter_id)
+        else:
             adapter = load_adapter(load.name, load.path, self.model_cfg, self.config.max_rank)
             if adapter.adapter_id != load.adapter_id:
                 raise AdapterError(
                     load.name, "its files changed on disk after validation (content hash differs)"
                 )
             self.host_adapters[load.adapter_id] = adapter
+            self._trim_host()
         return adapter
+
+    def _trim_host(self) -> None:
+        total = sum(a.nbytes for a in self.host_adapters.values())
+        while total > self.host_budget and len(self.host_adapters) > 1:
+            _, dropped = self.host_adapters.popitem(last=False)
+            total -= dropped.nbytes
 
 
 def to_batch_plan(msg: PlanMsg, loads: list[tuple[LoraAdapter, np.ndarray]]) -> BatchPlan:

@@ -1,0 +1,554 @@
+"""Offline batch runs over a JSONL file in the OpenAI batch format.
+
+Each input line is {"custom_id", "method": "POST", "url": "/v1/completions" or
+"/v1/chat/completions", "body"}; `body` is the endpoint's request, its adapters named as on the
+server: "model": "BASE:ADAPTER" or "ADAPTER", or "model": BASE plus
+"adapters": [{"name", "weight"}, ...] for a weighted stack. Each output line is
+
+    {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}
+
+or, for a line that cannot be served, {"id", "custom_id", "response": null,
+"error": {"message", "code"}}; the run goes on. A line without a usable custom_id (not JSON,
+missing, or repeating an earlier line's) is reported under "line-N" (its 1-based line number).
+
+Runs are resumable: custom_ids already in the output file are skipped (a half-written last line
+left by a killed run is dropped first). Requests run on the in-process Engine (through
+frontend.Runtime, so many lines share each batch) or against a server URL. Failures that are
+not the line's fault (the server unreachable or answering 5xx, the engine failing) stop the run
+instead of being written, so that a resumed run retries them."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+from tqdm.auto import tqdm
+
+from radixlora.cli import ENGINE_FLAGS, adapter_pairs, add_engine_flags
+from radixlora.engine import Engine
+from radixlora.errors import AdapterError, InvalidRequestError
+from radixlora.frontend.backend import GenResult
+from radixlora.frontend.endpoint import http_error
+from radixlora.frontend.runtime import Runtime
+from radixlora.sampling import SamplingParams
+from radixlora.server.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    adapter_choices,
+    chat_messages,
+    chat_params,
+    completion_params,
+    completion_prompts,
+    stop_list,
+)
+
+URLS = ("/v1/completions", "/v1/chat/completions")
+DEFAULT_CONCURRENCY = 64
+
+
+class LineError(Exception):
+    """The line cannot be served: becomes the line's error record."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    lineno: int
+    custom_id: str
+    url: str
+    body: dict
+
+
+@dataclass(frozen=True)
+class BadLine:
+    lineno: int
+    custom_id: str
+    error: LineError
+
+
+@dataclass
+class BatchSummary:
+    total: int = 0  # request lines in the input
+    skipped: int = 0  # already in the output before this run
+    succeeded: int = 0
+    failed: int = 0  # error records written by this run
+
+
+Client = Callable[[str, dict], dict]  # (url, body) -> response body; raises LineError
+
+
+# ---- input and output ------------------------------------------------------------------------
+
+
+def read_lines(path: str | Path) -> list[BatchLine | BadLine]:
+    """Every non-blank line of the input, parsed, in order."""
+    seen: set[str] = set()
+    lines: list[BatchLine | BadLine] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, raw in enumerate(f, 1):
+            if raw.strip():
+                lines.append(parse_line(lineno, raw, seen))
+    return lines
+
+
+def parse_line(lineno: int, raw: str, seen: set[str]) -> BatchLine | BadLine:
+    fallback = f"line-{lineno}"
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:
+        return BadLine(
+            lineno, fallback, LineError(f"line {lineno} is not JSON: {e}", "invalid_json")
+        )
+    if not isinstance(obj, dict):
+        return BadLine(
+            lineno, fallback, LineError("a line must be a JSON object", "invalid_request")
+        )
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return BadLine(
+            lineno, fallback, LineError("custom_id must be a non-empty string", "missing_custom_id")
+        )
+    if custom_id in seen:
+        return BadLine(
+            lineno,
+            fallback,
+            LineError(f"custom_id {custom_id!r} is repeated", "duplicate_custom_id"),
+        )
+    seen.add(custom_id)
+    error = _request_error(obj)
+    if error is not None:
+        return BadLine(lineno, custom_id, error)
+    return BatchLine(lineno, custom_id, obj["url"], obj["body"])
+
+
+def _request_error(obj: dict) -> LineError | None:
+    if obj.get("method", "POST") != "POST":
+        return LineError(f"method must be POST, got {obj.get('method')!r}", "invalid_method")
+    if obj.get("url") not in URLS:
+        return LineError(f"url must be one of {list(URLS)}, got {obj.get('url')!r}", "invalid_url")
+    if not isinstance(obj.get("body"), dict):
+        return LineError("body must be a JSON object", "invalid_request")
+    return None
+
+
+def completed_ids(path: str | Path) -> set[str]:
+    """custom_ids already answered in an output file; drops a half-written last line."""
+    path = Path(path)
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+    ids = set()
+    for raw in data[:end].splitlines():
+        try:
+            ids.add(json.loads(raw)["custom_id"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return ids
+
+
+def success_record(custom_id: str, body: dict) -> dict:
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": body.get("id"), "body": body},
+        "error": None,
+    }
+
+
+def error_record(custom_id: str, error: LineError) -> dict:
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"message": error.message, "code": error.code},
+    }
+
+
+class _Writer:
+    """Appends records, one whole line per write, flushed at once (safe to kill)."""
+
+    def __init__(self, path: str | Path, bar: tqdm, summary: BatchSummary):
+        self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self.lock = threading.Lock()
+        self.bar = bar
+        self.summary = summary
+
+    def write(self, record: dict) -> None:
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        with self.lock:
+            self.file.write(line)
+            self.file.flush()
+            if record["error"] is None:
+                self.summary.succeeded += 1
+            else:
+                self.summary.failed += 1
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+# ---- the run -----------------------------------------------------------------------------------
+
+
+def run_batch(
+    input_path: str | Path,
+    output_path: str | Path,
+    engine_or_url: Engine | Runtime | str,
+    progress: bool = True,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    model_name: str | None = None,
+) -> BatchSummary:
+    """Answer every line of input_path not yet in output_path, appending to output_path.
+    `engine_or_url`: an Engine (or a running frontend Runtime) or a server's base URL.
+    `model_name`: the base model's name in "model" (in-process default: the model directory's
+    name, as `radixlora serve` calls it)."""
+    lines = read_lines(input_path)
+    done = completed_ids(output_path)
+    todo = [line for line in lines if line.custom_id not in done]
+    summary = BatchSummary(total=len(lines), skipped=len(lines) - len(todo))
+    with (
+        open_client(engine_or_url, model_name) as client,
+        tqdm(total=len(lines), initial=summary.skipped, disable=not progress, desc="batch") as bar,
+    ):
+        writer = _Writer(output_path, bar, summary)
+        try:
+            _run_lines(todo, client, writer, concurrency)
+        finally:
+            writer.close()
+    return summary
+
+
+def _run_lines(
+    lines: list[BatchLine | BadLine], client: Client, writer: _Writer, concurrency: int
+) -> None:
+    """Bad lines are written at once; the others run `concurrency` at a time. The first failure
+    that is not a line's fault stops the submission of further lines and is raised."""
+    slots = threading.Semaphore(concurrency)
+    failures: list[BaseException] = []
+
+    def finished(future: Future) -> None:
+        if future.exception() is not None:
+            failures.append(future.exception())
+        slots.release()
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        for line in lines:
+            if failures:
+                break
+            if isinstance(line, BadLine):
+                writer.write(error_record(line.custom_id, line.error))
+                continue
+            slots.acquire()
+            pool.submit(_answer, line, client, writer).add_done_callback(finished)
+    if failures:
+        raise failures[0]
+
+
+def _answer(line: BatchLine, client: Client, writer: _Writer) -> None:
+    try:
+        record = success_record(line.custom_id, client(line.url, line.body))
+    except LineError as e:
+        record = error_record(line.custom_id, e)
+    writer.write(record)
+
+
+@contextlib.contextmanager
+def open_client(engine_or_url, model_name: str | None = None) -> Iterator[Client]:
+    """The Client for an Engine, a running Runtime or a URL; a Runtime started here for an
+    Engine is shut down at exit (the Engine stays usable)."""
+    if isinstance(engine_or_url, str):
+        yield HttpClient(engine_or_url)
+        return
+    if isinstance(engine_or_url, Runtime):
+        yield EngineClient(engine_or_url, model_name)
+        return
+    with Runtime(engine_or_url) as runtime:
+        yield EngineClient(runtime, model_name)
+
+
+# ---- in-process requests -------------------------------------------------------------------------
+
+
+class EngineClient:
+    """Serves /v1/completions and /v1/chat/completions bodies on a Runtime, with the server's
+    validation (radixlora.server.protocol) and response shapes."""
+
+    def __init__(self, runtime: Runtime, model_name: str | None = None):
+        self.runtime = runtime
+        engine = runtime.engine
+        self.model_name = model_name or engine.model_path.resolve().name
+        self.vocab_size = engine.model_cfg.vocab_size
+        self.max_total = min(
+            engine.model_cfg.max_position, (engine.config.kv_pages - 1) * engine.config.page_size
+        )
+
+    def __call__(self, url: str, body: dict) -> dict:
+        try:
+            if url == "/v1/chat/completions":
+                return self.chat(msgspec.convert(body, ChatRequest))
+            return self.completions(msgspec.convert(body, CompletionRequest))
+        except msgspec.ValidationError as e:
+            raise LineError(str(e), "invalid_request") from None
+        except InvalidRequestError as e:
+            raise LineError(e.message, e.code) from None
+        except AdapterError as e:
+            raise LineError(str(e), e.code) from None
+
+    def completions(self, req: CompletionRequest) -> dict:
+        _no_stream(req.stream)
+        params = completion_params(req, self.vocab_size)
+        adapters = self._adapters(req.model, req.adapters)
+        stops = stop_list(req.stop)
+        prompts = [self._ids(p) for p in completion_prompts(req.prompt)]
+        futures = [
+            self.runtime.submit(
+                ids, self._fill(params, ids, req.max_tokens is None), adapters, stops
+            )
+            for ids in prompts
+        ]
+        results = [f.result() for f in futures]
+        choices = [
+            {
+                "index": p * req.n + i,
+                "text": r.text,
+                "logprobs": self._completion_logprobs(r) if req.logprobs is not None else None,
+                "finish_reason": r.finish_reason,
+            }
+            for p, samples in enumerate(results)
+            for i, r in enumerate(samples)
+        ]
+        return _body("cmpl", "text_completion", req.model, choices, results)
+
+    def chat(self, req: ChatRequest) -> dict:
+        _no_stream(req.stream)
+        params = chat_params(req, self.vocab_size)
+        adapters = self._adapters(req.model, req.adapters)
+        messages = [{"role": m.role, "content": m.content} for m in chat_messages(req.messages)]
+        text = self.runtime.chat_template.render(messages)
+        ids = self.runtime.engine.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = (
+            req.max_tokens if req.max_completion_tokens is None else (req.max_completion_tokens)
+        )
+        future = self.runtime.submit(
+            ids, self._fill(params, ids, max_tokens is None), adapters, stop_list(req.stop)
+        )
+        samples = future.result()
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": r.text},
+                "logprobs": self._chat_logprobs(r) if req.logprobs else None,
+                "finish_reason": r.finish_reason,
+            }
+            for i, r in enumerate(samples)
+        ]
+        return _body("chatcmpl", "chat.completion", req.model, choices, [samples])
+
+    def _adapters(self, model: str, refs) -> list[tuple[str, float]] | None:
+        choices = adapter_choices(model, self.model_name, refs)
+        return [(c.name, c.weight) for c in choices] if choices else None
+
+    def _ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        tok = self.runtime.engine.tokenizer
+        if tok is None:
+            raise InvalidRequestError(
+                "this model has no tokenizer.json; send token ids", param="prompt"
+            )
+        return tok.encode(prompt)
+
+    def _fill(self, params: SamplingParams, ids: list[int], fill: bool) -> SamplingParams:
+        """max_tokens omitted: what the context leaves after the prompt (as the server does)."""
+        if not fill:
+            return params
+        room = self.max_total - len(ids)
+        if room < 1:
+            raise InvalidRequestError(
+                f"the prompt ({len(ids)} tokens) leaves no room to generate",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        return msgspec.structs.replace(params, max_tokens=room)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.runtime.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _completion_logprobs(self, r: GenResult) -> dict:
+        tokens = [self._token_text(t) for t in r.token_ids]
+        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        top = [{self._token_text(t): lp for t, lp in row} for row in r.top_logprobs]
+        return {
+            "tokens": tokens,
+            "token_logprobs": r.logprobs,
+            "top_logprobs": top or None,
+            "text_offset": offsets,
+        }
+
+    def _chat_logprobs(self, r: GenResult) -> dict:
+        tops = r.top_logprobs or [[] for _ in r.token_ids]
+        return {
+            "content": [
+                {
+                    "token": self._token_text(t),
+                    "logprob": lp,
+                    "bytes": list(self._token_text(t).encode()),
+                    "top_logprobs": [
+                        {
+                            "token": self._token_text(i),
+                            "logprob": tlp,
+                            "bytes": list(self._token_text(i).encode()),
+                        }
+                        for i, tlp in top
+                    ],
+                }
+                for t, lp, top in zip(r.token_ids, r.logprobs, tops)
+            ]
+        }
+
+
+def _no_stream(stream: bool) -> None:
+    if stream:
+        raise InvalidRequestError("stream is not supported in batch runs", param="stream")
+
+
+def _body(
+    prefix: str, kind: str, model: str, choices: list[dict], results: list[list[GenResult]]
+) -> dict:
+    prompt = sum(samples[0].prompt_tokens for samples in results)
+    completion = sum(r.completion_tokens for samples in results for r in samples)
+    cached = sum(samples[0].cached_tokens for samples in results)
+    return {
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        },
+    }
+
+
+# ---- requests to a server ----------------------------------------------------------------------
+
+
+class HttpClient:
+    """POSTs each body to the server; a 4xx answer is the line's error, anything else raises."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+
+    def __call__(self, url: str, body: dict) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(self.base_url + url, json.dumps(body).encode(), headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
+                return json.load(resp)
+        except urllib.error.HTTPError as e:
+            error = http_error(e.code, e.read())
+            if 400 <= e.code < 500:
+                raise LineError(error.message, error.code or "invalid_request") from None
+            raise error from None
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The command's flags (shared by `radixlora batch` and `python -m radixlora.batch`)."""
+    p.add_argument("--input", required=True, help="JSONL requests (OpenAI batch format)")
+    p.add_argument("--output", required=True, help="JSONL results (appended; resumable)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF checkpoint directory (default: the tiny random demo model)",
+    )
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH")
+    p.add_argument("--url", default=None, help="send the requests to this server instead")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the base model's name in requests (default: the model directory name)",
+    )
+    p.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY)
+    p.add_argument("--no-progress", action="store_true")
+    add_engine_flags(p)
+
+
+def _engine(args: argparse.Namespace) -> Engine:
+    from radixlora.tiny import build_tiny_adapter, build_tiny_model
+
+    adapters = adapter_pairs(args.adapter)
+    model = args.model
+    if model is None:
+        root = Path(tempfile.mkdtemp(prefix="radixlora-tiny-"))
+        model = build_tiny_model(root / "model")
+        adapters.setdefault("support", str(build_tiny_adapter(model, root / "support", 8, 1)))
+        adapters.setdefault("legal", str(build_tiny_adapter(model, root / "legal", 16, 2)))
+    overrides = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    return Engine(model, adapters=adapters, **overrides)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the command for parsed flags; the exit status."""
+    if args.url and (args.model or args.adapter):
+        raise SystemExit("give either --url or --model/--adapter, not both")
+    target = args.url or _engine(args)
+    summary = run_batch(
+        args.input,
+        args.output,
+        target,
+        progress=not args.no_progress,
+        concurrency=args.concurrency,
+        model_name=args.served_model_name,
+    )
+    print(
+        f"{summary.succeeded} succeeded, {summary.failed} failed, {summary.skipped} already "
+        f"done; results in {args.output}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="radixlora batch", description="Run a JSONL file of OpenAI batch requests (resumable)."
+    )
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""Adapter changes while the scheduler process serves: registry events and admin calls.
+
+Invariants: a name resolves to exactly one version (content hash) at a time; a version no name
+points to is retired, and stays resident for the requests already admitted on it until none
+is left, then its radix-tree namespaces are dropped and its pool rows freed (as
+Engine._forget does offline)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from radixlora.adapters import AdapterRegistry
+from radixlora.config import ModelConfig
+from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
+from radixlora.lora.adapter import LoraAdapter
+from radixlora.scheduler import Scheduler
+from radixlora.server.adapter_store import AdapterStore, FilesChanged
+from radixlora.server.messages import AdapterEvent, AdminReply, AdminReq
+
+log = logging.getLogger(__name__)
+
+PINNED_SHARE = 0.5  # pinned adapters may hold at most this share of the pool's rows
+
+
+class AdapterLifecycle:
+    def __init__(self, registry: AdapterRegistry, scheduler: Scheduler,
+                 store: AdapterStore | None, model_cfg: ModelConfig, max_rank: int,
+                 in_use: Callable[[str], bool]):
+        self.registry = registry
+        self.scheduler = scheduler
+        self.store = store
+        self.model_cfg = model_cfg
+        self.max_rank = max_rank
+        self.in_use = in_use  # adapter id -> does an open request use it
+        self.retired: set[str] = set()
+        self.pinned_names: set[str] = set()
+        self.last_seq = 0
+
+    # ---- registry events ---------------------------------------------------------------------
+
+    def on_event(self, event: AdapterEvent) -> None:
+        if event.seq != self.last_seq + 1 and event.kind != "hello" and self.last_seq:
+            log.warning("adapter event %d after %d: events were missed", event.seq, self.last_seq)
+        self.last_seq = max(self.last_seq, event.seq)
+        try:
+            if event.kind in ("added", "updated"):
+                self.register(event.name, event.path, event.adapter_id)
+            elif event.kind == "removed" and event.name in self.registry.by_name:
+                self.unregister(event.name)
+        except (AdapterError, InvalidRequestError) as e:
+            log.error("adapter event %d (%s %r) not applied: %s", event.seq, event.kind,
+                      event.name, e)
+
+    def register(self, name: str, path: str, adapter_id: str = "") -> LoraAdapter:
+        """Register a version (a re-used name is a new identity with its own cache namespace);
+        the version it replaces is retired: requests already admitted finish on it."""
+        adapter, replaced = self.registry.load(name, path)
+        if adapter_id and adapter.adapter_id != adapter_id:
+            self.registry.remove(name)
+            raise AdapterError(name, f"{path} does not hash to the published {adapter_id[:12]}")
+        if name in self.pinned_names:
+            self.scheduler.residency.pin(adapter.adapter_id)
+        self.retired.discard(adapter.adapter_id)
+        if replaced is not None:
+            self._retire(replaced)
+        log.info("adapter %r is version %s", name, adapter.adapter_id[:12])
+        return adapter
+
+    def unregister(self, name: str) -> bool:
+        """Unname an adapter; True if requests still use the version (they finish on it)."""
+        adapter = self.registry.remove(name)
+        self.pinned_names.discard(name)
+        self._retire(adapter)
+        return adapter.adapter_id in self.retired
+
+    def _retire(self, adapter: LoraAdapter) -> None:
+        if not self.registry.is_named(adapter.adapter_id):
+            self.scheduler.residency.unpin(adapter.adapter_id)
+            self.retired.add(adapter.adapter_id)
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Forget the retired versions no open request uses any more."""
+        tree = self.scheduler.tree
+        for adapter_id in [a for a in self.retired if not self.in_use(a)]:
+            if tree is not None:
+                tree.drop_namespaces(lambda ns, a=adapter_id: uses_adapter(ns, a),
+                                     self.scheduler.kv.free)
+            if self.scheduler.residency.evict(adapter_id):
+                self.retired.discard(adapter_id)
+
+    # ---- admin -------------------------------------------------------------------------------
+
+    def admin(self, req: AdminReq) -> AdminReply:
+        try:
+            info = self._admin(req)
+        except AdapterNotFoundError as e:
+            return AdminReply(qid=req.qid, status=404, message=str(e), code=e.code)
+        except FilesChanged as e:
+            return AdminReply(qid=req.qid, status=409, message=str(e), code="adapter_changing")
+        except AdapterError as e:
+            return AdminReply(qid=req.qid, status=400, message=str(e), code=e.code)
+        except InvalidRequestError as e:
+            return AdminReply(qid=req.qid, status=400, message=e.message, code=e.code)
+        return AdminReply(qid=req.qid, info={"lora_name": req.name, **info})
+
+    def _admin(self, req: AdminReq) -> dict:
+        if req.op == "load":
+            return {"adapter_id": self._load(req.name, req.path).adapter_id}
+        if req.op == "unload":
+            return {"in_flight": self.unregister(req.name)}
+        if req.op in ("pin", "unpin"):
+            self._pin(req.name, req.op == "pin")
+            return {"pinned": req.op == "pin"}
+        raise InvalidRequestError(f"unknown admin operation {req.op!r}", param="op")
+
+    def _load(self, name: str, path: str) -> LoraAdapter:
+        if self.store is not None:
+            path = self.store.snapshot(name, path, self.model_cfg, self.max_rank).path
+        return self.register(name, path)
+
+    def _pin(self, name: str, pin: bool) -> None:
+        adapter = self.registry.by_name.get(name)
+        if adapter is None:
+            raise AdapterNotFoundError(name)
+        residency = self.scheduler.residency
+        if not pin:
+            self.pinned_names.discard(name)
+            residency.unpin(adapter.adapter_id)
+            return
+        pinned_rows = sum(self.registry.by_name[n].rank for n in self.pinned_names - {name})
+        if pinned_rows + adapter.rank > PINNED_SHARE * residency.rows.num_rows:
+            raise InvalidRequestError(
+                f"pinning {name!r} would pin more than {PINNED_SHARE:.0%} of the adapter pool's "
+                f"{residency.rows.num_rows} rows", param="lora_name", code="pin_limit")
+        self.pinned_names.add(name)
+        residency.pin(adapter.adapter_id)
+
+
+def uses_adapter(namespace: tuple, adapter_id: str) -> bool:
+    return any(aid == adapter_id for aid, _ in dict(namespace).get("adapters", ()))

@@ -1,0 +1,92 @@
+"""Admin endpoints (off unless --enable-admin, Bearer --admin-api-key): vLLM's
+POST /v1/load_lora_adapter {"lora_name", "lora_path"} and /v1/unload_lora_adapter {"lora_name"},
+plus /v1/pin_lora_adapter and /v1/unpin_lora_adapter {"lora_name"}. A lora_path must resolve
+(symlinks followed) inside one of --allowed-adapter-root."""
+
+from __future__ import annotations
+
+import hmac
+import os
+from pathlib import Path
+
+import msgspec
+from starlette.requests import Request
+
+from radixlora.server.args import ServerArgs
+from radixlora.server.http import HttpError, json_response, read_json
+from radixlora.server.runtime import Runtime
+
+
+class LoadLoraRequest(msgspec.Struct, kw_only=True):
+    lora_name: str
+    lora_path: str
+    lora_int_id: int | None = None  # accepted for vLLM compatibility, unused
+
+
+class LoraNameRequest(msgspec.Struct, kw_only=True):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+def confine(path: str, roots: list[str]) -> str:
+    """The real path of `path` if it lies inside an allowed root, else a 4xx HttpError. A
+    relative path is taken relative to the first root."""
+    if not roots:
+        raise HttpError(403, "no --allowed-adapter-root is configured: adapters cannot be "
+                        "loaded over HTTP", "path_not_allowed", "lora_path")
+    if not path or "\0" in path or len(path) > 4096:
+        raise HttpError(400, "lora_path must be a non-empty path", "invalid_path", "lora_path")
+    if ".." in Path(path).parts:
+        raise HttpError(400, "lora_path may not contain '..'", "invalid_path", "lora_path")
+    candidate = Path(path) if os.path.isabs(path) else Path(roots[0]) / path
+    real = os.path.realpath(candidate)
+    for root in roots:
+        real_root = os.path.realpath(root)
+        if real == real_root or real.startswith(real_root.rstrip(os.sep) + os.sep):
+            return real
+    raise HttpError(403, f"lora_path {path!r} resolves outside the allowed adapter roots",
+                    "path_not_allowed", "lora_path")
+
+
+class AdminHandlers:
+    def __init__(self, args: ServerArgs, runtime: Runtime):
+        self.args = args
+        self.runtime = runtime
+        self.key = (args.admin_api_key or "").encode()
+
+    def check_access(self, request: Request) -> None:
+        if not self.args.enable_admin:
+            raise HttpError(404, "admin endpoints are disabled (start with --enable-admin)",
+                            "not_found")
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 self.key):
+            raise HttpError(401, "a valid admin API key is required (Authorization: Bearer)",
+                            "invalid_api_key")
+
+    async def load(self, request: Request):
+        self.check_access(request)
+        body = await read_json(request, LoadLoraRequest, self.args.max_body_bytes)
+        path = confine(body.lora_path, self.args.allowed_adapter_roots)
+        return await self._call("load", body.lora_name, path)
+
+    async def unload(self, request: Request):
+        return await self._named(request, "unload")
+
+    async def pin(self, request: Request):
+        return await self._named(request, "pin")
+
+    async def unpin(self, request: Request):
+        return await self._named(request, "unpin")
+
+    async def _named(self, request: Request, op: str):
+        self.check_access(request)
+        body = await read_json(request, LoraNameRequest, self.args.max_body_bytes)
+        return await self._call(op, body.lora_name)
+
+    async def _call(self, op: str, name: str, path: str = ""):
+        reply = await self.runtime.admin(op, name, path)
+        if reply.status != 200:
+            raise HttpError(reply.status, reply.message, reply.code, "lora_name")
+        return json_response({"status": "ok", "op": op, **reply.info})

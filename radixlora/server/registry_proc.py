@@ -1,0 +1,317 @@
+"""The registry process: watches --adapter-dir with watchdog and publishes ordered AdapterEvents
+(XPUB, ipc://) to the scheduler and the api. An adapter is a sub-directory named after it.
+
+What is published, in this order for each changed sub-directory (sorted by name):
+  1. the directory must have been quiet (no file event anywhere in --adapter-dir) for
+     --adapter-quiet-s, and its files' (size, mtime) must not change while it is read;
+  2. it is validated (load_adapter) and identified by its content hash;
+  3. content already published under another name is skipped (skip_reason=duplicate_content),
+     content equal to the name's current version is skipped (unchanged);
+  4. it waits for a token of the admission bucket (--adapter-rate per second, --adapter-burst),
+     is copied into an immutable content-addressed snapshot, and published (added / updated).
+A deleted sub-directory is published as removed at once; an invalid one as rejected with a
+reason label, its previous valid version (if any) staying active. Names starting with "." are
+ignored: writers stage an adapter in `.NAME.tmp/` and rename it to `NAME/` (atomic on one file
+system), which never exposes a partial adapter. The published set and the sequence number are
+saved in STATE_DIR, so a restarted registry publishes only what changed while it was down."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import zmq
+from watchdog.events import FileSystemEventHandler
+from watchdog.observers import Observer
+
+from radixlora.adapters import check_adapter_name
+from radixlora.config import ModelConfig
+from radixlora.errors import AdapterError, InvalidRequestError
+from radixlora.server.adapter_store import AdapterStore, FilesChanged
+from radixlora.server.args import ServerArgs
+from radixlora.server.ipc import check_local, child_main, send_ready
+from radixlora.server.messages import AdapterEvent
+from radixlora.token_bucket import TokenBucket
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.02
+MAX_DIRTY_S = 10.0  # a directory that never goes quiet is still examined this often
+SUBSCRIBERS = 2  # the scheduler and the api
+SUBSCRIBE_TIMEOUT_S = 60.0
+
+REJECT_REASONS = (  # (substring of the AdapterError, label), first match wins
+    ("does not exist", "missing_directory"),
+    ("no adapter_config.json", "missing_config"),
+    ("not valid JSON", "bad_config_json"),
+    ("must hold a JSON object", "bad_config_json"),
+    ("pickle", "pickle_only"),
+    ("no adapter_model.safetensors", "missing_weights"),
+    ("is empty", "corrupted_weights"),
+    ("corrupted", "corrupted_weights"),
+    ("rank", "bad_rank"),
+    ("shape mismatch", "shape_mismatch"),
+    ("not supported", "unsupported_feature"),
+    ("layers", "incompatible_base"),
+    ("not a LoRA weight", "incompatible_base"),
+    ("NaN", "non_finite_weights"),
+)
+
+
+def reject_reason(message: str) -> str:
+    for needle, label in REJECT_REASONS:
+        if needle in message:
+            return label
+    return "invalid_adapter"
+
+
+class DirWatch:
+    """Names of the sub-directories that changed, fed by watchdog's thread."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.lock = threading.Lock()
+        self.dirty: dict[str, float] = {}  # name -> time of its first unexamined event
+        self.last_event = 0.0
+
+    def touch(self, path: str | bytes) -> None:
+        rel = Path(os.fsdecode(path)).relative_to(self.root) if path else Path()
+        if not rel.parts or rel.parts[0].startswith("."):
+            return
+        now = time.monotonic()
+        with self.lock:
+            self.dirty.setdefault(rel.parts[0], now)
+            self.last_event = now
+
+    def mark(self, names) -> None:
+        now = time.monotonic()
+        with self.lock:
+            for name in names:
+                self.dirty.setdefault(name, now)
+
+    def take_ready(self, now: float, quiet_s: float) -> list[str]:
+        """Sorted names to examine: all of them once the directory is quiet, else those dirty
+        for longer than MAX_DIRTY_S."""
+        with self.lock:
+            if now - self.last_event >= quiet_s:
+                names = list(self.dirty)
+            else:
+                names = [n for n, t in self.dirty.items() if now - t >= MAX_DIRTY_S]
+            for name in names:
+                del self.dirty[name]
+        return sorted(names)
+
+
+class _Handler(FileSystemEventHandler):
+    def __init__(self, watch: DirWatch):
+        self.watch = watch
+
+    def on_any_event(self, event) -> None:
+        if event.event_type in ("opened", "closed_no_write"):
+            return
+        for path in (event.src_path, getattr(event, "dest_path", "")):
+            with contextlib.suppress(ValueError):  # outside the root (a move out of it)
+                self.watch.touch(path)
+
+
+class Published(msgspec.Struct, array_like=True):
+    adapter_id: str
+    path: str
+
+
+class RegistryState(msgspec.Struct):
+    seq: int = 0
+    active: dict[str, Published] = {}
+
+
+class RegistryCore:
+    """The registry's decisions without sockets or threads: names in, AdapterEvents out."""
+
+    def __init__(self, root: Path, state_dir: Path, model_cfg: ModelConfig, max_rank: int,
+                 pool_rows: int, bucket: TokenBucket, publish: Callable[[AdapterEvent], None]):
+        self.root = root
+        self.store = AdapterStore(state_dir / "adapters")
+        self.state_path = state_dir / "registry_state.json"
+        self.model_cfg = model_cfg
+        self.max_rank = max_rank
+        self.pool_rows = pool_rows
+        self.bucket = bucket
+        self.publish = publish
+        self.state = self._load_state()
+        self.pending: set[str] = set()
+        self.duplicates: dict[str, str] = {}  # skipped name -> the adapter id it duplicates
+        self.retry: list[str] = []  # names whose files changed while read
+        self.counts: collections.Counter = collections.Counter()
+
+    @property
+    def active(self) -> dict[str, Published]:
+        return self.state.active
+
+    def _load_state(self) -> RegistryState:
+        if self.state_path.is_file():
+            return msgspec.json.decode(self.state_path.read_bytes(), type=RegistryState)
+        return RegistryState(active={})
+
+    def _save_state(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_bytes(msgspec.json.encode(self.state))
+        os.replace(tmp, self.state_path)
+
+    def names_on_disk(self) -> list[str]:
+        return sorted(e.name for e in os.scandir(self.root) if not e.name.startswith("."))
+
+    def on_changed(self, names: list[str]) -> None:
+        for name in names:
+            if (self.root / name).is_dir():
+                self.pending.add(name)
+            else:
+                self.pending.discard(name)
+                self.duplicates.pop(name, None)
+                if name in self.active:
+                    self._remove(name)
+
+    def _remove(self, name: str) -> None:
+        adapter_id = self.active.pop(name).adapter_id
+        self._emit("removed", name, adapter_id=adapter_id)
+        self._retry_duplicates_of(adapter_id)
+
+    def _retry_duplicates_of(self, adapter_id: str) -> None:
+        """A skipped duplicate of content no longer published may be published on its own."""
+        self.pending.update(n for n, a in self.duplicates.items() if a == adapter_id)
+
+    def admit(self, now: float) -> None:
+        """Examine pending names in sorted order while the bucket has a token."""
+        while self.pending and self.bucket.available(now) >= 1:
+            name = min(self.pending)
+            self.pending.discard(name)
+            if self.examine(name):
+                self.bucket.take(now)
+
+    def examine(self, name: str) -> bool:
+        """Validate one sub-directory and publish what it became; True if it was admitted."""
+        try:
+            check_adapter_name(name)
+            adapter = self.store.snapshot(name, self.root / name, self.model_cfg, self.max_rank)
+            if adapter.rank > self.pool_rows:
+                raise AdapterError(name, f"rank {adapter.rank} exceeds the adapter pool "
+                                         f"({self.pool_rows} rows)")
+        except FilesChanged:
+            self.retry.append(name)
+            return False
+        except InvalidRequestError as e:
+            self._reject(name, "bad_name", e.message)
+            return False
+        except AdapterError as e:
+            self._reject(name, reject_reason(e.reason), str(e))
+            return False
+        except OSError as e:  # unreadable, or deleted while read (its event follows)
+            self._reject(name, "unreadable", f"adapter {name!r}: {e}")
+            return False
+        return self._publish_version(name, adapter.adapter_id, adapter.path)
+
+    def _publish_version(self, name: str, adapter_id: str, path: str) -> bool:
+        current = self.active.get(name)
+        if current is not None and current.adapter_id == adapter_id:
+            log.debug("adapter %r unchanged", name)
+            self.counts[("skipped", "unchanged")] += 1
+            return False
+        twin = next((n for n, p in self.active.items() if p.adapter_id == adapter_id), None)
+        if twin is not None:
+            self.duplicates[name] = adapter_id
+            self._skip(name, adapter_id, "duplicate_content", f"same content as {twin!r}")
+            return False
+        self.duplicates.pop(name, None)
+        kind = "updated" if current is not None else "added"
+        self.active[name] = Published(adapter_id, path)
+        self._emit(kind, name, adapter_id=adapter_id, path=path)
+        if current is not None:
+            self._retry_duplicates_of(current.adapter_id)
+        return True
+
+    def _reject(self, name: str, reason: str, message: str) -> None:
+        log.warning("rejected adapter %r (%s): %s", name, reason, message)
+        self._emit("rejected", name, reason=reason, message=message)
+
+    def _skip(self, name: str, adapter_id: str, reason: str, message: str) -> None:
+        log.info("skipped adapter %r (%s): %s", name, reason, message)
+        self._emit("skipped", name, adapter_id=adapter_id, reason=reason, message=message)
+
+    def _emit(self, kind: str, name: str, **fields) -> None:
+        self.state.seq += 1
+        self.counts[(kind, fields.get("reason", ""))] += 1
+        self.publish(AdapterEvent(seq=self.state.seq, kind=kind, name=name, at=time.time(),
+                                  **fields))
+        self._save_state()
+
+
+def wait_subscribers(pub: zmq.Socket, count: int, timeout_s: float) -> None:
+    """XPUB sees each SUB's subscription: publish nothing before both listen (slow joiner)."""
+    seen = 0
+    deadline = time.monotonic() + timeout_s
+    while seen < count and time.monotonic() < deadline:
+        if pub.poll(100) and pub.recv()[:1] == b"\x01":
+            seen += 1
+    if seen < count:
+        log.warning("only %d of %d subscribers after %.0f s; publishing anyway", seen, count,
+                    timeout_s)
+
+
+def drain_subscriptions(pub: zmq.Socket) -> None:
+    while pub.poll(0):
+        pub.recv()
+
+
+def make_core(args: ServerArgs, publish) -> RegistryCore:
+    config = args.engine_config()
+    root = Path(args.adapter_dir).resolve()
+    bucket = TokenBucket(args.adapter_rate, args.adapter_burst)
+    return RegistryCore(root, Path(args.state_dir), ModelConfig.from_dir(args.model),
+                        config.max_rank, config.adapter_rows, bucket, publish)
+
+
+def run(args: ServerArgs, ctx: zmq.Context) -> None:
+    endpoint = args.endpoints.registry
+    check_local(endpoint)
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    pub.setsockopt(zmq.LINGER, 1000)
+    pub.bind(endpoint)
+    encoder = msgspec.msgpack.Encoder()
+    core = make_core(args, lambda event: pub.send(encoder.encode(event)))
+    watch = DirWatch(core.root)
+    observer = Observer()
+    observer.schedule(_Handler(watch), str(core.root), recursive=True)
+    observer.start()
+    watch.mark(set(core.names_on_disk()) | set(core.active))
+    send_ready(ctx, args, "registry", {"adapter_dir": str(core.root)})
+    wait_subscribers(pub, SUBSCRIBERS, SUBSCRIBE_TIMEOUT_S)
+    pub.send(encoder.encode(AdapterEvent(seq=core.state.seq, kind="hello")))
+    log.info("watching %s (%d adapters published so far)", core.root, len(core.active))
+    try:
+        loop(core, watch, pub, args.adapter_quiet_s)
+    finally:
+        observer.stop()
+
+
+def loop(core: RegistryCore, watch: DirWatch, pub: zmq.Socket, quiet_s: float) -> None:
+    while True:
+        time.sleep(TICK_S)
+        drain_subscriptions(pub)
+        now = time.monotonic()
+        if core.retry:
+            watch.mark(core.retry)
+            core.retry.clear()
+        core.on_changed(watch.take_ready(now, quiet_s))
+        core.admit(now)
+
+
+if __name__ == "__main__":
+    child_main("registry", run)

@@ -1,0 +1,136 @@
+"""RuntimeEndpoint and the batch command against a real `radixlora serve` (subprocess, tiny model,
+adapters support and legal): programs give the text of the direct Engine request, and so does
+every batch line. What the server does not offer yet on /generate (prompt logprobs, so select)
+must fail loudly, never pass silently wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from radixlora import Engine, SamplingParams
+from radixlora.batch import run_batch
+from radixlora.frontend import EndpointError, RuntimeEndpoint, function, gen, select
+from tests.server_harness import MODEL_NAME, ServerProcess, build_checkpoints
+
+PROMPT = "A radix cache shares prefix KV between"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return build_checkpoints(tmp_path_factory.mktemp("server"))
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints, tmp_path_factory):
+    model, adapters = checkpoints
+    proc = ServerProcess(model, adapters, tmp_path_factory.mktemp("logs") / "server.log")
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        assert proc.stop() == 0, proc.logs()
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoints):
+    model, adapters = checkpoints
+    return Engine(model, adapters=adapters, kv_pages=600, max_running=16, adapter_rows=64)
+
+
+@pytest.fixture(scope="module")
+def endpoint(server):
+    return RuntimeEndpoint(server.url)
+
+
+def direct(engine, prompt, adapters=None, max_tokens=8) -> str:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return engine.generate(prompt, params, adapters=adapters)[0].outputs[0].text
+
+
+@function
+def one_gen(s, adapter, stop=None):
+    s += PROMPT
+    s += gen("out", max_tokens=8, temperature=0.0, adapter=adapter, stop=stop)
+
+
+@pytest.mark.parametrize("adapter", [None, "support", "legal"])
+def test_gen_matches_engine(engine, endpoint, adapter):
+    state = one_gen.run(adapter, backend=endpoint)
+    assert state["out"] == direct(engine, PROMPT, adapter)
+    assert state.get_meta_info("out")["prompt_tokens"] == len(engine.tokenizer.encode(PROMPT))
+
+
+def test_stop_streaming_and_run_batch(engine, endpoint):
+    full = direct(engine, PROMPT, "legal")
+    stop = full[3:5]
+    assert one_gen.run("legal", stop=stop, backend=endpoint)["out"] == full[: full.find(stop)]
+    streamed = one_gen.run("support", backend=endpoint, stream=True)
+    assert (
+        "".join(streamed.text_iter("out")) == streamed["out"] == direct(engine, PROMPT, "support")
+    )
+    specs = [None, "support", "legal"] * 4
+    states = one_gen.run_batch([{"adapter": a} for a in specs], backend=endpoint)
+    assert [s["out"] for s in states] == [direct(engine, PROMPT, a) for a in specs]
+
+
+def test_stacked_adapters_reach_the_server(engine, endpoint):
+    stack = [("support", 1.0), ("legal", 0.5)]
+    got = one_gen.run(stack, backend=endpoint)["out"]
+    assert got == direct(engine, PROMPT, stack) != direct(engine, PROMPT)
+
+
+def test_select_over_http_fails_loudly_until_the_server_scores_prompts(endpoint):
+    """The server's /generate returns no prompt logprobs yet: select must raise, not guess."""
+
+    @function
+    def pick(s):
+        s += PROMPT + select("pick", choices=[" fox", " dog jumps", " cache"], adapter="legal")
+
+    with pytest.raises(EndpointError, match="input_token_logprobs"):
+        pick.run(backend=endpoint)["pick"]
+
+
+def test_batch_against_the_server(engine, server, tmp_path):
+    specs = {f"{MODEL_NAME}": None, f"{MODEL_NAME}:support": "support", "legal": "legal"}
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": model, "prompt": f"{i} {PROMPT}", "max_tokens": 6, "temperature": 0},
+        }
+        for i, model in enumerate(list(specs) * 3)
+    ]
+    lines.append(
+        {
+            "custom_id": "bad-adapter",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "nope", "prompt": PROMPT, "max_tokens": 4},
+        }
+    )
+    lines.append(
+        {
+            "custom_id": "chat",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": MODEL_NAME,
+                "max_tokens": 4,
+                "temperature": 0,
+                "adapters": [{"name": "support"}, {"name": "legal", "weight": 0.5}],
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        }
+    )
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary = run_batch(src, out, server.url, progress=False)
+    assert (summary.succeeded, summary.failed) == (10, 1)
+    records = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert records["bad-adapter"]["error"]["code"] == "adapter_not_found"
+    for i, model in enumerate(list(specs) * 3):
+        body = records[f"r{i}"]["response"]["body"]
+        assert body["choices"][0]["text"] == direct(engine, f"{i} {PROMPT}", specs[model], 6)

@@ -1,0 +1,397 @@
+"""Hot-swap pieces without sockets or subprocesses: the token bucket, the registry's decisions
+(validation, content hash, duplicates, admission order and pace, restart), admin path
+confinement, and the scheduler + worker services across re-publication, unload, the swap cap
+and the base fallback, compared with the offline Engine and checked for leaked refs and rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from radixlora import Engine, SamplingParams
+from radixlora.config import ModelConfig
+from radixlora.lora.adapter import load_adapter
+from radixlora.server.admin import confine
+from radixlora.server.args import ServerArgs
+from radixlora.server.http import HttpError
+from radixlora.server.messages import (
+    AdapterChoice,
+    AdapterEvent,
+    AdminReq,
+    TokenizedReq,
+    bytes_to_ids,
+    ids_to_bytes,
+)
+from radixlora.server.registry_proc import DirWatch, RegistryCore
+from radixlora.server.scheduler_proc import SchedulerService
+from radixlora.server.worker_proc import WorkerService
+from radixlora.tiny import build_tiny_adapter, build_tiny_model
+from radixlora.token_bucket import TokenBucket
+from tests.test_server_units import _drive
+
+ENGINE = dict(kv_pages=200, max_running=8, adapter_rows=32)
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("hs") / "model")
+
+
+@pytest.fixture(scope="module")
+def versions(model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("versions")
+    return {v: build_tiny_adapter(model, root / v, rank=4, seed=s)
+            for v, s in (("v1", 1), ("v2", 2), ("v3", 3))}
+
+
+def _core(model, root: Path, state: Path, rate=0.0, burst=1, now=0.0):
+    events: list[AdapterEvent] = []
+    core = RegistryCore(root, state, ModelConfig.from_dir(model), 64, 32,
+                        TokenBucket(rate, burst, now=now), events.append)
+    return core, events
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    """The documented protocol: stage in .NAME.tmp, rename into place."""
+    staging = dst.parent / f".{dst.name}.tmp"
+    shutil.copytree(src, staging)
+    os.rename(staging, dst)
+    return dst
+
+
+# ---- token bucket and registry decisions -------------------------------------------------------
+
+
+def test_token_bucket_paces_and_bursts():
+    bucket = TokenBucket(2.0, 3, now=0.0)
+    assert bucket.available(0.0) == 3
+    bucket.take(0.0, 3)
+    assert bucket.available(0.0) == 0 and bucket.wait_s(0.0) == pytest.approx(0.5)
+    assert bucket.available(0.5) == 1
+    assert bucket.available(100.0) == 3  # never more than the burst
+
+
+def test_admission_is_sorted_and_paced(model, versions, tmp_path):
+    root = tmp_path / "dir"
+    root.mkdir()
+    names = [f"a{i:02d}" for i in range(12)]
+    for i, name in enumerate(reversed(names)):
+        build_tiny_adapter(model, root / name, rank=2, seed=100 + i)
+    core, events = _core(model, root, tmp_path / "state", rate=4.0, burst=2)
+    core.on_changed(sorted(core.names_on_disk(), reverse=True))
+    admitted_at = {}
+    for tick in range(0, 400):
+        now = tick * 0.01
+        before = len(events)
+        core.admit(now)
+        for e in events[before:]:
+            admitted_at[e.name] = now
+    assert [e.name for e in events] == names and {e.kind for e in events} == {"added"}
+    assert [e.seq for e in events] == list(range(1, 13))
+    times = [admitted_at[n] for n in names]
+    assert times[:2] == [0.0, 0.0]  # the burst
+    assert times[-1] == pytest.approx(10 / 4.0, abs=0.02)  # then 4 per second
+
+
+def _write_bad(model, root: Path, versions) -> dict[str, str]:
+    """RELIABILITY items 2-9 (and a bad name, item 10), each with the reason label expected."""
+    good = versions["v1"]
+    cases = {}
+
+    def clone(name):
+        shutil.copytree(good, root / name)
+        return root / name
+
+    def config(path, **changes):
+        cfg = json.loads((path / "adapter_config.json").read_text())
+        cfg.update(changes)
+        (path / "adapter_config.json").write_text(json.dumps(cfg))
+
+    (clone("no_config") / "adapter_config.json").unlink()
+    cases["no_config"] = "missing_config"
+    (clone("bad_json") / "adapter_config.json").write_text("{not json")
+    cases["bad_json"] = "bad_config_json"
+    for name, r in (("r_zero", 0), ("r_negative", -4), ("r_huge", 4096)):
+        config(clone(name), r=r)
+        cases[name] = "bad_rank"
+    (clone("empty_weights") / "adapter_model.safetensors").write_bytes(b"")
+    cases["empty_weights"] = "corrupted_weights"
+    path = clone("truncated")
+    data = (path / "adapter_model.safetensors").read_bytes()
+    (path / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    cases["truncated"] = "corrupted_weights"
+    (clone("bad_header") / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
+    cases["bad_header"] = "corrupted_weights"
+    path = clone("pickle_only")
+    (path / "adapter_model.safetensors").rename(path / "adapter_model.bin")
+    cases["pickle_only"] = "pickle_only"
+    config(clone("dora"), use_dora=True)
+    cases["dora"] = "unsupported_feature"
+    path = clone("wrong_shape")
+    config(path, r=2)  # tensors are rank 4
+    cases["wrong_shape"] = "shape_mismatch"
+    path = clone("other_base")  # a layer the base model lacks (another architecture's adapter)
+    tensors = load_file(path / "adapter_model.safetensors")
+    save_file({k.replace("layers.0.", "layers.7."): v for k, v in tensors.items()},
+              str(path / "adapter_model.safetensors"))
+    cases["other_base"] = "incompatible_base"
+    (root / ("x" * 200)).mkdir()
+    cases["x" * 200] = "bad_name"
+    return cases
+
+
+def test_bad_adapters_are_rejected_with_reasons(model, versions, tmp_path):
+    root = tmp_path / "dir"
+    root.mkdir()
+    cases = _write_bad(model, root, versions)
+    _copy(versions["v1"], root / "good")
+    core, events = _core(model, root, tmp_path / "state")
+    core.on_changed(core.names_on_disk())
+    core.admit(0.0)
+    rejected = {e.name: e.reason for e in events if e.kind == "rejected"}
+    for name, reason in cases.items():
+        assert rejected.get(name) == reason, (name, rejected.get(name))
+    assert [e.name for e in events if e.kind == "added"] == ["good"]
+    assert all(e.message for e in events if e.kind == "rejected")
+
+
+def test_duplicates_updates_removals_and_restart(model, versions, tmp_path):
+    root, state = tmp_path / "dir", tmp_path / "state"
+    root.mkdir()
+    _copy(versions["v1"], root / "a")
+    core, events = _core(model, root, state)
+    core.on_changed(["a"])
+    core.admit(0.0)
+    _copy(versions["v1"], root / "b")  # same content, other name
+    core.on_changed(["b"])
+    core.admit(0.0)
+    assert [(e.kind, e.name, e.reason) for e in events] == [
+        ("added", "a", ""), ("skipped", "b", "duplicate_content")]
+    shutil.copy(versions["v2"] / "adapter_model.safetensors", root / "a")
+    core.on_changed(["a"])
+    core.admit(0.0)
+    # "a" moved on to v2, so "b" (v1) is unique now and published on its own
+    assert [(e.kind, e.name) for e in events[-2:]] == [("updated", "a"), ("added", "b")]
+    assert events[-2].adapter_id != events[0].adapter_id == events[-1].adapter_id
+    assert Path(events[-2].path).parent == state / "adapters"  # an immutable snapshot
+    shutil.rmtree(root / "a")
+    core.on_changed(["a"])
+    assert (events[-1].kind, events[-1].name) == ("removed", "a")
+    # a restarted registry publishes only what changed while it was down, seq continuing
+    _copy(versions["v3"], root / "c")
+    core2, events2 = _core(model, root, state)
+    core2.on_changed(sorted(set(core2.names_on_disk()) | set(core2.active)))
+    core2.admit(0.0)
+    assert [(e.kind, e.name) for e in events2] == [("added", "c")]
+    assert events2[0].seq == events[-1].seq + 1
+
+
+def test_half_written_adapter_is_never_published(model, versions, tmp_path):
+    root = tmp_path / "dir"
+    root.mkdir()
+    target = root / "slow"
+    target.mkdir()
+    shutil.copy(versions["v1"] / "adapter_config.json", target)
+    data = (versions["v1"] / "adapter_model.safetensors").read_bytes()
+    (target / "adapter_model.safetensors").write_bytes(data[: len(data) // 3])
+    core, events = _core(model, root, tmp_path / "state")
+    core.on_changed(["slow"])
+    core.admit(0.0)
+    assert [e.kind for e in events] == ["rejected"] and events[0].reason == "corrupted_weights"
+    (target / "adapter_model.safetensors").write_bytes(data)
+    core.on_changed(["slow"])
+    core.admit(0.0)
+    assert events[-1].kind == "added"
+
+
+def test_dir_watch_waits_for_quiet(tmp_path):
+    watch = DirWatch(tmp_path)
+    watch.touch(str(tmp_path / "a" / "adapter_config.json"))
+    watch.touch(str(tmp_path / ".b.tmp" / "x"))  # staging directories are ignored
+    now = watch.last_event
+    assert watch.take_ready(now + 0.1, quiet_s=0.5) == []
+    assert watch.take_ready(now + 0.6, quiet_s=0.5) == ["a"]
+    assert watch.take_ready(now + 0.7, quiet_s=0.5) == []
+
+
+# ---- admin path confinement ----------------------------------------------------------------------
+
+
+def test_confine_refuses_escapes(tmp_path):
+    root = tmp_path / "allowed"
+    (root / "ok").mkdir(parents=True)
+    (tmp_path / "secret").mkdir()
+    os.symlink(tmp_path / "secret", root / "escape")
+    assert confine(str(root / "ok"), [str(root)]) == os.path.realpath(root / "ok")
+    assert confine("ok", [str(root)]) == os.path.realpath(root / "ok")
+    for bad, status in ((str(root / ".." / "secret"), 400), ("../secret", 400),
+                        (str(tmp_path / "secret"), 403), ("/etc", 403),
+                        (str(root / "escape"), 403), ("", 400), ("a\0b", 400)):
+        with pytest.raises(HttpError) as e:
+            confine(bad, [str(root)])
+        assert e.value.status == status, bad
+    with pytest.raises(HttpError) as e:
+        confine(str(root / "ok"), [])
+    assert e.value.status == 403
+
+
+# ---- scheduler + worker services -----------------------------------------------------------------
+
+
+def _req(rid: str, name: str | None, prompt=(3, 4, 5, 6)) -> TokenizedReq:
+    return TokenizedReq(rid=rid, input_ids=ids_to_bytes(list(prompt)), params=PARAMS,
+                        adapters=[AdapterChoice(name)] if name else None)
+
+
+def _services(model, tmp_path, **kw):
+    args = ServerArgs(model=str(model), engine=ENGINE, state_dir=str(tmp_path), **kw)
+    return SchedulerService(args), WorkerService(args)
+
+
+def _event(seq, kind, name, adapter=None):
+    return AdapterEvent(seq=seq, kind=kind, name=name,
+                        adapter_id=adapter.adapter_id if adapter else "",
+                        path=adapter.path if adapter else "")
+
+
+def _want(model, path, prompt=(3, 4, 5, 6)):
+    engine = Engine(model, adapters={"x": path}, **ENGINE)
+    return engine.generate(list(prompt), PARAMS, adapters="x")[0].outputs[0].token_ids
+
+
+def _assert_nothing_held(service: SchedulerService) -> None:
+    info = service.info()
+    assert not info["open_requests"] and not info["adapter_retired"]
+    assert all(refs == 0 for refs in info["adapter_refs"].values())
+    used = sum(len(e.rows) for e in service.scheduler.residency.resident.values())
+    assert info["adapter_rows_free"] + used == info["adapter_rows_total"]
+
+
+def test_republished_name_in_flight_finishes_on_old_version(model, versions, tmp_path):
+    from radixlora.server.adapter_store import AdapterStore
+
+    store = AdapterStore(tmp_path / "adapters")
+    cfg = ModelConfig.from_dir(model)
+    v1, v2 = (store.snapshot("a", versions[v], cfg, 64) for v in ("v1", "v2"))
+    sched, worker = _services(model, tmp_path)
+    sched.lifecycle.on_event(_event(1, "added", "a", v1))
+    assert sched.add(_req("old", "a")) is None
+    plan = sched.next_plan()  # "old" holds v1 now
+    batch, _ = sched.on_result(worker.execute(plan))
+    sched.lifecycle.on_event(_event(2, "updated", "a", v2))
+    assert v1.adapter_id in sched.lifecycle.retired
+    assert sched.scheduler.residency.refs(v1.adapter_id) == 1
+    got = _drive(sched, worker, [_req("new", "a")])
+    first = [int(t) for out in batch.outputs for t in bytes_to_ids(out.token_ids)]
+    assert first + got[("old", 0)] == _want(model, versions["v1"])
+    assert got[("new", 0)] == _want(model, versions["v2"])
+    assert not sched.scheduler.residency.is_resident(v1.adapter_id)
+    _assert_nothing_held(sched)
+
+
+def test_unload_while_in_use_waits_and_frees(model, versions, tmp_path):
+    sched, worker = _services(model, tmp_path)
+    reply = sched.lifecycle.admin(AdminReq(qid=1, op="load", name="a", path=str(versions["v3"])))
+    assert reply.status == 200
+    assert sched.add(_req("busy", "a")) is None
+    plan = sched.next_plan()
+    sched.on_result(worker.execute(plan))
+    reply = sched.lifecycle.admin(AdminReq(qid=2, op="unload", name="a"))
+    assert reply.status == 200 and reply.info["in_flight"] is True
+    assert sched.add(_req("late", "a")) is not None  # unknown now: 404
+    got = _drive(sched, worker, [])
+    assert len(got[("busy", 0)]) == PARAMS.max_tokens - 1
+    assert sched.lifecycle.admin(AdminReq(qid=3, op="unload", name="a")).status == 404
+    _assert_nothing_held(sched)
+    assert not sched.scheduler.residency.resident
+
+
+def test_more_adapters_than_pool_rows_queue_under_the_swap_cap(model, tmp_path):
+    names = [f"n{i}" for i in range(10)]  # 10 x rank 8 rows, the pool holds 32
+    sched, worker = _services(model, tmp_path, max_swaps_per_s=50.0)
+    for i, name in enumerate(names):
+        path = build_tiny_adapter(model, tmp_path / "src" / name, rank=8, seed=20 + i)
+        reply = sched.lifecycle.admin(AdminReq(qid=i, op="load", name=name, path=str(path)))
+        assert reply.status == 200
+    assert sched.lifecycle.admin(AdminReq(qid=99, op="pin", name="n0")).status == 200
+    assert sched.lifecycle.admin(AdminReq(qid=98, op="pin", name="n1")).status == 200
+    assert sched.lifecycle.admin(AdminReq(qid=97, op="pin", name="n2")).code == "pin_limit"
+    got = _drive(sched, worker, [_req(f"r{i}", n) for i, n in enumerate(names)])
+    assert all(len(got[(f"r{i}", 0)]) == PARAMS.max_tokens for i in range(len(names)))
+    assert sched.num_loads >= len(names)
+    assert sched.scheduler.residency.is_resident(sched.adapters.by_name["n0"].adapter_id)
+    _assert_nothing_held(sched)
+
+
+def test_base_fallback_says_so(model, tmp_path):
+    sched, worker = _services(model, tmp_path, adapter_failure_policy="base")
+    assert sched.add(_req("fb", "missing")) is None
+    plan = sched.next_plan()
+    batch, _ = sched.on_result(worker.execute(plan))
+    assert "missing" in batch.outputs[0].fallback
+    strict, _ = _services(model, tmp_path / "strict")
+    assert strict.add(_req("fb", "missing")).status == 404
+
+
+def test_fallback_reaches_the_response(model, tmp_path):
+    from radixlora.server.messages import GenerateReq, TokenBatch, TokenOut
+    from radixlora.server.openai_api import FALLBACK_HEADER, fallback_response
+    from radixlora.server.runtime import Generation
+    from radixlora.server.tokenizer_proc import TokenizerService
+
+    tokenizer = TokenizerService(ServerArgs(model=str(model)))
+    tokenizer.on_generate(GenerateReq(rid="f", params=PARAMS, prompt="x"))
+    out = TokenOut(rid="f", index=0, token_ids=ids_to_bytes([5]), logprobs=[0.0], top=None,
+                   finish_reason=None, prompt_tokens=1, cached_tokens=0, fallback="why")
+    _, batches = tokenizer.on_tokens(TokenBatch(outputs=[out]))
+    assert batches[0].outputs[0].fallback == "why"
+    gen = Generation(GenerateReq(rid="f", params=PARAMS, prompt="x"), "a")
+    plain = fallback_response({"id": "f"}, [gen])
+    assert FALLBACK_HEADER not in plain.headers and b"system_fingerprint" not in plain.body
+    gen.fallback = "why"
+    resp = fallback_response({"id": "f"}, [gen])
+    assert resp.headers[FALLBACK_HEADER] == "base"
+    body = json.loads(resp.body)
+    assert body["system_fingerprint"] == "radixlora-base-fallback"
+    assert body["adapter_fallback"] == "why"
+
+
+def test_worker_host_tier_is_a_bounded_lru(model, versions, tmp_path):
+    from radixlora.server.messages import AdapterLoad
+
+    cfg = ModelConfig.from_dir(model)
+    adapters = {v: load_adapter(v, p, cfg, 64) for v, p in versions.items()}
+    budget = 2 * adapters["v1"].nbytes  # all three have rank 4: room for two
+    worker = WorkerService(ServerArgs(model=str(model), engine=ENGINE,
+                                      host_adapter_bytes=budget))
+
+    def load(v):
+        a = adapters[v]
+        worker._host_adapter(AdapterLoad(a.adapter_id, v, a.path, ids_to_bytes([0])))
+
+    for v in ("v1", "v2", "v1", "v3"):  # v1 used again: v2 is the least recent
+        load(v)
+    assert set(worker.host_adapters) == {adapters["v1"].adapter_id, adapters["v3"].adapter_id}
+
+
+def test_unreadable_adapter_is_rejected_not_fatal(model, versions, tmp_path, monkeypatch):
+    from radixlora.server import adapter_store
+
+    root = tmp_path / "dir"
+    root.mkdir()
+    _copy(versions["v1"], root / "gone")
+
+    def vanished(name, path):
+        raise FileNotFoundError(f"{path} vanished")
+
+    monkeypatch.setattr(adapter_store, "read_adapter_files", vanished)
+    core, events = _core(model, root, tmp_path / "state")
+    core.on_changed(["gone"])
+    core.admit(0.0)
+    assert [(e.kind, e.reason) for e in events] == [("rejected", "unreadable")]
