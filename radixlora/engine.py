@@ -19,7 +19,14 @@ from radixlora.errors import InvalidRequestError, RadixLoraError
 from radixlora.lora.adapter import LoraAdapter
 from radixlora.model.loader import base_version
 from radixlora.model_runner import ModelRunner
-from radixlora.request import AdapterSet, Req, ReqStatus, build_requests, cache_namespace
+from radixlora.request import (
+    AdapterSet,
+    Req,
+    ReqStatus,
+    build_requests,
+    cache_namespace,
+    check_logprob_start,
+)
 from radixlora.sampling import SamplingParams
 from radixlora.scheduler import Scheduler
 from radixlora.tokenizer import Tokenizer
@@ -179,11 +186,7 @@ class Engine:
     ) -> list[Req]:
         params.validate(self.model_cfg.vocab_size)
         ids = self._prompt_ids(prompt)
-        if logprob_start is not None and not 1 <= logprob_start <= len(ids):
-            raise InvalidRequestError(
-                f"logprob_start must be in [1, {len(ids)}], got {logprob_start}",
-                param="logprob_start",
-            )
+        check_logprob_start(logprob_start, len(ids))
         adapter_set = self.resolve_adapters(spec)
         namespace = cache_namespace(self.base_version, adapter_set, cache_salt)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)

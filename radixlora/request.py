@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from radixlora.errors import InvalidRequestError
 from radixlora.lora.adapter import LoraAdapter
 from radixlora.sampling import SamplingParams
 
@@ -71,6 +72,13 @@ def build_requests(
             )
         )
     return reqs
+
+
+def check_logprob_start(start: int | None, prompt_len: int) -> None:
+    """Prompt logprobs start at a position >= 1 (position 0 has no context) inside the prompt."""
+    if start is not None and not 1 <= start <= prompt_len:
+        raise InvalidRequestError(f"logprob_start must be in [1, {prompt_len}], got {start}",
+                                  param="logprob_start")
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -1,7 +1,6 @@
 """RuntimeEndpoint and the batch command against a real `radixlora serve` (subprocess, tiny model,
 adapters support and legal): programs give the text of the direct Engine request, and so does
-every batch line. What the server does not offer yet on /generate (prompt logprobs, so select)
-must fail loudly, never pass silently wrong."""
+every batch line."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import pytest
 
 from radixlora import Engine, SamplingParams
 from radixlora.batch import run_batch
-from radixlora.frontend import EndpointError, RuntimeEndpoint, function, gen, select
+from radixlora.frontend import RuntimeEndpoint, function, gen, select
 from tests.server_harness import MODEL_NAME, ServerProcess, build_checkpoints
 
 PROMPT = "A radix cache shares prefix KV between"
@@ -81,15 +80,23 @@ def test_stacked_adapters_reach_the_server(engine, endpoint):
     assert got == direct(engine, PROMPT, stack) != direct(engine, PROMPT)
 
 
-def test_select_over_http_fails_loudly_until_the_server_scores_prompts(endpoint):
-    """The server's /generate returns no prompt logprobs yet: select must raise, not guess."""
+def test_select_over_http_equals_in_process(checkpoints, endpoint):
+    """select scores choices with /generate's prompt logprobs (return_logprob +
+    logprob_start_len): the same pick and the same per-token logprobs as the in-process Runtime."""
+    from radixlora.frontend import Runtime
 
     @function
     def pick(s):
         s += PROMPT + select("pick", choices=[" fox", " dog jumps", " cache"], adapter="legal")
 
-    with pytest.raises(EndpointError, match="input_token_logprobs"):
-        pick.run(backend=endpoint)["pick"]
+    model, adapters = checkpoints
+    with Runtime(model, adapters=adapters) as runtime:
+        want = pick.run(backend=runtime)
+    got = pick.run(backend=endpoint)
+    assert got["pick"] == want["pick"]
+    for a, b in zip(got.get_meta_info("pick")["token_logprobs"],
+                    want.get_meta_info("pick")["token_logprobs"], strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
 
 
 def test_batch_against_the_server(engine, server, tmp_path):

@@ -27,7 +27,7 @@ from radixlora.kernels.rmsnorm import (  # noqa: E402
 )
 from radixlora.kernels.rotary import apply_rotary_, apply_rotary_ref  # noqa: E402
 from radixlora.model.llama import RMSNorm  # noqa: E402
-from radixlora.model.rope import RotaryEmbedding, apply_rotary, inv_frequencies  # noqa: E402
+from radixlora.model.rope import inv_frequencies  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -52,24 +52,35 @@ def norm_weight(hidden: int, dtype: torch.dtype) -> torch.Tensor:
     return (1 + 0.2 * randn(hidden, seed=9)).to(dtype)
 
 
-# --- the references are the model's code ---------------------------------------------------
+# --- the references are HF Llama's formulas -------------------------------------------------
 
 
-def test_references_match_model_code():
+def _hf_rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotate_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None].to(x.dtype) + rotate_half * sin[:, None].to(x.dtype)
+
+
+def test_references_match_hf_formulas():
     x, gate_up = randn(5, 96), randn(5, 2 * 48, seed=1)
+    weight = norm_weight(96, torch.float32)
+    h = x.float()
+    want = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+    assert torch.equal(rmsnorm_ref(x, weight, EPS), want)
     norm = RMSNorm(96, EPS)
     with torch.no_grad():
-        norm.weight.copy_(norm_weight(96, torch.float32))
-        assert torch.equal(rmsnorm_ref(x, norm.weight, EPS), norm(x))
+        norm.weight.copy_(weight)
+        assert torch.equal(norm(x)[0], want)  # the model's CPU path is the reference
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(silu_and_mul_ref(gate_up), F.silu(gate) * up)
 
-    rope, positions = RotaryEmbedding(16, LLAMA3_ROPE), torch.tensor(POSITIONS[7])
-    cos, sin = rope(positions)
+    inv_freq, positions = inv_frequencies(16, LLAMA3_ROPE), torch.tensor(POSITIONS[7])
+    emb = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((emb, emb), dim=-1)
     q, k = randn(7, 4, 16, dtype=torch.float16), randn(7, 2, 16, dtype=torch.float16, seed=1)
-    q_ref, k_ref = apply_rotary_ref(q, k, positions, rope.inv_freq)
-    assert torch.equal(q_ref, apply_rotary(q, cos, sin))
-    assert torch.equal(k_ref, apply_rotary(k, cos, sin))
+    q_ref, k_ref = apply_rotary_ref(q, k, positions, inv_freq)
+    assert torch.equal(q_ref, _hf_rotate(q, emb.cos(), emb.sin()))
+    assert torch.equal(k_ref, _hf_rotate(k, emb.cos(), emb.sin()))
 
 
 # --- rmsnorm --------------------------------------------------------------------------------

@@ -220,6 +220,18 @@ def test_sglang_generate(server):
     assert prefix.json()["text"] == ""  # RuntimeEndpoint.cache_prefix
 
 
+def test_generate_prompt_logprobs_equal_engine_score(server, engine):
+    ids = engine.tokenizer.encode(PROMPT)
+    body = {"input_ids": ids, "lora_path": "support", "return_logprob": True,
+            "logprob_start_len": 2, "sampling_params": {"max_new_tokens": 0}}
+    out = server.http.post("/generate", json=body).json()
+    want = engine.score(ids, 2, adapters="support")[0]
+    entries = out["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == ids[2:]
+    assert [e[0] for e in entries] == pytest.approx(want, abs=1e-5)
+    assert out["text"] == "" and out["meta_info"]["completion_tokens"] == 0
+
+
 def test_models_and_model_info(client, server):
     ids = {m.id for m in client.models.list().data}
     assert {MODEL_NAME, "support", "legal"} <= ids <= {MODEL_NAME, "support", "legal", "fickle"}

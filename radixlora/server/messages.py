@@ -69,6 +69,8 @@ class GenerateReq(Message):
     adapters: list[AdapterChoice] | None = None
     stop: list[str] = []
     token_texts: bool = False  # attach per-token strings (for logprobs)
+    logprob_start: int | None = None  # return the logprobs of prompt tokens from here on
+    score_only: bool = False  # max_new_tokens 0 with prompt logprobs: drop the sampled token
 
 
 class AbortReq(Message):
@@ -84,6 +86,7 @@ class TokenizedReq(Message):
     input_ids: bytes
     params: SamplingParams
     adapters: list[AdapterChoice] | None = None
+    logprob_start: int | None = None
 
 
 # ---- scheduler <-> worker --------------------------------------------------------------------
@@ -99,6 +102,8 @@ class PlanItem(msgspec.Struct, array_like=True):
     seed: int
     step: int  # index of the output token sampled (number of outputs so far)
     lora_key: int  # index into PlanMsg.lora_rows
+    score_from: int = 0  # positions score_from, ... of this chunk predict the prompt's score_ids
+    score_ids: bytes | None = None  # int32
 
 
 class AdapterLoad(msgspec.Struct, array_like=True):
@@ -129,6 +134,7 @@ class StepResult(Message):
     failed_adapters: dict[str, str] = {}  # adapter id -> reason; the step did not run
     error: str | None = None  # the step did not run
     load_seconds: list[float] = []  # one per adapter load of the step
+    input_logprobs: list[list[float]] | None = None  # per plan item: scored prompt tokens
 
 
 # ---- scheduler -> tokenizer -> api -----------------------------------------------------------
@@ -144,6 +150,8 @@ class TokenOut(msgspec.Struct, array_like=True):
     prompt_tokens: int
     cached_tokens: int
     fallback: str | None = None  # why the request is served base-only (policy "base")
+    input_logprobs: list[float] = []  # prompt tokens from logprob_start on (first TokenOut)
+    input_ids: bytes = b""  # int32: the prompt tokens input_logprobs score
 
 
 class TokenBatch(Message):
@@ -173,6 +181,8 @@ class SampleOutput(msgspec.Struct, array_like=True):
     prompt_tokens: int
     cached_tokens: int
     fallback: str | None = None
+    input_logprobs: list[float] = []
+    input_ids: bytes = b""  # int32 prompt tokens that input_logprobs score
 
 
 class OutputBatch(Message):

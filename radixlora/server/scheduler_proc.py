@@ -17,7 +17,14 @@ from radixlora.adapters import AdapterRegistry
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
 from radixlora.model.loader import base_version
-from radixlora.request import AdapterSet, Req, ReqStatus, build_requests, cache_namespace
+from radixlora.request import (
+    AdapterSet,
+    Req,
+    ReqStatus,
+    build_requests,
+    cache_namespace,
+    check_logprob_start,
+)
 from radixlora.scheduler import BatchPlan, Scheduler
 from radixlora.server.adapter_lifecycle import AdapterLifecycle
 from radixlora.server.adapter_store import AdapterStore
@@ -109,9 +116,13 @@ class SchedulerService:
         adapter_set, fallback = self._resolve(choices)
         namespace = cache_namespace(self.base_version, adapter_set, None)
         base_seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
-        reqs = build_requests(msg.rid, bytes_to_ids(msg.input_ids), params, adapter_set,
+        ids = bytes_to_ids(msg.input_ids)
+        check_logprob_start(msg.logprob_start, len(ids))
+        reqs = build_requests(msg.rid, ids, params, adapter_set,
                               namespace, base_seed, frozenset(self.model_cfg.eos_token_ids),
                               share_prompt=self.scheduler.tree is not None)
+        for req in reqs:
+            req.logprob_start = msg.logprob_start
         if fallback:
             self.fallbacks[msg.rid] = fallback
         return reqs
@@ -180,7 +191,7 @@ class SchedulerService:
         self.num_loads += len(plan.adapter_loads)
         self.load_seconds += result.load_seconds
         tokens = bytes_to_ids(result.token_ids).tolist()
-        self.scheduler.process_results(plan, tokens, result.logprobs, top)
+        self.scheduler.process_results(plan, tokens, result.logprobs, top, result.input_logprobs)
         outputs = [out for item in plan.items if item.sample and (out := self._token_out(item.req))]
         return (TokenBatch(outputs=outputs) if outputs else None), []
 
@@ -201,6 +212,9 @@ class SchedulerService:
             cached_tokens=req.cached_tokens,
             fallback=fallback,
         )
+        if req.logprob_start is not None and len(req.output_ids) == 1:  # with the first token
+            out.input_logprobs = list(req.input_logprobs)
+            out.input_ids = ids_to_bytes(req.prompt_ids[req.logprob_start :])
         if req.finish_reason is not None:
             self._drop(req)
         return out
@@ -304,6 +318,8 @@ def plan_to_msg(plan: BatchPlan, step: int) -> PlanMsg:
             seed=item.req.seed,
             step=len(item.req.output_ids),
             lora_key=index[item.req.adapter_set.key],
+            score_from=item.score_from,
+            score_ids=None if item.score_ids is None else ids_to_bytes(item.score_ids),
         )
         for item in plan.items
     ]

@@ -51,12 +51,16 @@ class SglangHandlers:
                 f"top_logprobs_num must be between 0 and {MAX_TOP_LOGPROBS}",
                 param="top_logprobs_num",
             )
+        start = max(req.logprob_start_len, 1) if req.return_logprob and (
+            req.logprob_start_len >= 0) else None
         reqs = []
         for prompt, sp, lora, rid in zip(prompts, sampling, loras, rids):
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, ids_to_bytes(prompt))
             reqs.append(GenerateReq(
                 rid=rid, params=self._params(sp, req), prompt=text, input_ids=ids,
-                prompt_only=sp.max_new_tokens == 0,
+                prompt_only=sp.max_new_tokens == 0 and start is None,
+                score_only=sp.max_new_tokens == 0 and start is not None,
+                logprob_start=start,
                 adapters=stack or ([AdapterChoice(lora)] if lora else None),
                 stop=stop_list(sp.stop),
                 token_texts=req.return_logprob,
@@ -163,13 +167,24 @@ def meta_output(gen: Generation, s: Sample, req: GenerateRequest, latency: float
         "cached_tokens": gen.cached_tokens,
         "e2e_latency": latency,
     }
+    if gen.req.score_only:  # max_new_tokens 0: the token sampled to finish the step is dropped
+        s = Sample(s.index, finish_reason="length", input_logprobs=s.input_logprobs,
+                   input_ids=s.input_ids)
+        meta["finish_reason"], meta["completion_tokens"] = _finish(s), 0
     if req.return_logprob:
-        meta["input_token_logprobs"] = []
+        meta["input_token_logprobs"] = input_token_logprobs(s, req.logprob_start_len)
         meta["output_token_logprobs"] = [
             [lp, t, text] for lp, t, text in zip(s.logprobs, s.token_ids, s.token_texts)
         ]
         meta["output_top_logprobs"] = [[[lp, t, text] for t, lp, text in row] for row in s.top]
     return {"text": s.text, "output_ids": s.token_ids, "meta_info": meta}
+
+
+def input_token_logprobs(s: Sample, start_len: int) -> list[list]:
+    """SGLang's [logprob, token_id, text] per prompt token from logprob_start_len on; position 0
+    has no context, so its logprob is None."""
+    entries = [[lp, t, None] for lp, t in zip(s.input_logprobs, s.input_ids)]
+    return ([[None, None, None]] if start_len == 0 else []) + entries
 
 
 def _finish(s: Sample) -> dict | None:

@@ -84,7 +84,8 @@ class TokenizerService:
                 )
             params = msgspec.structs.replace(params, max_tokens=room)
         return TokenizedReq(
-            rid=req.rid, input_ids=ids_to_bytes(ids), params=params, adapters=req.adapters
+            rid=req.rid, input_ids=ids_to_bytes(ids), params=params, adapters=req.adapters,
+            logprob_start=req.logprob_start,
         )
 
     def _prompt_ids(self, req: GenerateReq) -> np.ndarray:
@@ -168,6 +169,8 @@ class TokenizerService:
             prompt_tokens=out.prompt_tokens,
             cached_tokens=out.cached_tokens,
             fallback=out.fallback,
+            input_logprobs=out.input_logprobs,
+            input_ids=out.input_ids,
         )
 
     def _texts(self, ids: list[int]) -> list[str]:

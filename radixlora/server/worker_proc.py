@@ -81,6 +81,7 @@ class WorkerService:
             top_ids=top_ids,
             top_logprobs=top_lp,
             load_seconds=[load_s] * len(loads),
+            input_logprobs=out.input_logprobs,
         )
 
     def _resolve_loads(self, loads: list[AdapterLoad]):
@@ -127,6 +128,8 @@ def to_batch_plan(msg: PlanMsg, loads: list[tuple[LoraAdapter, np.ndarray]]) -> 
             extend_ids=bytes_to_ids(item.extend_ids),
             start=item.start,
             sample=item.sample,
+            score_from=item.score_from,
+            score_ids=None if item.score_ids is None else bytes_to_ids(item.score_ids),
         )
         for item in msg.items
     ]
