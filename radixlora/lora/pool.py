@@ -14,7 +14,7 @@ import torch
 
 from radixlora.config import ModelConfig
 from radixlora.kernels.lora_ops import LoraBatchMeta
-from radixlora.lora.adapter import GROUP_OF, MODULE_GROUPS, LoraAdapter
+from radixlora.lora.adapter import MODULE_GROUPS, LoraAdapter
 
 
 def group_dims(cfg: ModelConfig, group: str) -> tuple[int, list[int]]:
@@ -25,6 +25,9 @@ def group_dims(cfg: ModelConfig, group: str) -> tuple[int, list[int]]:
     for m in modules:
         offsets.append(offsets[-1] + cfg.module_shape(m)[1])
     return in_dim, offsets
+
+
+PACKED_CACHE_BYTES = 2 << 30  # host memory for packed adapters kept for reloads
 
 
 class AdapterPool:
@@ -45,6 +48,7 @@ class AdapterPool:
                 b_layer[group] = torch.zeros(num_rows, offsets[-1], dtype=dtype, device=device)
             self.a.append(a_layer)
             self.b.append(b_layer)
+        self._packed_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
 
     @staticmethod
     def bytes_per_row(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -55,21 +59,53 @@ class AdapterPool:
         return per_layer * cfg.num_layers * torch.finfo(dtype).bits // 8
 
     def write(self, adapter: LoraAdapter, rows: np.ndarray) -> None:
-        """Copy an adapter's weights into `rows` (len == adapter.rank), zeroing what it lacks."""
-        idx = torch.as_tensor(rows, dtype=torch.long, device=self.a[0]["qkv"].device)
+        """Copy an adapter's weights into `rows` (len == adapter.rank), zeroing what it lacks:
+        one host-to-device copy of the adapter packed in pool layout (pinned on CUDA, kept for
+        the next load of the same adapter), then one row scatter per (layer, group) pool."""
+        device = self.a[0]["qkv"].device
+        packed = self._packed(adapter).to(device, non_blocking=True)
+        idx = torch.as_tensor(rows, dtype=torch.long, device=device)
+        offset = 0
         for layer_a, layer_b in zip(self.a, self.b):
             for group in MODULE_GROUPS:
-                layer_a[group][:, idx] = 0
-                layer_b[group][idx] = 0
-        for (layer, module), (a, b) in adapter.weights.items():
-            group = GROUP_OF[module]
-            slot = MODULE_GROUPS[group].index(module)
-            lo, hi = self.out_offsets[group][slot], self.out_offsets[group][slot + 1]
-            r = a.shape[0]
-            dst_a = self.a[layer][group]
-            dst_a[slot, idx[:r]] = a.to(dst_a.device, dst_a.dtype, non_blocking=True)
-            dst_b = self.b[layer][group]
-            dst_b[idx[:r], lo:hi] = b.t().to(dst_b.device, dst_b.dtype, non_blocking=True)
+                a_shape = (layer_a[group].shape[0], len(rows), layer_a[group].shape[2])
+                b_shape = (len(rows), layer_b[group].shape[1])
+                a_size, b_size = a_shape[0] * a_shape[1] * a_shape[2], b_shape[0] * b_shape[1]
+                layer_a[group][:, idx] = packed[offset : offset + a_size].view(a_shape)
+                b_end = offset + a_size + b_size
+                layer_b[group][idx] = packed[offset + a_size : b_end].view(b_shape)
+                offset = b_end
+
+    def _packed(self, adapter: LoraAdapter) -> torch.Tensor:
+        """The adapter's rows for every (layer, group) pool, flattened in write() order, in the
+        pool's dtype; pinned on CUDA. Recent ones are kept (swaps reload them), up to a budget;
+        the newest is always kept, whatever its size."""
+        cached = self._packed_cache.get(adapter.adapter_id)
+        if cached is not None:
+            self._packed_cache.move_to_end(adapter.adapter_id)
+            return cached
+        pieces = []
+        for layer, (layer_a, layer_b) in enumerate(zip(self.a, self.b)):
+            for group, modules in MODULE_GROUPS.items():
+                a = torch.zeros(len(modules), adapter.rank, layer_a[group].shape[2])
+                b = torch.zeros(adapter.rank, layer_b[group].shape[1])
+                for slot, module in enumerate(modules):
+                    weights = adapter.weights.get((layer, module))
+                    if weights is not None:
+                        lo, hi = self.out_offsets[group][slot], self.out_offsets[group][slot + 1]
+                        r = weights[0].shape[0]
+                        a[slot, :r] = weights[0]
+                        b[:r, lo:hi] = weights[1].t()
+                pieces += [a.flatten(), b.flatten()]
+        packed = torch.cat(pieces).to(self.a[0]["qkv"].dtype)
+        if self.a[0]["qkv"].is_cuda:
+            packed = packed.pin_memory()
+        self._packed_cache[adapter.adapter_id] = packed
+        while len(self._packed_cache) > 1 and sum(
+            t.nbytes for t in self._packed_cache.values()
+        ) > PACKED_CACHE_BYTES:
+            self._packed_cache.popitem(last=False)
+        return packed
 
 
 class RowAllocator:
