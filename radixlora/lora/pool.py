@@ -31,23 +31,23 @@ PACKED_CACHE_BYTES = 2 << 30  # host memory for packed adapters kept for reloads
 
 
 class AdapterPool:
-    """Device tensors of the paged adapter pool."""
+    """Device tensors of the paged adapter pool: per module group one A tensor
+    [num_layers, n_slices, num_rows, in_dim] and one B tensor [num_layers, num_rows, out_total];
+    a[layer][group] / b[layer][group] are (contiguous) views of one layer."""
 
     def __init__(self, cfg: ModelConfig, num_rows: int, dtype: torch.dtype, device):
         self.num_rows = num_rows
         self.out_offsets = {g: group_dims(cfg, g)[1] for g in MODULE_GROUPS}
-        self.a: list[dict[str, torch.Tensor]] = []
-        self.b: list[dict[str, torch.Tensor]] = []
-        for _ in range(cfg.num_layers):
-            a_layer, b_layer = {}, {}
-            for group, modules in MODULE_GROUPS.items():
-                in_dim, offsets = group_dims(cfg, group)
-                a_layer[group] = torch.zeros(
-                    len(modules), num_rows, in_dim, dtype=dtype, device=device
-                )
-                b_layer[group] = torch.zeros(num_rows, offsets[-1], dtype=dtype, device=device)
-            self.a.append(a_layer)
-            self.b.append(b_layer)
+        self.a_all: dict[str, torch.Tensor] = {}
+        self.b_all: dict[str, torch.Tensor] = {}
+        for group, modules in MODULE_GROUPS.items():
+            in_dim, offsets = group_dims(cfg, group)
+            shape_a = (cfg.num_layers, len(modules), num_rows, in_dim)
+            self.a_all[group] = torch.zeros(shape_a, dtype=dtype, device=device)
+            shape_b = (cfg.num_layers, num_rows, offsets[-1])
+            self.b_all[group] = torch.zeros(shape_b, dtype=dtype, device=device)
+        self.a = [{g: t[layer] for g, t in self.a_all.items()} for layer in range(cfg.num_layers)]
+        self.b = [{g: t[layer] for g, t in self.b_all.items()} for layer in range(cfg.num_layers)]
         self._packed_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
 
     @staticmethod
@@ -61,44 +61,41 @@ class AdapterPool:
     def write(self, adapter: LoraAdapter, rows: np.ndarray) -> None:
         """Copy an adapter's weights into `rows` (len == adapter.rank), zeroing what it lacks:
         one host-to-device copy of the adapter packed in pool layout (pinned on CUDA, kept for
-        the next load of the same adapter), then one row scatter per (layer, group) pool."""
-        device = self.a[0]["qkv"].device
+        the next load of the same adapter), then one row scatter per group for all layers."""
+        device = self.a_all["qkv"].device
         packed = self._packed(adapter).to(device, non_blocking=True)
         idx = torch.as_tensor(rows, dtype=torch.long, device=device)
         offset = 0
-        for layer_a, layer_b in zip(self.a, self.b):
-            for group in MODULE_GROUPS:
-                a_shape = (layer_a[group].shape[0], len(rows), layer_a[group].shape[2])
-                b_shape = (len(rows), layer_b[group].shape[1])
-                a_size, b_size = a_shape[0] * a_shape[1] * a_shape[2], b_shape[0] * b_shape[1]
-                layer_a[group][:, idx] = packed[offset : offset + a_size].view(a_shape)
-                b_end = offset + a_size + b_size
-                layer_b[group][idx] = packed[offset + a_size : b_end].view(b_shape)
-                offset = b_end
+        for group in MODULE_GROUPS:
+            for pool, row_dim in ((self.a_all[group], 2), (self.b_all[group], 1)):
+                shape = list(pool.shape)
+                shape[row_dim] = len(rows)
+                size = int(np.prod(shape))
+                pool.index_copy_(row_dim, idx, packed[offset : offset + size].view(shape))
+                offset += size
 
     def _packed(self, adapter: LoraAdapter) -> torch.Tensor:
-        """The adapter's rows for every (layer, group) pool, flattened in write() order, in the
-        pool's dtype; pinned on CUDA. Recent ones are kept (swaps reload them), up to a budget;
-        the newest is always kept, whatever its size."""
+        """The adapter's rows for every group pool, flattened in write() order, in the pool's
+        dtype; pinned on CUDA. Recent ones are kept (swaps reload them), up to a budget; the
+        newest is always kept, whatever its size."""
         cached = self._packed_cache.get(adapter.adapter_id)
         if cached is not None:
             self._packed_cache.move_to_end(adapter.adapter_id)
             return cached
         pieces = []
-        for layer, (layer_a, layer_b) in enumerate(zip(self.a, self.b)):
-            for group, modules in MODULE_GROUPS.items():
-                a = torch.zeros(len(modules), adapter.rank, layer_a[group].shape[2])
-                b = torch.zeros(adapter.rank, layer_b[group].shape[1])
-                for slot, module in enumerate(modules):
-                    weights = adapter.weights.get((layer, module))
-                    if weights is not None:
-                        lo, hi = self.out_offsets[group][slot], self.out_offsets[group][slot + 1]
-                        r = weights[0].shape[0]
-                        a[slot, :r] = weights[0]
-                        b[:r, lo:hi] = weights[1].t()
-                pieces += [a.flatten(), b.flatten()]
-        packed = torch.cat(pieces).to(self.a[0]["qkv"].dtype)
-        if self.a[0]["qkv"].is_cuda:
+        for group, modules in MODULE_GROUPS.items():
+            layers, n_slices, _, in_dim = self.a_all[group].shape
+            a = torch.zeros(layers, n_slices, adapter.rank, in_dim)
+            b = torch.zeros(layers, adapter.rank, self.b_all[group].shape[2])
+            for (layer, module), (lora_a, lora_b) in adapter.weights.items():
+                if module in modules:
+                    slot, r = modules.index(module), lora_a.shape[0]
+                    lo, hi = self.out_offsets[group][slot], self.out_offsets[group][slot + 1]
+                    a[layer, slot, :r] = lora_a
+                    b[layer, :r, lo:hi] = lora_b.t()
+            pieces += [a.flatten(), b.flatten()]
+        packed = torch.cat(pieces).to(self.a_all["qkv"].dtype)
+        if self.a_all["qkv"].is_cuda:
             packed = packed.pin_memory()
         self._packed_cache[adapter.adapter_id] = packed
         while len(self._packed_cache) > 1 and sum(
