@@ -15,15 +15,14 @@ import triton
 import triton.language as tl
 
 from .attention_extend import (
-    _FLOAT_DTYPES,
     LOG2E,
     _attend,
     _block_d,
     _check_index,
-    _check_kv_pool,
     _check_window,
     _dot_precision,
     _interpreting,
+    check_q_and_pool,
 )
 
 MAX_SPLITS = 32
@@ -158,17 +157,7 @@ def default_num_splits(batch: int, n_kv_heads: int, device: torch.device) -> int
 
 
 def _check_decode_args(q, k_cache, v_cache, o, kv_indptr, kv_indices, num_splits) -> None:
-    if q.dim() != 3 or q.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"q must be [B, Hq, D] fp16/bf16/fp32, got {tuple(q.shape)} {q.dtype}")
-    if o.shape != q.shape or o.dtype != q.dtype or o.device != q.device:
-        raise ValueError(f"o must match q ({tuple(q.shape)} {q.dtype}), got {tuple(o.shape)}")
-    if q.stride(-1) != 1 or o.stride(-1) != 1:
-        raise ValueError("q and o must be contiguous in head_dim")
-    _check_kv_pool(k_cache, v_cache, q.dtype, q.device)
-    if k_cache.shape[2] != q.shape[2]:
-        raise ValueError(f"head_dim mismatch: q {q.shape[2]}, k_cache {k_cache.shape[2]}")
-    if q.shape[1] % k_cache.shape[1] != 0:
-        raise ValueError(f"n_q_heads {q.shape[1]} not a multiple of n_kv_heads {k_cache.shape[1]}")
+    check_q_and_pool(q, o, k_cache, v_cache, "B")
     _check_index("kv_indptr", kv_indptr, q.shape[0] + 1, q.device)
     _check_index("kv_indices", kv_indices, None, q.device)
     if num_splits is not None and not 1 <= num_splits <= 1024:

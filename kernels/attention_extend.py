@@ -171,8 +171,18 @@ def _check_index(name: str, t: torch.Tensor, length: int | None, device) -> None
 
 
 def _check_extend_args(q, k_cache, v_cache, o, qo_indptr, kv_indptr, kv_indices) -> None:
+    check_q_and_pool(q, o, k_cache, v_cache, "T")
+    _check_index("qo_indptr", qo_indptr, None, q.device)
+    _check_index("kv_indptr", kv_indptr, qo_indptr.numel(), q.device)
+    _check_index("kv_indices", kv_indices, None, q.device)
+
+
+def check_q_and_pool(q, o, k_cache, v_cache, rows: str) -> None:
+    """Checks shared by the attention launchers: q/o [rows, Hq, D] against the KV pool."""
     if q.dim() != 3 or q.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"q must be [T, Hq, D] fp16/bf16/fp32, got {tuple(q.shape)} {q.dtype}")
+        raise ValueError(
+            f"q must be [{rows}, Hq, D] fp16/bf16/fp32, got {tuple(q.shape)} {q.dtype}"
+        )
     if o.shape != q.shape or o.dtype != q.dtype or o.device != q.device:
         raise ValueError(f"o must match q ({tuple(q.shape)} {q.dtype}), got {tuple(o.shape)}")
     if q.stride(-1) != 1 or o.stride(-1) != 1:
@@ -182,9 +192,6 @@ def _check_extend_args(q, k_cache, v_cache, o, qo_indptr, kv_indptr, kv_indices)
         raise ValueError(f"head_dim mismatch: q {q.shape[2]}, k_cache {k_cache.shape[2]}")
     if q.shape[1] % k_cache.shape[1] != 0:
         raise ValueError(f"n_q_heads {q.shape[1]} not a multiple of n_kv_heads {k_cache.shape[1]}")
-    _check_index("qo_indptr", qo_indptr, None, q.device)
-    _check_index("kv_indptr", kv_indptr, qo_indptr.numel(), q.device)
-    _check_index("kv_indices", kv_indices, None, q.device)
 
 
 def extend_attention(

@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -493,7 +492,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="HF checkpoint directory (default: the tiny random demo model)",
+        help="HF checkpoint directory (default: the bundled demo model and adapters)",
     )
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH")
     p.add_argument("--url", default=None, help="send the requests to this server instead")
@@ -508,15 +507,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _engine(args: argparse.Namespace) -> Engine:
-    from radixlora.tiny import build_tiny_adapter, build_tiny_model
-
     adapters = adapter_pairs(args.adapter)
     model = args.model
-    if model is None:
-        root = Path(tempfile.mkdtemp(prefix="radixlora-tiny-"))
-        model = build_tiny_model(root / "model")
-        adapters.setdefault("support", str(build_tiny_adapter(model, root / "support", 8, 1)))
-        adapters.setdefault("legal", str(build_tiny_adapter(model, root / "legal", 16, 2)))
+    if model is None:  # the bundled demo, as `radixlora serve` without --model
+        from radixlora.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR
+
+        model = DEMO_MODEL_DIR
+        if args.served_model_name is None:
+            args.served_model_name = "radixlora-demo"
+        for name, path in DEMO_ADAPTERS.items():
+            adapters.setdefault(name, str(path))
     overrides = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     return Engine(model, adapters=adapters, **overrides)
 

@@ -17,9 +17,7 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +27,7 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from bench_common import time_us  # noqa: E402
 
 from radixlora.config import RopeConfig  # noqa: E402
 from radixlora.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
@@ -196,23 +195,6 @@ def run_check(op: Op, tokens: int, dtype: torch.dtype) -> Check:
     rel, exact, exact_where_due = op.check()
     ok = rel <= MAX_REL_ERR[dtype] and exact_where_due
     return Check(op.name, tokens, str(dtype).removeprefix("torch."), rel, exact, ok)
-
-
-def time_us(fn: Callable[[], object], device: str) -> tuple[float, float | None]:
-    """(eager median, CUDA-graph median) in microseconds; CPU: median of 2 wall-clock runs."""
-    if device != "cuda":
-        times = []
-        for _ in range(2):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e6)
-        return statistics.median(times), None
-    eager = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-    try:
-        graph = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3
-    except RuntimeError:
-        graph = None
-    return eager, graph
 
 
 def time_op(op: Op, tokens: int, device: str) -> Result:

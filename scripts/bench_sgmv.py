@@ -14,9 +14,7 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,6 +24,7 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from bench_common import time_us  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `kernels` without installing
 from kernels.lora_ops import (  # noqa: E402
@@ -196,23 +195,6 @@ def max_rel_err(backend: LoraBackend, projs, meta) -> float:
         err = (y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)
         worst = max(worst, err.item())
     return worst
-
-
-def time_us(fn: Callable[[], None], device: str) -> tuple[float, float | None]:
-    """(eager median, CUDA-graph median) in microseconds; CPU: median of 2 wall-clock runs."""
-    if device != "cuda":
-        times = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(times), None
-    eager = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-    try:
-        graph = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3
-    except RuntimeError:
-        graph = None
-    return eager, graph
 
 
 def bench_variant(scenario, variant, backend, projs, meta, bytes_read, device) -> Result:

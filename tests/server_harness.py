@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from radixlora.engine import Engine
 from radixlora.tiny import build_tiny_adapter, build_tiny_model
 
 MODEL_NAME = "tiny"
@@ -115,3 +117,19 @@ def assert_all_kv_free(sched: dict) -> None:
     assert sched["kv_protected_tokens"] == 0
     assert sched["kv_free_tokens"] + sched["kv_cached_tokens"] == sched["kv_capacity_tokens"]
     assert all(refs == 0 for refs in sched["adapter_refs"].values())
+
+
+@contextlib.contextmanager
+def running_server(model: Path | None, adapters: dict[str, Path], log_path: Path, *extra: str):
+    """A ready server for the duration of the block; it must then drain and exit 0."""
+    proc = ServerProcess(model, adapters, log_path, *extra)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        assert proc.stop() == 0, proc.logs()
+
+
+def engine_like_server(model: Path, adapters: dict[str, Path]) -> Engine:
+    """The offline Engine configured as ENGINE_FLAGS configure the test servers."""
+    return Engine(model, adapters=adapters, kv_pages=600, max_running=16, adapter_rows=64)

@@ -12,7 +12,7 @@ from openai import OpenAI
 
 from radixlora.demo import TASKS, format_prompt, sample_inputs
 from radixlora.demo.tasks import reverse_words
-from tests.server_harness import ServerProcess
+from tests.server_harness import running_server
 
 BASE = "radixlora-demo"
 PER_TASK = 12
@@ -20,12 +20,8 @@ PER_TASK = 12
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess(None, {}, tmp_path_factory.mktemp("demo") / "server.log")
-    try:
-        proc.wait_ready()
+    with running_server(None, {}, tmp_path_factory.mktemp("demo") / "server.log") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def complete(client: OpenAI, model: str, text: str, **extra) -> str:

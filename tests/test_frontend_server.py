@@ -8,10 +8,15 @@ import json
 
 import pytest
 
-from radixlora import Engine, SamplingParams
+from radixlora import SamplingParams
 from radixlora.batch import run_batch
 from radixlora.frontend import RuntimeEndpoint, function, gen, select
-from tests.server_harness import MODEL_NAME, ServerProcess, build_checkpoints
+from tests.server_harness import (
+    MODEL_NAME,
+    build_checkpoints,
+    engine_like_server,
+    running_server,
+)
 
 PROMPT = "A radix cache shares prefix KV between"
 
@@ -24,18 +29,14 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoints, tmp_path_factory):
     model, adapters = checkpoints
-    proc = ServerProcess(model, adapters, tmp_path_factory.mktemp("logs") / "server.log")
-    try:
-        proc.wait_ready()
+    with running_server(model, adapters, tmp_path_factory.mktemp("logs") / "server.log") as proc:
         yield proc
-    finally:
-        assert proc.stop() == 0, proc.logs()
 
 
 @pytest.fixture(scope="module")
 def engine(checkpoints):
     model, adapters = checkpoints
-    return Engine(model, adapters=adapters, kv_pages=600, max_running=16, adapter_rows=64)
+    return engine_like_server(model, adapters)
 
 
 @pytest.fixture(scope="module")

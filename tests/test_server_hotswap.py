@@ -20,7 +20,12 @@ from radixlora import Engine, SamplingParams
 from radixlora.config import ModelConfig
 from radixlora.lora.adapter import load_adapter
 from radixlora.tiny import build_tiny_adapter, build_tiny_model
-from tests.server_harness import ServerProcess, alive, assert_all_kv_free
+from tests.server_harness import (
+    ServerProcess,
+    alive,
+    assert_all_kv_free,
+    running_server,
+)
 
 RATE = 20.0
 KEY = "test-admin-key"
@@ -44,16 +49,12 @@ def env(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(env):
-    proc = ServerProcess(env["model"], {}, env["root"] / "server.log",
-                         "--adapter-dir", str(env["watched"]), "--adapter-rate", str(RATE),
-                         "--adapter-quiet", "0.2", "--max-swaps-per-s", "100",
-                         "--enable-admin", "--admin-api-key", KEY,
-                         "--allowed-adapter-root", str(env["allowed"]))
-    try:
-        proc.wait_ready()
+    with running_server(env["model"], {}, env["root"] / "server.log",
+                        "--adapter-dir", str(env["watched"]), "--adapter-rate", str(RATE),
+                        "--adapter-quiet", "0.2", "--max-swaps-per-s", "100",
+                        "--enable-admin", "--admin-api-key", KEY,
+                        "--allowed-adapter-root", str(env["allowed"])) as proc:
         yield proc
-    finally:
-        assert proc.stop() == 0, proc.logs()
 
 
 @pytest.fixture(scope="module")

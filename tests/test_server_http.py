@@ -15,14 +15,15 @@ import openai
 import pytest
 import zmq
 
-from radixlora import Engine, SamplingParams
+from radixlora import SamplingParams
 from radixlora.server.client import RequestError, RuntimeClient
 from radixlora.tiny import build_tiny_adapter
 from tests.server_harness import (
     MODEL_NAME,
-    ServerProcess,
     assert_all_kv_free,
     build_checkpoints,
+    engine_like_server,
+    running_server,
 )
 
 PROMPT = "A radix cache shares prefix KV"
@@ -49,19 +50,15 @@ def fickle(checkpoints, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoints, fickle, tmp_path_factory):
     model, adapters = checkpoints
-    proc = ServerProcess(model, {**adapters, "fickle": fickle},
-                         tmp_path_factory.mktemp("logs") / "server.log")
-    try:
-        proc.wait_ready()
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    with running_server(model, {**adapters, "fickle": fickle}, log) as proc:
         yield proc
-    finally:
-        assert proc.stop() == 0, proc.logs()
 
 
 @pytest.fixture(scope="module")
 def engine(checkpoints):
     model, adapters = checkpoints
-    return Engine(model, adapters=adapters, kv_pages=600, max_running=16, adapter_rows=64)
+    return engine_like_server(model, adapters)
 
 
 @pytest.fixture(scope="module")
