@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from radixlora.forward_batch import to_device
 from radixlora.kv_cache import KVPool
 
 
@@ -101,7 +102,8 @@ class TritonAttentionBackend(AttentionBackend):
         qo = torch.tensor([0, *inputs.qo_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         kv = torch.tensor([0, *inputs.kv_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         max_qo = max(inputs.qo_lens)
-        return TritonAttentionMeta(qo.to(device), kv.to(device),
+        return TritonAttentionMeta(to_device(qo, torch.int32, device),
+                                   to_device(kv, torch.int32, device),
                                    inputs.kv_indices.to(torch.int32), max_qo, max_qo == 1)
 
     def forward(self, q, k, v, layer_id, out_cache_loc, meta: TritonAttentionMeta):

@@ -36,7 +36,7 @@ from pathlib import Path
 import msgspec
 from tqdm.auto import tqdm
 
-from radixlora.cli import ENGINE_FLAGS, adapter_pairs, add_engine_flags
+from radixlora.cli import adapter_pairs, add_engine_flags, engine_overrides
 from radixlora.engine import Engine
 from radixlora.errors import AdapterError, InvalidRequestError
 from radixlora.frontend.backend import GenResult
@@ -517,7 +517,7 @@ def _engine(args: argparse.Namespace) -> Engine:
             args.served_model_name = "radixlora-demo"
         for name, path in DEMO_ADAPTERS.items():
             adapters.setdefault(name, str(path))
-    overrides = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    overrides = engine_overrides(args)
     return Engine(model, adapters=adapters, **overrides)
 
 

@@ -67,7 +67,7 @@ def serve(args: argparse.Namespace) -> None:
 def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], served_name):
     from radixlora.server.args import ServerArgs
 
-    engine = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    engine = engine_overrides(args)
     return ServerArgs(
         model=str(model),
         adapters=adapters,
@@ -129,11 +129,18 @@ def _serve_parser(sub) -> None:
     p.set_defaults(func=serve)
 
 
+def engine_overrides(args: argparse.Namespace) -> dict:
+    flags = (*ENGINE_FLAGS, "overlap_schedule")
+    return {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """--kv-pages, --max-running, ...: EngineConfig overrides (default: the config's)."""
     for flag in ENGINE_FLAGS:
         kind = str if flag in ("device", "dtype") else int
         p.add_argument("--" + flag.replace("_", "-"), type=kind, default=None)
+    p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_false",
+                   default=None, help="fold each step's results in before planning the next")
 
 
 def batch(args: argparse.Namespace) -> None:

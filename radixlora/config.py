@@ -167,6 +167,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enable_radix_cache: bool = True
     cuda_graph: bool = True  # decode steps replay captured graphs (CUDA only)
+    overlap_schedule: bool = True  # plan step N+1 while step N runs on the device
     seed: int = 0
     load_format: str = "safetensors"  # or "dummy": random weights, for benchmarks
 

@@ -96,16 +96,19 @@ class StaticInputs:
         token_bucket = EXTEND_TOKEN_BUCKETS[bisect.bisect_left(EXTEND_TOKEN_BUCKETS, need)]
         return GraphKey(bucket, max(token_bucket, bucket + 1), rows)
 
-    def static_forward(self, key: GraphKey, host: dict, lora_segments) -> torch.Tensor:
+    def static_forward(self, key: GraphKey, host: dict, lora_segments, resolve=None):
         """What a graph replay computes, run eagerly: logits of each request's last token."""
-        self._fill(key, host, lora_segments)
+        self._fill(key, host, lora_segments, resolve)
         return self.runner.model(self._static_batch(key))[: len(host["qo_lens"])]
 
-    def _fill(self, key: GraphKey, host: dict, lora_segments) -> None:
+    def _fill(self, key: GraphKey, host: dict, lora_segments, resolve=None) -> None:
+        """Copy a batch into the static buffers; `resolve` replaces placeholder ids in place."""
         qo_lens = host["qo_lens"]
         pad_reqs = key.batch - len(qo_lens)
         pad_tokens = key.tokens - sum(qo_lens) - pad_reqs
         self._copy(self.input_ids, _pad(host["input_ids"], pad_reqs + pad_tokens), np.int64)
+        if resolve is not None:
+            resolve(self.input_ids[: len(host["input_ids"])])
         self._copy(self.positions, _pad(host["positions"], pad_reqs + pad_tokens), np.int64)
         self._copy(self.out_cache_loc, _pad(host["out_cache_loc"], pad_reqs + pad_tokens), np.int64)
         qo = np.concatenate([qo_lens, np.ones(pad_reqs, np.int64)])
@@ -135,7 +138,9 @@ class StaticInputs:
     @staticmethod
     def _copy(dst: torch.Tensor, values: np.ndarray, dtype) -> None:
         src = torch.from_numpy(np.ascontiguousarray(values, dtype=dtype))
-        dst[: len(src)].copy_(src, non_blocking=False)
+        if dst.is_cuda:  # pinned, so the copy is queued behind the step in flight, not waited on
+            src = src.pin_memory()
+        dst[: len(src)].copy_(src, non_blocking=True)
 
     def _static_batch(self, key: GraphKey) -> ForwardBatch:
         b, t, rows = key.batch, key.tokens, key.rows
@@ -193,10 +198,10 @@ class CudaGraphRunner(StaticInputs):
         self.graphs: dict[GraphKey, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
-    def forward(self, key: GraphKey, host: dict, lora_segments) -> torch.Tensor:
+    def forward(self, key: GraphKey, host: dict, lora_segments, resolve=None) -> torch.Tensor:
         """Logits [batch, vocab] of each request's last token, by replaying key's graph."""
         entry = self.graphs.get(key) or self._capture(key)  # capture resets the buffers
-        self._fill(key, host, lora_segments)
+        self._fill(key, host, lora_segments, resolve)
         entry.graph.replay()
         return entry.logits[: len(host["qo_lens"])]
 

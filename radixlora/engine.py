@@ -70,6 +70,7 @@ class Engine:
             self.model_cfg, self.config.max_rank, self.config.max_stacked, self.config.adapter_rows
         )
         self._rng = random.Random(self.config.seed)
+        self._in_flight = None  # (plan, launched step) whose results are not folded in yet
         self._next_rid = 0
         for name, path in (adapters or {}).items():
             self.load_adapter(name, path)
@@ -172,11 +173,21 @@ class Engine:
         return [list(req.input_logprobs) for req in reqs]
 
     def step(self) -> list[Req]:
-        """Run one scheduler step; returns the requests that finished in it."""
+        """Run one scheduler step; returns the requests that finished in it. With overlap
+        scheduling the step planned now is launched before the previous one's results are
+        folded in, so the host plans while the device computes."""
         plan = self.scheduler.schedule()
-        if plan is None:
+        if plan is None and self._in_flight is None:
             raise RadixLoraError("scheduler made no progress with requests pending")
-        out = self.runner.execute(plan)
+        launched = (plan, self.runner.launch(plan)) if plan is not None else None
+        if not self.config.overlap_schedule:
+            previous, launched = launched, None
+        else:
+            previous, self._in_flight = self._in_flight, launched
+        return self._fold(*previous) if previous is not None else []
+
+    def _fold(self, plan, launched) -> list[Req]:
+        out = self.runner.finish(launched)
         return self.scheduler.process_results(
             plan, out.token_ids, out.logprobs, out.top_logprobs, out.input_logprobs
         )

@@ -12,7 +12,7 @@ import torch
 from radixlora.attention import AttentionInputs, TritonAttentionBackend, make_attention_backend
 from radixlora.config import EngineConfig, ModelConfig
 from radixlora.cuda_graph import CudaGraphRunner
-from radixlora.forward_batch import ForwardBatch
+from radixlora.forward_batch import ForwardBatch, to_device
 from radixlora.kernels.lora_ops import LoraBatchMeta, make_lora_backend
 from radixlora.kv_cache import KVPool
 from radixlora.lora.adapter import MODULE_GROUPS
@@ -28,6 +28,22 @@ class StepOutput:
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]] | None
     input_logprobs: list[list[float]] | None = None  # per plan item, when any item is scored
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: its outputs are being copied to the host behind `done`."""
+
+    token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    input_logprobs: torch.Tensor | None = None
+    input_counts: list[int] | None = None
+    done: torch.cuda.Event | None = None
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
 
 
 class ModelRunner:
@@ -65,36 +81,82 @@ class ModelRunner:
                 model_cfg.max_position,
                 config.max_rank * config.max_stacked,
             )
+        # tokens sampled by the last launched step: placeholders of the next step point here
+        self.last_sampled = torch.zeros(1, dtype=torch.int64, device=self.device)
 
     def execute(self, plan: BatchPlan) -> StepOutput:
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: BatchPlan) -> LaunchedStep:
+        """Queue a step on the device (on the CPU it runs to the end) without waiting for it;
+        placeholder ids (< 0) in the plan are the tokens the previously launched step samples."""
         for adapter, rows in plan.adapter_loads:
             self.adapter_pool.write(adapter, rows)
         host = _host_inputs(plan)
         segments = _lora_segments(plan)
         sampled = [i for i in plan.items if i.sample]
         scored = _scored_rows(plan)
+        resolve = self._resolve_placeholders if (host["input_ids"] < 0).any() else None
         key = self._graph_key(host, segments) if scored is None else None
         if key is not None:
-            logits = self.graphs.forward(key, host, segments)
+            logits = self.graphs.forward(key, host, segments, resolve)
             if len(sampled) < len(plan.items):
-                logits = logits[[i.sample for i in plan.items]]
+                rows = [k for k, i in enumerate(plan.items) if i.sample]
+                logits = logits[to_device(rows, torch.int64, self.device)]
         else:
             if scored is not None:
                 host["logits_indices"] = np.concatenate([scored[0], host["logits_indices"]])
-            logits = self.model(self._forward_batch(host, segments))
-        input_logprobs = None
+            logits = self.model(self._forward_batch(host, segments, resolve))
+        step = LaunchedStep()
         if scored is not None:
-            input_logprobs = _prompt_logprobs(logits[: len(scored[0])], scored)
+            step.input_logprobs = _prompt_logprobs(logits[: len(scored[0])], scored, self.device)
+            step.input_counts = scored[2]
             logits = logits[len(scored[0]) :]
-        if not sampled:
+        if sampled:
+            out = sample(logits, self._sampling_batch(sampled))
+            self.last_sampled = out.token_ids
+            step.token_ids, step.logprobs = out.token_ids, out.logprobs
+            step.top_ids, step.top_logprobs = out.top_ids, out.top_logprobs
+        return self._copy_to_host(step)
+
+    def failed(self) -> None:
+        """The last launched step did not run: the next step's placeholders have no tokens."""
+        self.last_sampled = torch.zeros(1, dtype=torch.int64, device=self.device)
+
+    def finish(self, step: LaunchedStep) -> StepOutput:
+        """Wait for a launched step and read its outputs."""
+        if step.done is not None:
+            step.done.synchronize()
+        input_logprobs = None
+        if step.input_counts is not None:
+            values = step.input_logprobs.tolist()
+            ends = np.cumsum(step.input_counts)
+            input_logprobs = [values[e - c : e] for c, e in zip(step.input_counts, ends)]
+        if step.token_ids is None:
             return StepOutput([], [], None, input_logprobs)
-        out = sample(logits, self._sampling_batch(sampled))
         top = None
-        if out.top_ids is not None:
-            top = [
-                list(zip(i, lp)) for i, lp in zip(out.top_ids.tolist(), out.top_logprobs.tolist())
-            ]
-        return StepOutput(out.token_ids.tolist(), out.logprobs.tolist(), top, input_logprobs)
+        if step.top_ids is not None:
+            top = [list(zip(i, lp))
+                   for i, lp in zip(step.top_ids.tolist(), step.top_logprobs.tolist())]
+        return StepOutput(step.token_ids.tolist(), step.logprobs.tolist(), top, input_logprobs)
+
+    def _copy_to_host(self, step: LaunchedStep) -> LaunchedStep:
+        if self.device.type != "cuda":
+            return step
+        for name in ("token_ids", "logprobs", "top_ids", "top_logprobs", "input_logprobs"):
+            value = getattr(step, name)
+            if value is not None:
+                setattr(step, name, value.to("cpu", non_blocking=True))
+        step.done = torch.cuda.Event()
+        step.done.record()
+        return step
+
+    def _resolve_placeholders(self, input_ids: torch.Tensor) -> None:
+        """In place on the device: id -1 - i becomes the i-th token of the last launched step
+        (clamped, so a step launched after a failed one reads garbage, never out of bounds)."""
+        last = self.last_sampled
+        index = (-1 - input_ids).clamp(0, last.numel() - 1)
+        input_ids.copy_(torch.where(input_ids < 0, last[index], input_ids))
 
     def _graph_key(self, host: dict, segments):
         if self.graphs is None:
@@ -102,9 +164,11 @@ class ModelRunner:
         rows = max((len(r) for rows, _ in (segments or {}).values() for r in rows), default=0)
         return self.graphs.key_for(host["qo_lens"], rows, segments is not None)
 
-    def _forward_batch(self, host: dict, segments) -> ForwardBatch:
+    def _forward_batch(self, host: dict, segments, resolve=None) -> ForwardBatch:
         names = ("input_ids", "positions", "out_cache_loc", "kv_indices", "logits_indices")
-        dev = {k: torch.from_numpy(host[k].astype(np.int64)).to(self.device) for k in names}
+        dev = {k: to_device(host[k], torch.int64, self.device) for k in names}
+        if resolve is not None:
+            resolve(dev["input_ids"])
         attn_meta = self.attn_backend.build_metadata(
             AttentionInputs(host["qo_lens"], host["kv_lens"].tolist(), dev["kv_indices"])
         )
@@ -131,7 +195,7 @@ class ModelRunner:
         return SamplingBatch.build(
             [i.req.params for i in sampled],
             [i.req.seed for i in sampled],
-            [len(i.req.output_ids) for i in sampled],
+            [i.out_index for i in sampled],
             self.device,
         )
 
@@ -170,13 +234,10 @@ def _scored_rows(plan: BatchPlan) -> tuple[np.ndarray, np.ndarray, list[int]] | 
     return np.concatenate(rows), np.concatenate(targets), counts
 
 
-def _prompt_logprobs(logits: torch.Tensor, scored) -> list[list[float]]:
-    """Per plan item, the logprobs of the prompt tokens its scored rows predict."""
-    _, targets, counts = scored
-    ids = torch.from_numpy(targets).to(logits.device)
-    values = torch.log_softmax(logits.float(), dim=-1).gather(1, ids[:, None])[:, 0].tolist()
-    ends = np.cumsum(counts)
-    return [values[e - c : e] for c, e in zip(counts, ends)]
+def _prompt_logprobs(logits: torch.Tensor, scored, device) -> torch.Tensor:
+    """The logprob of the prompt token each scored row predicts."""
+    ids = to_device(scored[1], torch.int64, device)
+    return torch.log_softmax(logits.float(), dim=-1).gather(1, ids[:, None])[:, 0]
 
 
 def _lora_segments(plan: BatchPlan) -> dict[str, tuple[list, list]] | None:

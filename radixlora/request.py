@@ -109,7 +109,11 @@ class Req:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     slot_buf: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     num_slots: int = 0  # slots held (whole pages); slot_buf grows geometrically
-    kv_len: int = 0  # tokens whose KV is computed
+    kv_len: int = 0  # tokens whose KV is computed or being computed by a planned step
+    # Tokens sampled by planned steps whose results are not folded in yet (overlap scheduling);
+    # the newest one is the pending_index-th sampled token of the plan in flight.
+    pending: int = 0
+    pending_index: int = 0
     cached_len: int = 0  # leading kv_slots owned by the radix tree (locked through last_node)
     last_node: object = None
     prompt_cached: bool = False
@@ -140,15 +144,16 @@ class Req:
         self.num_slots = end
 
     @property
-    def fill_ids(self) -> np.ndarray:
-        """Tokens whose KV must exist before the next token is sampled."""
+    def known_ids(self) -> np.ndarray:
+        """Prompt and output tokens known so far (pending ones are not)."""
         if not self.output_ids:
             return self.prompt_ids
         return np.concatenate([self.prompt_ids, np.asarray(self.output_ids, np.int32)])
 
     @property
     def fill_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens whose KV must exist before the next token is sampled, pending ones included."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
 
     @property
     def remaining_prefill(self) -> int:

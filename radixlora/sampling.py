@@ -13,6 +13,7 @@ import msgspec
 import torch
 
 from radixlora.errors import InvalidRequestError
+from radixlora.forward_batch import to_device
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
@@ -79,7 +80,7 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int], device):
         def t(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, dtype, torch.device(device))
 
         return cls(
             temperature=t([p.temperature for p in params], torch.float32),

@@ -1,7 +1,15 @@
 """The scheduler: decides every step's batch and owns all bookkeeping (waiting queue, KV pages,
 radix tree, adapter residency); it never touches device tensors. The offline Engine and the
 scheduler process drive the same class: schedule() -> BatchPlan, the model runner executes it,
-process_results() folds the sampled tokens back in."""
+process_results() folds the sampled tokens back in.
+
+Overlap: step N+1 may be planned before step N's results are in. Planning commits optimistically
+(KV positions are reserved and kv_len advanced when planned); a token step N samples is "pending"
+and step N+1 feeds it as a placeholder, -1 - i for the i-th sampled token of step N, which the
+model runner replaces on the device. Results of requests finished, aborted or retracted after a
+plan was made are dropped (the plan item's epoch no longer matches). This is safe because the
+worker runs plans in order: KV slots or adapter rows freed while a step is in flight are written
+again only by later steps."""
 
 from __future__ import annotations
 
@@ -32,6 +40,8 @@ class ScheduledReq:
     extend_ids: np.ndarray  # tokens whose KV this step computes
     start: int  # position of extend_ids[0]
     sample: bool  # True when this step completes the fill, so a token is sampled
+    epoch: int = 0  # req.num_retractions when planned; a mismatch marks a stale result
+    out_index: int = 0  # index in req.output_ids of the token it samples
     # prompt logprobs: positions score_from, score_from + 1, ... of this chunk predict these ids
     score_from: int = 0
     score_ids: np.ndarray | None = None
@@ -62,6 +72,7 @@ class Scheduler:
         self.num_retractions = 0
         self.swap_bucket: TokenBucket | None = None  # hard cap on adapter loads per second
         self.num_swap_deferred = 0  # requests the cap held back in the last schedule()
+        self.num_in_flight = 0  # plans made whose results are not folded in yet
 
     # ---- intake ----------------------------------------------------------------------------
 
@@ -98,7 +109,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.num_in_flight)
 
     # ---- batch formation -------------------------------------------------------------------
 
@@ -112,10 +123,18 @@ class Scheduler:
         self._admit_waiting(plan, budget)
         if not plan.items:
             return None
+        sampled = 0
         for item in plan.items:
-            key = item.req.adapter_set.key
-            if key not in plan.lora_rows:
-                plan.lora_rows[key] = self._lora_rows(item.req)
+            req = item.req
+            if req.adapter_set.key not in plan.lora_rows:
+                plan.lora_rows[req.adapter_set.key] = self._lora_rows(req)
+            req.kv_len += len(item.extend_ids)
+            if item.sample:
+                item.out_index = len(req.output_ids) + req.pending
+                req.pending += 1
+                req.pending_index = sampled
+                sampled += 1
+        self.num_in_flight += 1
         return plan
 
     def _schedule_running(self, budget: int) -> list[ScheduledReq]:
@@ -124,6 +143,8 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not ReqStatus.RUNNING:
                 continue  # retracted while an older request made room
+            if len(req.output_ids) + req.pending >= req.params.max_tokens:
+                continue  # its last token is being sampled
             n = min(req.remaining_prefill, budget - used)
             if n <= 0:
                 continue
@@ -220,8 +241,11 @@ class Scheduler:
         if start >= len(req.prompt_ids):  # decode / recomputed output: no prompt copy needed
             extend = np.asarray(req.output_ids[start - len(req.prompt_ids) :][:n], np.int32)
         else:
-            extend = req.fill_ids[start : start + n]
-        item = ScheduledReq(req, extend, start, sample=start + n == req.fill_len)
+            extend = req.known_ids[start : start + n]
+        if len(extend) < n:  # only the newest token can be pending when a step is planned
+            extend = np.append(extend, np.int32(-1 - req.pending_index))
+        item = ScheduledReq(req, extend, start, sample=start + n == req.fill_len,
+                            epoch=req.num_retractions)
         if req.logprob_start is not None:
             first = max(start, req.logprob_start - 1)
             end = min(start + n, len(req.prompt_ids) - 1)  # position end predicts token end + 1
@@ -247,7 +271,7 @@ class Scheduler:
         upto = req.fill_len - 1
         if req.logprob_start is not None:  # scored positions need their logits computed
             upto = min(upto, req.logprob_start - 1)
-        match = self.tree.match_prefix(req.namespace, req.fill_ids[:upto])
+        match = self.tree.match_prefix(req.namespace, req.known_ids[:upto])
         cached = len(match.kv_slots)
         req.set_slots(match.kv_slots)
         req.kv_len = req.cached_len = cached
@@ -284,7 +308,7 @@ class Scheduler:
         aligned = num_tokens // ps * ps
         if self.tree is None or aligned <= req.cached_len:
             return
-        tokens = req.fill_ids[:aligned]
+        tokens = req.known_ids[:aligned]
         existing = self.tree.insert(req.namespace, tokens, req.kv_slots[:aligned])
         if existing > req.cached_len:
             self.kv.free(req.kv_slots[req.cached_len : existing])
@@ -305,6 +329,7 @@ class Scheduler:
         self._release_kv(req)
         self.residency.release(a.adapter_id for a in req.adapter_set.adapters)
         self.running.remove(req)
+        req.pending = 0
         req.status = ReqStatus.WAITING
         req.input_logprobs.clear()  # recomputed with the prompt
         req.num_retractions += 1
@@ -322,19 +347,21 @@ class Scheduler:
         input_logprobs: list[list[float]] | None = None,
     ) -> list[Req]:
         """Fold one step's sampled tokens (and, for items with scored positions, their prompt
-        logprobs, one list per plan item) in; returns the requests that finished."""
+        logprobs, one list per plan item) in; returns the requests that finished. Plans are
+        folded in the order they were made."""
+        self.num_in_flight -= 1
         finished = []
         sampled = iter(range(len(tokens)))
         for k, item in enumerate(plan.items):
             req = item.req
-            req.kv_len += len(item.extend_ids)
+            i = next(sampled) if item.sample else -1
+            if not self._is_live(item):
+                continue  # finished, aborted or retracted after the plan was made
             if input_logprobs is not None:
                 req.input_logprobs += input_logprobs[k]
             if not item.sample:
                 continue
-            i = next(sampled)
-            if req.status is not ReqStatus.RUNNING:
-                continue  # aborted while the step ran
+            req.pending -= 1
             req.output_ids.append(tokens[i])
             req.output_logprobs.append(logprobs[i])
             if top is not None and req.params.logprobs:
@@ -347,6 +374,19 @@ class Scheduler:
                 self._finish(req)
                 finished.append(req)
         return finished
+
+    def discard(self, plan: BatchPlan) -> None:
+        """A plan the worker did not run: its live requests go back to waiting and recompute
+        (the plan made after it, if any, then holds only stale items for them)."""
+        self.num_in_flight -= 1
+        for item in plan.items:
+            if self._is_live(item):
+                self._retract(item.req)
+
+    @staticmethod
+    def _is_live(item: ScheduledReq) -> bool:
+        req = item.req
+        return req.status is ReqStatus.RUNNING and item.epoch == req.num_retractions
 
     def _finish(self, req: Req) -> None:
         self._cache_prefix(req, req.kv_len)

@@ -4,12 +4,15 @@
     python scripts/bench_engine.py              # on the H200; prints a table, JSON to $OUT
     python scripts/bench_engine.py --smoke      # tiny shapes on the CPU, checks the script runs
 
-Timing: wall clock around engine.step(); every step ends in a device->host copy of the sampled
-tokens, so each step is synchronized. Medians over steps; throughput over whole runs."""
+Timing: wall clock around engine.step(). With overlap scheduling (the default) a step launches
+the next plan and then waits for the previous one's sampled tokens, so in steady state a step
+takes max(device time, host time); "no overlap" rows fold each step in before planning the next.
+Medians over steps; throughput over whole runs."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -60,16 +63,26 @@ def make_engine(path: Path, args, **kw) -> Engine:
     return Engine(path, load_format="dummy", device=args.device, dtype=args.dtype, **kw)
 
 
-def run_until_done(engine: Engine) -> list[tuple[float, int, bool]]:
-    """(seconds, batch size, decode-only) of every step until the engine is idle."""
+def run_until_done(engine: Engine) -> list[tuple[float, int, bool, float]]:
+    """(seconds, batch size, decode-only, byte floor in seconds) of every step until the engine
+    is idle. The floor reads the weights, every running request's KV and the pool rows of each
+    distinct adapter in the batch once."""
     steps = []
+    weight_bytes = sum(t.numel() * t.element_size() for t in engine.runner.model.parameters())
+    cfg, pool = engine.model_cfg, engine.runner.adapter_pool
+    dtype_bytes = engine.runner.dtype.itemsize
+    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    row_bytes = pool.bytes_per_row(cfg, engine.runner.dtype)
     while engine.scheduler.has_work():
         running = list(engine.scheduler.running)
         decode_only = bool(running) and all(r.remaining_prefill == 1 for r in running) and not (
             engine.scheduler.waiting)
+        adapters = {a.adapter_id: a.rank for r in running for a in r.adapter_set.adapters}
+        floor = (weight_bytes + kv_bytes * sum(r.kv_len for r in running)
+                 + row_bytes * sum(adapters.values())) / HBM_BYTES_PER_S
         start = time.perf_counter()
         engine.step()
-        steps.append((time.perf_counter() - start, len(running), decode_only))
+        steps.append((time.perf_counter() - start, len(running), decode_only, floor))
     return steps
 
 
@@ -81,7 +94,7 @@ def decode_step_ms(engine: Engine, batch: int, specs, prompt_len: int, new_token
         engine.submit(rng.integers(3, vocab, prompt_len).tolist(), params,
                       adapters=specs[i % len(specs)], cache_salt=str(rng.integers(1 << 30)))
     steps = run_until_done(engine)
-    decode = [s for s, b, d in steps if d and b == batch]
+    decode = [s for s, b, d, _ in steps if d and b == batch]
     return 1e3 * statistics.median(decode)
 
 
@@ -115,9 +128,10 @@ def throughput(engine: Engine, n: int, specs, prompt_len: int, new_tokens: int, 
     start = time.perf_counter()
     steps = run_until_done(engine)
     elapsed = time.perf_counter() - start
-    decode = [s for s, _, d in steps if d]
+    decode = [(s, f) for s, _, d, f in steps if d]
     return {"tok_per_s": n * new_tokens / elapsed, "seconds": elapsed,
-            "mean_decode_step_ms": 1e3 * statistics.fmean(decode) if decode else float("nan"),
+            "mean_decode_step_ms": 1e3 * statistics.fmean(s for s, _ in decode),
+            "mean_decode_floor_ms": 1e3 * statistics.fmean(f for _, f in decode),
             "steps": len(steps)}
 
 
@@ -173,6 +187,11 @@ def main() -> None:
     decode_step_ms(engine, 1, [None], 32, 8, rng)  # warm-up / compile
     decode_step_ms(engine, 1, ["one"], 32, 8, rng)
     results["b_base_bs1_ms"] = decode_step_ms(engine, 1, [None], 128, 64 // scale, rng)
+    overlapped = engine.config
+    engine.config = dataclasses.replace(overlapped, overlap_schedule=False)
+    results["b_base_bs1_no_overlap_ms"] = decode_step_ms(engine, 1, [None], 128, 64 // scale,
+                                                         rng)
+    engine.config = overlapped
     results["b_one_adapter_bs1_ms"] = decode_step_ms(engine, 1, ["one"], 128, 64 // scale, rng)
     results["b_graph_replay_bs1_ms"] = graph_replay_ms(engine, rows=0)
     results["b_graph_replay_bs1_adapter_ms"] = graph_replay_ms(engine, rows=32)
@@ -189,6 +208,9 @@ def main() -> None:
         engine.add_adapter(adapter)
     n, prompt_len, new = 256 // scale, 512 // scale, 128 // scale
     results["c_base"] = throughput(engine, n, [None], prompt_len, new, rng)
+    engine.config = dataclasses.replace(overlapped, overlap_schedule=False)
+    results["c_base_no_overlap"] = throughput(engine, n, [None], prompt_len, new, rng)
+    engine.config = overlapped
     results["c1_s1"] = throughput(engine, n, zipf_specs([a.name for a in s1], n, 1.0, rng),
                                   prompt_len, new, rng)
     results["c2_zipf64"] = throughput(engine, n, zipf_specs([a.name for a in z64], n, 1.0, rng),
@@ -209,6 +231,7 @@ def report(r: dict) -> None:
         ("b floor (weights / 4.24 TB/s) ms", r["floor_decode_ms"]),
         ("b base bs1 decode step ms", r["b_base_bs1_ms"]),
         ("b ratio to floor", r["b_base_bs1_ms"] / r["floor_decode_ms"]),
+        ("b base bs1 no overlap ms", r["b_base_bs1_no_overlap_ms"]),
         ("b graph replay only bs1 ms", r["b_graph_replay_bs1_ms"]),
         ("b one adapter bs1 ms", r["b_one_adapter_bs1_ms"]),
         ("b graph replay only bs1 adapter ms", r["b_graph_replay_bs1_adapter_ms"]),
@@ -216,10 +239,14 @@ def report(r: dict) -> None:
         ("e no-adapter batch bs32 ms", r["e_no_adapter_bs32_ms"]),
         ("e LoRA-disabled engine bs32 ms", r["e_lora_disabled_bs32_ms"]),
         ("c base tok/s", r["c_base"]["tok_per_s"]),
+        ("c base tok/s, no overlap", r["c_base_no_overlap"]["tok_per_s"]),
         ("c1 S1 tok/s", r["c1_s1"]["tok_per_s"]),
         ("c1 S1 / base", r["c1_s1"]["tok_per_s"] / r["c_base"]["tok_per_s"]),
         ("c2 zipf64 tok/s", r["c2_zipf64"]["tok_per_s"]),
         ("c2 mean decode step ms", r["c2_zipf64"]["mean_decode_step_ms"]),
+        ("c2 mean decode byte floor ms", r["c2_zipf64"]["mean_decode_floor_ms"]),
+        ("c2 step / floor", r["c2_zipf64"]["mean_decode_step_ms"]
+         / r["c2_zipf64"]["mean_decode_floor_ms"]),
         ("c base mean decode step ms", r["c_base"]["mean_decode_step_ms"]),
         ("c3 peer shape tok/s (peer 94.7)", r["c3_peer_shape_8_adapters_bs32"]["tok_per_s"]),
         ("d TTFT miss ms", r["d"]["ttft_miss_ms"]),

@@ -1,6 +1,8 @@
-"""Correctness on a CUDA device (CI has none): the Triton kernels + CUDA-graph decode path give
-the same tokens and logprobs as the pure-torch reference path, over a mixed batch of base,
-single adapters and stacks on a tiny random model in fp32. Exits non-zero on any mismatch.
+"""Correctness on a CUDA device (CI has none): the Triton kernels + CUDA-graph decode path with
+overlap scheduling give the same tokens and logprobs as the pure-torch reference path without
+overlap, over a mixed batch of base, single adapters and stacks on a tiny random model in fp32
+(a second pass ends requests early on stop tokens while the next step is in flight). Exits
+non-zero on any mismatch.
 
     python scripts/gpu_checks.py
 """
@@ -24,17 +26,22 @@ def main() -> int:
              [("ad1", -0.5), ("ad2", 2.0), ("ad0", 1.0)], None, "ad3", "ad1", None, "ad2"]
     prompts = [[5 + i] * (3 + 5 * i) for i in range(len(specs))]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    stopping = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                              stop_token_ids=tuple(range(100, 160)))
     common = dict(adapters=adapters, device="cuda", dtype="float32", page_size=4, kv_pages=512)
-    ref = Engine(model, attention_backend="torch", lora_backend="torch", cuda_graph=False,
-                 **common).generate(prompts, params, adapters=specs)
+    reference = Engine(model, attention_backend="torch", lora_backend="torch", cuda_graph=False,
+                       overlap_schedule=False, **common)
+    ref = reference.generate(prompts, params, adapters=specs)
+    ref_stopping = reference.generate(prompts, stopping, adapters=specs)
     fast_engine = Engine(model, **common)
     chunked = Engine(model, max_batch_tokens=48, **common)
     fast = []
     for engine in (fast_engine, fast_engine, chunked):  # cold, then cache hits, then chunked
         fast += engine.generate(prompts, params, adapters=specs)
+    fast += fast_engine.generate(prompts, stopping, adapters=specs)
     graphs = len(fast_engine.runner.graphs.graphs) + len(chunked.runner.graphs.graphs)
     worst, mismatches = 0.0, 0
-    for a, b in zip(ref * 3, fast, strict=True):
+    for a, b in zip(ref * 3 + ref_stopping, fast, strict=True):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         mismatches += ta != tb
         worst = max(worst, *(abs(x - y) for x, y in zip(a.outputs[0].logprobs,

@@ -92,6 +92,14 @@ def test_completion_equals_engine(spec, client, engine):
         assert got.usage.completion_tokens == 8
 
 
+def test_steps_overlap(server):
+    """Decode steps are planned while the previous step runs (placeholders for its tokens)."""
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True}
+    server.http.post("/v1/completions", json=body).raise_for_status()
+    sched = server.info()["scheduler"]
+    assert sched["overlapped_steps"] >= 10 and sched["steps"] > sched["overlapped_steps"]
+
+
 def test_adapters_change_outputs(server):
     outs = set()
     for model, adapters, _ in SPECS.values():

@@ -94,13 +94,14 @@ class TokenizedReq(Message):
 
 class PlanItem(msgspec.Struct, array_like=True):
     rid: str
-    extend_ids: bytes  # int32: tokens whose KV this step computes
+    extend_ids: bytes  # int32: tokens whose KV this step computes; -1 - i: the i-th token
+    # sampled by the previous step (not known when this one was planned)
     start: int  # position of extend_ids[0]
     kv_slots: bytes  # int32: the request's KV slots for positions [0, start + len(extend_ids))
     sample: bool
     params: SamplingParams
     seed: int
-    step: int  # index of the output token sampled (number of outputs so far)
+    out_index: int  # index of the output token sampled
     lora_key: int  # index into PlanMsg.lora_rows
     score_from: int = 0  # positions score_from, ... of this chunk predict the prompt's score_ids
     score_ids: bytes | None = None  # int32

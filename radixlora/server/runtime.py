@@ -211,13 +211,17 @@ class Runtime:
         ReqFailed on the first error. Leaving early (cancelled, client gone) aborts the rest."""
         position = {gen.req.rid: p for p, gen in enumerate(gens)}
         queue = gens[0].queue
+        # counted off the events handed out, not the pump's state: the pump may already have
+        # queued a sample's last event while earlier ones are still waiting here
+        unfinished = sum(gen.n for gen in gens)
         try:
-            while not all(gen.finished for gen in gens):
+            while unfinished:
                 event = await queue.get()
                 if isinstance(event, ReqError):
                     if self.metrics is not None:
                         self.metrics.on_error(event.code)
                     raise ReqFailed(event)
+                unfinished -= event.finish_reason is not None
                 yield position[event.rid], event
         finally:
             for gen in gens:

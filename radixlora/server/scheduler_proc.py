@@ -1,7 +1,8 @@
 """The scheduler process: owns the Scheduler (waiting queue, KV pages, radix tree, adapter
-residency) and turns each BatchPlan into a PlanMsg for the worker. While the worker runs step N
-this process keeps taking requests and aborts off its inbox; step N's results are folded in
-before step N+1 is planned (the Scheduler needs step N's tokens to plan decode)."""
+residency) and turns each BatchPlan into a PlanMsg for the worker. With overlap scheduling (the
+default) step N+1 is planned and sent while the worker runs step N, its decode inputs being
+placeholders for step N's tokens; step N's results are folded in while step N+1 runs. Without
+it, each step's results are folded in before the next step is planned."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import math
 import random
 import time
+from collections import deque
 from pathlib import Path
 
 import zmq
@@ -84,9 +86,10 @@ class SchedulerService:
         self.fallbacks: dict[str, str] = {}  # rid -> why it is served base-only
         self.reqs: dict[str, list[Req]] = {}
         self.owner: dict[Req, tuple[str, int]] = {}
-        self.in_flight: tuple[PlanMsg, BatchPlan] | None = None
-        self.in_flight_since = 0.0
+        self.in_flight: deque[tuple[PlanMsg, BatchPlan, float]] = deque()  # oldest first
+        self.max_in_flight = 2 if self.config.overlap_schedule else 1
         self.num_steps = 0
+        self.num_overlapped = 0  # steps planned while the previous one was still running
 
     # ---- intake ------------------------------------------------------------------------------
 
@@ -162,28 +165,36 @@ class SchedulerService:
 
     # ---- steps -------------------------------------------------------------------------------
 
+    def can_plan(self) -> bool:
+        sched = self.scheduler
+        return len(self.in_flight) < self.max_in_flight and bool(sched.waiting or sched.running)
+
     def next_plan(self) -> PlanMsg | None:
-        """Plan the next step unless one is in flight."""
-        if self.in_flight is not None or not self.scheduler.has_work():
+        """Plan the next step if the pipeline has room."""
+        if not self.can_plan():
             return None
         plan = self.scheduler.schedule()
         if plan is None:
             return None
         self.num_steps += 1
+        self.num_overlapped += bool(self.in_flight)
         msg = plan_to_msg(plan, self.num_steps)
-        self.in_flight = (msg, plan)
-        self.in_flight_since = time.monotonic()
+        self.in_flight.append((msg, plan, time.monotonic()))
         return msg
 
+    def oldest_step_age(self) -> float:
+        return time.monotonic() - self.in_flight[0][2] if self.in_flight else 0.0
+
     def on_result(self, result: StepResult) -> tuple[TokenBatch | None, list[ReqError]]:
-        if self.in_flight is None or result.step != self.in_flight[0].step:
-            log.warning("dropped a result for step %d, which is not in flight", result.step)
+        if not self.in_flight or result.step != self.in_flight[0][0].step:
+            log.warning("dropped a result for step %d, which is not the oldest in flight",
+                        result.step)
             return None, []
-        _, plan = self.in_flight
-        self.in_flight = None
-        if result.error is not None:
-            return None, self._fail_step(plan, result.error)
-        if result.failed_adapters:
+        _, plan, _ = self.in_flight.popleft()
+        if result.error is not None or result.failed_adapters:
+            self.scheduler.discard(plan)
+            if result.error is not None:
+                return None, self._fail_step(plan, result.error)
             return None, self._fail_adapters(result.failed_adapters)
         top = None
         if result.top_ids is not None:
@@ -288,6 +299,7 @@ class SchedulerService:
             "waiting": len(sched.waiting),
             "open_requests": len(self.reqs),
             "steps": self.num_steps,
+            "overlapped_steps": self.num_overlapped,
             "retractions": sched.num_retractions,
             "adapter_rows_total": residency.rows.num_rows,
             "adapter_rows_free": residency.rows.num_free(),
@@ -316,7 +328,7 @@ def plan_to_msg(plan: BatchPlan, step: int) -> PlanMsg:
             sample=item.sample,
             params=item.req.params,
             seed=item.req.seed,
-            step=len(item.req.output_ids),
+            out_index=item.out_index,
             lora_key=index[item.req.adapter_set.key],
             score_from=item.score_from,
             score_ids=None if item.score_ids is None else ids_to_bytes(item.score_ids),
@@ -352,10 +364,10 @@ class SchedulerLoop:
         self.next_stats = 0.0
 
     def run(self) -> None:
-        stalled = False  # work is queued but nothing can be scheduled until something changes
+        stalled = False  # nothing could be planned: wait for a result, a request or the timer
         while True:
-            busy = self.service.in_flight is None and self.service.scheduler.has_work()
-            ready = dict(self.poller.poll(0 if busy and not stalled else IDLE_POLL_MS))
+            busy = self.service.can_plan() and not stalled
+            ready = dict(self.poller.poll(0 if busy else IDLE_POLL_MS))
             if self.events is not None and self.events in ready:
                 self.take_events()
             if self.inbox.sock in ready:
@@ -364,7 +376,7 @@ class SchedulerLoop:
             plan = self.service.next_plan()
             if plan is not None:
                 self.to_worker.send(plan)
-            stalled = plan is None and self.service.in_flight is None
+            stalled = plan is None
             self.maybe_send_stats()
             self.check_worker_alive()
 
@@ -372,10 +384,10 @@ class SchedulerLoop:
         """A step that never returns means a hung worker: exit, so the launcher reports it and
         shuts the service down instead of leaving every request waiting forever."""
         service = self.service
-        waited = time.monotonic() - service.in_flight_since
-        if service.in_flight is not None and waited > self.args.step_timeout_s:
+        waited = service.oldest_step_age()
+        if waited > self.args.step_timeout_s:
             log.error("worker step %d has run %.1f s (limit %.1f s): the worker is hung",
-                      service.in_flight[0].step, waited, self.args.step_timeout_s)
+                      service.in_flight[0][0].step, waited, self.args.step_timeout_s)
             raise SystemExit(3)
 
     def take_events(self) -> None:

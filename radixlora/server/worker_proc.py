@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +17,7 @@ import zmq
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError
 from radixlora.lora.adapter import LoraAdapter, load_adapter
-from radixlora.model_runner import ModelRunner
+from radixlora.model_runner import LaunchedStep, ModelRunner
 from radixlora.sampling import SamplingParams
 from radixlora.scheduler import BatchPlan, ScheduledReq
 from radixlora.server.args import ServerArgs
@@ -40,13 +40,25 @@ class AdapterSetKey:
 
 
 @dataclass
+class InFlight:
+    """A step the worker launched (or answered at once: `result`)."""
+
+    step: int
+    launched: LaunchedStep | None = None
+    result: StepResult | None = None
+    load_seconds: list[float] = field(default_factory=list)
+
+    def ready(self) -> bool:
+        return self.result is not None or self.launched.ready()
+
+
+@dataclass
 class PlannedReq:
     """The part of a Req that ModelRunner reads, rebuilt from a PlanItem."""
 
     kv_slots: np.ndarray
     params: SamplingParams
     seed: int
-    output_ids: range  # only its length, the index of the token sampled, is read
     adapter_set: AdapterSetKey
 
 
@@ -60,29 +72,47 @@ class WorkerService:
         self.host_budget = args.host_adapter_bytes
 
     def execute(self, msg: PlanMsg) -> StepResult:
+        return self.finish(self.launch(msg))
+
+    def launch(self, msg: PlanMsg) -> InFlight:
+        """Queue a step on the device; a step that cannot run is answered at once."""
         started = time.perf_counter()
         loads, failed = self._resolve_loads(msg.adapter_loads)
         if failed:
-            return StepResult(step=msg.step, failed_adapters=failed)
+            self.runner.failed()
+            return InFlight(msg.step, result=StepResult(step=msg.step, failed_adapters=failed))
         load_s = (time.perf_counter() - started) / len(loads) if loads else 0.0
         try:
-            out = self.runner.execute(to_batch_plan(msg, loads))
+            launched = self.runner.launch(to_batch_plan(msg, loads))
         except Exception as e:
-            log.exception("step %d failed", msg.step)
-            return StepResult(step=msg.step, error=f"{type(e).__name__}: {e}")
+            return self._error(msg.step, e)
+        return InFlight(msg.step, launched, load_seconds=[load_s] * len(loads))
+
+    def finish(self, step: InFlight) -> StepResult:
+        if step.result is not None:
+            return step.result
+        try:
+            out = self.runner.finish(step.launched)
+        except Exception as e:
+            return self._error(step.step, e).result
         top_ids = top_lp = None
         if out.top_logprobs is not None:
             top_ids = [[i for i, _ in row] for row in out.top_logprobs]
             top_lp = [[lp for _, lp in row] for row in out.top_logprobs]
         return StepResult(
-            step=msg.step,
+            step=step.step,
             token_ids=ids_to_bytes(out.token_ids),
             logprobs=out.logprobs,
             top_ids=top_ids,
             top_logprobs=top_lp,
-            load_seconds=[load_s] * len(loads),
+            load_seconds=step.load_seconds,
             input_logprobs=out.input_logprobs,
         )
+
+    def _error(self, step: int, e: Exception) -> InFlight:
+        log.exception("step %d failed", step)
+        self.runner.failed()
+        return InFlight(step, result=StepResult(step=step, error=f"{type(e).__name__}: {e}"))
 
     def _resolve_loads(self, loads: list[AdapterLoad]):
         resolved, failed = [], {}
@@ -122,12 +152,12 @@ def to_batch_plan(msg: PlanMsg, loads: list[tuple[LoraAdapter, np.ndarray]]) -> 
                 kv_slots=bytes_to_ids(item.kv_slots),
                 params=item.params,
                 seed=item.seed,
-                output_ids=range(item.step),
                 adapter_set=AdapterSetKey(item.lora_key),
             ),
             extend_ids=bytes_to_ids(item.extend_ids),
             start=item.start,
             sample=item.sample,
+            out_index=item.out_index,
             score_from=item.score_from,
             score_ids=None if item.score_ids is None else bytes_to_ids(item.score_ids),
         )
@@ -145,8 +175,21 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
     inbox = Inbox(ctx, args.endpoints.worker, WorkerInbox)
     to_scheduler = Outbox(ctx, args.endpoints.scheduler)
     send_ready(ctx, args, "worker", {"device": str(service.runner.device)})
+    serve(service, inbox, to_scheduler)
+
+
+def serve(service: WorkerService, inbox: Inbox, to_scheduler: Outbox) -> None:
+    """Launch each plan as soon as it arrives, behind the step still running on the device,
+    and answer steps in order as they complete: the scheduler plans step N+1 (with placeholders
+    for step N's tokens) while step N runs, so the device never waits for the host."""
+    in_flight: deque[InFlight] = deque()
     while True:
-        to_scheduler.send(service.execute(inbox.recv()))
+        if not in_flight:
+            in_flight.append(service.launch(inbox.recv()))
+        for msg in inbox.recv_nowait():
+            in_flight.append(service.launch(msg))
+        if in_flight[0].ready() or len(in_flight) > 1:
+            to_scheduler.send(service.finish(in_flight.popleft()))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,139 @@
+"""Overlap scheduling: step N+1 is planned (with placeholders for step N's tokens) before step
+N's results are folded in. Oracle: the same engine with overlap off, over workloads that end
+requests early (stop tokens), retract them (tight KV), chunk prefills, score prompts, and
+abort; every KV page and adapter row is free afterwards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from radixlora import Engine, SamplingParams
+from tests.conftest import assert_all_free
+
+SPECS = ["a", None, "b", [("a", 1.0), ("c", -0.5)], "c", None, "a", "b"]
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(2, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def make(checkpoints, adapters, overlap: bool, **kw) -> Engine:
+    dirs = {k: adapters["llama"][k] for k in "abc"}
+    engine = Engine(checkpoints["llama"], adapters=dirs, max_rank=64, overlap_schedule=overlap,
+                    **kw)
+    engine.placeholders = 0
+    launch = engine.runner.launch
+
+    def counting_launch(plan):
+        engine.placeholders += sum(int((i.extend_ids < 0).sum()) for i in plan.items)
+        return launch(plan)
+
+    engine.runner.launch = counting_launch
+    return engine
+
+
+def workload(seed: int = 0):
+    prompts = [tokens(seed + i, 5 + 3 * i) for i in range(len(SPECS))]
+    params = [
+        SamplingParams(max_tokens=4 + 3 * i, temperature=0.0 if i % 3 == 0 else 0.9, seed=i,
+                       n=1 + (i == 4), logprobs=2 if i == 2 else None,
+                       # a frequent id ends some requests early, in the middle of a pipeline
+                       stop_token_ids=tuple(range(2, 60)) if i in (1, 6) else (),
+                       ignore_eos=True)
+        for i in range(len(SPECS))
+    ]
+    return prompts, params
+
+
+def outputs(results) -> list:
+    """Tokens, finish reasons and top-logprob ids (values differ by float noise only)."""
+    return [[(o.token_ids, o.finish_reason, [[i for i, _ in row] for row in o.top_logprobs])
+             for o in r.outputs] for r in results]
+
+
+def assert_close_logprobs(want, got) -> None:
+    for a, b in zip(want, got, strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=2e-5, rtol=0)
+            np.testing.assert_allclose([[lp for _, lp in row] for row in x.top_logprobs],
+                                       [[lp for _, lp in row] for row in y.top_logprobs],
+                                       atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(max_batch_tokens=16),  # chunked prefills
+    dict(kv_pages=28, page_size=2),  # retractions
+    dict(enable_radix_cache=False),
+])
+def test_overlap_equals_no_overlap(checkpoints, adapters, kw):
+    prompts, params = workload()
+    want = make(checkpoints, adapters, overlap=False, **kw).generate(prompts, params, SPECS)
+    engine = make(checkpoints, adapters, overlap=True, **kw)
+    got = engine.generate(prompts, params, SPECS)
+    assert outputs(got) == outputs(want)
+    assert_close_logprobs(want, got)
+    assert engine.placeholders > 0
+    if "kv_pages" in kw:
+        assert engine.scheduler.num_retractions > 0
+    stopped = [o.finish_reason for r in got for o in r.outputs]
+    assert "stop" in stopped and "length" in stopped
+    assert_all_free(engine)
+
+
+def test_scoring_with_overlap(checkpoints, adapters):
+    ids = tokens(7, 20)
+    want = make(checkpoints, adapters, overlap=False, max_batch_tokens=8)
+    engine = make(checkpoints, adapters, overlap=True, max_batch_tokens=8)
+    for eng in (want, engine):
+        eng.submit(tokens(8, 6), SamplingParams(max_tokens=12, temperature=0.0), adapters="a")
+    expected = want.score([ids, ids[:11]], [2, 5], adapters="b")
+    got = engine.score([ids, ids[:11]], [2, 5], adapters="b")
+    for a, b in zip(got, expected, strict=True):
+        assert a == pytest.approx(b, abs=2e-5)
+    while engine.scheduler.has_work():
+        engine.step()
+    assert_all_free(engine)
+
+
+def test_abort_with_a_step_in_flight(checkpoints, adapters):
+    engine = make(checkpoints, adapters, overlap=True)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    keep = engine.submit(tokens(20, 9), params, adapters="a")[0]
+    drop = engine.submit(tokens(21, 9), params, adapters="b")[0]
+    for _ in range(4):
+        engine.step()
+    assert engine.scheduler.num_in_flight == 1 and drop.pending == 1
+    engine.scheduler.abort(drop)
+    while engine.scheduler.has_work():
+        engine.step()
+    alone = make(checkpoints, adapters, overlap=False).generate(tokens(20, 9), params, "a")[0]
+    assert keep.output_ids == alone.outputs[0].token_ids
+    assert drop.finish_reason == "abort" and len(drop.output_ids) < 20
+    assert_all_free(engine)
+
+
+def test_discarded_plan_recomputes(checkpoints, adapters):
+    """A step the worker could not run: its requests recompute, their outputs unchanged, and
+    the step launched after it (which read placeholders of the lost step) is dropped."""
+    prompts, params = workload(seed=40)
+    want = make(checkpoints, adapters, overlap=False).generate(prompts, params, SPECS)
+    engine = make(checkpoints, adapters, overlap=True)
+    groups = [engine.submit(p, sp, spec) for p, sp, spec in zip(prompts, params, SPECS)]
+    sched = engine.scheduler
+    for _ in range(3):
+        engine.step()
+    lost, _ = engine._in_flight
+    engine.runner.failed()
+    successor = sched.schedule()
+    assert any((item.extend_ids < 0).any() for item in successor.items)
+    engine._in_flight = (successor, engine.runner.launch(successor))
+    sched.discard(lost)
+    while sched.has_work():
+        engine.step()
+    assert sched.num_retractions > 0
+    got = [engine.output_of(g) for g in groups]
+    assert outputs(got) == outputs(want)
+    assert_all_free(engine)
