@@ -355,7 +355,7 @@ class Scheduler:
         for k, item in enumerate(plan.items):
             req = item.req
             i = next(sampled) if item.sample else -1
-            if not self._is_live(item):
+            if not self.is_live(item):
                 continue  # finished, aborted or retracted after the plan was made
             if input_logprobs is not None:
                 req.input_logprobs += input_logprobs[k]
@@ -380,11 +380,11 @@ class Scheduler:
         (the plan made after it, if any, then holds only stale items for them)."""
         self.num_in_flight -= 1
         for item in plan.items:
-            if self._is_live(item):
+            if self.is_live(item):
                 self._retract(item.req)
 
     @staticmethod
-    def _is_live(item: ScheduledReq) -> bool:
+    def is_live(item: ScheduledReq) -> bool:
         req = item.req
         return req.status is ReqStatus.RUNNING and item.epoch == req.num_retractions
 

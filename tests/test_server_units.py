@@ -4,6 +4,8 @@ services driven through msgpack-encoded messages, which must reproduce the offli
 
 from __future__ import annotations
 
+from collections import deque
+
 import msgspec
 import numpy as np
 import pytest
@@ -121,14 +123,20 @@ def test_codec_roundtrip_and_wrong_inbox():
 
 
 def _drive(scheduler: SchedulerService, worker: WorkerService, reqs, abort_after=None):
-    """Run to completion, every message crossing msgpack as it would a socket."""
+    """Run to completion as the processes do (the next step planned and launched before the
+    previous one's results are folded in), every message crossing msgpack as over a socket."""
     to_worker, to_sched = Codec(WorkerInbox), Codec(SchedulerInbox)
     for req in reqs:
         assert scheduler.add(to_sched.decode(to_sched.encode(req))) is None
     tokens: dict[tuple[str, int], list[int]] = {}
     steps = 0
-    while (plan := scheduler.next_plan()) is not None:
-        result = worker.execute(to_worker.decode(to_worker.encode(plan)))
+    in_flight = deque()
+    while True:
+        while (plan := scheduler.next_plan()) is not None:
+            in_flight.append(worker.launch(to_worker.decode(to_worker.encode(plan))))
+        if not in_flight:
+            break
+        result = worker.finish(in_flight.popleft())
         batch, errors = scheduler.on_result(to_sched.decode(to_sched.encode(result)))
         assert not errors
         for out in batch.outputs if batch else []:

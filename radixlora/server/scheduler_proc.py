@@ -202,8 +202,9 @@ class SchedulerService:
         self.num_loads += len(plan.adapter_loads)
         self.load_seconds += result.load_seconds
         tokens = bytes_to_ids(result.token_ids).tolist()
+        sampled = [item.req for item in plan.items if item.sample and self.scheduler.is_live(item)]
         self.scheduler.process_results(plan, tokens, result.logprobs, top, result.input_logprobs)
-        outputs = [out for item in plan.items if item.sample and (out := self._token_out(item.req))]
+        outputs = [out for req in sampled if (out := self._token_out(req))]
         return (TokenBatch(outputs=outputs) if outputs else None), []
 
     def _token_out(self, req: Req) -> TokenOut | None:
