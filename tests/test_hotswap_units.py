@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from radixlora import Engine, SamplingParams
 from radixlora.config import ModelConfig
+from radixlora.errors import AdapterError
 from radixlora.lora.adapter import load_adapter
 from radixlora.server.admin import confine
 from radixlora.server.args import ServerArgs
@@ -362,22 +363,32 @@ def test_fallback_reaches_the_response(model, tmp_path):
     assert body["adapter_fallback"] == "why"
 
 
-def test_worker_host_tier_is_a_bounded_lru(model, versions, tmp_path):
+def test_worker_host_tier_is_one_bounded_lru_of_packed_adapters(model, versions, tmp_path):
     from radixlora.server.messages import AdapterLoad
 
     cfg = ModelConfig.from_dir(model)
     adapters = {v: load_adapter(v, p, cfg, 64) for v, p in versions.items()}
-    budget = 2 * adapters["v1"].nbytes  # all three have rank 4: room for two
-    worker = WorkerService(ServerArgs(model=str(model), engine=ENGINE,
-                                      host_adapter_bytes=budget))
+    probe = WorkerService(ServerArgs(model=str(model), engine=ENGINE)).runner.adapter_pool
+    size = probe.pack(adapters["v1"]).nbytes  # all three have rank 4
+    worker = WorkerService(ServerArgs(model=str(model),
+                                      engine={**ENGINE, "host_adapter_bytes": 2 * size}))
+    host = worker.runner.adapter_pool.host
 
-    def load(v):
+    def load(v, adapter_id=None):
         a = adapters[v]
-        worker._host_adapter(AdapterLoad(a.adapter_id, v, a.path, ids_to_bytes([0])))
+        return worker._host_adapter(AdapterLoad(adapter_id or a.adapter_id, v, a.path,
+                                                ids_to_bytes([0])))
 
     for v in ("v1", "v2", "v1", "v3"):  # v1 used again: v2 is the least recent
         load(v)
-    assert set(worker.host_adapters) == {adapters["v1"].adapter_id, adapters["v3"].adapter_id}
+    assert host.ids() == [adapters["v1"].adapter_id, adapters["v3"].adapter_id]
+    assert host.nbytes == 2 * size
+    with pytest.raises(AdapterError, match="content hash differs"):
+        load("v2", adapter_id=adapters["v1"].adapter_id[::-1])
+    # the offline Engine loads through the same tier: a reload does not pack again
+    engine = Engine(model, adapters={"x": versions["v1"]}, **ENGINE)
+    engine.generate([3, 4], PARAMS, adapters="x")
+    assert engine.runner.adapter_pool.host.ids() == [adapters["v1"].adapter_id]
 
 
 def test_unreadable_adapter_is_rejected_not_fatal(model, versions, tmp_path, monkeypatch):
