@@ -181,6 +181,9 @@ def test_duplicates_updates_removals_and_restart(model, versions, tmp_path):
     assert [(e.kind, e.name) for e in events[-2:]] == [("updated", "a"), ("added", "b")]
     assert events[-2].adapter_id != events[0].adapter_id == events[-1].adapter_id
     assert Path(events[-2].path).parent == state / "adapters"  # an immutable snapshot
+    assert events[-1].path != events[0].path  # one snapshot per publication
+    published = {e.path for e in events if e.kind in ("added", "updated")}
+    assert set(map(str, (state / "adapters").iterdir())) == published  # skips wrote none
     shutil.rmtree(root / "a")
     core.on_changed(["a"])
     assert (events[-1].kind, events[-1].name) == ("removed", "a")
@@ -293,6 +296,7 @@ def test_republished_name_in_flight_finishes_on_old_version(model, versions, tmp
     assert first + got[("old", 0)] == _want(model, versions["v1"])
     assert got[("new", 0)] == _want(model, versions["v2"])
     assert not sched.scheduler.residency.is_resident(v1.adapter_id)
+    assert not Path(v1.path).exists() and Path(v2.path).is_dir()  # v1 forgotten, v2 named
     _assert_nothing_held(sched)
 
 
@@ -303,12 +307,35 @@ def test_unload_while_in_use_waits_and_frees(model, versions, tmp_path):
     assert sched.add(_req("busy", "a")) is None
     plan = sched.next_plan()
     sched.on_result(worker.execute(plan))
+    snapshot = Path(sched.adapters.by_name["a"].path)
     reply = sched.lifecycle.admin(AdminReq(qid=2, op="unload", name="a"))
     assert reply.status == 200 and reply.info["in_flight"] is True
     assert sched.add(_req("late", "a")) is not None  # unknown now: 404
+    assert snapshot.is_dir()  # "busy" still uses it
     got = _drive(sched, worker, [])
+    assert not snapshot.exists()
     assert len(got[("busy", 0)]) == PARAMS.max_tokens - 1
     assert sched.lifecycle.admin(AdminReq(qid=3, op="unload", name="a")).status == 404
+    _assert_nothing_held(sched)
+    assert not sched.scheduler.residency.resident
+
+
+def test_snapshot_outlives_the_step_that_loads_it(model, versions, tmp_path):
+    from radixlora.server.messages import AbortReq
+
+    sched, worker = _services(model, tmp_path)
+    assert sched.lifecycle.admin(AdminReq(qid=1, op="load", name="a",
+                                          path=str(versions["v1"]))).status == 200
+    snapshot = Path(sched.adapters.by_name["a"].path)
+    assert sched.add(_req("r", "a")) is None
+    plan = sched.next_plan()  # loads "a" from its snapshot
+    assert sched.lifecycle.admin(AdminReq(qid=2, op="unload", name="a")).status == 200
+    sched.abort(AbortReq(rid="r"))
+    assert snapshot.is_dir()  # no request uses it, but the worker has yet to read it
+    result = worker.execute(plan)
+    assert not result.failed_adapters
+    sched.on_result(result)
+    assert not snapshot.exists()
     _assert_nothing_held(sched)
     assert not sched.scheduler.residency.resident
 

@@ -157,8 +157,10 @@ class SchedulerService:
                 self.lifecycle.sweep()
 
     def _in_use(self, adapter_id: str) -> bool:
-        return any(a.adapter_id == adapter_id
-                   for group in self.reqs.values() for a in group[0].adapter_set.adapters)
+        loading = self.in_flight is not None and any(
+            load.adapter_id == adapter_id for load in self.in_flight[0].adapter_loads)
+        return loading or any(a.adapter_id == adapter_id for group in self.reqs.values()
+                              for a in group[0].adapter_set.adapters)
 
     # ---- steps -------------------------------------------------------------------------------
 
@@ -181,6 +183,8 @@ class SchedulerService:
             return None, []
         _, plan = self.in_flight
         self.in_flight = None
+        if self.lifecycle.retired:
+            self.lifecycle.sweep()
         if result.error is not None:
             return None, self._fail_step(plan, result.error)
         if result.failed_adapters:
