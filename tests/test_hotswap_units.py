@@ -418,6 +418,26 @@ def test_worker_host_tier_is_one_bounded_lru_of_packed_adapters(model, versions,
     assert engine.runner.adapter_pool.host.ids() == [adapters["v1"].adapter_id]
 
 
+def test_host_cache_keeps_the_newest_whatever_its_size():
+    import torch
+
+    from radixlora.lora.host_cache import HostAdapterCache, PackedAdapter
+
+    def packed(name, floats):
+        return PackedAdapter(name, 1, torch.zeros(floats))
+
+    cache = HostAdapterCache(budget_bytes=100, pin=False)
+    cache.put(packed("small", 10))
+    cache.put(packed("huge", 1000))  # over budget alone: kept, the older one goes
+    assert cache.ids() == ["huge"] and cache.nbytes == 4000
+    cache.put(packed("small", 10))
+    assert cache.ids() == ["small"] and cache.nbytes == 40
+    cache.put(packed("small", 20))  # the same id again replaces, never counts twice
+    assert cache.nbytes == 80 and len(cache) == 1
+    with pytest.raises(ValueError):
+        HostAdapterCache(budget_bytes=-1, pin=False)
+
+
 def test_unreadable_adapter_is_rejected_not_fatal(model, versions, tmp_path, monkeypatch):
     from radixlora.server import adapter_store
 
