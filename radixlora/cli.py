@@ -26,8 +26,8 @@ def demo(args: argparse.Namespace) -> None:
         print(f"  [{out.adapters:>14}] {out.outputs[0].text.strip()}")
 
 
-ENGINE_FLAGS = ("kv_pages", "page_size", "adapter_rows", "max_rank", "max_stacked", "max_running",
-                "max_batch_tokens", "device", "dtype")
+ENGINE_FLAGS = ("kv_pages", "page_size", "adapter_rows", "host_adapter_bytes", "max_rank",
+                "max_stacked", "max_running", "max_batch_tokens", "device", "dtype")
 
 
 def adapter_pairs(values: list[str]) -> dict[str, str]:
@@ -84,7 +84,6 @@ def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], serv
         adapter_burst=args.adapter_burst,
         adapter_quiet_s=args.adapter_quiet,
         max_swaps_per_s=args.max_swaps_per_s,
-        host_adapter_bytes=args.host_adapter_bytes,
         adapter_failure_policy=args.adapter_failure_policy,
         enable_admin=args.enable_admin,
         admin_api_key=args.admin_api_key or os.environ.get("RADIXLORA_ADMIN_API_KEY"),
@@ -107,8 +106,6 @@ def _serve_parser(sub) -> None:
                    help="seconds --adapter-dir must be quiet before a change is examined")
     p.add_argument("--max-swaps-per-s", type=float, default=10.0,
                    help="hard cap on adapter loads into the device pool per second (0: none)")
-    p.add_argument("--host-adapter-bytes", type=int, default=2 << 30,
-                   help="byte budget of the worker's host LRU tier of adapters")
     p.add_argument("--adapter-failure-policy", choices=("reject", "base"), default="reject")
     p.add_argument("--enable-admin", action="store_true",
                    help="enable POST /v1/{load,unload,pin,unpin}_lora_adapter")

@@ -150,7 +150,7 @@ class EngineConfig:
     """Knobs of the offline engine and the scheduler/worker processes.
 
     `kv_pages` and `adapter_rows` size the two device pools; `max_stacked` caps the adapters
-    of one request.
+    of one request; `host_adapter_bytes` is the budget of the host tier of packed adapters.
     """
 
     dtype: str = "auto"
@@ -158,6 +158,7 @@ class EngineConfig:
     page_size: int = 1
     kv_pages: int = 4096
     adapter_rows: int = 512
+    host_adapter_bytes: int = 2 << 30
     max_rank: int = 64
     max_stacked: int = 8
     max_running: int = 64

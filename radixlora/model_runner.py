@@ -61,7 +61,8 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.adapter_pool = AdapterPool(model_cfg, config.adapter_rows, self.dtype, self.device)
+        self.adapter_pool = AdapterPool(model_cfg, config.adapter_rows, self.dtype, self.device,
+                                        config.host_adapter_bytes)
         self.attn_backend = make_attention_backend(
             config.attention_backend,
             self.kv_pool,
@@ -90,8 +91,8 @@ class ModelRunner:
     def launch(self, plan: BatchPlan) -> LaunchedStep:
         """Queue a step on the device (on the CPU it runs to the end) without waiting for it;
         placeholder ids (< 0) in the plan are the tokens the previously launched step samples."""
-        for adapter, rows in plan.adapter_loads:
-            self.adapter_pool.write(adapter, rows)
+        self.adapter_pool.write_all(plan.adapter_loads)
+        self.adapter_pool.wait_loads()
         host = _host_inputs(plan)
         segments = _lora_segments(plan)
         sampled = [i for i in plan.items if i.sample]

@@ -50,6 +50,7 @@ class ScheduledReq:
 @dataclass
 class BatchPlan:
     items: list[ScheduledReq]
+    # (adapter, pool rows); the worker process rebuilds plans with PackedAdapters instead
     adapter_loads: list[tuple[LoraAdapter, np.ndarray]] = field(default_factory=list)
     # per adapter set key: group -> (rows, scales)
     lora_rows: dict[tuple, dict[str, tuple[list[int], list[float]]]] = field(default_factory=dict)

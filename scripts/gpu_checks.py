@@ -1,7 +1,8 @@
 """Correctness on a CUDA device (CI has none): the Triton kernels + CUDA-graph decode path with
 overlap scheduling give the same tokens and logprobs as the pure-torch reference path without
-overlap, over a mixed batch of base, single adapters and stacks on a tiny random model in fp32
-(a second pass ends requests early on stop tokens while the next step is in flight). Exits
+overlap, over a mixed batch of base, single adapters and stacks on a tiny random model in fp32,
+also with a pool too small for all adapters (loads on the side stream while other requests
+decode) and with requests ending early on stop tokens while the next step is in flight. Exits
 non-zero on any mismatch.
 
     python scripts/gpu_checks.py
@@ -35,20 +36,23 @@ def main() -> int:
     ref_stopping = reference.generate(prompts, stopping, adapters=specs)
     fast_engine = Engine(model, **common)
     chunked = Engine(model, max_batch_tokens=48, **common)
+    swapping = Engine(model, **{**common, "adapter_rows": 80})  # 92 rows of adapters
+    engines = (fast_engine, fast_engine, chunked, swapping)  # cold, cache hits, chunked, swaps
     fast = []
-    for engine in (fast_engine, fast_engine, chunked):  # cold, then cache hits, then chunked
+    for engine in engines:
         fast += engine.generate(prompts, params, adapters=specs)
     fast += fast_engine.generate(prompts, stopping, adapters=specs)
-    graphs = len(fast_engine.runner.graphs.graphs) + len(chunked.runner.graphs.graphs)
+    graphs = sum(len(e.runner.graphs.graphs) for e in engines[1:])
     worst, mismatches = 0.0, 0
-    for a, b in zip(ref * 3 + ref_stopping, fast, strict=True):
+    for a, b in zip(ref * len(engines) + ref_stopping, fast, strict=True):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         mismatches += ta != tb
         worst = max(worst, *(abs(x - y) for x, y in zip(a.outputs[0].logprobs,
                                                         b.outputs[0].logprobs)))
+    evictions = swapping.scheduler.residency.num_evictions
     print(f"graphs captured: {graphs}; sequences with different tokens: {mismatches}/{len(fast)}; "
-          f"max |logprob diff| {worst:.2e}")
-    ok = mismatches == 0 and worst < 1e-3 and graphs > 0
+          f"max |logprob diff| {worst:.2e}; evictions in the small pool: {evictions}")
+    ok = mismatches == 0 and worst < 1e-3 and graphs > 0 and evictions > 0
     print("gpu checks:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

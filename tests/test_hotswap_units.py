@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from radixlora import Engine, SamplingParams
 from radixlora.config import ModelConfig
+from radixlora.errors import AdapterError
 from radixlora.lora.adapter import load_adapter
 from radixlora.server.admin import confine
 from radixlora.server.args import ServerArgs
@@ -180,6 +181,9 @@ def test_duplicates_updates_removals_and_restart(model, versions, tmp_path):
     assert [(e.kind, e.name) for e in events[-2:]] == [("updated", "a"), ("added", "b")]
     assert events[-2].adapter_id != events[0].adapter_id == events[-1].adapter_id
     assert Path(events[-2].path).parent == state / "adapters"  # an immutable snapshot
+    assert events[-1].path != events[0].path  # one snapshot per publication
+    published = {e.path for e in events if e.kind in ("added", "updated")}
+    assert set(map(str, (state / "adapters").iterdir())) == published  # skips wrote none
     shutil.rmtree(root / "a")
     core.on_changed(["a"])
     assert (events[-1].kind, events[-1].name) == ("removed", "a")
@@ -292,6 +296,7 @@ def test_republished_name_in_flight_finishes_on_old_version(model, versions, tmp
     assert first + got[("old", 0)] == _want(model, versions["v1"])
     assert got[("new", 0)] == _want(model, versions["v2"])
     assert not sched.scheduler.residency.is_resident(v1.adapter_id)
+    assert not Path(v1.path).exists() and Path(v2.path).is_dir()  # v1 forgotten, v2 named
     _assert_nothing_held(sched)
 
 
@@ -302,12 +307,35 @@ def test_unload_while_in_use_waits_and_frees(model, versions, tmp_path):
     assert sched.add(_req("busy", "a")) is None
     plan = sched.next_plan()
     sched.on_result(worker.execute(plan))
+    snapshot = Path(sched.adapters.by_name["a"].path)
     reply = sched.lifecycle.admin(AdminReq(qid=2, op="unload", name="a"))
     assert reply.status == 200 and reply.info["in_flight"] is True
     assert sched.add(_req("late", "a")) is not None  # unknown now: 404
+    assert snapshot.is_dir()  # "busy" still uses it
     got = _drive(sched, worker, [])
+    assert not snapshot.exists()
     assert len(got[("busy", 0)]) == PARAMS.max_tokens - 1
     assert sched.lifecycle.admin(AdminReq(qid=3, op="unload", name="a")).status == 404
+    _assert_nothing_held(sched)
+    assert not sched.scheduler.residency.resident
+
+
+def test_snapshot_outlives_the_step_that_loads_it(model, versions, tmp_path):
+    from radixlora.server.messages import AbortReq
+
+    sched, worker = _services(model, tmp_path)
+    assert sched.lifecycle.admin(AdminReq(qid=1, op="load", name="a",
+                                          path=str(versions["v1"]))).status == 200
+    snapshot = Path(sched.adapters.by_name["a"].path)
+    assert sched.add(_req("r", "a")) is None
+    plan = sched.next_plan()  # loads "a" from its snapshot
+    assert sched.lifecycle.admin(AdminReq(qid=2, op="unload", name="a")).status == 200
+    sched.abort(AbortReq(rid="r"))
+    assert snapshot.is_dir()  # no request uses it, but the worker has yet to read it
+    result = worker.execute(plan)
+    assert not result.failed_adapters
+    sched.on_result(result)
+    assert not snapshot.exists()
     _assert_nothing_held(sched)
     assert not sched.scheduler.residency.resident
 
@@ -362,22 +390,52 @@ def test_fallback_reaches_the_response(model, tmp_path):
     assert body["adapter_fallback"] == "why"
 
 
-def test_worker_host_tier_is_a_bounded_lru(model, versions, tmp_path):
+def test_worker_host_tier_is_one_bounded_lru_of_packed_adapters(model, versions, tmp_path):
     from radixlora.server.messages import AdapterLoad
 
     cfg = ModelConfig.from_dir(model)
     adapters = {v: load_adapter(v, p, cfg, 64) for v, p in versions.items()}
-    budget = 2 * adapters["v1"].nbytes  # all three have rank 4: room for two
-    worker = WorkerService(ServerArgs(model=str(model), engine=ENGINE,
-                                      host_adapter_bytes=budget))
+    probe = WorkerService(ServerArgs(model=str(model), engine=ENGINE)).runner.adapter_pool
+    size = probe.pack(adapters["v1"]).nbytes  # all three have rank 4
+    worker = WorkerService(ServerArgs(model=str(model),
+                                      engine={**ENGINE, "host_adapter_bytes": 2 * size}))
+    host = worker.runner.adapter_pool.host
 
-    def load(v):
+    def load(v, adapter_id=None):
         a = adapters[v]
-        worker._host_adapter(AdapterLoad(a.adapter_id, v, a.path, ids_to_bytes([0])))
+        return worker._host_adapter(AdapterLoad(adapter_id or a.adapter_id, v, a.path,
+                                                ids_to_bytes([0])))
 
     for v in ("v1", "v2", "v1", "v3"):  # v1 used again: v2 is the least recent
         load(v)
-    assert set(worker.host_adapters) == {adapters["v1"].adapter_id, adapters["v3"].adapter_id}
+    assert host.ids() == [adapters["v1"].adapter_id, adapters["v3"].adapter_id]
+    assert host.nbytes == 2 * size
+    with pytest.raises(AdapterError, match="content hash differs"):
+        load("v2", adapter_id=adapters["v1"].adapter_id[::-1])
+    # the offline Engine loads through the same tier: a reload does not pack again
+    engine = Engine(model, adapters={"x": versions["v1"]}, **ENGINE)
+    engine.generate([3, 4], PARAMS, adapters="x")
+    assert engine.runner.adapter_pool.host.ids() == [adapters["v1"].adapter_id]
+
+
+def test_host_cache_keeps_the_newest_whatever_its_size():
+    import torch
+
+    from radixlora.lora.host_cache import HostAdapterCache, PackedAdapter
+
+    def packed(name, floats):
+        return PackedAdapter(name, 1, torch.zeros(floats))
+
+    cache = HostAdapterCache(budget_bytes=100, pin=False)
+    cache.put(packed("small", 10))
+    cache.put(packed("huge", 1000))  # over budget alone: kept, the older one goes
+    assert cache.ids() == ["huge"] and cache.nbytes == 4000
+    cache.put(packed("small", 10))
+    assert cache.ids() == ["small"] and cache.nbytes == 40
+    cache.put(packed("small", 20))  # the same id again replaces, never counts twice
+    assert cache.nbytes == 80 and len(cache) == 1
+    with pytest.raises(ValueError):
+        HostAdapterCache(budget_bytes=-1, pin=False)
 
 
 def test_unreadable_adapter_is_rejected_not_fatal(model, versions, tmp_path, monkeypatch):

@@ -329,5 +329,29 @@ def test_base_policy_serves_base_and_says_so(env):
         assert "no-such-adapter" in body["adapter_fallback"]
         assert body["choices"][0]["text"] == base["choices"][0]["text"]
         assert "system_fingerprint" not in base
+        _check_generate_fallback(server)
     finally:
         assert server.stop() == 0, server.logs()
+
+
+def _check_generate_fallback(server) -> None:
+    """SGLang /generate: the same fallback, in meta_info and the header, streamed or not."""
+    def generate(**extra):
+        return server.http.post("/generate", json={
+            "text": PROMPT, "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0,
+                                                "ignore_eos": True}, **extra})
+
+    base = generate()
+    assert "x-radixlora-adapter-fallback" not in base.headers
+    assert "adapter_fallback" not in base.json()["meta_info"]
+    resp = generate(lora_path="no-such-adapter")
+    assert resp.status_code == 200 and resp.headers["x-radixlora-adapter-fallback"] == "base"
+    assert "no-such-adapter" in resp.json()["meta_info"]["adapter_fallback"]
+    assert resp.json()["text"] == base.json()["text"]
+    mixed = generate(text=[PROMPT, PROMPT], lora_path=[None, "no-such-adapter"]).json()
+    assert ["adapter_fallback" in out["meta_info"] for out in mixed] == [False, True]
+    stream = generate(lora_path="no-such-adapter", stream=True).text
+    chunks = [json.loads(line[len("data: "):]) for line in stream.splitlines()
+              if line.startswith("data: {")]
+    assert chunks and all("no-such-adapter" in c["meta_info"]["adapter_fallback"]
+                          for c in chunks)

@@ -15,6 +15,7 @@ import torch
 from radixlora.config import ModelConfig
 from radixlora.kernels.lora_ops import LoraBatchMeta
 from radixlora.lora.adapter import MODULE_GROUPS, LoraAdapter
+from radixlora.lora.host_cache import HostAdapterCache, PackedAdapter
 
 
 def group_dims(cfg: ModelConfig, group: str) -> tuple[int, list[int]]:
@@ -27,16 +28,24 @@ def group_dims(cfg: ModelConfig, group: str) -> tuple[int, list[int]]:
     return in_dim, offsets
 
 
-PACKED_CACHE_BYTES = 2 << 30  # host memory for packed adapters kept for reloads
-
-
 class AdapterPool:
     """Device tensors of the paged adapter pool: per module group one A tensor
     [num_layers, n_slices, num_rows, in_dim] and one B tensor [num_layers, num_rows, out_total];
-    a[layer][group] / b[layer][group] are (contiguous) views of one layer."""
+    a[layer][group] / b[layer][group] are (contiguous) views of one layer. `host` is the host
+    tier: adapters packed for write(), by adapter id.
 
-    def __init__(self, cfg: ModelConfig, num_rows: int, dtype: torch.dtype, device):
+    On CUDA, write() runs on a side stream (`load_stream`), so a load overlaps the compute work
+    already queued; the compute stream must call wait_loads() before a forward that reads the
+    new rows. Invariant that makes this safe: the rows being overwritten are free rows or rows
+    of evicted adapters (no reference), so no live request reads them; a forward still queued
+    that does read them belongs to a request already finished or aborted, whose output is
+    discarded. On CPU, write() is synchronous and wait_loads() does nothing."""
+
+    def __init__(self, cfg: ModelConfig, num_rows: int, dtype: torch.dtype, device,
+                 host_bytes: int = 2 << 30):
         self.num_rows = num_rows
+        self.dtype = dtype
+        self.device = torch.device(device)
         self.out_offsets = {g: group_dims(cfg, g)[1] for g in MODULE_GROUPS}
         self.a_all: dict[str, torch.Tensor] = {}
         self.b_all: dict[str, torch.Tensor] = {}
@@ -48,7 +57,13 @@ class AdapterPool:
             self.b_all[group] = torch.zeros(shape_b, dtype=dtype, device=device)
         self.a = [{g: t[layer] for g, t in self.a_all.items()} for layer in range(cfg.num_layers)]
         self.b = [{g: t[layer] for g, t in self.b_all.items()} for layer in range(cfg.num_layers)]
-        self._packed_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        cuda = self.device.type == "cuda"
+        self.host = HostAdapterCache(host_bytes, pin=cuda)
+        self.load_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._loaded = torch.cuda.Event() if cuda else None
+        self._loads_pending = False
+        if cuda:  # the zero fill above must land before any load
+            self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
 
     @staticmethod
     def bytes_per_row(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -58,13 +73,33 @@ class AdapterPool:
             per_layer += len(modules) * in_dim + offsets[-1]
         return per_layer * cfg.num_layers * torch.finfo(dtype).bits // 8
 
-    def write(self, adapter: LoraAdapter, rows: np.ndarray) -> None:
+    def write(self, adapter: LoraAdapter | PackedAdapter, rows: np.ndarray) -> None:
         """Copy an adapter's weights into `rows` (len == adapter.rank), zeroing what it lacks:
-        one host-to-device copy of the adapter packed in pool layout (pinned on CUDA, kept for
-        the next load of the same adapter), then one row scatter per group for all layers."""
-        device = self.a_all["qkv"].device
-        packed = self._packed(adapter).to(device, non_blocking=True)
-        idx = torch.as_tensor(rows, dtype=torch.long, device=device)
+        one host-to-device copy of the adapter packed in pool layout, then one row scatter per
+        group for all layers. On CUDA this is queued on the load stream (see wait_loads)."""
+        packed = adapter if isinstance(adapter, PackedAdapter) else self.packed(adapter)
+        if self.load_stream is None:
+            self._scatter(packed.data, rows)
+            return
+        with torch.cuda.stream(self.load_stream):
+            # the pinned source stays alive until the copy ends: PyTorch's pinned allocator
+            # records this stream's use and reuses the block only after it completes
+            self._scatter(packed.data.to(self.device, non_blocking=True), rows)
+        self._loaded.record(self.load_stream)
+        self._loads_pending = True
+
+    def write_all(self, loads) -> None:
+        for adapter, rows in loads:
+            self.write(adapter, rows)
+
+    def wait_loads(self, stream=None) -> None:
+        """Make `stream` (default: the current one) wait for every write() queued so far."""
+        if self._loads_pending:
+            (stream or torch.cuda.current_stream(self.device)).wait_event(self._loaded)
+            self._loads_pending = False
+
+    def _scatter(self, packed: torch.Tensor, rows: np.ndarray) -> None:
+        idx = torch.as_tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         offset = 0
         for group in MODULE_GROUPS:
             for pool, row_dim in ((self.a_all[group], 2), (self.b_all[group], 1)):
@@ -74,14 +109,13 @@ class AdapterPool:
                 pool.index_copy_(row_dim, idx, packed[offset : offset + size].view(shape))
                 offset += size
 
-    def _packed(self, adapter: LoraAdapter) -> torch.Tensor:
+    def packed(self, adapter: LoraAdapter) -> PackedAdapter:
+        """The adapter from the host tier, packed and cached there on a miss."""
+        return self.host.get(adapter.adapter_id) or self.host.put(self.pack(adapter))
+
+    def pack(self, adapter: LoraAdapter) -> PackedAdapter:
         """The adapter's rows for every group pool, flattened in write() order, in the pool's
-        dtype; pinned on CUDA. Recent ones are kept (swaps reload them), up to a budget; the
-        newest is always kept, whatever its size."""
-        cached = self._packed_cache.get(adapter.adapter_id)
-        if cached is not None:
-            self._packed_cache.move_to_end(adapter.adapter_id)
-            return cached
+        dtype."""
         pieces = []
         for group, modules in MODULE_GROUPS.items():
             layers, n_slices, _, in_dim = self.a_all[group].shape
@@ -94,15 +128,7 @@ class AdapterPool:
                     a[layer, slot, :r] = lora_a
                     b[layer, :r, lo:hi] = lora_b.t()
             pieces += [a.flatten(), b.flatten()]
-        packed = torch.cat(pieces).to(self.a_all["qkv"].dtype)
-        if self.a_all["qkv"].is_cuda:
-            packed = packed.pin_memory()
-        self._packed_cache[adapter.adapter_id] = packed
-        while len(self._packed_cache) > 1 and sum(
-            t.nbytes for t in self._packed_cache.values()
-        ) > PACKED_CACHE_BYTES:
-            self._packed_cache.popitem(last=False)
-        return packed
+        return PackedAdapter(adapter.adapter_id, adapter.rank, torch.cat(pieces).to(self.dtype))
 
 
 class RowAllocator:

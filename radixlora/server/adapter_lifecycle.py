@@ -2,8 +2,8 @@
 
 Invariants: a name resolves to exactly one version (content hash) at a time; a version no name
 points to is retired, and stays resident for the requests already admitted on it until none
-is left, then its radix-tree namespaces are dropped and its pool rows freed (as
-Engine._forget does offline)."""
+is left (nor a step in flight that loads it), then its radix-tree namespaces are dropped, its
+pool rows freed (as Engine._forget does offline) and its snapshots deleted."""
 
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ class AdapterLifecycle:
         self.store = store
         self.model_cfg = model_cfg
         self.max_rank = max_rank
-        self.in_use = in_use  # adapter id -> does an open request use it
+        self.in_use = in_use  # adapter id -> does an open request (or a step in flight) use it
         self.retired: set[str] = set()
+        self.snapshots: dict[str, set[str]] = {}  # adapter id -> its snapshots registered
         self.pinned_names: set[str] = set()
         self.last_seq = 0
 
@@ -59,6 +60,8 @@ class AdapterLifecycle:
         if adapter_id and adapter.adapter_id != adapter_id:
             self.registry.remove(name)
             raise AdapterError(name, f"{path} does not hash to the published {adapter_id[:12]}")
+        if self.store is not None and self.store.owns(path):
+            self.snapshots.setdefault(adapter.adapter_id, set()).add(str(path))
         if name in self.pinned_names:
             self.scheduler.residency.pin(adapter.adapter_id)
         self.retired.discard(adapter.adapter_id)
@@ -89,6 +92,8 @@ class AdapterLifecycle:
                                      self.scheduler.kv.free)
             if self.scheduler.residency.evict(adapter_id):
                 self.retired.discard(adapter_id)
+                for path in self.snapshots.pop(adapter_id, ()):
+                    self.store.delete(path)
 
     # ---- admin -------------------------------------------------------------------------------
 

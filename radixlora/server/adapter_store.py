@@ -1,13 +1,18 @@
-"""Immutable, content-addressed snapshots of validated adapters (STATE_DIR/adapters/<hash>).
+"""Immutable snapshots of validated adapters, named by content hash
+(STATE_DIR/adapters/<hash>-<random>).
 The scheduler and the worker read an adapter version from its snapshot, never from the
 watched or user-supplied directory, so a version stays loadable (for requests still queued on
-it) after its source files were rewritten or deleted."""
+it) after its source files were rewritten or deleted. The scheduler deletes a version's
+snapshots once no name and no request refers to it (AdapterLifecycle.sweep)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
+import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from radixlora.config import ModelConfig
@@ -33,14 +38,27 @@ def file_signature(path: Path) -> tuple:
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class Validated:
+    """An adapter validated from exactly these bytes, not yet snapshotted."""
+
+    adapter: LoraAdapter
+    config_bytes: bytes
+    tensor_bytes: bytes
+
+
 class AdapterStore:
+    """Every saved snapshot is a new directory `<hash>-<random>`: one per publication, so
+    deleting a forgotten version's snapshot never removes one a later publication of the same
+    content (possibly not yet seen by the scheduler) points to."""
+
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def snapshot(self, name: str, src: str | Path, model: ModelConfig, max_rank: int,
-                 stable: bool = True) -> LoraAdapter:
-        """Read, validate and snapshot `src`; AdapterError if invalid, or (with stable) if its
+    def read(self, name: str, src: str | Path, model: ModelConfig, max_rank: int,
+             stable: bool = True) -> Validated:
+        """Read and validate `src`; AdapterError if invalid, FilesChanged if (with stable) its
         files changed while they were read."""
         src = Path(src)
         before = file_signature(src)
@@ -48,23 +66,31 @@ class AdapterStore:
         if stable and file_signature(src) != before:
             raise FilesChanged(name)
         adapter = adapter_from_bytes(name, src, config_bytes, tensor_bytes, model, max_rank)
-        path = self._write(adapter.content_hash, config_bytes, tensor_bytes)
-        return dataclasses.replace(adapter, path=str(path))
+        return Validated(adapter, config_bytes, tensor_bytes)
 
-    def _write(self, digest: str, config_bytes: bytes, tensor_bytes: bytes) -> Path:
-        final = self.root / digest
-        if final.is_dir():
-            return final
+    def save(self, validated: Validated) -> LoraAdapter:
+        """Write the validated bytes into a new snapshot; the adapter pointing to it."""
+        digest = validated.adapter.content_hash
         staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.root))
-        (staging / CONFIG_FILE).write_bytes(config_bytes)
-        (staging / TENSOR_FILE).write_bytes(tensor_bytes)
-        try:
-            os.rename(staging, final)
-        except OSError:  # another writer won the race with the same content
-            for f in staging.iterdir():
-                f.unlink()
-            staging.rmdir()
-        return final
+        (staging / CONFIG_FILE).write_bytes(validated.config_bytes)
+        (staging / TENSOR_FILE).write_bytes(validated.tensor_bytes)
+        final = self.root / f"{digest}-{secrets.token_hex(4)}"
+        os.rename(staging, final)
+        return dataclasses.replace(validated.adapter, path=str(final))
+
+    def snapshot(self, name: str, src: str | Path, model: ModelConfig, max_rank: int,
+                 stable: bool = True) -> LoraAdapter:
+        """Read, validate and snapshot `src`."""
+        return self.save(self.read(name, src, model, max_rank, stable))
+
+    def owns(self, path: str | Path) -> bool:
+        return Path(path).parent == self.root
+
+    def delete(self, path: str | Path) -> None:
+        """Remove a snapshot of this store (never anything else)."""
+        if not self.owns(path):
+            raise ValueError(f"{path} is not a snapshot in {self.root}")
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class FilesChanged(Exception):

@@ -62,7 +62,6 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     adapter_burst: int = 1
     adapter_quiet_s: float = 0.5  # a changed adapter directory must be quiet this long
     max_swaps_per_s: float = 10.0  # adapter loads into the device pool, hard cap
-    host_adapter_bytes: int = 2 << 30  # worker's host LRU of validated adapters
     adapter_failure_policy: str = "reject"  # or "base": serve base-only, say so
     enable_admin: bool = False
     admin_api_key: str | None = None

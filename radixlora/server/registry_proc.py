@@ -8,7 +8,7 @@ What is published, in this order for each changed sub-directory (sorted by name)
   3. content already published under another name is skipped (skip_reason=duplicate_content),
      content equal to the name's current version is skipped (unchanged);
   4. it waits for a token of the admission bucket (--adapter-rate per second, --adapter-burst),
-     is copied into an immutable content-addressed snapshot, and published (added / updated).
+     is copied into a new immutable snapshot, and published (added / updated).
 A deleted sub-directory is published as removed at once; an invalid one as rejected with a
 reason label, its previous valid version (if any) staying active. Names starting with "." are
 ignored: writers stage an adapter in `.NAME.tmp/` and rename it to `NAME/` (atomic on one file
@@ -34,7 +34,7 @@ from watchdog.observers import Observer
 from radixlora.adapters import check_adapter_name
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, InvalidRequestError
-from radixlora.server.adapter_store import AdapterStore, FilesChanged
+from radixlora.server.adapter_store import AdapterStore, FilesChanged, Validated
 from radixlora.server.args import ServerArgs
 from radixlora.server.ipc import check_local, child_main, send_ready
 from radixlora.server.messages import AdapterEvent
@@ -198,9 +198,10 @@ class RegistryCore:
         """Validate one sub-directory and publish what it became; True if it was admitted."""
         try:
             check_adapter_name(name)
-            adapter = self.store.snapshot(name, self.root / name, self.model_cfg, self.max_rank)
-            if adapter.rank > self.pool_rows:
-                raise AdapterError(name, f"rank {adapter.rank} exceeds the adapter pool "
+            validated = self.store.read(name, self.root / name, self.model_cfg, self.max_rank)
+            rank = validated.adapter.rank
+            if rank > self.pool_rows:
+                raise AdapterError(name, f"rank {rank} exceeds the adapter pool "
                                          f"({self.pool_rows} rows)")
         except FilesChanged:
             self.retry.append(name)
@@ -214,9 +215,12 @@ class RegistryCore:
         except OSError as e:  # unreadable, or deleted while read (its event follows)
             self._reject(name, "unreadable", f"adapter {name!r}: {e}")
             return False
-        return self._publish_version(name, adapter.adapter_id, adapter.path)
+        return self._publish_version(name, validated)
 
-    def _publish_version(self, name: str, adapter_id: str, path: str) -> bool:
+    def _publish_version(self, name: str, validated: Validated) -> bool:
+        """Publish a validated version unless it is unchanged or another name's content; only
+        a published version is snapshotted."""
+        adapter_id = validated.adapter.adapter_id
         current = self.active.get(name)
         if current is not None and current.adapter_id == adapter_id:
             log.debug("adapter %r unchanged", name)
@@ -229,6 +233,11 @@ class RegistryCore:
             return False
         self.duplicates.pop(name, None)
         kind = "updated" if current is not None else "added"
+        try:
+            path = self.store.save(validated).path
+        except OSError as e:
+            self._reject(name, "snapshot_failed", f"adapter {name!r}: no snapshot: {e}")
+            return False
         self.active[name] = Published(adapter_id, path)
         self._emit(kind, name, adapter_id=adapter_id, path=path)
         if current is not None:

@@ -160,8 +160,10 @@ class SchedulerService:
                 self.lifecycle.sweep()
 
     def _in_use(self, adapter_id: str) -> bool:
-        return any(a.adapter_id == adapter_id
-                   for group in self.reqs.values() for a in group[0].adapter_set.adapters)
+        loading = any(load.adapter_id == adapter_id
+                      for msg, _, _ in self.in_flight for load in msg.adapter_loads)
+        return loading or any(a.adapter_id == adapter_id for group in self.reqs.values()
+                              for a in group[0].adapter_set.adapters)
 
     # ---- steps -------------------------------------------------------------------------------
 
@@ -191,6 +193,8 @@ class SchedulerService:
                         result.step)
             return None, []
         _, plan, _ = self.in_flight.popleft()
+        if self.lifecycle.retired:
+            self.lifecycle.sweep()
         if result.error is not None or result.failed_adapters:
             self.scheduler.discard(plan)
             if result.error is not None:

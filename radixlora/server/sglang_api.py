@@ -1,5 +1,7 @@
 """SGLang-native /generate: text or input_ids (one or a batch), sampling_params, lora_path per
-prompt, stream (cumulative text per event, as SGLang's RuntimeEndpoint expects), logprobs."""
+prompt, stream (cumulative text per event, as SGLang's RuntimeEndpoint expects), logprobs.
+With --adapter-failure-policy base, an output served base-only says why in
+meta_info["adapter_fallback"], and a non-streaming response carries FALLBACK_HEADER."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from radixlora.server.http import (
     until_disconnect,
 )
 from radixlora.server.messages import AdapterChoice, GenerateReq, ids_to_bytes
+from radixlora.server.openai_api import FALLBACK_HEADER
 from radixlora.server.protocol import (
     GenerateRequest,
     SglSamplingParams,
@@ -104,7 +107,8 @@ class SglangHandlers:
             for gen in gens
             for s in sorted(gen.samples.values(), key=lambda s: s.index)
         ]
-        return json_response(outs if batched or len(outs) > 1 else outs[0])
+        headers = {FALLBACK_HEADER: "base"} if any(g.fallback for g in gens) else None
+        return json_response(outs if batched or len(outs) > 1 else outs[0], headers=headers)
 
     async def _chunks(self, gens: list[Generation], req, start) -> AsyncIterator[bytes]:
         n = gens[0].n
@@ -167,6 +171,8 @@ def meta_output(gen: Generation, s: Sample, req: GenerateRequest, latency: float
         "cached_tokens": gen.cached_tokens,
         "e2e_latency": latency,
     }
+    if gen.fallback:
+        meta["adapter_fallback"] = gen.fallback
     if gen.req.score_only:  # max_new_tokens 0: the token sampled to finish the step is dropped
         s = Sample(s.index, finish_reason="length", input_logprobs=s.input_logprobs,
                    input_ids=s.input_ids)

@@ -1,13 +1,14 @@
 """The worker process: owns the ModelRunner (weights, KV pool, adapter pool) and executes the
 scheduler's PlanMsgs. Adapters are read from disk by path the first time a plan loads them and
 must hash to the adapter id the scheduler validated; otherwise the step does not run and the
-scheduler fails only the requests that use that adapter."""
+scheduler fails only the requests that use that adapter. Read adapters are kept packed in the
+adapter pool's host tier (AdapterPool.host, --host-adapter-bytes) for later loads."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +17,8 @@ import zmq
 
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError
-from radixlora.lora.adapter import LoraAdapter, load_adapter
+from radixlora.lora.adapter import load_adapter
+from radixlora.lora.host_cache import PackedAdapter
 from radixlora.model_runner import LaunchedStep, ModelRunner
 from radixlora.sampling import SamplingParams
 from radixlora.scheduler import BatchPlan, ScheduledReq
@@ -67,9 +69,6 @@ class WorkerService:
         self.config = args.engine_config()
         self.model_cfg = ModelConfig.from_dir(args.model)
         self.runner = ModelRunner(Path(args.model), self.model_cfg, self.config)
-        # host tier: validated adapters by id, least recently loaded first, within a byte budget
-        self.host_adapters: OrderedDict[str, LoraAdapter] = OrderedDict()
-        self.host_budget = args.host_adapter_bytes
 
     def execute(self, msg: PlanMsg) -> StepResult:
         return self.finish(self.launch(msg))
@@ -124,28 +123,22 @@ class WorkerService:
                 failed[load.adapter_id] = str(e)
         return resolved, failed
 
-    def _host_adapter(self, load: AdapterLoad) -> LoraAdapter:
-        adapter = self.host_adapters.get(load.adapter_id)
-        if adapter is not None:
-            self.host_adapters.move_to_end(load.adapter_id)
-        else:
-            adapter = load_adapter(load.name, load.path, self.model_cfg, self.config.max_rank)
-            if adapter.adapter_id != load.adapter_id:
-                raise AdapterError(
-                    load.name, "its files changed on disk after validation (content hash differs)"
-                )
-            self.host_adapters[load.adapter_id] = adapter
-            self._trim_host()
-        return adapter
-
-    def _trim_host(self) -> None:
-        total = sum(a.nbytes for a in self.host_adapters.values())
-        while total > self.host_budget and len(self.host_adapters) > 1:
-            _, dropped = self.host_adapters.popitem(last=False)
-            total -= dropped.nbytes
+    def _host_adapter(self, load: AdapterLoad) -> PackedAdapter:
+        """The adapter from the host tier, else read from its snapshot and checked to hash to
+        the id the scheduler validated, then packed into the host tier."""
+        pool = self.runner.adapter_pool
+        packed = pool.host.get(load.adapter_id)
+        if packed is not None:
+            return packed
+        adapter = load_adapter(load.name, load.path, self.model_cfg, self.config.max_rank)
+        if adapter.adapter_id != load.adapter_id:
+            raise AdapterError(
+                load.name, "its files changed on disk after validation (content hash differs)"
+            )
+        return pool.host.put(pool.pack(adapter))
 
 
-def to_batch_plan(msg: PlanMsg, loads: list[tuple[LoraAdapter, np.ndarray]]) -> BatchPlan:
+def to_batch_plan(msg: PlanMsg, loads: list[tuple[PackedAdapter, np.ndarray]]) -> BatchPlan:
     items = [
         ScheduledReq(
             PlannedReq(
