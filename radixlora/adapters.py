@@ -3,6 +3,7 @@ AdapterSet. Shared by the offline Engine and the scheduler process."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -15,11 +16,17 @@ MAX_ADAPTER_NAME = 128
 
 
 class AdapterRegistry:
-    def __init__(self, model_cfg: ModelConfig, max_rank: int, max_stacked: int, pool_rows: int):
+    """With keep_weights=False (the scheduler process, which needs only ids and ranks; the
+    worker reads the weights itself) registered adapters are kept without their tensors, so
+    thousands of them cost kilobytes each."""
+
+    def __init__(self, model_cfg: ModelConfig, max_rank: int, max_stacked: int, pool_rows: int,
+                 keep_weights: bool = True):
         self.model_cfg = model_cfg
         self.max_rank = max_rank
         self.max_stacked = max_stacked
         self.pool_rows = pool_rows
+        self.keep_weights = keep_weights
         self.by_name: dict[str, LoraAdapter] = {}
 
     def load(self, name: str, path: str | Path) -> tuple[LoraAdapter, LoraAdapter | None]:
@@ -35,6 +42,8 @@ class AdapterRegistry:
                 f"({self.pool_rows} rows)",
                 param="name",
             )
+        if not self.keep_weights:
+            adapter = dataclasses.replace(adapter, weights={})
         previous = self.by_name.get(adapter.name)
         self.by_name[adapter.name] = adapter
         replaced = previous if previous and previous.adapter_id != adapter.adapter_id else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -177,6 +178,8 @@ def test_churn_under_load(server, env, want):
                  "radixlora_resident_adapter_bytes ",
                  'radixlora_adapter_events_total{kind="updated"}'):
         assert name in text, name
+    host_tier = re.search(r"^radixlora_host_adapters (\S+)$", text, re.M)
+    assert host_tier is not None and float(host_tier.group(1)) >= 1
 
 
 # ---- admission -----------------------------------------------------------------------------------

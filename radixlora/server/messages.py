@@ -136,6 +136,8 @@ class StepResult(Message):
     error: str | None = None  # the step did not run
     load_seconds: list[float] = []  # one per adapter load of the step
     input_logprobs: list[list[float]] | None = None  # per plan item: scored prompt tokens
+    host_adapters: int = 0  # the worker's host tier after the step
+    host_bytes: int = 0
 
 
 # ---- scheduler -> tokenizer -> api -----------------------------------------------------------
@@ -222,7 +224,9 @@ class SchedulerStats(Message):
     adapter_evictions: int = 0  # cumulative
     adapter_load_seconds: list[float] = []  # worker load latencies since the last stats
     resident_adapters: int = 0
-    resident_bytes: int = 0  # fp32 host bytes of the resident adapters' weights
+    resident_bytes: int = 0  # device pool bytes of the resident adapters' rows
+    host_adapters: int = 0  # adapters in the worker's pinned host tier
+    host_bytes: int = 0
     swaps_waiting: int = 0  # requests held back by the swap cap at the last step
 
 

@@ -64,7 +64,11 @@ class Metrics:
         self.resident_adapters = Gauge("radixlora_resident_adapters",
                                        "Adapters resident in the device pool", registry=r)
         self.resident_bytes = Gauge("radixlora_resident_adapter_bytes",
-                                    "Weight bytes (fp32) of the resident adapters", registry=r)
+                                    "Device pool bytes of the resident adapters", registry=r)
+        self.host_adapters = Gauge("radixlora_host_adapters",
+                                   "Adapters in the worker's pinned host tier", registry=r)
+        self.host_bytes = Gauge("radixlora_host_adapter_bytes",
+                                "Bytes of the worker's pinned host tier", registry=r)
         self.swaps_waiting = Gauge("radixlora_adapter_swaps_waiting",
                                    "Requests held back by the swap cap at the last step",
                                    registry=r)
@@ -122,6 +126,8 @@ class Metrics:
             self.adapter_load_latency.observe(seconds)
         self.resident_adapters.set(stats.resident_adapters)
         self.resident_bytes.set(stats.resident_bytes)
+        self.host_adapters.set(stats.host_adapters)
+        self.host_bytes.set(stats.host_bytes)
         self.swaps_waiting.set(stats.swaps_waiting)
 
     def render(self) -> bytes:

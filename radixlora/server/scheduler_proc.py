@@ -18,6 +18,7 @@ import zmq
 from radixlora.adapters import AdapterRegistry
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
+from radixlora.lora.pool import AdapterPool
 from radixlora.model.loader import base_version
 from radixlora.request import (
     AdapterSet,
@@ -73,7 +74,10 @@ class SchedulerService:
             self.scheduler.swap_bucket = TokenBucket(args.max_swaps_per_s,
                                                      max(1, math.ceil(args.max_swaps_per_s)))
         self.adapters = AdapterRegistry(self.model_cfg, self.config.max_rank,
-                                        self.config.max_stacked, self.config.adapter_rows)
+                                        self.config.max_stacked, self.config.adapter_rows,
+                                        keep_weights=False)
+        self.row_bytes = AdapterPool.bytes_per_row(self.model_cfg,
+                                                   self.config.torch_dtype(self.model_cfg))
         for name, path in args.adapters.items():
             self.adapters.load(name, path)
         self.policy = args.adapter_failure_policy
@@ -90,6 +94,7 @@ class SchedulerService:
         self.max_in_flight = 2 if self.config.overlap_schedule else 1
         self.num_steps = 0
         self.num_overlapped = 0  # steps planned while the previous one was still running
+        self.host_tier = (0, 0)  # (adapters, bytes) in the worker's host tier, last reported
 
     # ---- intake ------------------------------------------------------------------------------
 
@@ -204,6 +209,7 @@ class SchedulerService:
         if result.top_ids is not None:
             top = [list(zip(i, lp)) for i, lp in zip(result.top_ids, result.top_logprobs)]
         self.num_loads += len(plan.adapter_loads)
+        self.host_tier = (result.host_adapters, result.host_bytes)
         self.load_seconds += result.load_seconds
         tokens = bytes_to_ids(result.token_ids).tolist()
         sampled = [item.req for item in plan.items if item.sample and self.scheduler.is_live(item)]
@@ -281,8 +287,11 @@ class SchedulerService:
             adapter_evictions=sched.residency.num_evictions,
             adapter_load_seconds=self._take_load_seconds(),
             resident_adapters=len(sched.residency.resident),
-            resident_bytes=sum(e.adapter.nbytes for e in sched.residency.resident.values()),
+            resident_bytes=self.row_bytes * sum(len(e.rows)
+                                                for e in sched.residency.resident.values()),
             swaps_waiting=sched.num_swap_deferred,
+            host_adapters=self.host_tier[0],
+            host_bytes=self.host_tier[1],
         )
 
     def _take_load_seconds(self) -> list[float]:

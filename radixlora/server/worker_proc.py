@@ -106,6 +106,8 @@ class WorkerService:
             top_logprobs=top_lp,
             load_seconds=step.load_seconds,
             input_logprobs=out.input_logprobs,
+            host_adapters=len(self.runner.adapter_pool.host),
+            host_bytes=self.runner.adapter_pool.host.nbytes,
         )
 
     def _error(self, step: int, e: Exception) -> InFlight:
