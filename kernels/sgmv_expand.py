@@ -104,7 +104,7 @@ def _sgmv_expand_kernel(
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=y_mask)
 
 
-def _check_offsets(out_offsets: Sequence[int], n_slices: int, out_total: int) -> list[int]:
+def check_offsets(out_offsets: Sequence[int], n_slices: int, out_total: int) -> list[int]:
     off = [int(o) for o in out_offsets]
     if not 1 <= n_slices <= _MAX_SLICES or len(off) != n_slices + 1:
         raise ValueError(
@@ -116,7 +116,7 @@ def _check_offsets(out_offsets: Sequence[int], n_slices: int, out_total: int) ->
     return off
 
 
-def _check_expand_args(v: torch.Tensor, b_pool: torch.Tensor, y: torch.Tensor) -> None:
+def check_expand_args(v: torch.Tensor, b_pool: torch.Tensor, y: torch.Tensor) -> None:
     if v.dim() != 3 or b_pool.dim() != 2 or y.dim() != 2:
         raise ValueError(
             f"expected v [n_slices, T, max_rows], b_pool [num_rows, out_total], y [T, out_total], "
@@ -170,10 +170,10 @@ def sgmv_expand(
         y: [T, out_total], float16/bfloat16/float32, updated in place.
         max_seg_len: int | None, >= t1 - t0 for every segment (None: T); sizes the grid only.
     """
-    _check_expand_args(v, b_pool, y)
+    check_expand_args(v, b_pool, y)
     check_batch_meta(seg_indptr, row_indptr, row_ids, v.device)
     n_slices, num_tokens, max_rows = v.shape
-    off = _check_offsets(out_offsets, n_slices, b_pool.shape[1])
+    off = check_offsets(out_offsets, n_slices, b_pool.shape[1])
     num_segments = seg_indptr.numel() - 1
     if num_segments == 0 or num_tokens == 0 or max_rows == 0 or row_ids.numel() == 0:
         return

@@ -141,7 +141,7 @@ def check_batch_meta(
             raise ValueError(f"{name} is on {t.device}, expected {device}")
 
 
-def _check_shrink_args(
+def check_shrink_args(
     x: torch.Tensor, a_pool: torch.Tensor, max_rows: int, split_k: int | None
 ) -> None:
     if x.dim() != 2 or a_pool.dim() != 3:
@@ -235,7 +235,7 @@ def sgmv_shrink(
     Returns:
         v: [n_slices, T, max_rows] float32, zero beyond each segment's rows and outside segments.
     """
-    _check_shrink_args(x, a_pool, max_rows, split_k)
+    check_shrink_args(x, a_pool, max_rows, split_k)
     check_batch_meta(seg_indptr, row_indptr, row_ids, x.device, row_scales)
     n_slices, num_tokens, in_dim = a_pool.shape[0], x.shape[0], x.shape[1]
     v = _zeroed_output(out, (n_slices, num_tokens, max_rows), x.device)
