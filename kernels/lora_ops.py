@@ -281,10 +281,10 @@ class TritonLoraBackend(LoraBackend):
 
     def apply(self, x, y, a_pool, b_pool, out_offsets, meta) -> None:
         _check_tokens(x, y, meta)
-        if meta.num_rows == 0:
-            return
         if meta.groups is not None:
             self._apply_grouped(x, y, a_pool, b_pool, out_offsets, meta)
+            return
+        if meta.num_rows == 0:
             return
         index = (meta.seg_indptr, meta.row_indptr, meta.row_ids)
         v = self._shrink(
