@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 GROUPED_MAX_SEG_LEN = 16  # from_segments groups batches whose segments are all this short
+GROUP_TOKENS = 32  # tokens per group at most: a popular set's tokens split into several groups
 
 
 @dataclass(frozen=True)
@@ -17,8 +18,11 @@ class LoraGroups:
     """The batch's tokens grouped by distinct adapter set: group g owns the rank rows
     row_ids[row_indptr[g]:row_indptr[g + 1]] and the tokens
     token_ids[group_indptr[g]:group_indptr[g + 1]] (any order, no token in two groups; tokens
-    with no adapter are in no group). Only the first num_groups groups are used, so static
-    buffers sized by a batch bucket serve any mix."""
+    with no adapter are in no group). A set with more than GROUP_TOKENS tokens is split into
+    several groups with the same rows, so one popular adapter's tokens spread over programs
+    instead of serialising in one program's token loop; there are never more groups than
+    tokens. Only the first num_groups groups are used, so static buffers sized by a batch
+    bucket serve any mix."""
 
     num_groups: torch.Tensor  # [1] int32
     group_indptr: torch.Tensor  # [G + 1] int32, offsets into token_ids
@@ -37,23 +41,33 @@ class HostGroups:
     first_seg: np.ndarray  # [G] int64, a segment of each group (its rows are the group's)
 
     @classmethod
-    def build(cls, seg_lens: Sequence[int], seg_sets: Sequence[int]) -> HostGroups:
-        """seg_sets[s]: adapter-set id of segment s (any ints; < 0: no adapter). Vectorised:
-        no Python work per token."""
+    def build(
+        cls, seg_lens: Sequence[int], seg_sets: Sequence[int], max_tokens: int = GROUP_TOKENS
+    ) -> HostGroups:
+        """seg_sets[s]: adapter-set id of segment s (any ints; < 0: no adapter); groups hold
+        at most max_tokens tokens. Vectorised: no Python work per token."""
         lens = np.asarray(seg_lens, dtype=np.int64)
         sets = np.asarray(seg_sets, dtype=np.int64)
         used = np.flatnonzero(sets >= 0)
-        labels, first, seg_group = np.unique(sets[used], return_index=True, return_inverse=True)
-        group_of_seg = np.full(len(sets), -1, np.int64)
-        group_of_seg[used] = seg_group
-        token_group = np.repeat(group_of_seg, lens)
-        tokens = np.flatnonzero(token_group >= 0)
-        order = np.argsort(token_group[tokens], kind="stable")
-        counts = np.bincount(token_group[tokens], minlength=len(labels))
+        labels, first, seg_set = np.unique(sets[used], return_index=True, return_inverse=True)
+        set_of_seg = np.full(len(sets), -1, np.int64)
+        set_of_seg[used] = seg_set.reshape(-1)
+        token_set = np.repeat(set_of_seg, lens)
+        tokens = np.flatnonzero(token_set >= 0)
+        order = np.argsort(token_set[tokens], kind="stable")
+        sorted_sets = token_set[tokens][order]
+        per_set = np.bincount(sorted_sets, minlength=len(labels))
+        set_start = np.cumsum(per_set) - per_set
+        groups_per_set = -(-per_set // max_tokens)
+        group_start = np.cumsum(groups_per_set) - groups_per_set
+        rank_in_set = np.arange(len(sorted_sets)) - set_start[sorted_sets]
+        group_of_token = group_start[sorted_sets] + rank_in_set // max_tokens
+        per_group = np.bincount(group_of_token, minlength=int(groups_per_set.sum()))
+        set_of_group = np.repeat(np.arange(len(labels)), groups_per_set)
         return cls(
-            group_indptr=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+            group_indptr=np.concatenate([[0], np.cumsum(per_group)]).astype(np.int64),
             token_ids=tokens[order],
-            first_seg=used[first],
+            first_seg=used[first][set_of_group],
         )
 
     @property

@@ -197,6 +197,7 @@ def _grouped_expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ONE_ROW_TILE: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
     num_items = tl.load(num_groups_ptr) * items_per_group
@@ -213,34 +214,68 @@ def _grouped_expand_kernel(
         m1 = tl.load(group_indptr_ptr + group + 1)
         r0 = tl.load(row_indptr_ptr + group)
         num_rows = tl.minimum(tl.load(row_indptr_ptr + group + 1) - r0, max_rows)
-        for m in range(m0, tl.where((num_rows > 0) & (n_start < col_hi), m1, m0), BLOCK_M):
-            offs_m = m + tl.arange(0, BLOCK_M)
-            m_mask = offs_m < m1
-            tokens = tl.load(token_ids_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-            v_base = v_ptr + slice_id * stride_vs + tokens[:, None] * stride_vt
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for j in range(0, num_rows, BLOCK_R):
-                offs_j = j + tl.arange(0, BLOCK_R)
-                j_mask = offs_j < num_rows
-                rows = tl.load(row_ids_ptr + r0 + offs_j, mask=j_mask, other=0).to(tl.int64)
+        m_end = tl.where((num_rows > 0) & (n_start < col_hi), m1, m0)
+        v_slice = v_ptr + slice_id * stride_vs
+        if ONE_ROW_TILE:  # the B tile is loaded once and serves every token block
+            offs_j = tl.arange(0, BLOCK_R)
+            j_mask = offs_j < num_rows
+            rows = tl.load(row_ids_ptr + r0 + offs_j, mask=j_mask, other=0).to(tl.int64)
+            b = _load_b_tile(b_ptr, rows, j_mask, offs_n, n_mask, stride_br, stride_bn)
+            for m in range(m0, m_end, BLOCK_M):
+                offs_m = m + tl.arange(0, BLOCK_M)
+                m_mask = offs_m < m1
+                tokens = tl.load(token_ids_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
                 v = tl.load(
-                    v_base + offs_j[None, :] * stride_vr,
+                    v_slice + tokens[:, None] * stride_vt + offs_j[None, :] * stride_vr,
                     mask=m_mask[:, None] & j_mask[None, :],
                     other=0.0,
                 )
-                b = tl.load(
-                    b_ptr + rows[:, None] * stride_br + offs_n[None, :] * stride_bn,
-                    mask=j_mask[:, None] & n_mask[None, :],
-                    other=0.0,
-                )
-                if FP32_DOT:
-                    acc += tl.dot(v, b.to(tl.float32), input_precision="ieee")
-                else:
-                    acc += tl.dot(v.to(b.dtype), b)
-            y_ptrs = y_ptr + tokens[:, None] * stride_yt + offs_n[None, :] * stride_yn
-            y_mask = m_mask[:, None] & n_mask[None, :]
-            y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-            tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=y_mask)
+                acc = _dot_vb(v, b, FP32_DOT)
+                _add_to_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn)
+        else:
+            for m in range(m0, m_end, BLOCK_M):
+                offs_m = m + tl.arange(0, BLOCK_M)
+                m_mask = offs_m < m1
+                tokens = tl.load(token_ids_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for j in range(0, num_rows, BLOCK_R):
+                    offs_j = j + tl.arange(0, BLOCK_R)
+                    j_mask = offs_j < num_rows
+                    rows = tl.load(row_ids_ptr + r0 + offs_j, mask=j_mask, other=0).to(tl.int64)
+                    v = tl.load(
+                        v_slice + tokens[:, None] * stride_vt + offs_j[None, :] * stride_vr,
+                        mask=m_mask[:, None] & j_mask[None, :],
+                        other=0.0,
+                    )
+                    b = _load_b_tile(b_ptr, rows, j_mask, offs_n, n_mask, stride_br, stride_bn)
+                    acc += _dot_vb(v, b, FP32_DOT)
+                _add_to_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn)
+
+
+@triton.jit
+def _load_b_tile(b_ptr, rows, j_mask, offs_n, n_mask, stride_br, stride_bn):
+    return tl.load(
+        b_ptr + rows[:, None] * stride_br + offs_n[None, :] * stride_bn,
+        mask=j_mask[:, None] & n_mask[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _dot_vb(v, b, FP32_DOT: tl.constexpr):
+    if FP32_DOT:
+        out = tl.dot(v, b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(v.to(b.dtype), b)
+    return out
+
+
+@triton.jit
+def _add_to_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn):
+    y_ptrs = y_ptr + tokens[:, None] * stride_yt + offs_n[None, :] * stride_yn
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=y_mask)
 
 
 def check_groups(
@@ -409,6 +444,6 @@ def grouped_expand(
         v.stride(0), v.stride(1), v.stride(2),
         b_pool.stride(0), b_pool.stride(1),
         y.stride(0), y.stride(1),
-        BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_N=block_n,
+        BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_N=block_n, ONE_ROW_TILE=max_rows <= block_r,
         FP32_DOT=fp32_dot(b_pool.dtype, b_pool.device), num_warps=tuning.num_warps,
     )  # fmt: skip

@@ -75,10 +75,10 @@ class StaticInputs:
         self.no_seg_rows = torch.zeros(n + 1, **i32)
         self.no_rows = torch.zeros(0, **i32)
         self.num_groups = torch.zeros(1, **i32)
-        self.group_indptr = torch.zeros(n + 1, **i32)
+        self.group_indptr = torch.zeros(t + 1, **i32)  # groups never outnumber tokens
         self.group_tokens = torch.zeros(t, **i32)
-        rows = n * self.row_buckets[-1] + 1
-        self.row_indptr = {g: torch.zeros(n + 1, **i32) for g in MODULE_GROUPS}
+        rows = t * self.row_buckets[-1] + 1
+        self.row_indptr = {g: torch.zeros(t + 1, **i32) for g in MODULE_GROUPS}
         self.row_ids = {g: torch.zeros(rows, **i32) for g in MODULE_GROUPS}
         self.row_scales = {
             g: torch.zeros(rows, dtype=torch.float32, device=dev) for g in MODULE_GROUPS
@@ -150,7 +150,7 @@ class StaticInputs:
         )
         lora = None
         if rows:
-            n = b * rows + 1
+            n = t * rows + 1
             metas = {
                 g: LoraBatchMeta(
                     self.qo_indptr[: b + 1],
@@ -163,9 +163,9 @@ class StaticInputs:
                     t - b + 1,
                     LoraGroups(
                         self.num_groups,
-                        self.group_indptr[: b + 1],
+                        self.group_indptr[: t + 1],
                         self.group_tokens[:t],
-                        self.row_indptr[g][: b + 1],
+                        self.row_indptr[g][: t + 1],
                         self.row_ids[g][:n],
                         self.row_scales[g][:n],
                     ),

@@ -33,11 +33,14 @@ from bench_common import time_us  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `kernels` without installing
 from kernels.lora_ops import (  # noqa: E402
+    GROUP_TOKENS,
+    HostGroups,
     LoraBackend,
     LoraBatchMeta,
     LoraGroups,
     TorchLoraBackend,
     TritonLoraBackend,
+    sets_of_segments,
 )
 from kernels.sgmv_expand import sgmv_expand  # noqa: E402
 from kernels.sgmv_grouped import DEFAULT_TUNING, GroupedTuning  # noqa: E402
@@ -82,14 +85,15 @@ class BenchConfig:
 FULL = BenchConfig(LayerShape(4096, 14336, 32, 8, 128), 64, 16, 5, torch.bfloat16, "cuda",
                    256, (16, 64))  # fmt: skip
 SMOKE = BenchConfig(LayerShape(64, 96, 4, 2, 16), 6, 4, 3, torch.bfloat16, "cpu", 12, (3, 6))
-TUNING_SWEEP = [
-    dataclasses.replace(DEFAULT_TUNING, **change)
-    for change in (
-        {"k_chunk": 512}, {"k_chunk": 2048}, {"k_chunk": 4096}, {"block_k": 64},
-        {"block_k": 256}, {"block_n": 128}, {"block_n": 512}, {"programs_per_sm": 4},
-        {"programs_per_sm": 16}, {"programs_per_sm": 0}, {"num_warps": 8},
-    )
-]  # fmt: skip
+
+def tunings(*changes: dict) -> list[GroupedTuning]:
+    return [dataclasses.replace(DEFAULT_TUNING, **c) for c in changes]
+
+
+TUNING_SWEEP = tunings({"k_chunk": 512}, {"k_chunk": 2048}, {"block_n": 128}, {"block_n": 512},
+                       {"programs_per_sm": 16})  # fmt: skip
+WIDE_ROWS_SWEEP = tunings({"block_n": 128}, {"k_chunk": 2048}, {"block_n": 128, "k_chunk": 2048})
+GROUP_TOKENS_SWEEP = (16, 64, 256)
 
 
 @dataclass
@@ -179,23 +183,28 @@ def seg_rows_of(sc: Scenario, adapter_rows: list[list[int]]) -> list[list[int]]:
 
 
 def build_meta(
-    sc: Scenario, adapter_rows: list[list[int]], device: str, grouped: bool
+    sc: Scenario, adapter_rows: list[list[int]], device: str, group_tokens: int | None
 ) -> LoraBatchMeta:
-    """One single-token segment per request; grouped: with the groups padded to the batch size,
-    as a CUDA graph's static buffers are (at most one group per request)."""
+    """One single-token segment per request; grouped (group_tokens not None): groups of at most
+    group_tokens tokens, padded to the batch size as a CUDA graph's static buffers are."""
     seg_scales = [[w for a, w in s for _ in adapter_rows[a]] for s in sc.sets]
     seg_lens = [1] * len(sc.sets)
     seg_rows = seg_rows_of(sc, adapter_rows)
-    meta = LoraBatchMeta.from_segments(seg_lens, seg_rows, seg_scales, device, grouped=grouped)
-    if not grouped:
+    meta = LoraBatchMeta.from_segments(seg_lens, seg_rows, seg_scales, device, grouped=False)
+    if group_tokens is None:
         return meta
-    g = meta.groups
+    host = HostGroups.build(seg_lens, sets_of_segments(seg_rows, seg_scales), group_tokens)
+    g = host.to_device(seg_rows, seg_scales, device)
     pad = len(sc.sets) + 1 - g.group_indptr.numel()
     tail = g.group_indptr[-1:].repeat(pad)
     padded = LoraGroups(g.num_groups, torch.cat([g.group_indptr, tail]), g.token_ids,
                         torch.cat([g.row_indptr, g.row_indptr[-1:].repeat(pad)]),
                         g.row_ids, g.row_scales)  # fmt: skip
     return dataclasses.replace(meta, groups=padded)
+
+
+def meta_variants(sc, adapter_rows, device, group_tokens) -> dict[int | None, LoraBatchMeta]:
+    return {n: build_meta(sc, adapter_rows, device, n) for n in (None, GROUP_TOKENS, *group_tokens)}
 
 
 def layer_fn(backend: LoraBackend, projs, ys, meta) -> Callable[[], None]:
@@ -253,26 +262,28 @@ def tuning_label(t: GroupedTuning) -> str:
     return "grouped " + ",".join(changed)
 
 
-def bench_scenario(cfg: BenchConfig, sc: Scenario, sweep: bool, baselines: bool) -> list[Result]:
+def bench_scenario(cfg: BenchConfig, sc: Scenario, sweep: list[GroupedTuning],
+                   group_tokens: tuple[int, ...], baselines: bool) -> list[Result]:  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     adapter_rows = scattered_rows(sc.num_adapters, sc.rank, gen)
     projs = build_projections(cfg, sc.num_adapters * sc.rank + SPARE_ROWS, len(sc.sets))
-    per_request = build_meta(sc, adapter_rows, cfg.device, grouped=False)
-    grouped = build_meta(sc, adapter_rows, cfg.device, grouped=True)
+    metas = meta_variants(sc, adapter_rows, cfg.device, group_tokens)
+    per_request, grouped = metas[None], metas[GROUP_TOKENS]
     distinct_rows = len({r for rows in seg_rows_of(sc, adapter_rows) for r in rows})
     bytes_read = sum(p.adapter_bytes(distinct_rows) for p in projs)
     variants: list[tuple[str, LoraBackend, LoraBatchMeta]] = [
         ("grouped", TritonLoraBackend(), grouped),
         ("sgmv per-request", TritonLoraBackend(), per_request),
     ]
-    if sweep:
-        variants += [(tuning_label(t), TritonLoraBackend(tuning=t), grouped) for t in TUNING_SWEEP]
+    variants += [(tuning_label(t), TritonLoraBackend(tuning=t), grouped) for t in sweep]
+    variants += [(f"grouped group_tokens={n}", TritonLoraBackend(), metas[n])
+                 for n in group_tokens]  # fmt: skip
     if baselines:
         variants += [("naive gather+bmm", NaiveBmmBackend(), per_request),
                      ("torch masked", TorchLoraBackend(), per_request)]  # fmt: skip
     run = [bench_variant(sc.name, v, b, projs, m, bytes_read, cfg.device)
            for v, b, m in variants]  # fmt: skip
-    if sweep:
+    if baselines:
         run[1].extra = per_kernel_breakdown(projs, per_request, cfg.device)
     return run
 
@@ -341,7 +352,11 @@ def main() -> None:
     results = [bench_base_gemms(cfg)]
     for i, sc in enumerate(scenarios(cfg)):
         zipf_many = sc.name.startswith("zipf") and sc.num_adapters == max(cfg.zipf_adapters)
-        results += bench_scenario(cfg, sc, sweep=i == 0 or zipf_many, baselines=i == 0)
+        wide_rows = sc.rank * len(sc.sets[0]) > 32
+        sweep = TUNING_SWEEP if i == 0 or zipf_many else WIDE_ROWS_SWEEP if wide_rows else []
+        duplicates = sc.name.startswith(("zipf", "identical"))
+        results += bench_scenario(cfg, sc, sweep, GROUP_TOKENS_SWEEP if duplicates else (),
+                                  baselines=i == 0)  # fmt: skip
     ratio = stack_ratio(results, cfg)
     if out_dir := os.environ.get("OUT"):
         payload = {"config": {**asdict(cfg), "dtype": str(cfg.dtype)}, "env": environment(cfg),

@@ -454,6 +454,16 @@ def test_host_groups_gather_tokens_by_set_without_reordering_segments():
     assert scales.tolist() == [1.0, 1.0, 0.5]
 
 
+def test_host_groups_split_popular_sets_and_drop_empty_ones():
+    host = HostGroups.build([1] * 7 + [0], [0, 1, 0, 0, 2, 0, 0, 5], max_tokens=2)
+    assert host.group_indptr.tolist() == [0, 2, 4, 5, 6, 7]  # set 0: 5 tokens in 3 groups
+    assert host.token_ids.tolist() == [0, 2, 3, 5, 6, 1, 4]
+    assert host.first_seg.tolist() == [0, 0, 0, 1, 4]  # set 5 has no token: no group
+    row_indptr, row_ids, _ = host.rows([[3, 4]] * 8, [[1.0, 1.0]] * 8)
+    assert row_indptr.tolist() == [0, 2, 4, 6, 8, 10]
+    assert HostGroups.build([1, 1], [-1, -1]).num_groups == 0
+
+
 def test_from_segments_groups_decode_batches_and_keeps_segments_for_prefill():
     rows, scales = [[5, 1], [9], [5, 1], []], [[1.0, 1.0], [0.5], [1.0, 1.0], []]
     meta = LoraBatchMeta.from_segments([1, 1, 1, 1], rows, scales, "cpu")
