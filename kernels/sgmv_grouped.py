@@ -35,6 +35,7 @@ class GroupedTuning:
     block_m: int = 16  # tokens per step of a group's token loop
     programs_per_sm: int = 8  # persistent programs per SM (0: one program per work item)
     num_warps: int = 4
+    num_stages: int = 3  # software pipelining depth of the shrink's in_dim loop
 
 
 DEFAULT_TUNING = GroupedTuning()
@@ -387,6 +388,7 @@ def grouped_shrink(
         v.stride(0), v.stride(1), v.stride(2),
         ATOMIC=split_k > 1, BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         FP32_DOT=fp32_dot(x.dtype, x.device), num_warps=tuning.num_warps,
+        num_stages=tuning.num_stages,
     )  # fmt: skip
     return v
 

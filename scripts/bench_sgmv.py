@@ -91,7 +91,8 @@ def tunings(*changes: dict) -> list[GroupedTuning]:
 
 
 TUNING_SWEEP = tunings({"k_chunk": 512}, {"k_chunk": 2048}, {"block_n": 128}, {"block_n": 512},
-                       {"programs_per_sm": 16})  # fmt: skip
+                       {"programs_per_sm": 16}, {"num_stages": 2}, {"num_stages": 4},
+                       {"block_m": 32})  # fmt: skip
 WIDE_ROWS_SWEEP = tunings({"block_n": 128}, {"k_chunk": 2048}, {"block_n": 128, "k_chunk": 2048})
 GROUP_TOKENS_SWEEP = (16, 64, 256)
 
