@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 GROUPED_MAX_SEG_LEN = 16  # from_segments groups batches whose segments are all this short
-GROUP_TOKENS = 32  # tokens per group at most: a popular set's tokens split into several groups
+GROUP_TOKENS = 16  # tokens per group at most: a popular set's tokens split into several groups
 
 
 @dataclass(frozen=True)
@@ -284,6 +284,7 @@ class TritonLoraBackend(LoraBackend):
     name = "triton"
 
     def __init__(self, split_k: int | None = None, tuning=None) -> None:
+        """tuning: launch parameters of the grouped kernels (None: chosen by rank width)."""
         # Imported here so the torch backend works where triton is absent.
         from . import sgmv_grouped
         from .sgmv_expand import sgmv_expand
@@ -291,7 +292,7 @@ class TritonLoraBackend(LoraBackend):
 
         self._shrink, self._expand, self.split_k = sgmv_shrink, sgmv_expand, split_k
         self._grouped = sgmv_grouped
-        self.tuning = tuning or sgmv_grouped.DEFAULT_TUNING
+        self.tuning = tuning
 
     def apply(self, x, y, a_pool, b_pool, out_offsets, meta) -> None:
         _check_tokens(x, y, meta)
@@ -309,11 +310,12 @@ class TritonLoraBackend(LoraBackend):
 
     def _apply_grouped(self, x, y, a_pool, b_pool, out_offsets, meta) -> None:
         g = meta.groups
+        tuning = self.tuning or self._grouped.tuning_for_rows(meta.max_rows)
         index = (g.num_groups, g.group_indptr, g.token_ids, g.row_indptr, g.row_ids)
         v = self._grouped.grouped_shrink(
-            x, a_pool, *index, g.row_scales, meta.max_rows, tuning=self.tuning
+            x, a_pool, *index, g.row_scales, meta.max_rows, tuning=tuning
         )
-        self._grouped.grouped_expand(v, b_pool, out_offsets, *index, y, tuning=self.tuning)
+        self._grouped.grouped_expand(v, b_pool, out_offsets, *index, y, tuning=tuning)
 
 
 def _check_tokens(x: torch.Tensor, y: torch.Tensor, meta: LoraBatchMeta) -> None:

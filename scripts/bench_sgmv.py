@@ -93,8 +93,8 @@ def tunings(*changes: dict) -> list[GroupedTuning]:
 TUNING_SWEEP = tunings({"k_chunk": 512}, {"k_chunk": 2048}, {"block_n": 128}, {"block_n": 512},
                        {"programs_per_sm": 16}, {"num_stages": 2}, {"num_stages": 4},
                        {"block_m": 32})  # fmt: skip
-WIDE_ROWS_SWEEP = tunings({"block_n": 128}, {"k_chunk": 2048}, {"block_n": 128, "k_chunk": 2048})
-GROUP_TOKENS_SWEEP = (16, 64, 256)
+WIDE_ROWS_SWEEP = [DEFAULT_TUNING, *tunings({"block_n": 128}, {"k_chunk": 2048})]
+GROUP_TOKENS_SWEEP = (32, 64, 256)
 
 
 @dataclass
@@ -260,7 +260,7 @@ def bench_variant(scenario, variant, backend, projs, meta, bytes_read, device) -
 def tuning_label(t: GroupedTuning) -> str:
     changed = [f"{f.name}={getattr(t, f.name)}" for f in dataclasses.fields(t)
                if getattr(t, f.name) != getattr(DEFAULT_TUNING, f.name)]  # fmt: skip
-    return "grouped " + ",".join(changed)
+    return "grouped " + (",".join(changed) or "narrow-row tuning")
 
 
 def bench_scenario(cfg: BenchConfig, sc: Scenario, sweep: list[GroupedTuning],
