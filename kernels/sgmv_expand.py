@@ -12,7 +12,7 @@ import triton.language as tl
 from .sgmv_shrink import check_batch_meta, fp32_dot, pow2_block
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_SLICES = 3
+MAX_SLICES = 3
 
 
 def sgmv_expand_ref(
@@ -106,9 +106,9 @@ def _sgmv_expand_kernel(
 
 def check_offsets(out_offsets: Sequence[int], n_slices: int, out_total: int) -> list[int]:
     off = [int(o) for o in out_offsets]
-    if not 1 <= n_slices <= _MAX_SLICES or len(off) != n_slices + 1:
+    if not 1 <= n_slices <= MAX_SLICES or len(off) != n_slices + 1:
         raise ValueError(
-            f"out_offsets must have n_slices + 1 entries with 1 <= n_slices <= {_MAX_SLICES}, "
+            f"out_offsets must have n_slices + 1 entries with 1 <= n_slices <= {MAX_SLICES}, "
             f"got {off} for n_slices={n_slices}"
         )
     if off[0] != 0 or off[-1] != out_total or any(b < a for a, b in pairwise(off)):
@@ -185,7 +185,7 @@ def sgmv_expand(
     block_n = pow2_block(widest, 16, 128)
     num_col_tiles = triton.cdiv(max(widest, 1), block_n)
     tiles = triton.cdiv(max(seg_len, 1), block_t) * n_slices * num_col_tiles
-    off += [off[-1]] * (_MAX_SLICES + 1 - len(off))
+    off += [off[-1]] * (MAX_SLICES + 1 - len(off))
 
     _sgmv_expand_kernel[(tiles, num_segments)](
         v, b_pool, y, seg_indptr, row_indptr, row_ids,

@@ -1,12 +1,19 @@
-"""Grouped SGMV for decode-scale batches: the LoRA work is split by distinct adapter set
-("group"), not by request. A group owns its rank rows (a stack of k adapters is one group) and a
-list of token indices; each program takes (group, tile) work items and loops over the group's
-tokens BLOCK_M at a time, so an adapter's rows are read once per group per step and the grid
-depends on neither group lengths nor batch order (one graph serves every adapter mix).
+"""Grouped SGMV for decode-scale batches: the LoRA work is split by distinct adapter set, not
+by request. A group owns its rank rows (a stack of k adapters is one group) and a list of token
+indices (a gather: activations are not reordered); each program takes (group, tile) work items
+and loops over the group's tokens BLOCK_M at a time, so a set's rows are read once per group
+per step and the grid depends on neither group lengths nor batch order (one graph serves every
+adapter mix). The metadata splits a popular set's tokens into groups of at most 16
+(kernels.lora_ops.GROUP_TOKENS): one program looping over 50 tokens serialises (measured, see
+docs/PERF.md run 7).
 
 Programs are persistent: a fixed number of programs strides over the num_groups * tiles work
 items, num_groups being read on the device, so groups a CUDA-graph bucket holds but a step does
-not use cost no thread blocks."""
+not use cost no thread blocks.
+
+Long prefill segments keep the per-segment kernels (sgmv_shrink/sgmv_expand), whose grid tiles
+a segment's tokens: grouping pays where a set's tokens are few and scattered (decode, short
+extends under graphs), not for one 2k-token prompt."""
 
 from __future__ import annotations
 
@@ -18,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .sgmv_expand import _MAX_SLICES, check_expand_args, check_offsets
-from .sgmv_shrink import _sm_count, check_shrink_args, fp32_dot, pow2_block
+from .sgmv_expand import MAX_SLICES, check_expand_args, check_offsets
+from .sgmv_shrink import check_shrink_args, fp32_dot, pow2_block, sm_count
 
 _CPU_PROGRAMS = 3  # the interpreter runs programs one by one: a few exercise the striding
 
@@ -329,7 +336,7 @@ def _num_programs(max_items: int, device: torch.device, tuning: GroupedTuning) -
         return max(1, min(max_items, _CPU_PROGRAMS))
     if tuning.programs_per_sm == 0:
         return max(1, max_items)
-    return max(1, min(max_items, tuning.programs_per_sm * _sm_count(device.index)))
+    return max(1, min(max_items, tuning.programs_per_sm * sm_count(device.index)))
 
 
 def grouped_shrink(
@@ -445,7 +452,7 @@ def grouped_expand(
     num_col_tiles = triton.cdiv(max(widest, 1), block_n)
     items_per_group = n_slices * num_col_tiles
     programs = _num_programs(max_groups * items_per_group, v.device, tuning)
-    off += [off[-1]] * (_MAX_SLICES + 1 - len(off))
+    off += [off[-1]] * (MAX_SLICES + 1 - len(off))
     _grouped_expand_kernel[(programs,)](
         v, b_pool, y, num_groups, group_indptr, token_ids, row_indptr, row_ids,
         max_rows, off[1], off[2], off[3], num_col_tiles, items_per_group,

@@ -173,14 +173,14 @@ def fp32_dot(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 @functools.cache
-def _sm_count(device_index: int | None) -> int:
+def sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _default_split_k(base_programs: int, in_dim: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 1
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device.index), max(base_programs, 1))
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device.index), max(base_programs, 1))
     return max(1, min(wanted, triton.cdiv(in_dim, 2 * _MAX_BLOCK_K)))
 
 
