@@ -6,7 +6,114 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+GROUPED_MAX_SEG_LEN = 16  # from_segments groups batches whose segments are all this short
+GROUP_TOKENS = 16  # tokens per group at most: a popular set's tokens split into several groups
+
+
+@dataclass(frozen=True)
+class LoraGroups:
+    """The batch's tokens grouped by distinct adapter set: group g owns the rank rows
+    row_ids[row_indptr[g]:row_indptr[g + 1]] and the tokens
+    token_ids[group_indptr[g]:group_indptr[g + 1]] (any order, no token in two groups; tokens
+    with no adapter are in no group). A set with more than GROUP_TOKENS tokens is split into
+    several groups with the same rows, so one popular adapter's tokens spread over programs
+    instead of serialising in one program's token loop; there are never more groups than
+    tokens. Only the first num_groups groups are used, so static buffers sized by a batch
+    bucket serve any mix."""
+
+    num_groups: torch.Tensor  # [1] int32
+    group_indptr: torch.Tensor  # [G + 1] int32, offsets into token_ids
+    token_ids: torch.Tensor  # [M] int32
+    row_indptr: torch.Tensor  # [G + 1] int32, offsets into row_ids
+    row_ids: torch.Tensor  # [N] int32, pool rows
+    row_scales: torch.Tensor  # [N] float32
+
+
+@dataclass(frozen=True)
+class HostGroups:
+    """Host (numpy) form of the token grouping shared by every module group of a batch."""
+
+    group_indptr: np.ndarray  # [G + 1] int64
+    token_ids: np.ndarray  # [M] int64
+    first_seg: np.ndarray  # [G] int64, a segment of each group (its rows are the group's)
+
+    @classmethod
+    def build(
+        cls, seg_lens: Sequence[int], seg_sets: Sequence[int], max_tokens: int = GROUP_TOKENS
+    ) -> HostGroups:
+        """seg_sets[s]: adapter-set id of segment s (any ints; < 0: no adapter); groups hold
+        at most max_tokens tokens. Vectorised: no Python work per token."""
+        lens = np.asarray(seg_lens, dtype=np.int64)
+        sets = np.asarray(seg_sets, dtype=np.int64)
+        used = np.flatnonzero(sets >= 0)
+        labels, first, seg_set = np.unique(sets[used], return_index=True, return_inverse=True)
+        set_of_seg = np.full(len(sets), -1, np.int64)
+        set_of_seg[used] = seg_set.reshape(-1)
+        token_set = np.repeat(set_of_seg, lens)
+        tokens = np.flatnonzero(token_set >= 0)
+        order = np.argsort(token_set[tokens], kind="stable")
+        sorted_sets = token_set[tokens][order]
+        per_set = np.bincount(sorted_sets, minlength=len(labels))
+        set_start = np.cumsum(per_set) - per_set
+        groups_per_set = -(-per_set // max_tokens)
+        group_start = np.cumsum(groups_per_set) - groups_per_set
+        rank_in_set = np.arange(len(sorted_sets)) - set_start[sorted_sets]
+        group_of_token = group_start[sorted_sets] + rank_in_set // max_tokens
+        per_group = np.bincount(group_of_token, minlength=int(groups_per_set.sum()))
+        set_of_group = np.repeat(np.arange(len(labels)), groups_per_set)
+        return cls(
+            group_indptr=np.concatenate([[0], np.cumsum(per_group)]).astype(np.int64),
+            token_ids=tokens[order],
+            first_seg=used[first][set_of_group],
+        )
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.first_seg)
+
+    def rows(
+        self, seg_rows: Sequence[Sequence[int]], seg_scales: Sequence[Sequence[float]]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(row_indptr, row_ids, row_scales) of the groups, from their segments' rows."""
+        rows = [seg_rows[s] for s in self.first_seg]
+        counts = np.array([len(r) for r in rows], np.int64)
+        row_ids = np.array([r for rs in rows for r in rs], np.int64)
+        scales = np.array([w for s in self.first_seg for w in seg_scales[s]], np.float32)
+        return np.concatenate([[0], np.cumsum(counts)]), row_ids, scales
+
+    def to_device(
+        self,
+        seg_rows: Sequence[Sequence[int]],
+        seg_scales: Sequence[Sequence[float]],
+        device: torch.device | str,
+    ) -> LoraGroups:
+        row_indptr, row_ids, row_scales = self.rows(seg_rows, seg_scales)
+
+        def i32(values) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(values, np.int32)).to(device)
+
+        return LoraGroups(
+            num_groups=i32([self.num_groups]),
+            group_indptr=i32(self.group_indptr),
+            token_ids=i32(self.token_ids),
+            row_indptr=i32(row_indptr),
+            row_ids=i32(row_ids),
+            row_scales=torch.as_tensor(row_scales).to(device),
+        )
+
+
+def sets_of_segments(
+    seg_rows: Sequence[Sequence[int]], seg_scales: Sequence[Sequence[float]]
+) -> list[int]:
+    """An adapter-set id per segment: equal (rows, scales) share one; no rows: -1."""
+    ids: dict[tuple, int] = {}
+    return [
+        ids.setdefault((tuple(rows), tuple(scales)), len(ids)) if len(rows) else -1
+        for rows, scales in zip(seg_rows, seg_scales, strict=True)
+    ]
 
 
 @dataclass(frozen=True)
@@ -26,6 +133,7 @@ class LoraBatchMeta:
     row_seg: torch.Tensor  # [N] int32, segment of each row entry
     max_rows: int  # >= rows of any segment
     max_seg_len: int  # >= tokens of any segment
+    groups: LoraGroups | None = None  # the same batch by adapter set; the Triton path uses it
 
     @classmethod
     def from_segments(
@@ -34,9 +142,21 @@ class LoraBatchMeta:
         seg_rows: Sequence[Sequence[int]],
         seg_scales: Sequence[Sequence[float]],
         device: torch.device | str,
+        seg_sets: Sequence[int] | None = None,
+        grouped: bool | None = None,
     ) -> LoraBatchMeta:
+        """seg_sets: adapter-set id per segment (< 0: none; default: equal rows and scales);
+        grouped: build `groups` (default: when every segment has <= GROUPED_MAX_SEG_LEN tokens,
+        i.e. decode-like batches; long prefill segments keep the per-segment kernels)."""
         _check_segments(seg_lens, seg_rows, seg_scales)
         row_counts = [len(rows) for rows in seg_rows]
+        if grouped is None:
+            grouped = max(seg_lens, default=0) <= GROUPED_MAX_SEG_LEN
+        groups = None
+        if grouped:
+            if seg_sets is None:
+                seg_sets = sets_of_segments(seg_rows, seg_scales)
+            groups = HostGroups.build(seg_lens, seg_sets).to_device(seg_rows, seg_scales, device)
 
         def to_dev(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device)
@@ -50,6 +170,7 @@ class LoraBatchMeta:
             row_seg=_segment_of_each(row_counts).to(device),
             max_rows=max(row_counts, default=0),
             max_seg_len=max(seg_lens, default=0),
+            groups=groups,
         )
 
     @property
@@ -156,19 +277,28 @@ def token_row_weights(meta: LoraBatchMeta) -> torch.Tensor:
 
 
 class TritonLoraBackend(LoraBackend):
-    """SGMV shrink + expand: two launches per projection whatever the adapter mix."""
+    """SGMV shrink + expand: two launches per projection whatever the adapter mix. With
+    meta.groups (decode-like batches, CUDA graphs) the grouped kernels read each distinct
+    adapter set's rows once; otherwise one segment per request (prefill)."""
 
     name = "triton"
 
-    def __init__(self, split_k: int | None = None) -> None:
+    def __init__(self, split_k: int | None = None, tuning=None) -> None:
+        """tuning: launch parameters of the grouped kernels (None: chosen by rank width)."""
         # Imported here so the torch backend works where triton is absent.
+        from . import sgmv_grouped
         from .sgmv_expand import sgmv_expand
         from .sgmv_shrink import sgmv_shrink
 
         self._shrink, self._expand, self.split_k = sgmv_shrink, sgmv_expand, split_k
+        self._grouped = sgmv_grouped
+        self.tuning = tuning
 
     def apply(self, x, y, a_pool, b_pool, out_offsets, meta) -> None:
         _check_tokens(x, y, meta)
+        if meta.groups is not None:
+            self._apply_grouped(x, y, a_pool, b_pool, out_offsets, meta)
+            return
         if meta.num_rows == 0:
             return
         index = (meta.seg_indptr, meta.row_indptr, meta.row_ids)
@@ -177,6 +307,15 @@ class TritonLoraBackend(LoraBackend):
             max_seg_len=meta.max_seg_len, split_k=self.split_k,
         )  # fmt: skip
         self._expand(v, b_pool, out_offsets, *index, y, max_seg_len=meta.max_seg_len)
+
+    def _apply_grouped(self, x, y, a_pool, b_pool, out_offsets, meta) -> None:
+        g = meta.groups
+        tuning = self.tuning or self._grouped.tuning_for_rows(meta.max_rows)
+        index = (g.num_groups, g.group_indptr, g.token_ids, g.row_indptr, g.row_ids)
+        v = self._grouped.grouped_shrink(
+            x, a_pool, *index, g.row_scales, meta.max_rows, tuning=tuning
+        )
+        self._grouped.grouped_expand(v, b_pool, out_offsets, *index, y, tuning=tuning)
 
 
 def _check_tokens(x: torch.Tensor, y: torch.Tensor, meta: LoraBatchMeta) -> None:

@@ -12,7 +12,7 @@ import triton.language as tl
 from .sgmv_shrink import check_batch_meta, fp32_dot, pow2_block
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_SLICES = 3
+MAX_SLICES = 3
 
 
 def sgmv_expand_ref(
@@ -104,11 +104,11 @@ def _sgmv_expand_kernel(
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=y_mask)
 
 
-def _check_offsets(out_offsets: Sequence[int], n_slices: int, out_total: int) -> list[int]:
+def check_offsets(out_offsets: Sequence[int], n_slices: int, out_total: int) -> list[int]:
     off = [int(o) for o in out_offsets]
-    if not 1 <= n_slices <= _MAX_SLICES or len(off) != n_slices + 1:
+    if not 1 <= n_slices <= MAX_SLICES or len(off) != n_slices + 1:
         raise ValueError(
-            f"out_offsets must have n_slices + 1 entries with 1 <= n_slices <= {_MAX_SLICES}, "
+            f"out_offsets must have n_slices + 1 entries with 1 <= n_slices <= {MAX_SLICES}, "
             f"got {off} for n_slices={n_slices}"
         )
     if off[0] != 0 or off[-1] != out_total or any(b < a for a, b in pairwise(off)):
@@ -116,7 +116,7 @@ def _check_offsets(out_offsets: Sequence[int], n_slices: int, out_total: int) ->
     return off
 
 
-def _check_expand_args(v: torch.Tensor, b_pool: torch.Tensor, y: torch.Tensor) -> None:
+def check_expand_args(v: torch.Tensor, b_pool: torch.Tensor, y: torch.Tensor) -> None:
     if v.dim() != 3 or b_pool.dim() != 2 or y.dim() != 2:
         raise ValueError(
             f"expected v [n_slices, T, max_rows], b_pool [num_rows, out_total], y [T, out_total], "
@@ -170,10 +170,10 @@ def sgmv_expand(
         y: [T, out_total], float16/bfloat16/float32, updated in place.
         max_seg_len: int | None, >= t1 - t0 for every segment (None: T); sizes the grid only.
     """
-    _check_expand_args(v, b_pool, y)
+    check_expand_args(v, b_pool, y)
     check_batch_meta(seg_indptr, row_indptr, row_ids, v.device)
     n_slices, num_tokens, max_rows = v.shape
-    off = _check_offsets(out_offsets, n_slices, b_pool.shape[1])
+    off = check_offsets(out_offsets, n_slices, b_pool.shape[1])
     num_segments = seg_indptr.numel() - 1
     if num_segments == 0 or num_tokens == 0 or max_rows == 0 or row_ids.numel() == 0:
         return
@@ -185,7 +185,7 @@ def sgmv_expand(
     block_n = pow2_block(widest, 16, 128)
     num_col_tiles = triton.cdiv(max(widest, 1), block_n)
     tiles = triton.cdiv(max(seg_len, 1), block_t) * n_slices * num_col_tiles
-    off += [off[-1]] * (_MAX_SLICES + 1 - len(off))
+    off += [off[-1]] * (MAX_SLICES + 1 - len(off))
 
     _sgmv_expand_kernel[(tiles, num_segments)](
         v, b_pool, y, seg_indptr, row_indptr, row_ids,

@@ -141,7 +141,7 @@ def check_batch_meta(
             raise ValueError(f"{name} is on {t.device}, expected {device}")
 
 
-def _check_shrink_args(
+def check_shrink_args(
     x: torch.Tensor, a_pool: torch.Tensor, max_rows: int, split_k: int | None
 ) -> None:
     if x.dim() != 2 or a_pool.dim() != 3:
@@ -173,14 +173,14 @@ def fp32_dot(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 @functools.cache
-def _sm_count(device_index: int | None) -> int:
+def sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _default_split_k(base_programs: int, in_dim: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 1
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device.index), max(base_programs, 1))
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device.index), max(base_programs, 1))
     return max(1, min(wanted, triton.cdiv(in_dim, 2 * _MAX_BLOCK_K)))
 
 
@@ -235,7 +235,7 @@ def sgmv_shrink(
     Returns:
         v: [n_slices, T, max_rows] float32, zero beyond each segment's rows and outside segments.
     """
-    _check_shrink_args(x, a_pool, max_rows, split_k)
+    check_shrink_args(x, a_pool, max_rows, split_k)
     check_batch_meta(seg_indptr, row_indptr, row_ids, x.device, row_scales)
     n_slices, num_tokens, in_dim = a_pool.shape[0], x.shape[0], x.shape[1]
     v = _zeroed_output(out, (n_slices, num_tokens, max_rows), x.device)

@@ -7,7 +7,11 @@ decode kernel; an extend graph (short prompts or cache hits, mixed with decodes)
 
 Padding requests decode token 0 at position 0 into the reserved KV slot 0 over a one-token
 context with no adapter rows; padding tokens past the last request belong to no segment. Their
-logits are never read."""
+logits are never read.
+
+LoRA runs the grouped SGMV path under every graph: the step's tokens grouped by distinct adapter
+set (padding and base-only requests belong to no group), so the rows live in the group buffers
+and the per-segment metadata carries none; graphs therefore need the Triton LoRA backend."""
 
 from __future__ import annotations
 
@@ -19,9 +23,9 @@ import torch
 
 from radixlora.attention import TritonAttentionMeta
 from radixlora.forward_batch import ForwardBatch
-from radixlora.kernels.lora_ops import LoraBatchMeta
+from radixlora.kernels.lora_ops import HostGroups, LoraBatchMeta, LoraGroups
 from radixlora.lora.adapter import MODULE_GROUPS
-from radixlora.lora.pool import LoraContext
+from radixlora.lora.pool import LoraContext, LoraSegments
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 EXTEND_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -51,6 +55,8 @@ class StaticInputs:
     padding logic runs (and is tested) on the CPU too through static_forward()."""
 
     def __init__(self, runner, max_batch: int, max_context: int, max_rows: int):
+        if runner.lora_backend.name != "triton":
+            raise ValueError("cuda_graph needs lora_backend triton (or auto on CUDA)")
         self.runner = runner
         self.buckets = [b for b in BATCH_BUCKETS if b <= max_batch] or [1]
         self.extend_buckets = [b for b in self.buckets if b <= MAX_EXTEND_BATCH]
@@ -66,13 +72,17 @@ class StaticInputs:
         self.kv_indptr = torch.arange(n + 1, **i32)
         self.kv_indices = torch.zeros(n * max_context, **i32)
         self.token_seg = torch.zeros(t, **i32)
-        rows = n * self.row_buckets[-1] + 1
-        self.row_indptr = {g: torch.zeros(n + 1, **i32) for g in MODULE_GROUPS}
+        self.no_seg_rows = torch.zeros(n + 1, **i32)
+        self.no_rows = torch.zeros(0, **i32)
+        self.num_groups = torch.zeros(1, **i32)
+        self.group_indptr = torch.zeros(t + 1, **i32)  # groups never outnumber tokens
+        self.group_tokens = torch.zeros(t, **i32)
+        rows = t * self.row_buckets[-1] + 1
+        self.row_indptr = {g: torch.zeros(t + 1, **i32) for g in MODULE_GROUPS}
         self.row_ids = {g: torch.zeros(rows, **i32) for g in MODULE_GROUPS}
         self.row_scales = {
             g: torch.zeros(rows, dtype=torch.float32, device=dev) for g in MODULE_GROUPS
         }
-        self.row_seg = torch.zeros(rows, **i32)
 
     def key_for(self, qo_lens: list[int], max_rows: int, has_lora: bool) -> GraphKey | None:
         """The graph a batch replays into, or None when it needs the eager path."""
@@ -117,23 +127,19 @@ class StaticInputs:
         self._copy(self.kv_indptr, _indptr(kv), np.int32)
         self._copy(self.logits_indices, np.cumsum(qo) - 1, np.int64)
         self._copy(self.kv_indices, _pad(host["kv_indices"], pad_reqs), np.int32)
-        if lora_segments is None or not key.rows:
-            return
+        if lora_segments is not None and key.rows:
+            self._fill_groups(qo_lens, lora_segments)
+
+    def _fill_groups(self, qo_lens: list[int], lora_segments: LoraSegments) -> None:
+        groups = HostGroups.build(qo_lens, lora_segments.request_sets)
+        self._copy(self.num_groups, np.array([groups.num_groups]), np.int32)
+        self._copy(self.group_indptr, groups.group_indptr, np.int32)
+        self._copy(self.group_tokens, groups.token_ids, np.int32)
         for group in MODULE_GROUPS:
-            seg_rows, seg_scales = lora_segments[group]
-            self._copy(
-                self.row_indptr[group],
-                _indptr(np.array([len(r) for r in seg_rows] + [0] * pad_reqs)),
-                np.int32,
-            )
-            flat = [r for rows in seg_rows for r in rows]
-            if flat:
-                self._copy(self.row_ids[group], np.asarray(flat), np.int32)
-                self._copy(
-                    self.row_scales[group],
-                    np.asarray([s for ss in seg_scales for s in ss]),
-                    np.float32,
-                )
+            row_indptr, row_ids, row_scales = groups.rows(*lora_segments[group])
+            self._copy(self.row_indptr[group], row_indptr, np.int32)
+            self._copy(self.row_ids[group], row_ids, np.int32)
+            self._copy(self.row_scales[group], row_scales, np.float32)
 
     @staticmethod
     def _copy(dst: torch.Tensor, values: np.ndarray, dtype) -> None:
@@ -149,17 +155,25 @@ class StaticInputs:
         )
         lora = None
         if rows:
-            n = b * rows + 1
+            n = t * rows + 1
             metas = {
                 g: LoraBatchMeta(
                     self.qo_indptr[: b + 1],
-                    self.row_indptr[g][: b + 1],
-                    self.row_ids[g][:n],
-                    self.row_scales[g][:n],
+                    self.no_seg_rows[: b + 1],
+                    self.no_rows,
+                    self.no_rows.float(),
                     self.token_seg[:t],
-                    self.row_seg[:n],
+                    self.no_rows,
                     rows,
                     t - b + 1,
+                    LoraGroups(
+                        self.num_groups,
+                        self.group_indptr[: t + 1],
+                        self.group_tokens[:t],
+                        self.row_indptr[g][: t + 1],
+                        self.row_ids[g][:n],
+                        self.row_scales[g][:n],
+                    ),
                 )
                 for g in MODULE_GROUPS
             }
@@ -188,8 +202,7 @@ class StaticInputs:
             },
             None,
         )
-        for group in MODULE_GROUPS:
-            self.row_indptr[group].zero_()
+        self.num_groups.zero_()
 
 
 class CudaGraphRunner(StaticInputs):

@@ -16,7 +16,7 @@ from radixlora.forward_batch import ForwardBatch, to_device
 from radixlora.kernels.lora_ops import LoraBatchMeta, make_lora_backend
 from radixlora.kv_cache import KVPool
 from radixlora.lora.adapter import MODULE_GROUPS
-from radixlora.lora.pool import AdapterPool, LoraContext
+from radixlora.lora.pool import AdapterPool, LoraContext, LoraSegments
 from radixlora.model.loader import load_model
 from radixlora.sampling import SamplingBatch, sample
 from radixlora.scheduler import BatchPlan
@@ -176,7 +176,9 @@ class ModelRunner:
         lora = None
         if segments is not None:
             metas = {
-                g: LoraBatchMeta.from_segments(host["qo_lens"], rows, scales, self.device)
+                g: LoraBatchMeta.from_segments(
+                    host["qo_lens"], rows, scales, self.device, segments.request_sets
+                )
                 if any(rows)
                 else None
                 for g, (rows, scales) in segments.items()
@@ -241,12 +243,16 @@ def _prompt_logprobs(logits: torch.Tensor, scored, device) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).gather(1, ids[:, None])[:, 0]
 
 
-def _lora_segments(plan: BatchPlan) -> dict[str, tuple[list, list]] | None:
-    """group -> (rows per request, scales per request); None when no request has an adapter."""
-    if all(not plan.lora_rows[i.req.adapter_set.key] for i in plan.items):
+def _lora_segments(plan: BatchPlan) -> LoraSegments | None:
+    """group -> (rows per request, scales per request) and each request's adapter-set id;
+    None when no request has an adapter."""
+    keys = [i.req.adapter_set.key for i in plan.items]
+    if all(not plan.lora_rows[k] for k in keys):
         return None
+    set_ids: dict[tuple, int] = {}
+    request_sets = [set_ids.setdefault(k, len(set_ids)) if plan.lora_rows[k] else -1 for k in keys]
     segments = {}
     for group in MODULE_GROUPS:
-        pairs = [plan.lora_rows[i.req.adapter_set.key].get(group, ([], [])) for i in plan.items]
+        pairs = [plan.lora_rows[k].get(group, ([], [])) for k in keys]
         segments[group] = ([p[0] for p in pairs], [p[1] for p in pairs])
-    return segments
+    return LoraSegments(segments, np.array(request_sets, np.int64))

@@ -1,5 +1,7 @@
 """SGMV microbenchmark: LoRA deltas of one Llama-3-8B layer (7 projections, fused as qkv, o,
-gate_up, down) for a decode batch, against the adapter-bytes floor and naive baselines.
+gate_up, down) for a decode batch, against the adapter-bytes floor and naive baselines: the
+grouped path (tokens gathered by distinct adapter set) against one segment per request, for
+distinct adapters (target a), zipf-popular adapters (duplicates) and stacks.
 
     python scripts/bench_sgmv.py            # H200: full shapes, bf16
     python scripts/bench_sgmv.py --smoke    # CPU: tiny shapes under TRITON_INTERPRET=1
@@ -22,18 +24,26 @@ from pathlib import Path
 if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
 
+import dataclasses  # noqa: E402
+import random  # noqa: E402
+
 import torch  # noqa: E402
 import triton  # noqa: E402
 from bench_common import time_us  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `kernels` without installing
 from kernels.lora_ops import (  # noqa: E402
+    GROUP_TOKENS,
+    HostGroups,
     LoraBackend,
     LoraBatchMeta,
+    LoraGroups,
     TorchLoraBackend,
     TritonLoraBackend,
+    sets_of_segments,
 )
 from kernels.sgmv_expand import sgmv_expand  # noqa: E402
+from kernels.sgmv_grouped import DEFAULT_TUNING, GroupedTuning  # noqa: E402
 from kernels.sgmv_shrink import sgmv_shrink  # noqa: E402
 
 HBM_BYTES_PER_S = 4.24e12  # measured device-to-device copy on the H200
@@ -68,12 +78,23 @@ class BenchConfig:
     stack_k: int
     dtype: torch.dtype
     device: str
-    split_sweep: tuple[int, ...]
+    zipf_tokens: int
+    zipf_adapters: tuple[int, ...]
 
 
 FULL = BenchConfig(LayerShape(4096, 14336, 32, 8, 128), 64, 16, 5, torch.bfloat16, "cuda",
-                   (1, 2, 4, 8, 16))  # fmt: skip
-SMOKE = BenchConfig(LayerShape(64, 96, 4, 2, 16), 6, 4, 3, torch.bfloat16, "cpu", (1, 2))
+                   256, (16, 64))  # fmt: skip
+SMOKE = BenchConfig(LayerShape(64, 96, 4, 2, 16), 6, 4, 3, torch.bfloat16, "cpu", 12, (3, 6))
+
+def tunings(*changes: dict) -> list[GroupedTuning]:
+    return [dataclasses.replace(DEFAULT_TUNING, **c) for c in changes]
+
+
+TUNING_SWEEP = tunings({"k_chunk": 512}, {"k_chunk": 2048}, {"block_n": 128}, {"block_n": 512},
+                       {"programs_per_sm": 16}, {"num_stages": 2}, {"num_stages": 4},
+                       {"block_m": 32})  # fmt: skip
+WIDE_ROWS_SWEEP = [DEFAULT_TUNING, *tunings({"block_n": 128}, {"k_chunk": 2048})]
+GROUP_TOKENS_SWEEP = (32, 64, 256)
 
 
 @dataclass
@@ -114,11 +135,20 @@ class Scenario:
     sets: list[list[tuple[int, float]]]
 
 
+def zipf_sets(tokens: int, adapters: int, seed: int) -> list[list[tuple[int, float]]]:
+    """One adapter per token, popularity ~ 1 / (i + 1) (zipf 1), in arrival order."""
+    rng = random.Random(seed)
+    picks = rng.choices(range(adapters), weights=[1 / (i + 1) for i in range(adapters)], k=tokens)
+    return [[(a, 1.0)] for a in picks]
+
+
 def scenarios(cfg: BenchConfig) -> list[Scenario]:
-    t, k = cfg.tokens, cfg.stack_k
+    t, k, zt = cfg.tokens, cfg.stack_k, cfg.zipf_tokens
     weights = [0.2 + 0.8 * i / max(k - 1, 1) for i in range(k)]
     return [
         Scenario(f"distinct r{cfg.rank}", t, cfg.rank, [[(i, 1.0)] for i in range(t)]),
+        *(Scenario(f"zipf {zt}x{n} r{cfg.rank}", n, cfg.rank, zipf_sets(zt, n, n))
+          for n in cfg.zipf_adapters),
         Scenario(f"identical r{cfg.rank}", t, cfg.rank, [[(0, 1.0)] for _ in range(t)]),
         Scenario(f"stack k={k} r{cfg.rank}", t * k, cfg.rank,
                  [[(i * k + j, weights[j]) for j in range(k)] for i in range(t)]),
@@ -133,7 +163,7 @@ def scattered_rows(num_adapters: int, rank: int, gen: torch.Generator) -> list[l
     return [perm[i * rank : (i + 1) * rank] for i in range(num_adapters)]
 
 
-def build_projections(cfg: BenchConfig, num_rows: int) -> list[Projection]:
+def build_projections(cfg: BenchConfig, num_rows: int, tokens: int) -> list[Projection]:
     gen = torch.Generator(cfg.device).manual_seed(0)
 
     def randn(*shape: int, std: float = 1.0) -> torch.Tensor:
@@ -145,7 +175,7 @@ def build_projections(cfg: BenchConfig, num_rows: int) -> list[Projection]:
         a = randn(len(widths), num_rows, in_dim, std=in_dim**-0.5)
         b = randn(num_rows, sum(widths), std=1 / 8)
         offsets = [sum(widths[:i]) for i in range(len(widths) + 1)]
-        projs.append(Projection(name, randn(cfg.tokens, in_dim), a, b, offsets))
+        projs.append(Projection(name, randn(tokens, in_dim), a, b, offsets))
     return projs
 
 
@@ -153,10 +183,29 @@ def seg_rows_of(sc: Scenario, adapter_rows: list[list[int]]) -> list[list[int]]:
     return [[r for a, _ in s for r in adapter_rows[a]] for s in sc.sets]
 
 
-def build_meta(sc: Scenario, adapter_rows: list[list[int]], device: str) -> LoraBatchMeta:
+def build_meta(
+    sc: Scenario, adapter_rows: list[list[int]], device: str, group_tokens: int | None
+) -> LoraBatchMeta:
+    """One single-token segment per request; grouped (group_tokens not None): groups of at most
+    group_tokens tokens, padded to the batch size as a CUDA graph's static buffers are."""
     seg_scales = [[w for a, w in s for _ in adapter_rows[a]] for s in sc.sets]
     seg_lens = [1] * len(sc.sets)
-    return LoraBatchMeta.from_segments(seg_lens, seg_rows_of(sc, adapter_rows), seg_scales, device)
+    seg_rows = seg_rows_of(sc, adapter_rows)
+    meta = LoraBatchMeta.from_segments(seg_lens, seg_rows, seg_scales, device, grouped=False)
+    if group_tokens is None:
+        return meta
+    host = HostGroups.build(seg_lens, sets_of_segments(seg_rows, seg_scales), group_tokens)
+    g = host.to_device(seg_rows, seg_scales, device)
+    pad = len(sc.sets) + 1 - g.group_indptr.numel()
+    tail = g.group_indptr[-1:].repeat(pad)
+    padded = LoraGroups(g.num_groups, torch.cat([g.group_indptr, tail]), g.token_ids,
+                        torch.cat([g.row_indptr, g.row_indptr[-1:].repeat(pad)]),
+                        g.row_ids, g.row_scales)  # fmt: skip
+    return dataclasses.replace(meta, groups=padded)
+
+
+def meta_variants(sc, adapter_rows, device, group_tokens) -> dict[int | None, LoraBatchMeta]:
+    return {n: build_meta(sc, adapter_rows, device, n) for n in (None, GROUP_TOKENS, *group_tokens)}
 
 
 def layer_fn(backend: LoraBackend, projs, ys, meta) -> Callable[[], None]:
@@ -204,23 +253,39 @@ def bench_variant(scenario, variant, backend, projs, meta, bytes_read, device) -
     ys = [torch.zeros(p.x.shape[0], p.out_offsets[-1], dtype=p.x.dtype, device=device)
           for p in projs]  # fmt: skip
     eager, graph = time_us(layer_fn(backend, projs, ys, meta), device)
+    print(f"{scenario} / {variant}: eager {eager:.1f} us, graph {graph} us", flush=True)
     return Result(scenario, variant, eager, graph, bytes_read, err)
 
 
-def bench_scenario(cfg: BenchConfig, sc: Scenario, sweep: bool) -> list[Result]:
+def tuning_label(t: GroupedTuning) -> str:
+    changed = [f"{f.name}={getattr(t, f.name)}" for f in dataclasses.fields(t)
+               if getattr(t, f.name) != getattr(DEFAULT_TUNING, f.name)]  # fmt: skip
+    return "grouped " + (",".join(changed) or "narrow-row tuning")
+
+
+def bench_scenario(cfg: BenchConfig, sc: Scenario, sweep: list[GroupedTuning],
+                   group_tokens: tuple[int, ...], baselines: bool) -> list[Result]:  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     adapter_rows = scattered_rows(sc.num_adapters, sc.rank, gen)
-    projs = build_projections(cfg, sc.num_adapters * sc.rank + SPARE_ROWS)
-    meta = build_meta(sc, adapter_rows, cfg.device)
+    projs = build_projections(cfg, sc.num_adapters * sc.rank + SPARE_ROWS, len(sc.sets))
+    metas = meta_variants(sc, adapter_rows, cfg.device, group_tokens)
+    per_request, grouped = metas[None], metas[GROUP_TOKENS]
     distinct_rows = len({r for rows in seg_rows_of(sc, adapter_rows) for r in rows})
     bytes_read = sum(p.adapter_bytes(distinct_rows) for p in projs)
-    variants: list[tuple[str, LoraBackend]] = [("sgmv", TritonLoraBackend())]
-    if sweep:
-        variants += [(f"sgmv split_k={s}", TritonLoraBackend(s)) for s in cfg.split_sweep]
-    variants += [("naive gather+bmm", NaiveBmmBackend()), ("torch masked", TorchLoraBackend())]
-    run = [bench_variant(sc.name, v, b, projs, meta, bytes_read, cfg.device) for v, b in variants]
-    if sweep:
-        run[0].extra = per_kernel_breakdown(projs, meta, cfg.device)
+    variants: list[tuple[str, LoraBackend, LoraBatchMeta]] = [
+        ("grouped", TritonLoraBackend(), grouped),
+        ("sgmv per-request", TritonLoraBackend(), per_request),
+    ]
+    variants += [(tuning_label(t), TritonLoraBackend(tuning=t), grouped) for t in sweep]
+    variants += [(f"grouped group_tokens={n}", TritonLoraBackend(), metas[n])
+                 for n in group_tokens]  # fmt: skip
+    if baselines:
+        variants += [("naive gather+bmm", NaiveBmmBackend(), per_request),
+                     ("torch masked", TorchLoraBackend(), per_request)]  # fmt: skip
+    run = [bench_variant(sc.name, v, b, projs, m, bytes_read, cfg.device)
+           for v, b, m in variants]  # fmt: skip
+    if baselines:
+        run[1].extra = per_kernel_breakdown(projs, per_request, cfg.device)
     return run
 
 
@@ -250,22 +315,26 @@ def bench_base_gemms(cfg: BenchConfig) -> Result:
 
 
 def format_table(results: list[Result]) -> str:
-    head = f"{'scenario':<16} {'variant':<20} {'eager us':>9} {'graph us':>9} {'MB read':>8} "
+    head = f"{'scenario':<16} {'variant':<30} {'eager us':>9} {'graph us':>9} {'MB read':>8} "
     lines = [head + f"{'floor us':>9} {'x floor':>8} {'rel err':>8}"]
     for r in results:
         best = min(t for t in (r.eager_us, r.graph_us) if t is not None)
         graph = f"{r.graph_us:9.1f}" if r.graph_us is not None else f"{'-':>9}"
         err = f"{r.rel_err:8.1e}" if r.rel_err is not None else f"{'-':>8}"
-        lines.append(f"{r.scenario:<16} {r.variant:<20} {r.eager_us:9.1f} {graph} "
+        lines.append(f"{r.scenario:<16} {r.variant:<30} {r.eager_us:9.1f} {graph} "
                      f"{r.bytes_read / 1e6:8.2f} {r.floor_us:9.2f} {best / r.floor_us:8.2f} "
                      f"{err}")  # fmt: skip
     return "\n".join(lines)
 
 
+def best_us(results: list[Result], scenario: str, variant: str) -> float:
+    r = next(r for r in results if r.scenario == scenario and r.variant == variant)
+    return r.graph_us if r.graph_us is not None else r.eager_us
+
+
 def stack_ratio(results: list[Result], cfg: BenchConfig) -> float:
     def best(scenario: str) -> float:
-        r = next(r for r in results if r.scenario == scenario and r.variant == "sgmv")
-        return r.graph_us if r.graph_us is not None else r.eager_us
+        return best_us(results, scenario, "grouped")
 
     return best(f"stack k={cfg.stack_k} r{cfg.rank}") / best(f"single r{cfg.rank * cfg.stack_k}")
 
@@ -283,15 +352,23 @@ def main() -> None:
     cfg = SMOKE if parser.parse_args().smoke else FULL
     results = [bench_base_gemms(cfg)]
     for i, sc in enumerate(scenarios(cfg)):
-        results += bench_scenario(cfg, sc, sweep=i == 0)
+        zipf_many = sc.name.startswith("zipf") and sc.num_adapters == max(cfg.zipf_adapters)
+        wide_rows = sc.rank * len(sc.sets[0]) > 32
+        sweep = TUNING_SWEEP if i == 0 or zipf_many else WIDE_ROWS_SWEEP if wide_rows else []
+        duplicates = sc.name.startswith(("zipf", "identical"))
+        results += bench_scenario(cfg, sc, sweep, GROUP_TOKENS_SWEEP if duplicates else (),
+                                  baselines=i == 0)  # fmt: skip
     ratio = stack_ratio(results, cfg)
     if out_dir := os.environ.get("OUT"):
         payload = {"config": {**asdict(cfg), "dtype": str(cfg.dtype)}, "env": environment(cfg),
                    "hbm_bytes_per_s": HBM_BYTES_PER_S, "stack_ratio": ratio,
                    "results": [{**asdict(r), "floor_us": r.floor_us} for r in results]}  # fmt: skip
         Path(out_dir, "bench_sgmv.json").write_text(json.dumps(payload, indent=2))
-    kernels = ", ".join(f"{k} {v:.1f}" for k, v in results[1].extra.items())
-    print(f"per kernel, {results[1].scenario}, eager us: {kernels}")
+    kernels = ", ".join(f"{k} {v:.1f}" for k, v in results[2].extra.items())
+    print(f"per kernel (per-request), {results[2].scenario}, eager us: {kernels}")
+    for name in sorted({r.scenario for r in results[1:]}, key=[r.scenario for r in results].index):
+        g, p = best_us(results, name, "grouped"), best_us(results, name, "sgmv per-request")
+        print(f"{name}: grouped {g:.1f} us vs per-request {p:.1f} us ({p / g:.2f}x)")
     print(f"stack k={cfg.stack_k} r{cfg.rank} / single r{cfg.rank * cfg.stack_k}: {ratio:.3f} "
           "(target within 10%)")  # fmt: skip
     print(format_table(results))

@@ -9,6 +9,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: before any import
 
+import dataclasses  # noqa: E402
 import random  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
@@ -16,12 +17,21 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from radixlora.kernels.lora_ops import (  # noqa: E402
+    HostGroups,
     LoraBatchMeta,
+    LoraGroups,
     TorchLoraBackend,
     TritonLoraBackend,
     make_lora_backend,
 )
 from radixlora.kernels.sgmv_expand import sgmv_expand, sgmv_expand_ref  # noqa: E402
+from radixlora.kernels.sgmv_grouped import (  # noqa: E402
+    GroupedTuning,
+    grouped_expand,
+    grouped_expand_ref,
+    grouped_shrink,
+    grouped_shrink_ref,
+)
 from radixlora.kernels.sgmv_shrink import sgmv_shrink, sgmv_shrink_ref  # noqa: E402
 
 RANKS = [4, 8, 16, 32, 64, 12, 4, 8, 16, 24]
@@ -121,8 +131,9 @@ def expected(pool, x, y0, segs) -> torch.Tensor:
 
 
 def run_backend(backend, pool, x, y0, segs) -> torch.Tensor:
+    """One segment per request (the grouped path has its own tests below)."""
     y = y0.clone()
-    meta = LoraBatchMeta.from_segments(*segs, device="cpu")
+    meta = LoraBatchMeta.from_segments(*segs, device="cpu", grouped=False)
     backend.apply(x, y, pool.a, pool.b, pool.out_offsets, meta)
     return y
 
@@ -315,3 +326,169 @@ def test_backend_rejects_token_count_mismatch_and_unknown_name():
     with pytest.raises(ValueError):
         make_lora_backend("cutlass", "cpu")
     assert make_lora_backend("auto", "cpu").name == "torch"
+
+
+# ---- grouped path: tokens grouped by distinct adapter set -----------------------------------
+
+
+def grouped_scenario(name: str):
+    """(seg_lens, adapter_sets) of decode-like batches for the grouped kernels."""
+    rng = random.Random(name)
+    if name == "distinct_mixed_ranks":  # ranks 4..64, one token each
+        return [1] * 10, _single(range(10))
+    if name == "no_adapter_rows":
+        return [1] * 8, _single([None, 2, None, None, 2, 7, None, None])
+    if name == "stacks_1_to_8":  # repeated stacks share a group; weights != 1
+        sets = [
+            [(a, rng.uniform(-1.5, 1.5)) for a in rng.sample(range(len(RANKS)), k)]
+            for k in range(1, 9)
+        ]
+        return [1] * 12, [sets[i % 8] for i in range(12)]
+    if name == "skewed":  # one group holds most tokens (> several BLOCK_M blocks), interleaved
+        adapters = [0 if rng.random() < 0.8 else rng.choice([None, 1, 4, 7]) for _ in range(45)]
+        return [1] * 45, _single(adapters)
+    if name == "single_token_groups_and_short_extends":
+        return [1, 3, 1, 2, 1, 1], _single([5, 0, 9, 5, 3, None])
+    raise KeyError(name)
+
+
+GROUPED_SCENARIOS = ["distinct_mixed_ranks", "no_adapter_rows", "stacks_1_to_8", "skewed"]
+GROUPED_SCENARIOS += ["single_token_groups_and_short_extends"]
+
+
+def build_grouped_case(name, n_slices, in_dim=48, dtype=torch.float32, seed=0):
+    pool = make_pool(RANKS, SLICE_WIDTHS[n_slices], in_dim, dtype, seed)
+    seg_lens, sets = grouped_scenario(name)
+    seg_rows, seg_scales = stack_rows(pool, sets)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(sum(seg_lens), in_dim, generator=g).to(dtype)
+    y0 = torch.randn(sum(seg_lens), pool.out_offsets[-1], generator=g).to(dtype)
+    return pool, x, y0, (seg_lens, seg_rows, seg_scales)
+
+
+def grouped_meta(segs) -> LoraBatchMeta:
+    meta = LoraBatchMeta.from_segments(*segs, device="cpu", grouped=True)
+    assert meta.groups is not None
+    return meta
+
+
+@pytest.mark.parametrize("n_slices", [1, 2, 3])
+@pytest.mark.parametrize("name", GROUPED_SCENARIOS)
+def test_grouped_backend_matches_loop_reference(name, n_slices):
+    pool, x, y0, segs = build_grouped_case(name, n_slices, in_dim=48 if n_slices != 2 else 80)
+    y = y0.clone()
+    tuning = GroupedTuning(k_chunk=32, block_k=16)  # in_dim in 2-3 atomic splits
+    TritonLoraBackend(tuning=tuning).apply(
+        x, y, pool.a, pool.b, pool.out_offsets, grouped_meta(segs)
+    )
+    torch.testing.assert_close(y, expected(pool, x, y0, segs), rtol=1e-4, atol=1e-4)
+
+
+def _group_args(meta: LoraBatchMeta):
+    g = meta.groups
+    return g.num_groups, g.group_indptr, g.token_ids, g.row_indptr, g.row_ids
+
+
+def _pad_groups(meta: LoraBatchMeta, extra: int) -> LoraBatchMeta:
+    """Static-buffer form: capacity for `extra` more groups, filled with garbage never read."""
+    g = meta.groups
+    junk = torch.full((extra,), 10**6, dtype=torch.int32)
+    padded = LoraGroups(
+        g.num_groups,
+        torch.cat([g.group_indptr, junk]),
+        torch.cat([g.token_ids, junk]),
+        torch.cat([g.row_indptr, junk]),
+        g.row_ids,
+        g.row_scales,
+    )
+    return dataclasses.replace(meta, groups=padded)
+
+
+@pytest.mark.parametrize("split", ["one_split", "atomic_splits"])
+def test_grouped_kernels_match_their_references_with_padding(split):
+    pool, x, y0, segs = build_grouped_case("skewed", 3)
+    meta = _pad_groups(grouped_meta(segs), extra=5)
+    tuning = GroupedTuning(k_chunk=48 if split == "one_split" else 16, block_k=16)
+    args = _group_args(meta)
+    v = grouped_shrink(x, pool.a, *args, meta.groups.row_scales, meta.max_rows, tuning=tuning)
+    v_ref = grouped_shrink_ref(x, pool.a, *args, meta.groups.row_scales, meta.max_rows)
+    defined = torch.zeros_like(v_ref, dtype=torch.bool)
+    tokens = meta.groups.token_ids[: int(meta.groups.group_indptr[-6])].long()
+    defined[:, tokens] = True
+    torch.testing.assert_close(v[defined & (v_ref != 0)], v_ref[defined & (v_ref != 0)])
+    y, y_ref = y0.clone(), y0.clone()
+    grouped_expand(v_ref, pool.b, pool.out_offsets, *args, y, tuning=tuning)
+    grouped_expand_ref(v_ref, pool.b, pool.out_offsets, *args, y_ref)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y_ref, expected(pool, x, y0, segs), rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_expand_leaves_tokens_of_no_group_bitwise_untouched():
+    pool, x, y0, segs = build_grouped_case("no_adapter_rows", 2)
+    meta = grouped_meta(segs)
+    y = y0.clone()
+    grouped_expand(torch.randn(2, x.shape[0], meta.max_rows), pool.b, pool.out_offsets,
+                   *_group_args(meta), y)  # fmt: skip
+    base_only = [0, 2, 3, 6, 7]
+    assert torch.equal(y[base_only], y0[base_only])
+    assert not torch.equal(y[1], y0[1])
+
+
+def test_grouped_bf16_matches_fp32_reference():
+    pool, x, y0, segs = build_grouped_case("stacks_1_to_8", 3, dtype=torch.bfloat16)
+    y = y0.clone()
+    TritonLoraBackend().apply(x, y, pool.a, pool.b, pool.out_offsets, grouped_meta(segs))
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), expected(pool, x, y0, segs), rtol=2e-2, atol=3e-2)
+
+
+def test_host_groups_gather_tokens_by_set_without_reordering_segments():
+    host = HostGroups.build([1, 2, 1, 0, 1, 1], [4, -1, 9, 4, 4, 9])
+    assert host.group_indptr.tolist() == [0, 2, 4]  # set 4: tokens 0, 4; set 9: tokens 3, 5
+    assert host.token_ids.tolist() == [0, 4, 3, 5]
+    assert host.first_seg.tolist() == [0, 2]
+    row_indptr, row_ids, scales = host.rows([[7, 8], [], [3], [], [7, 8], [3]],
+                                            [[1.0, 1.0], [], [0.5], [], [1.0, 1.0], [0.5]])
+    assert row_indptr.tolist() == [0, 2, 3]
+    assert row_ids.tolist() == [7, 8, 3]
+    assert scales.tolist() == [1.0, 1.0, 0.5]
+
+
+def test_host_groups_split_popular_sets_and_drop_empty_ones():
+    host = HostGroups.build([1] * 7 + [0], [0, 1, 0, 0, 2, 0, 0, 5], max_tokens=2)
+    assert host.group_indptr.tolist() == [0, 2, 4, 5, 6, 7]  # set 0: 5 tokens in 3 groups
+    assert host.token_ids.tolist() == [0, 2, 3, 5, 6, 1, 4]
+    assert host.first_seg.tolist() == [0, 0, 0, 1, 4]  # set 5 has no token: no group
+    row_indptr, row_ids, _ = host.rows([[3, 4]] * 8, [[1.0, 1.0]] * 8)
+    assert row_indptr.tolist() == [0, 2, 4, 6, 8, 10]
+    assert HostGroups.build([1, 1], [-1, -1]).num_groups == 0
+
+
+def test_from_segments_groups_decode_batches_and_keeps_segments_for_prefill():
+    rows, scales = [[5, 1], [9], [5, 1], []], [[1.0, 1.0], [0.5], [1.0, 1.0], []]
+    meta = LoraBatchMeta.from_segments([1, 1, 1, 1], rows, scales, "cpu")
+    assert meta.groups.num_groups.tolist() == [2]
+    assert meta.groups.token_ids.tolist() == [0, 2, 1]
+    prefill = LoraBatchMeta.from_segments([40, 1, 1, 1], rows, scales, "cpu")
+    assert prefill.groups is None
+
+
+GROUPED_BAD = {
+    "token_ids_int64": {"token_ids": lambda t: t.long()},
+    "num_groups_shape": {"num_groups": lambda n: n.repeat(2)},
+    "indptr_len": {"row_indptr": lambda r: r[:-1]},
+}
+
+
+@pytest.mark.parametrize("case", sorted(GROUPED_BAD))
+def test_grouped_launchers_reject_bad_metadata(case):
+    pool, x, y0, segs = build_grouped_case("no_adapter_rows", 1)
+    meta = grouped_meta(segs)
+    names = ("num_groups", "group_indptr", "token_ids", "row_indptr", "row_ids")
+    kw = dict(zip(names, _group_args(meta), strict=True))
+    kw.update({k: f(kw[k]) for k, f in GROUPED_BAD[case].items()})
+    with pytest.raises(ValueError):
+        grouped_shrink(x, pool.a, row_scales=meta.groups.row_scales, max_rows=meta.max_rows, **kw)
+    with pytest.raises(ValueError):
+        grouped_expand(torch.zeros(1, x.shape[0], meta.max_rows), pool.b, pool.out_offsets,
+                       y=y0, **kw)  # fmt: skip

@@ -5,6 +5,7 @@ forward eagerly on the CPU with the Triton kernels under the interpreter."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from radixlora import Engine, SamplingParams
@@ -33,3 +34,9 @@ def test_static_buffers_match_eager(checkpoints, adapters):
             torch.testing.assert_close(torch.tensor(a.outputs[0].logprobs),
                                        torch.tensor(b.outputs[0].logprobs), atol=1e-4, rtol=0)
     assert_all_free(eng)
+
+
+def test_static_buffers_need_the_triton_lora_backend(checkpoints):
+    eng = Engine(checkpoints["llama"], lora_backend="torch", kv_pages=16)
+    with pytest.raises(ValueError, match="lora_backend triton"):
+        StaticInputs(eng.runner, max_batch=4, max_context=64, max_rows=16)

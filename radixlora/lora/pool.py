@@ -250,6 +250,16 @@ class AdapterResidency:
                 self.evict(adapter_id)
 
 
+class LoraSegments(dict):
+    """group -> (rows per request, scales per request) of one batch, in plan order, plus
+    request_sets: the adapter-set id of each request (-1: no adapter), by which the grouped
+    SGMV path gathers the tokens of each distinct set."""
+
+    def __init__(self, per_group: dict[str, tuple[list, list]], request_sets: np.ndarray):
+        super().__init__(per_group)
+        self.request_sets = request_sets
+
+
 class LoraContext:
     """LoRA inputs of one forward batch: the pool, the backend, one metadata per module group
     (None when no request of the batch uses that group, so its work is skipped, not zeroed)."""

@@ -1,0 +1,464 @@
+"""Grouped SGMV for decode-scale batches: the LoRA work is split by distinct adapter set, not
+by request. A group owns its rank rows (a stack of k adapters is one group) and a list of token
+indices (a gather: activations are not reordered); each program takes (group, tile) work items
+and loops over the group's tokens BLOCK_M at a time, so a set's rows are read once per group
+per step and the grid depends on neither group lengths nor batch order (one graph serves every
+adapter mix). The metadata splits a popular set's tokens into groups of at most 16
+(kernels.lora_ops.GROUP_TOKENS): one program looping over 50 tokens serialises (measured, see
+docs/PERF.md run 7).
+
+Programs are persistent: a fixed number of programs strides over the num_groups * tiles work
+items, num_groups being read on the device, so groups a CUDA-graph bucket holds but a step does
+not use cost no thread blocks.
+
+Long prefill segments keep the per-segment kernels (sgmv_shrink/sgmv_expand), whose grid tiles
+a segment's tokens: grouping pays where a set's tokens are few and scattered (decode, short
+extends under graphs), not for one 2k-token prompt."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+import triton
+import triton.language as tl
+
+from .sgmv_expand import MAX_SLICES, check_expand_args, check_offsets
+from .sgmv_shrink import check_shrink_args, fp32_dot, pow2_block, sm_count
+
+_CPU_PROGRAMS = 3  # the interpreter runs programs one by one: a few exercise the striding
+
+
+@dataclass(frozen=True)
+class GroupedTuning:
+    """Launch parameters of the grouped kernels (defaults from the H200 sweeps of
+    scripts/bench_sgmv.py, docs/PERF.md run 7)."""
+
+    k_chunk: int = 1024  # shrink: in_dim per split (split_k = cdiv(in_dim, k_chunk))
+    block_k: int = 128
+    block_n: int = 256  # expand: output columns per work item
+    block_m: int = 16  # tokens per step of a group's token loop
+    programs_per_sm: int = 8  # persistent programs per SM (0: one program per work item)
+    num_warps: int = 4
+    num_stages: int = 3  # software pipelining depth of the shrink's in_dim loop
+
+
+DEFAULT_TUNING = GroupedTuning()
+WIDE_ROWS_TUNING = GroupedTuning(k_chunk=2048, block_n=128)  # 13% faster than default at 80 rows
+WIDE_ROWS = 32
+
+
+def tuning_for_rows(max_rows: int) -> GroupedTuning:
+    return WIDE_ROWS_TUNING if max_rows > WIDE_ROWS else DEFAULT_TUNING
+
+
+def grouped_shrink_ref(
+    x: torch.Tensor,
+    a_pool: torch.Tensor,
+    num_groups: torch.Tensor,
+    group_indptr: torch.Tensor,
+    token_ids: torch.Tensor,
+    row_indptr: torch.Tensor,
+    row_ids: torch.Tensor,
+    row_scales: torch.Tensor,
+    max_rows: int,
+) -> torch.Tensor:
+    """Pure-torch reference of `grouped_shrink` (a loop over groups; zero where unspecified)."""
+    v = torch.zeros(a_pool.shape[0], x.shape[0], max_rows, dtype=torch.float32, device=x.device)
+    tok_at, rows_at = group_indptr.tolist(), row_indptr.tolist()
+    for g in range(int(num_groups.item())):
+        tokens = token_ids[tok_at[g] : tok_at[g + 1]].long()
+        r0, r1 = rows_at[g], rows_at[g + 1]
+        a_rows = a_pool[:, row_ids[r0:r1].long()].float()
+        delta = (x[tokens].float() @ a_rows.transpose(1, 2)) * row_scales[r0:r1]
+        v[:, tokens, : r1 - r0] = delta
+    return v
+
+
+def grouped_expand_ref(
+    v: torch.Tensor,
+    b_pool: torch.Tensor,
+    out_offsets: Sequence[int],
+    num_groups: torch.Tensor,
+    group_indptr: torch.Tensor,
+    token_ids: torch.Tensor,
+    row_indptr: torch.Tensor,
+    row_ids: torch.Tensor,
+    y: torch.Tensor,
+) -> None:
+    """Pure-torch reference of `grouped_expand` (a loop over groups)."""
+    off = list(out_offsets)
+    tok_at, rows_at = group_indptr.tolist(), row_indptr.tolist()
+    for g in range(int(num_groups.item())):
+        tokens = token_ids[tok_at[g] : tok_at[g + 1]].long()
+        r0, r1 = rows_at[g], rows_at[g + 1]
+        b_rows = b_pool[row_ids[r0:r1].long()].float()
+        for i in range(len(off) - 1):
+            delta = v[i][tokens][:, : r1 - r0] @ b_rows[:, off[i] : off[i + 1]]
+            y[tokens, off[i] : off[i + 1]] += delta.to(y.dtype)
+
+
+@triton.jit
+def _grouped_shrink_kernel(
+    x_ptr,
+    a_ptr,
+    v_ptr,
+    num_groups_ptr,
+    group_indptr_ptr,
+    token_ids_ptr,
+    row_indptr_ptr,
+    row_ids_ptr,
+    row_scales_ptr,
+    in_dim,
+    max_rows,
+    k_per_split,
+    items_per_group,
+    num_row_tiles,
+    split_k,
+    stride_xt,
+    stride_xk,
+    stride_as,
+    stride_ar,
+    stride_ak,
+    stride_vs,
+    stride_vt,
+    stride_vr,
+    ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    num_items = tl.load(num_groups_ptr) * items_per_group
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        group = item // items_per_group
+        rest = item % items_per_group
+        row_tile = rest % num_row_tiles
+        split = (rest // num_row_tiles) % split_k
+        slice_id = rest // (num_row_tiles * split_k)
+        m0 = tl.load(group_indptr_ptr + group)
+        m1 = tl.load(group_indptr_ptr + group + 1)
+        r0 = tl.load(row_indptr_ptr + group)
+        num_rows = tl.minimum(tl.load(row_indptr_ptr + group + 1) - r0, max_rows)
+        offs_j = row_tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        j_mask = offs_j < num_rows
+        rows = tl.load(row_ids_ptr + r0 + offs_j, mask=j_mask, other=0).to(tl.int64)
+        scales = tl.load(row_scales_ptr + r0 + offs_j, mask=j_mask, other=0.0)
+        k_lo = split * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, in_dim)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_base = a_ptr + slice_id * stride_as + rows[None, :] * stride_ar
+        if row_tile * BLOCK_R < num_rows:
+            for m in range(m0, m1, BLOCK_M):
+                offs_m = m + tl.arange(0, BLOCK_M)
+                m_mask = offs_m < m1
+                tokens = tl.load(token_ids_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+                acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                for k in range(k_lo, k_hi, BLOCK_K):
+                    k_mask = (k + offs_k) < k_hi
+                    x = tl.load(
+                        x_ptr + tokens[:, None] * stride_xt + (k + offs_k)[None, :] * stride_xk,
+                        mask=m_mask[:, None] & k_mask[None, :],
+                        other=0.0,
+                    )
+                    a = tl.load(
+                        a_base + (k + offs_k)[:, None] * stride_ak,
+                        mask=k_mask[:, None] & j_mask[None, :],
+                        other=0.0,
+                    )
+                    if FP32_DOT:
+                        acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+                    else:
+                        acc += tl.dot(x, a)
+                v_ptrs = (
+                    v_ptr
+                    + slice_id * stride_vs
+                    + tokens[:, None] * stride_vt
+                    + offs_j[None, :] * stride_vr
+                )
+                out_mask = m_mask[:, None] & j_mask[None, :]
+                if ATOMIC:
+                    tl.atomic_add(v_ptrs, acc * scales[None, :], mask=out_mask)
+                else:
+                    tl.store(v_ptrs, acc * scales[None, :], mask=out_mask)
+
+
+@triton.jit
+def _grouped_expand_kernel(
+    v_ptr,
+    b_ptr,
+    y_ptr,
+    num_groups_ptr,
+    group_indptr_ptr,
+    token_ids_ptr,
+    row_indptr_ptr,
+    row_ids_ptr,
+    max_rows,
+    off1,
+    off2,
+    off3,
+    num_col_tiles,
+    items_per_group,
+    stride_vs,
+    stride_vt,
+    stride_vr,
+    stride_br,
+    stride_bn,
+    stride_yt,
+    stride_yn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ONE_ROW_TILE: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    num_items = tl.load(num_groups_ptr) * items_per_group
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        group = item // items_per_group
+        rest = item % items_per_group
+        slice_id = rest // num_col_tiles
+        col_lo = tl.where(slice_id == 0, 0, tl.where(slice_id == 1, off1, off2))
+        col_hi = tl.where(slice_id == 0, off1, tl.where(slice_id == 1, off2, off3))
+        n_start = col_lo + (rest % num_col_tiles) * BLOCK_N
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < col_hi
+        m0 = tl.load(group_indptr_ptr + group)
+        m1 = tl.load(group_indptr_ptr + group + 1)
+        r0 = tl.load(row_indptr_ptr + group)
+        num_rows = tl.minimum(tl.load(row_indptr_ptr + group + 1) - r0, max_rows)
+        m_end = tl.where((num_rows > 0) & (n_start < col_hi), m1, m0)
+        v_slice = v_ptr + slice_id * stride_vs
+        if ONE_ROW_TILE:  # the B tile is loaded once and serves every token block
+            offs_j = tl.arange(0, BLOCK_R)
+            j_mask = offs_j < num_rows
+            rows = tl.load(row_ids_ptr + r0 + offs_j, mask=j_mask, other=0).to(tl.int64)
+            b = _load_b_tile(b_ptr, rows, j_mask, offs_n, n_mask, stride_br, stride_bn)
+            for m in range(m0, m_end, BLOCK_M):
+                offs_m = m + tl.arange(0, BLOCK_M)
+                m_mask = offs_m < m1
+                tokens = tl.load(token_ids_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+                v = tl.load(
+                    v_slice + tokens[:, None] * stride_vt + offs_j[None, :] * stride_vr,
+                    mask=m_mask[:, None] & j_mask[None, :],
+                    other=0.0,
+                )
+                acc = _dot_vb(v, b, FP32_DOT)
+                _add_to_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn)
+        else:
+            for m in range(m0, m_end, BLOCK_M):
+                offs_m = m + tl.arange(0, BLOCK_M)
+                m_mask = offs_m < m1
+                tokens = tl.load(token_ids_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for j in range(0, num_rows, BLOCK_R):
+                    offs_j = j + tl.arange(0, BLOCK_R)
+                    j_mask = offs_j < num_rows
+                    rows = tl.load(row_ids_ptr + r0 + offs_j, mask=j_mask, other=0).to(tl.int64)
+                    v = tl.load(
+                        v_slice + tokens[:, None] * stride_vt + offs_j[None, :] * stride_vr,
+                        mask=m_mask[:, None] & j_mask[None, :],
+                        other=0.0,
+                    )
+                    b = _load_b_tile(b_ptr, rows, j_mask, offs_n, n_mask, stride_br, stride_bn)
+                    acc += _dot_vb(v, b, FP32_DOT)
+                _add_to_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn)
+
+
+@triton.jit
+def _load_b_tile(b_ptr, rows, j_mask, offs_n, n_mask, stride_br, stride_bn):
+    return tl.load(
+        b_ptr + rows[:, None] * stride_br + offs_n[None, :] * stride_bn,
+        mask=j_mask[:, None] & n_mask[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _dot_vb(v, b, FP32_DOT: tl.constexpr):
+    if FP32_DOT:
+        out = tl.dot(v, b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(v.to(b.dtype), b)
+    return out
+
+
+@triton.jit
+def _add_to_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn):
+    y_ptrs = y_ptr + tokens[:, None] * stride_yt + offs_n[None, :] * stride_yn
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=y_mask)
+
+
+def check_groups(
+    num_groups: torch.Tensor,
+    group_indptr: torch.Tensor,
+    token_ids: torch.Tensor,
+    row_indptr: torch.Tensor,
+    row_ids: torch.Tensor,
+    device: torch.device,
+    row_scales: torch.Tensor | None = None,
+) -> None:
+    """Shape/dtype/device checks of the group metadata (host-only, never syncs)."""
+    named = {
+        "num_groups": num_groups,
+        "group_indptr": group_indptr,
+        "token_ids": token_ids,
+        "row_indptr": row_indptr,
+        "row_ids": row_ids,
+    }
+    for name, t in named.items():
+        if t.dtype != torch.int32 or t.dim() != 1:
+            raise ValueError(f"{name} must be a 1-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
+    if row_scales is not None:
+        named["row_scales"] = row_scales
+        if row_scales.dtype != torch.float32 or row_scales.shape != row_ids.shape:
+            raise ValueError(
+                f"row_scales must be float32 of shape {tuple(row_ids.shape)}, "
+                f"got {row_scales.dtype} {tuple(row_scales.shape)}"
+            )
+    if num_groups.numel() != 1:
+        raise ValueError(f"num_groups must hold one count, got shape {tuple(num_groups.shape)}")
+    if group_indptr.numel() < 1 or row_indptr.shape != group_indptr.shape:
+        raise ValueError(
+            f"group_indptr {tuple(group_indptr.shape)} and row_indptr "
+            f"{tuple(row_indptr.shape)} must both have shape [max_groups + 1]"
+        )
+    for name, t in named.items():
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+def _num_programs(max_items: int, device: torch.device, tuning: GroupedTuning) -> int:
+    if device.type != "cuda":
+        return max(1, min(max_items, _CPU_PROGRAMS))
+    if tuning.programs_per_sm == 0:
+        return max(1, max_items)
+    return max(1, min(max_items, tuning.programs_per_sm * sm_count(device.index)))
+
+
+def grouped_shrink(
+    x: torch.Tensor,
+    a_pool: torch.Tensor,
+    num_groups: torch.Tensor,
+    group_indptr: torch.Tensor,
+    token_ids: torch.Tensor,
+    row_indptr: torch.Tensor,
+    row_ids: torch.Tensor,
+    row_scales: torch.Tensor,
+    max_rows: int,
+    *,
+    tuning: GroupedTuning = DEFAULT_TUNING,
+) -> torch.Tensor:
+    """Semantics:
+        v = empty(n_slices, T, max_rows, dtype=float32)
+        for g in range(num_groups):
+            tokens = token_ids[group_indptr[g]:group_indptr[g + 1]]
+            r0, r1 = row_indptr[g], row_indptr[g + 1]
+            rows, sc = row_ids[r0:r1], row_scales[r0:r1]
+            for i in range(n_slices):
+                v[i, tokens, :r1 - r0] = (x[tokens].float() @ a_pool[i, rows].float().T) * sc
+
+    Only those entries are defined; every other entry of v is unspecified (grouped_expand never
+    reads them). Groups must not share tokens. Split over in_dim in chunks of tuning.k_chunk;
+    with more than one split, partial sums are added atomically in fp32 into a zeroed v.
+
+    Args:
+        x: [T, in_dim], float16/bfloat16/float32.
+        a_pool: [n_slices, num_rows, in_dim], same dtype as x (any strides).
+        num_groups: [1] int32 on the device, groups in use (<= max_groups).
+        group_indptr: [max_groups + 1] int32, offsets into token_ids.
+        token_ids: [M] int32, tokens of each group (M <= T, no token twice).
+        row_indptr: [max_groups + 1] int32, offsets into row_ids.
+        row_ids: [N] int32, pool rows of each group; row_scales: [N] float32, their weights.
+        max_rows: int, >= r1 - r0 for every group; the width of v.
+
+    Returns:
+        v: [n_slices, T, max_rows] float32.
+    """
+    check_shrink_args(x, a_pool, max_rows, None)
+    check_groups(num_groups, group_indptr, token_ids, row_indptr, row_ids, x.device, row_scales)
+    n_slices, num_tokens, in_dim = a_pool.shape[0], x.shape[0], x.shape[1]
+    max_groups = group_indptr.numel() - 1
+    block_k = pow2_block(min(tuning.block_k, in_dim), 16, 256)
+    k_per_split = triton.cdiv(min(tuning.k_chunk, in_dim), block_k) * block_k
+    split_k = triton.cdiv(in_dim, k_per_split)
+    alloc = torch.zeros if split_k > 1 else torch.empty
+    v = alloc(n_slices, num_tokens, max_rows, dtype=torch.float32, device=x.device)
+    if max_groups == 0 or num_tokens == 0 or max_rows == 0 or row_ids.numel() == 0:
+        return v
+    block_r = pow2_block(max_rows, 16, 64)
+    num_row_tiles = triton.cdiv(max_rows, block_r)
+    items_per_group = n_slices * split_k * num_row_tiles
+    programs = _num_programs(max_groups * items_per_group, x.device, tuning)
+    _grouped_shrink_kernel[(programs,)](
+        x, a_pool, v, num_groups, group_indptr, token_ids, row_indptr, row_ids, row_scales,
+        in_dim, max_rows, k_per_split, items_per_group, num_row_tiles, split_k,
+        x.stride(0), x.stride(1),
+        a_pool.stride(0), a_pool.stride(1), a_pool.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        ATOMIC=split_k > 1, BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        FP32_DOT=fp32_dot(x.dtype, x.device), num_warps=tuning.num_warps,
+        num_stages=tuning.num_stages,
+    )  # fmt: skip
+    return v
+
+
+def grouped_expand(
+    v: torch.Tensor,
+    b_pool: torch.Tensor,
+    out_offsets: Sequence[int],
+    num_groups: torch.Tensor,
+    group_indptr: torch.Tensor,
+    token_ids: torch.Tensor,
+    row_indptr: torch.Tensor,
+    row_ids: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    tuning: GroupedTuning = DEFAULT_TUNING,
+) -> None:
+    """Semantics:
+        for g in range(num_groups):
+            tokens = token_ids[group_indptr[g]:group_indptr[g + 1]]
+            r0, r1 = row_indptr[g], row_indptr[g + 1]
+            rows = row_ids[r0:r1]
+            for i in range(n_slices):
+                cols = slice(out_offsets[i], out_offsets[i + 1])
+                y[tokens, cols] += v[i, tokens, :r1 - r0] @ b_pool[rows, cols].float()
+
+    Accumulates into y in place (fp32 accumulation, one rounding to y's dtype); tokens of no
+    group and groups with no rows leave y untouched. With a 16-bit b_pool, v is rounded to
+    b_pool's dtype before the product (tensor cores), as in sgmv_expand.
+
+    Args:
+        v: [n_slices, T, max_rows] float32, from `grouped_shrink`.
+        b_pool: [num_rows, out_total], float16/bfloat16/float32 (any strides).
+        out_offsets: n_slices + 1 python ints rising from 0 to out_total; 1 <= n_slices <= 3.
+        num_groups, group_indptr, token_ids, row_indptr, row_ids: as for `grouped_shrink`.
+        y: [T, out_total], float16/bfloat16/float32, updated in place.
+    """
+    check_expand_args(v, b_pool, y)
+    check_groups(num_groups, group_indptr, token_ids, row_indptr, row_ids, v.device)
+    n_slices, num_tokens, max_rows = v.shape
+    off = check_offsets(out_offsets, n_slices, b_pool.shape[1])
+    max_groups = group_indptr.numel() - 1
+    if max_groups == 0 or num_tokens == 0 or max_rows == 0 or row_ids.numel() == 0:
+        return
+    block_r = pow2_block(max_rows, 16, 32)
+    widest = max(b - a for a, b in pairwise(off))
+    block_n = pow2_block(min(widest, tuning.block_n), 16, 512)
+    num_col_tiles = triton.cdiv(max(widest, 1), block_n)
+    items_per_group = n_slices * num_col_tiles
+    programs = _num_programs(max_groups * items_per_group, v.device, tuning)
+    off += [off[-1]] * (MAX_SLICES + 1 - len(off))
+    _grouped_expand_kernel[(programs,)](
+        v, b_pool, y, num_groups, group_indptr, token_ids, row_indptr, row_ids,
+        max_rows, off[1], off[2], off[3], num_col_tiles, items_per_group,
+        v.stride(0), v.stride(1), v.stride(2),
+        b_pool.stride(0), b_pool.stride(1),
+        y.stride(0), y.stride(1),
+        BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_N=block_n, ONE_ROW_TILE=max_rows <= block_r,
+        FP32_DOT=fp32_dot(b_pool.dtype, b_pool.device), num_warps=tuning.num_warps,
+    )  # fmt: skip
