@@ -99,7 +99,10 @@ class AdapterPool:
             self._loads_pending = False
 
     def _scatter(self, packed: torch.Tensor, rows: np.ndarray) -> None:
-        idx = torch.as_tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        if self.device.type == "cuda":  # pinned: a pageable source would wait for earlier copies
+            idx = idx.pin_memory()
+        idx = idx.to(self.device, non_blocking=True)
         offset = 0
         for group in MODULE_GROUPS:
             for pool, row_dim in ((self.a_all[group], 2), (self.b_all[group], 1)):
