@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixlora.forward_batch import to_device
+
 GROUPED_MAX_SEG_LEN = 16  # from_segments groups batches whose segments are all this short
 GROUP_TOKENS = 16  # tokens per group at most: a popular set's tokens split into several groups
 
@@ -92,8 +94,10 @@ class HostGroups:
     ) -> LoraGroups:
         row_indptr, row_ids, row_scales = self.rows(seg_rows, seg_scales)
 
+        device = torch.device(device)
+
         def i32(values) -> torch.Tensor:
-            return torch.as_tensor(np.asarray(values, np.int32)).to(device)
+            return to_device(np.asarray(values, np.int32), torch.int32, device)
 
         return LoraGroups(
             num_groups=i32([self.num_groups]),
@@ -101,7 +105,7 @@ class HostGroups:
             token_ids=i32(self.token_ids),
             row_indptr=i32(row_indptr),
             row_ids=i32(row_ids),
-            row_scales=torch.as_tensor(row_scales).to(device),
+            row_scales=to_device(row_scales, torch.float32, device),
         )
 
 
@@ -158,16 +162,18 @@ class LoraBatchMeta:
                 seg_sets = sets_of_segments(seg_rows, seg_scales)
             groups = HostGroups.build(seg_lens, seg_sets).to_device(seg_rows, seg_scales, device)
 
-        def to_dev(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device)
+        device = torch.device(device)
+
+        def to_dev(values, dtype: torch.dtype) -> torch.Tensor:
+            return to_device(values, dtype, device)
 
         return cls(
             seg_indptr=to_dev(_indptr(seg_lens), torch.int32),
             row_indptr=to_dev(_indptr(row_counts), torch.int32),
             row_ids=to_dev([r for rows in seg_rows for r in rows], torch.int32),
             row_scales=to_dev([w for ws in seg_scales for w in ws], torch.float32),
-            token_seg=_segment_of_each(seg_lens).to(device),
-            row_seg=_segment_of_each(row_counts).to(device),
+            token_seg=to_dev(_segment_of_each(seg_lens), torch.int32),
+            row_seg=to_dev(_segment_of_each(row_counts), torch.int32),
             max_rows=max(row_counts, default=0),
             max_seg_len=max(seg_lens, default=0),
             groups=groups,
@@ -193,9 +199,8 @@ def _indptr(counts: Sequence[int]) -> list[int]:
     return out
 
 
-def _segment_of_each(counts: Sequence[int]) -> torch.Tensor:
-    segs = torch.arange(len(counts), dtype=torch.int32)
-    return torch.repeat_interleave(segs, torch.tensor(counts, dtype=torch.long))
+def _segment_of_each(counts: Sequence[int]) -> np.ndarray:
+    return np.repeat(np.arange(len(counts), dtype=np.int32), np.asarray(counts, np.int64))
 
 
 def _check_segments(
