@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,7 +71,7 @@ class Engine:
             self.model_cfg, self.config.max_rank, self.config.max_stacked, self.config.adapter_rows
         )
         self._rng = random.Random(self.config.seed)
-        self._in_flight = None  # (plan, launched step) whose results are not folded in yet
+        self._in_flight = deque()  # (plan, launched step) not folded in yet, oldest first
         self._next_rid = 0
         for name, path in (adapters or {}).items():
             self.load_adapter(name, path)
@@ -177,14 +178,15 @@ class Engine:
         scheduling the step planned now is launched before the previous one's results are
         folded in, so the host plans while the device computes."""
         plan = self.scheduler.schedule()
-        if plan is None and self._in_flight is None:
+        if plan is None and not self._in_flight:
             raise RadixLoraError("scheduler made no progress with requests pending")
-        launched = (plan, self.runner.launch(plan)) if plan is not None else None
-        if not self.config.overlap_schedule:
-            previous, launched = launched, None
-        else:
-            previous, self._in_flight = self._in_flight, launched
-        return self._fold(*previous) if previous is not None else []
+        if plan is not None:
+            self._in_flight.append((plan, self.runner.launch(plan)))
+        keep = 1 if plan is not None and self.config.overlap_schedule else 0
+        finished = []
+        while len(self._in_flight) > keep:
+            finished += self._fold(*self._in_flight.popleft())
+        return finished
 
     def _fold(self, plan, launched) -> list[Req]:
         out = self.runner.finish(launched)

@@ -5,6 +5,8 @@ abort; every KV page and adapter row is free afterwards."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -115,6 +117,20 @@ def test_abort_with_a_step_in_flight(checkpoints, adapters):
     assert_all_free(engine)
 
 
+def test_overlap_switched_off_between_steps(checkpoints, adapters):
+    engine = make(checkpoints, adapters, overlap=True)
+    prompts, params = workload(seed=60)
+    groups = [engine.submit(p, sp, spec) for p, sp, spec in zip(prompts, params, SPECS)]
+    for _ in range(3):
+        engine.step()
+    engine.config = dataclasses.replace(engine.config, overlap_schedule=False)
+    while engine.scheduler.has_work():
+        engine.step()
+    want = make(checkpoints, adapters, overlap=False).generate(prompts, params, SPECS)
+    assert outputs([engine.output_of(g) for g in groups]) == outputs(want)
+    assert_all_free(engine)
+
+
 def test_discarded_plan_recomputes(checkpoints, adapters):
     """A step the worker could not run: its requests recompute, their outputs unchanged, and
     the step launched after it (which read placeholders of the lost step) is dropped."""
@@ -125,11 +141,11 @@ def test_discarded_plan_recomputes(checkpoints, adapters):
     sched = engine.scheduler
     for _ in range(3):
         engine.step()
-    lost, _ = engine._in_flight
+    lost, _ = engine._in_flight.popleft()
     engine.runner.failed()
     successor = sched.schedule()
     assert any((item.extend_ids < 0).any() for item in successor.items)
-    engine._in_flight = (successor, engine.runner.launch(successor))
+    engine._in_flight.append((successor, engine.runner.launch(successor)))
     sched.discard(lost)
     while sched.has_work():
         engine.step()
