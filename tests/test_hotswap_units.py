@@ -340,6 +340,28 @@ def test_snapshot_outlives_the_step_that_loads_it(model, versions, tmp_path):
     assert not sched.scheduler.residency.resident
 
 
+def test_version_that_fails_to_load_is_forgotten(model, versions, tmp_path):
+    """The worker finds a snapshot that no longer hashes to its id: the requests on it fail,
+    its name, rows and snapshot are gone, and the service serves the next version."""
+    sched, worker = _services(model, tmp_path)
+    assert sched.lifecycle.admin(AdminReq(qid=1, op="load", name="a",
+                                          path=str(versions["v1"]))).status == 200
+    snapshot = Path(sched.adapters.by_name["a"].path)
+    for f in versions["v2"].iterdir():  # same shapes, other weights
+        shutil.copy(f, snapshot / f.name)
+    assert sched.add(_req("r", "a")) is None
+    result = worker.execute(sched.next_plan())
+    assert result.failed_adapters
+    _, errors = sched.on_result(result)
+    assert [e.code for e in errors] == ["adapter_load_failed"]
+    assert "a" not in sched.adapters.by_name and not snapshot.exists()
+    _assert_nothing_held(sched)
+    assert sched.lifecycle.admin(AdminReq(qid=2, op="load", name="a",
+                                          path=str(versions["v2"]))).status == 200
+    got = _drive(sched, worker, [_req("again", "a")])
+    assert got[("again", 0)] == _want(model, versions["v2"])
+
+
 def test_more_adapters_than_pool_rows_queue_under_the_swap_cap(model, tmp_path):
     names = [f"n{i}" for i in range(10)]  # 10 x rank 8 rows, the pool holds 32
     sched, worker = _services(model, tmp_path, max_swaps_per_s=50.0)

@@ -79,9 +79,13 @@ class AdapterLifecycle:
 
     def _retire(self, adapter: LoraAdapter) -> None:
         if not self.registry.is_named(adapter.adapter_id):
-            self.scheduler.residency.unpin(adapter.adapter_id)
-            self.retired.add(adapter.adapter_id)
-            self.sweep()
+            self.retire_id(adapter.adapter_id)
+
+    def retire_id(self, adapter_id: str) -> None:
+        """A version no name points to any more: forgotten once no request uses it."""
+        self.scheduler.residency.unpin(adapter_id)
+        self.retired.add(adapter_id)
+        self.sweep()
 
     def sweep(self) -> None:
         """Forget the retired versions no open request uses any more."""

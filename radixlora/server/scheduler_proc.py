@@ -259,7 +259,7 @@ class SchedulerService:
                      if any(a.adapter_id == adapter_id for a in group[0].adapter_set.adapters)]
             errors += [self._fail(rid, f"adapter {names} failed to load: {reason}",
                                   "adapter_load_failed", 500) for rid in users]
-            self.scheduler.residency.evict(adapter_id)
+            self.lifecycle.retire_id(adapter_id)  # its rows and snapshots go once unused
         return errors
 
     def _fail(self, rid: str, message: str, code: str, status: int) -> ReqError:
