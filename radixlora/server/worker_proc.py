@@ -92,8 +92,9 @@ class WorkerService:
             return step.result
         try:
             out = self.runner.finish(step.launched)
-        except Exception as e:
-            return self._error(step.step, e).result
+        except Exception as e:  # the step after it was launched already and keeps its inputs
+            log.exception("step %d failed", step.step)
+            return StepResult(step=step.step, error=f"{type(e).__name__}: {e}")
         top_ids = top_lp = None
         if out.top_logprobs is not None:
             top_ids = [[i for i, _ in row] for row in out.top_logprobs]
@@ -111,6 +112,7 @@ class WorkerService:
         )
 
     def _error(self, step: int, e: Exception) -> InFlight:
+        """A step that could not be launched: the next one has no tokens to read."""
         log.exception("step %d failed", step)
         self.runner.failed()
         return InFlight(step, result=StepResult(step=step, error=f"{type(e).__name__}: {e}"))
