@@ -302,28 +302,20 @@ class Runtime:
     # ---- control -----------------------------------------------------------------------------
 
     async def query_info(self, flush_cache: bool = False) -> dict:
-        if self.health is Health.DEAD:
-            raise ServiceUnavailable(self.dead_reason or "a server process died")
-        qid = next(self.qids)
-        waiter = asyncio.get_running_loop().create_future()
-        self.info_waiters[qid] = waiter
-        self.to_scheduler.send(self.encoder.encode(InfoQuery(qid=qid, flush_cache=flush_cache)))
-        try:
-            return await asyncio.wait_for(waiter, INFO_TIMEOUT_S)
-        except asyncio.TimeoutError as e:
-            raise ServiceUnavailable("the scheduler did not answer in time") from e
-        finally:
-            self.info_waiters.pop(qid, None)
+        return await self._ask(lambda qid: InfoQuery(qid=qid, flush_cache=flush_cache))
 
     async def admin(self, op: str, name: str, path: str = "") -> AdminReply:
         """Ask the scheduler to load / unload / pin / unpin an adapter."""
+        return await self._ask(lambda qid: AdminReq(qid=qid, op=op, name=name, path=path))
+
+    async def _ask(self, make_msg):
+        """Send the scheduler the query make_msg(qid) and wait for its reply."""
         if self.health is Health.DEAD:
             raise ServiceUnavailable(self.dead_reason or "a server process died")
         qid = next(self.qids)
         waiter = asyncio.get_running_loop().create_future()
         self.info_waiters[qid] = waiter
-        self.to_scheduler.send(self.encoder.encode(AdminReq(qid=qid, op=op, name=name,
-                                                            path=path)))
+        self.to_scheduler.send(self.encoder.encode(make_msg(qid)))
         try:
             return await asyncio.wait_for(waiter, INFO_TIMEOUT_S)
         except asyncio.TimeoutError as e:
