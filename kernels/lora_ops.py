@@ -282,21 +282,22 @@ def token_row_weights(meta: LoraBatchMeta) -> torch.Tensor:
 
 
 class TritonLoraBackend(LoraBackend):
-    """SGMV shrink + expand: two launches per projection whatever the adapter mix. With
-    meta.groups (decode-like batches, CUDA graphs) the grouped kernels read each distinct
-    adapter set's rows once; otherwise one segment per request (prefill)."""
+    """SGMV whatever the adapter mix. With meta.groups (decode-like batches, CUDA graphs) the
+    grouped kernels read each distinct adapter set's rows once, in one fused launch per
+    projection when the set's rows fit (sgmv_fused) or as shrink + expand; otherwise shrink +
+    expand with one segment per request (prefill)."""
 
     name = "triton"
 
     def __init__(self, split_k: int | None = None, tuning=None) -> None:
         """tuning: launch parameters of the grouped kernels (None: chosen by rank width)."""
         # Imported here so the torch backend works where triton is absent.
-        from . import sgmv_grouped
+        from . import sgmv_fused, sgmv_grouped
         from .sgmv_expand import sgmv_expand
         from .sgmv_shrink import sgmv_shrink
 
         self._shrink, self._expand, self.split_k = sgmv_shrink, sgmv_expand, split_k
-        self._grouped = sgmv_grouped
+        self._grouped, self._fused = sgmv_grouped, sgmv_fused
         self.tuning = tuning
 
     def apply(self, x, y, a_pool, b_pool, out_offsets, meta) -> None:
@@ -317,6 +318,12 @@ class TritonLoraBackend(LoraBackend):
         g = meta.groups
         tuning = self.tuning or self._grouped.tuning_for_rows(meta.max_rows)
         index = (g.num_groups, g.group_indptr, g.token_ids, g.row_indptr, g.row_ids)
+        if tuning.fused and meta.max_rows <= self._fused.MAX_FUSED_ROWS:
+            self._fused.grouped_lora(
+                x, a_pool, b_pool, out_offsets, *index, g.row_scales, meta.max_rows, y,
+                tuning=tuning,
+            )  # fmt: skip
+            return
         v = self._grouped.grouped_shrink(
             x, a_pool, *index, g.row_scales, meta.max_rows, tuning=tuning
         )

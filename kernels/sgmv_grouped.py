@@ -43,6 +43,9 @@ class GroupedTuning:
     programs_per_sm: int = 8  # persistent programs per SM (0: one program per work item)
     num_warps: int = 4
     num_stages: int = 3  # software pipelining depth of the shrink's in_dim loop
+    fused: bool = True  # one launch per projection (sgmv_fused) where max_rows allows
+    fused_block_k: int = 256  # fused: in_dim per step of the shrink loop
+    chunk_cols: int = 1024  # fused: output columns per work item (v is computed once per chunk)
 
 
 DEFAULT_TUNING = GroupedTuning()

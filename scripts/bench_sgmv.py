@@ -1,7 +1,8 @@
 """SGMV microbenchmark: LoRA deltas of one Llama-3-8B layer (7 projections, fused as qkv, o,
 gate_up, down) for a decode batch, against the adapter-bytes floor and naive baselines: the
 grouped path (tokens gathered by distinct adapter set) against one segment per request, for
-distinct adapters (target a), zipf-popular adapters (duplicates) and stacks.
+distinct adapters (target a), batch 1 (target b), zipf-popular adapters (duplicates) and stacks;
+the grouped path fused (one launch per projection, the default up to 64 rows) and as two kernels.
 
     python scripts/bench_sgmv.py            # H200: full shapes, bf16
     python scripts/bench_sgmv.py --smoke    # CPU: tiny shapes under TRITON_INTERPRET=1
@@ -90,11 +91,13 @@ def tunings(*changes: dict) -> list[GroupedTuning]:
     return [dataclasses.replace(DEFAULT_TUNING, **c) for c in changes]
 
 
-TUNING_SWEEP = tunings({"k_chunk": 512}, {"k_chunk": 2048}, {"block_n": 128}, {"block_n": 512},
-                       {"programs_per_sm": 16}, {"num_stages": 2}, {"num_stages": 4},
-                       {"block_m": 32})  # fmt: skip
-WIDE_ROWS_SWEEP = [DEFAULT_TUNING, *tunings({"block_n": 128}, {"k_chunk": 2048})]
-GROUP_TOKENS_SWEEP = (32, 64, 256)
+TWO_KERNELS = dataclasses.replace(DEFAULT_TUNING, fused=False)
+FUSED_SWEEP = tunings({"chunk_cols": 256}, {"chunk_cols": 512}, {"chunk_cols": 2048},
+                      {"chunk_cols": 16384}, {"fused_block_k": 128}, {"fused_block_k": 512},
+                      {"block_n": 128}, {"block_n": 512}, {"num_warps": 8}, {"num_stages": 2},
+                      {"num_stages": 4}, {"programs_per_sm": 4},
+                      {"programs_per_sm": 16})  # fmt: skip
+GROUP_TOKENS_SWEEP = (32,)
 
 
 @dataclass
@@ -147,6 +150,8 @@ def scenarios(cfg: BenchConfig) -> list[Scenario]:
     weights = [0.2 + 0.8 * i / max(k - 1, 1) for i in range(k)]
     return [
         Scenario(f"distinct r{cfg.rank}", t, cfg.rank, [[(i, 1.0)] for i in range(t)]),
+        Scenario(f"batch 1 r{cfg.rank}", 1, cfg.rank, [[(0, 1.0)]]),
+        Scenario(f"distinct 8 r{cfg.rank}", 8, cfg.rank, [[(i, 1.0)] for i in range(8)]),
         *(Scenario(f"zipf {zt}x{n} r{cfg.rank}", n, cfg.rank, zipf_sets(zt, n, n))
           for n in cfg.zipf_adapters),
         Scenario(f"identical r{cfg.rank}", t, cfg.rank, [[(0, 1.0)] for _ in range(t)]),
@@ -260,7 +265,7 @@ def bench_variant(scenario, variant, backend, projs, meta, bytes_read, device) -
 def tuning_label(t: GroupedTuning) -> str:
     changed = [f"{f.name}={getattr(t, f.name)}" for f in dataclasses.fields(t)
                if getattr(t, f.name) != getattr(DEFAULT_TUNING, f.name)]  # fmt: skip
-    return "grouped " + (",".join(changed) or "narrow-row tuning")
+    return "fused " + (",".join(changed) or "default")
 
 
 def bench_scenario(cfg: BenchConfig, sc: Scenario, sweep: list[GroupedTuning],
@@ -275,6 +280,7 @@ def bench_scenario(cfg: BenchConfig, sc: Scenario, sweep: list[GroupedTuning],
     variants: list[tuple[str, LoraBackend, LoraBatchMeta]] = [
         ("grouped", TritonLoraBackend(), grouped),
         ("sgmv per-request", TritonLoraBackend(), per_request),
+        ("grouped two-kernel", TritonLoraBackend(tuning=TWO_KERNELS), grouped),
     ]
     variants += [(tuning_label(t), TritonLoraBackend(tuning=t), grouped) for t in sweep]
     variants += [(f"grouped group_tokens={n}", TritonLoraBackend(), metas[n])
@@ -353,10 +359,8 @@ def main() -> None:
     results = [bench_base_gemms(cfg)]
     for i, sc in enumerate(scenarios(cfg)):
         zipf_many = sc.name.startswith("zipf") and sc.num_adapters == max(cfg.zipf_adapters)
-        wide_rows = sc.rank * len(sc.sets[0]) > 32
-        sweep = TUNING_SWEEP if i == 0 or zipf_many else WIDE_ROWS_SWEEP if wide_rows else []
-        duplicates = sc.name.startswith(("zipf", "identical"))
-        results += bench_scenario(cfg, sc, sweep, GROUP_TOKENS_SWEEP if duplicates else (),
+        sweep = FUSED_SWEEP if i <= 1 or zipf_many else []
+        results += bench_scenario(cfg, sc, sweep, GROUP_TOKENS_SWEEP if zipf_many else (),
                                   baselines=i == 0)  # fmt: skip
     ratio = stack_ratio(results, cfg)
     if out_dir := os.environ.get("OUT"):
@@ -368,7 +372,9 @@ def main() -> None:
     print(f"per kernel (per-request), {results[2].scenario}, eager us: {kernels}")
     for name in sorted({r.scenario for r in results[1:]}, key=[r.scenario for r in results].index):
         g, p = best_us(results, name, "grouped"), best_us(results, name, "sgmv per-request")
-        print(f"{name}: grouped {g:.1f} us vs per-request {p:.1f} us ({p / g:.2f}x)")
+        two = best_us(results, name, "grouped two-kernel")
+        print(f"{name}: grouped {g:.1f} us vs per-request {p:.1f} us ({p / g:.2f}x), "
+              f"two-kernel grouped {two:.1f} us")  # fmt: skip
     print(f"stack k={cfg.stack_k} r{cfg.rank} / single r{cfg.rank * cfg.stack_k}: {ratio:.3f} "
           "(target within 10%)")  # fmt: skip
     print(format_table(results))
