@@ -17,6 +17,7 @@ import triton.language as tl
 from .attention_extend import (
     LOG2E,
     _attend,
+    _attend_kv_block,
     _block_d,
     _check_index,
     _check_window,
@@ -80,26 +81,14 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for start_n in range(split_lo, split_hi, BLOCK_N):
-        kv_pos = start_n + offs_n
-        n_mask = kv_pos < split_hi
-        slots = tl.load(kv_indices + kv_start + kv_pos, mask=n_mask, other=0).to(tl.int64)
-        kv_ld_mask = n_mask[:, None] & d_mask[None, :]
-        k_ptrs = k_cache + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
-        k_blk = tl.load(k_ptrs, mask=kv_ld_mask, other=0.0)
-        qk = tl.dot(q_blk, tl.trans(k_blk), input_precision=DOT_PRECISION) * qk_scale
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-
-        # Every iteration has >= 1 visible key, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v_ptrs = v_cache + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
-        v_blk = tl.load(v_ptrs, mask=kv_ld_mask, other=0.0)
-        acc = acc * alpha[:, None]
-        acc += tl.dot(p.to(v_blk.dtype), v_blk, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # The query, last in the sequence, sees every key of [split_lo, split_hi) (lo applies the
+        # window): only padding is masked, and m_i is finite after each iteration.
+        m_i, l_i, acc = _attend_kv_block(
+            q_blk, m_i, l_i, acc, k_cache, v_cache, kv_indices + kv_start, kv_head,
+            stride_ks, stride_kh, stride_vs, stride_vh, start_n + offs_n, split_hi, None, None,
+            offs_d, d_mask, qk_scale, DOT_PRECISION=DOT_PRECISION, CAUSAL=False,
+            USE_WINDOW=False,
+        )  # fmt: skip
 
     # l_i >= 1 when the split saw a key (its max term is exp2(0)), else l_i = 0 and m_i = -inf:
     # clamping to 1 keeps empty splits at lse = -inf (weight 0 in the merge) without log2(0).

@@ -3,6 +3,8 @@
 The KV pool holds one token per slot; a request's slots come from a page free list and are listed,
 in position order, by a FlashInfer-style CSR (`kv_indptr`, `kv_indices`). The new tokens' K/V are
 already written into the pool, so they are the last `qo_len` entries of each request's kv list.
+`_attend_kv_block`, one online-softmax step over a block of paged keys, is shared with
+`attention_decode`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,70 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _load_kv_rows(cache, slots, kv_head, stride_s, stride_h, offs_d, mask):
+    ptrs = cache + slots[:, None] * stride_s + kv_head * stride_h + offs_d[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _attend_kv_block(
+    q_blk,
+    m_i,
+    l_i,
+    acc,
+    k_cache,
+    v_cache,
+    req_kv_indices,
+    kv_head,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    kv_pos,
+    kv_end,
+    q_pos,
+    window,
+    offs_d,
+    d_mask,
+    qk_scale,
+    DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+):
+    """One online-softmax step of q_blk [R, D] (rows at positions q_pos) over the keys at kv_pos
+    of one request (slots at req_kv_indices + kv_pos; positions >= kv_end are padding).
+
+    Returns the running (max, sum of exp2, unnormalised output), all fp32, after this block.
+    """
+    n_mask = kv_pos < kv_end
+    slots = tl.load(req_kv_indices + kv_pos, mask=n_mask, other=0).to(tl.int64)
+    kv_ld_mask = n_mask[:, None] & d_mask[None, :]
+    k_blk = _load_kv_rows(k_cache, slots, kv_head, stride_ks, stride_kh, offs_d, kv_ld_mask)
+    qk = tl.dot(q_blk, tl.trans(k_blk), input_precision=DOT_PRECISION) * qk_scale
+
+    visible = n_mask[None, :]
+    if CAUSAL:
+        visible = visible & (kv_pos[None, :] <= q_pos[:, None])
+    if USE_WINDOW:
+        visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
+    qk = tl.where(visible, qk, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_shift = m_new
+    if CAUSAL or USE_WINDOW:
+        # Rows with nothing visible yet keep m = -inf; shift by 0 so exp2 yields 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_shift)
+    p = tl.math.exp2(qk - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    v_blk = _load_kv_rows(v_cache, slots, kv_head, stride_vs, stride_vh, offs_d, kv_ld_mask)
+    acc = acc * alpha[:, None]
+    acc += tl.dot(p.to(v_blk.dtype), v_blk, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -80,31 +146,12 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
-        kv_pos = start_n + offs_n
-        n_mask = kv_pos < hi
-        slots = tl.load(kv_indices + kv_start + kv_pos, mask=n_mask, other=0).to(tl.int64)
-        kv_ld_mask = n_mask[:, None] & d_mask[None, :]
-        k_ptrs = k_cache + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
-        k_blk = tl.load(k_ptrs, mask=kv_ld_mask, other=0.0)
-        qk = tl.dot(q_blk, tl.trans(k_blk), input_precision=DOT_PRECISION) * qk_scale
-
-        visible = n_mask[None, :] & (kv_pos[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
-        qk = tl.where(visible, qk, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # Rows with nothing visible yet keep m = -inf; shift by 0 so exp2 yields 0, not NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_shift)
-        p = tl.math.exp2(qk - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v_ptrs = v_cache + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
-        v_blk = tl.load(v_ptrs, mask=kv_ld_mask, other=0.0)
-        acc = acc * alpha[:, None]
-        acc += tl.dot(p.to(v_blk.dtype), v_blk, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_kv_block(
+            q_blk, m_i, l_i, acc, k_cache, v_cache, kv_indices + kv_start, kv_head,
+            stride_ks, stride_kh, stride_vs, stride_vh, start_n + offs_n, hi, q_pos, window,
+            offs_d, d_mask, qk_scale, DOT_PRECISION=DOT_PRECISION, CAUSAL=True,
+            USE_WINDOW=USE_WINDOW,
+        )  # fmt: skip
 
     # l_i >= 1 for any row that saw a key; padded rows have l_i = 0 and acc = 0.
     acc = acc / tl.maximum(l_i, 1.0)[:, None]
