@@ -224,11 +224,12 @@ def _check_segments(
 
 
 class LoraBackend(ABC):
-    """Applies the LoRA deltas of one fused projection for a whole batch."""
+    """Applies the LoRA deltas of one fused projection for a whole batch, in two phases: the
+    shrink reads only x, so it may run beside the base GEMM (LoraContext.project); the expand
+    adds into the GEMM's output."""
 
     name: str
 
-    @abstractmethod
     def apply(
         self,
         x: torch.Tensor,
@@ -254,6 +255,28 @@ class LoraBackend(ABC):
             out_offsets: n_slices + 1 python ints, the column range of each slice in y/b_pool.
             meta: the batch's segments and rows (num_tokens == T).
         """
+        _check_tokens(meta, x, y)
+        v = self.shrink(x, a_pool, meta)
+        if v is not None:
+            self.expand(v, b_pool, out_offsets, meta, y)
+
+    @abstractmethod
+    def shrink(
+        self, x: torch.Tensor, a_pool: torch.Tensor, meta: LoraBatchMeta
+    ) -> torch.Tensor | None:
+        """The first phase of `apply`: the scaled rank-space activations, in the layout this
+        backend's expand reads (None: the batch has no rows, nothing to add)."""
+
+    @abstractmethod
+    def expand(
+        self,
+        v: torch.Tensor,
+        b_pool: torch.Tensor,
+        out_offsets: Sequence[int],
+        meta: LoraBatchMeta,
+        y: torch.Tensor,
+    ) -> None:
+        """The second phase of `apply`: y += the deltas of v (from this backend's shrink)."""
 
 
 class TorchLoraBackend(LoraBackend):
@@ -262,14 +285,16 @@ class TorchLoraBackend(LoraBackend):
 
     name = "torch"
 
-    def apply(self, x, y, a_pool, b_pool, out_offsets, meta) -> None:
-        _check_tokens(x, y, meta)
+    def shrink(self, x, a_pool, meta) -> torch.Tensor | None:
+        _check_tokens(meta, x)
         if meta.num_rows == 0:
-            return
-        rows = meta.row_ids.long()
-        v = x.float() @ a_pool[:, rows].float().transpose(1, 2)
-        v *= token_row_weights(meta)
-        b_sel = b_pool[rows].float()
+            return None
+        v = x.float() @ a_pool[:, meta.row_ids.long()].float().transpose(1, 2)
+        return v * token_row_weights(meta)  # [n_slices, T, N]
+
+    def expand(self, v, b_pool, out_offsets, meta, y) -> None:
+        _check_tokens(meta, y)
+        b_sel = b_pool[meta.row_ids.long()].float()
         off = list(out_offsets)
         delta = torch.cat([v[i] @ b_sel[:, off[i] : off[i + 1]] for i in range(len(off) - 1)], 1)
         y += delta.to(y.dtype)
@@ -282,59 +307,59 @@ def token_row_weights(meta: LoraBatchMeta) -> torch.Tensor:
 
 
 class TritonLoraBackend(LoraBackend):
-    """SGMV whatever the adapter mix. With meta.groups (decode-like batches, CUDA graphs) the
-    grouped kernels read each distinct adapter set's rows once, in one fused launch per
-    projection when the set's rows fit (sgmv_fused) or as shrink + expand; otherwise shrink +
-    expand with one segment per request (prefill)."""
+    """SGMV shrink + expand: two launches per projection whatever the adapter mix. With
+    meta.groups (decode-like batches, CUDA graphs) the grouped kernels read each distinct
+    adapter set's rows once; otherwise one segment per request (prefill)."""
 
     name = "triton"
 
     def __init__(self, split_k: int | None = None, tuning=None) -> None:
         """tuning: launch parameters of the grouped kernels (None: chosen by rank width)."""
         # Imported here so the torch backend works where triton is absent.
-        from . import sgmv_fused, sgmv_grouped
+        from . import sgmv_grouped
         from .sgmv_expand import sgmv_expand
         from .sgmv_shrink import sgmv_shrink
 
         self._shrink, self._expand, self.split_k = sgmv_shrink, sgmv_expand, split_k
-        self._grouped, self._fused = sgmv_grouped, sgmv_fused
+        self._grouped = sgmv_grouped
         self.tuning = tuning
 
-    def apply(self, x, y, a_pool, b_pool, out_offsets, meta) -> None:
-        _check_tokens(x, y, meta)
-        if meta.groups is not None:
-            self._apply_grouped(x, y, a_pool, b_pool, out_offsets, meta)
-            return
+    def shrink(self, x, a_pool, meta) -> torch.Tensor | None:
+        _check_tokens(meta, x)
+        if (g := meta.groups) is not None:
+            return self._grouped.grouped_shrink(
+                x, a_pool, *_group_index(g), g.row_scales, meta.max_rows,
+                tuning=self._tuning(meta),
+            )  # fmt: skip
         if meta.num_rows == 0:
+            return None
+        return self._shrink(
+            x, a_pool, meta.seg_indptr, meta.row_indptr, meta.row_ids, meta.row_scales,
+            meta.max_rows, max_seg_len=meta.max_seg_len, split_k=self.split_k,
+        )  # fmt: skip
+
+    def expand(self, v, b_pool, out_offsets, meta, y) -> None:
+        _check_tokens(meta, y)
+        if (g := meta.groups) is not None:
+            self._grouped.grouped_expand(
+                v, b_pool, out_offsets, *_group_index(g), y, tuning=self._tuning(meta)
+            )
             return
         index = (meta.seg_indptr, meta.row_indptr, meta.row_ids)
-        v = self._shrink(
-            x, a_pool, *index, meta.row_scales, meta.max_rows,
-            max_seg_len=meta.max_seg_len, split_k=self.split_k,
-        )  # fmt: skip
         self._expand(v, b_pool, out_offsets, *index, y, max_seg_len=meta.max_seg_len)
 
-    def _apply_grouped(self, x, y, a_pool, b_pool, out_offsets, meta) -> None:
-        g = meta.groups
-        tuning = self.tuning or self._grouped.tuning_for_rows(meta.max_rows)
-        index = (g.num_groups, g.group_indptr, g.token_ids, g.row_indptr, g.row_ids)
-        if tuning.fused and meta.max_rows <= self._fused.MAX_FUSED_ROWS:
-            self._fused.grouped_lora(
-                x, a_pool, b_pool, out_offsets, *index, g.row_scales, meta.max_rows, y,
-                tuning=tuning,
-            )  # fmt: skip
-            return
-        v = self._grouped.grouped_shrink(
-            x, a_pool, *index, g.row_scales, meta.max_rows, tuning=tuning
-        )
-        self._grouped.grouped_expand(v, b_pool, out_offsets, *index, y, tuning=tuning)
+    def _tuning(self, meta: LoraBatchMeta):
+        return self.tuning or self._grouped.tuning_for_rows(meta.max_rows)
 
 
-def _check_tokens(x: torch.Tensor, y: torch.Tensor, meta: LoraBatchMeta) -> None:
-    if x.shape[0] != meta.num_tokens or y.shape[0] != meta.num_tokens:
-        raise ValueError(
-            f"x {tuple(x.shape)} and y {tuple(y.shape)} must have meta's {meta.num_tokens} tokens"
-        )
+def _group_index(g: LoraGroups) -> tuple[torch.Tensor, ...]:
+    return g.num_groups, g.group_indptr, g.token_ids, g.row_indptr, g.row_ids
+
+
+def _check_tokens(meta: LoraBatchMeta, *tensors: torch.Tensor) -> None:
+    if any(t.shape[0] != meta.num_tokens for t in tensors):
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+        raise ValueError(f"{shapes} must have meta's {meta.num_tokens} tokens")
 
 
 LORA_BACKENDS: dict[str, type[LoraBackend]] = {

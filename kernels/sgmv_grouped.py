@@ -29,6 +29,7 @@ from .sgmv_expand import MAX_SLICES, check_expand_args, check_offsets
 from .sgmv_shrink import check_shrink_args, fp32_dot, pow2_block, sm_count
 
 _CPU_PROGRAMS = 3  # the interpreter runs programs one by one: a few exercise the striding
+MIN_BLOCK_N = 64  # expand tiles are never narrower than this (small buckets narrow them)
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,10 @@ class GroupedTuning:
     programs_per_sm: int = 8  # persistent programs per SM (0: one program per work item)
     num_warps: int = 4
     num_stages: int = 3  # software pipelining depth of the shrink's in_dim loop
-    fused: bool = True  # one launch per projection (sgmv_fused) where max_rows allows
-    fused_block_k: int = 256  # fused: in_dim per step of the shrink loop
-    chunk_cols: int = 1024  # fused: output columns per work item (v is computed once per chunk)
+    # small buckets (batch 1, a few groups) split in_dim finer and use narrower expand tiles
+    # until a full bucket has this many work items per SM: at those sizes every launch is
+    # latency-bound, so short programs beat long ones (0: off)
+    min_items_per_sm: int = 4
 
 
 DEFAULT_TUNING = GroupedTuning()
@@ -334,6 +336,13 @@ def check_groups(
             raise ValueError(f"{name} is on {t.device}, expected {device}")
 
 
+def _wanted_splits(items: int, device: torch.device, tuning: GroupedTuning) -> int:
+    """How many times finer a launch of `items` work items should split them to reach
+    tuning.min_items_per_sm per SM (1: enough items already)."""
+    sms = sm_count(device.index) if device.type == "cuda" else _CPU_PROGRAMS
+    return max(1, triton.cdiv(tuning.min_items_per_sm * sms, max(items, 1)))
+
+
 def _num_programs(max_items: int, device: torch.device, tuning: GroupedTuning) -> int:
     if device.type != "cuda":
         return max(1, min(max_items, _CPU_PROGRAMS))
@@ -365,8 +374,9 @@ def grouped_shrink(
                 v[i, tokens, :r1 - r0] = (x[tokens].float() @ a_pool[i, rows].float().T) * sc
 
     Only those entries are defined; every other entry of v is unspecified (grouped_expand never
-    reads them). Groups must not share tokens. Split over in_dim in chunks of tuning.k_chunk;
-    with more than one split, partial sums are added atomically in fp32 into a zeroed v.
+    reads them). Groups must not share tokens. Split over in_dim in chunks of at most
+    tuning.k_chunk (finer for small buckets: GroupedTuning.min_items_per_sm); with more than one
+    split, partial sums are added atomically in fp32 into a zeroed v.
 
     Args:
         x: [T, in_dim], float16/bfloat16/float32.
@@ -386,14 +396,16 @@ def grouped_shrink(
     n_slices, num_tokens, in_dim = a_pool.shape[0], x.shape[0], x.shape[1]
     max_groups = group_indptr.numel() - 1
     block_k = pow2_block(min(tuning.block_k, in_dim), 16, 256)
-    k_per_split = triton.cdiv(min(tuning.k_chunk, in_dim), block_k) * block_k
+    block_r = pow2_block(max_rows, 16, 64)
+    num_row_tiles = triton.cdiv(max_rows, block_r)
+    wanted = _wanted_splits(max_groups * n_slices * num_row_tiles, x.device, tuning)
+    k_chunk = min(tuning.k_chunk, in_dim, triton.cdiv(in_dim, wanted))
+    k_per_split = triton.cdiv(k_chunk, block_k) * block_k
     split_k = triton.cdiv(in_dim, k_per_split)
     alloc = torch.zeros if split_k > 1 else torch.empty
     v = alloc(n_slices, num_tokens, max_rows, dtype=torch.float32, device=x.device)
     if max_groups == 0 or num_tokens == 0 or max_rows == 0 or row_ids.numel() == 0:
         return v
-    block_r = pow2_block(max_rows, 16, 64)
-    num_row_tiles = triton.cdiv(max_rows, block_r)
     items_per_group = n_slices * split_k * num_row_tiles
     programs = _num_programs(max_groups * items_per_group, x.device, tuning)
     _grouped_shrink_kernel[(programs,)](
@@ -452,6 +464,10 @@ def grouped_expand(
     block_r = pow2_block(max_rows, 16, 32)
     widest = max(b - a for a, b in pairwise(off))
     block_n = pow2_block(min(widest, tuning.block_n), 16, 512)
+    while block_n > MIN_BLOCK_N and _wanted_splits(
+        max_groups * n_slices * triton.cdiv(max(widest, 1), block_n), v.device, tuning
+    ) > 1:
+        block_n //= 2
     num_col_tiles = triton.cdiv(max(widest, 1), block_n)
     items_per_group = n_slices * num_col_tiles
     programs = _num_programs(max_groups * items_per_group, v.device, tuning)

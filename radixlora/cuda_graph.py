@@ -11,7 +11,9 @@ logits are never read.
 
 LoRA runs the grouped SGMV path under every graph: the step's tokens grouped by distinct adapter
 set (padding and base-only requests belong to no group), so the rows live in the group buffers
-and the per-segment metadata carries none; graphs therefore need the Triton LoRA backend."""
+and the per-segment metadata carries none; graphs therefore need the Triton LoRA backend. Each
+projection's LoRA shrink is captured on a side stream, a parallel branch of the graph beside the
+base GEMM (EngineConfig.lora_side_stream, LoraContext)."""
 
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ class StaticInputs:
         if runner.lora_backend.name != "triton":
             raise ValueError("cuda_graph needs lora_backend triton (or auto on CUDA)")
         self.runner = runner
+        self.lora_stream = None  # CudaGraphRunner: the side stream of the LoRA shrinks
         self.buckets = [b for b in BATCH_BUCKETS if b <= max_batch] or [1]
         self.extend_buckets = [b for b in self.buckets if b <= MAX_EXTEND_BATCH]
         self.row_buckets = sorted({r for r in ROW_BUCKETS if r < max_rows} | {max_rows})
@@ -177,7 +180,9 @@ class StaticInputs:
                 )
                 for g in MODULE_GROUPS
             }
-            lora = LoraContext(self.runner.adapter_pool, self.runner.lora_backend, metas)
+            lora = LoraContext(
+                self.runner.adapter_pool, self.runner.lora_backend, metas, self.lora_stream
+            )
         return ForwardBatch(
             self.input_ids[:t],
             self.positions[:t],
@@ -206,10 +211,14 @@ class StaticInputs:
 
 
 class CudaGraphRunner(StaticInputs):
-    def __init__(self, runner, max_batch: int, max_context: int, max_rows: int):
+    def __init__(
+        self, runner, max_batch: int, max_context: int, max_rows: int, lora_side_stream: bool
+    ):
         super().__init__(runner, max_batch, max_context, max_rows)
         self.graphs: dict[GraphKey, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        if lora_side_stream:
+            self.lora_stream = torch.cuda.Stream(runner.device)
 
     def forward(self, key: GraphKey, host: dict, lora_segments, resolve=None) -> torch.Tensor:
         """Logits [batch, vocab] of each request's last token, by replaying key's graph."""

@@ -28,10 +28,9 @@ class ForwardBatch:
         return self.attn_backend.forward(q, k, v, layer_id, self.out_cache_loc, self.attn_meta)
 
     def lora_project(self, linear: torch.nn.Linear, x: torch.Tensor, layer_id: int, group: str):
-        y = linear(x)
-        if self.lora is not None:
-            self.lora.apply(x, y, layer_id, group)
-        return y
+        if self.lora is None:
+            return linear(x)
+        return self.lora.project(linear, x, layer_id, group)
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

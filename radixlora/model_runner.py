@@ -81,6 +81,7 @@ class ModelRunner:
                 config.max_running,
                 model_cfg.max_position,
                 config.max_rank * config.max_stacked,
+                config.lora_side_stream,
             )
         # tokens sampled by the last launched step: placeholders of the next step point here
         self.last_sampled = torch.zeros(1, dtype=torch.int64, device=self.device)

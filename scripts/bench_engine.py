@@ -137,7 +137,8 @@ def throughput(engine: Engine, n: int, specs, prompt_len: int, new_tokens: int, 
     return {"tok_per_s": n * new_tokens / elapsed, "seconds": elapsed,
             "mean_decode_step_ms": 1e3 * statistics.fmean(s for s, _ in decode),
             "mean_decode_floor_ms": 1e3 * statistics.fmean(f for _, f in decode),
-            "steps": len(steps)}
+            "decode_s": sum(s for s, _ in decode), "steps": len(steps),
+            "decode_steps": len(decode)}
 
 
 def zipf_specs(names: list[str], n: int, alpha: float, rng) -> list[str]:
@@ -211,6 +212,12 @@ def bench_small_batches(engine: Engine, path: Path, args, kw: dict, scale: int, 
     results["b_graph_replay_bs1_ms"] = graph_replay_ms(engine, rows=0)
     results["b_graph_replay_bs1_adapter_ms"] = graph_replay_ms(engine, rows=32)
     results["e_no_adapter_bs32_ms"] = decode_step_ms(engine, 32, [None], 128, 64 // scale, rng)
+    serial = make_engine(path, args, **{**kw, "kv_pages": 20_000, "lora_side_stream": False})
+    serial.add_adapter(one)
+    decode_step_ms(serial, 1, ["one"], 32, 8, rng)
+    results["b_one_adapter_bs1_no_side_stream_ms"] = decode_step_ms(serial, 1, ["one"], 128,
+                                                                    64 // scale, rng)
+    del serial
     bare = make_engine(path, args, **{**kw, "adapter_rows": 16, "kv_pages": 20_000})
     if bare.runner.graphs is not None:
         bare.runner.graphs.capture_decode()
@@ -273,6 +280,8 @@ def report_rows(r: dict) -> list[tuple[str, float | None]]:
         ("b one adapter bs1 ms", get("b_one_adapter_bs1_ms")),
         ("b graph replay only bs1 adapter ms", get("b_graph_replay_bs1_adapter_ms")),
         ("b adapter / base", ratio(get("b_one_adapter_bs1_ms"), get("b_base_bs1_ms"))),
+        ("b one adapter bs1, shrink not beside GEMM ms",
+         get("b_one_adapter_bs1_no_side_stream_ms")),
         ("e no-adapter batch bs32 ms", get("e_no_adapter_bs32_ms")),
         ("e LoRA-disabled engine bs32 ms", get("e_lora_disabled_bs32_ms")),
         ("c base tok/s", get("c_base", "tok_per_s")),
@@ -287,6 +296,10 @@ def report_rows(r: dict) -> list[tuple[str, float | None]]:
                                   get("c2_zipf64", "mean_decode_floor_ms"))),
         ("c base mean decode step ms", get("c_base", "mean_decode_step_ms")),
         ("c3 peer shape tok/s (peer 94.7)", get("c3_peer_shape_8_adapters_bs32", "tok_per_s")),
+        ("c3 seconds", get("c3_peer_shape_8_adapters_bs32", "seconds")),
+        ("c3 of which decode-only steps s", get("c3_peer_shape_8_adapters_bs32", "decode_s")),
+        ("c3 mean decode step ms",
+         get("c3_peer_shape_8_adapters_bs32", "mean_decode_step_ms")),
         ("d TTFT miss ms", get("d", "ttft_miss_ms")),
         ("d TTFT hit ms", get("d", "ttft_hit_ms")),
         ("d speedup", ratio(get("d", "ttft_miss_ms"), get("d", "ttft_hit_ms"))),

@@ -2,7 +2,7 @@
 gate_up, down) for a decode batch, against the adapter-bytes floor and naive baselines: the
 grouped path (tokens gathered by distinct adapter set) against one segment per request, for
 distinct adapters (target a), batch 1 (target b), zipf-popular adapters (duplicates) and stacks;
-the grouped path fused (one launch per projection, the default up to 64 rows) and as two kernels.
+and the base GEMMs with LoRA, the shrink after each GEMM or beside it on a side stream.
 
     python scripts/bench_sgmv.py            # H200: full shapes, bf16
     python scripts/bench_sgmv.py --smoke    # CPU: tiny shapes under TRITON_INTERPRET=1
@@ -26,7 +26,9 @@ if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
 
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import random  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -46,6 +48,7 @@ from kernels.lora_ops import (  # noqa: E402
 from kernels.sgmv_expand import sgmv_expand  # noqa: E402
 from kernels.sgmv_grouped import DEFAULT_TUNING, GroupedTuning  # noqa: E402
 from kernels.sgmv_shrink import sgmv_shrink  # noqa: E402
+from radixlora.lora.pool import LoraContext  # noqa: E402
 
 HBM_BYTES_PER_S = 4.24e12  # measured device-to-device copy on the H200
 MAX_REL_ERR = 2e-2
@@ -91,12 +94,9 @@ def tunings(*changes: dict) -> list[GroupedTuning]:
     return [dataclasses.replace(DEFAULT_TUNING, **c) for c in changes]
 
 
-TWO_KERNELS = dataclasses.replace(DEFAULT_TUNING, fused=False)
-FUSED_SWEEP = tunings({"chunk_cols": 256}, {"chunk_cols": 512}, {"chunk_cols": 2048},
-                      {"chunk_cols": 16384}, {"fused_block_k": 128}, {"fused_block_k": 512},
-                      {"block_n": 128}, {"block_n": 512}, {"num_warps": 8}, {"num_stages": 2},
-                      {"num_stages": 4}, {"programs_per_sm": 4},
-                      {"programs_per_sm": 16})  # fmt: skip
+SMALL_BATCH_SWEEP = tunings({"min_items_per_sm": 0}, {"min_items_per_sm": 2},
+                           {"min_items_per_sm": 8}, {"block_k": 64},
+                           {"min_items_per_sm": 8, "block_k": 64})  # fmt: skip
 GROUP_TOKENS_SWEEP = (32,)
 
 
@@ -227,14 +227,16 @@ class NaiveBmmBackend(LoraBackend):
 
     name = "naive-bmm"
 
-    def apply(self, x, y, a_pool, b_pool, out_offsets, meta) -> None:
+    def shrink(self, x, a_pool, meta) -> torch.Tensor:
         rows = meta.row_ids.long().view(meta.num_tokens, -1)  # [T, R]
         scales = meta.row_scales.view(meta.num_tokens, -1, 1).to(x.dtype)
         a_tok = a_pool[:, rows].flatten(0, 1)  # [n_slices * T, R, in_dim]
         x_rep = x.repeat(a_pool.shape[0], 1).unsqueeze(-1)  # [n_slices * T, in_dim, 1]
-        v = torch.bmm(a_tok, x_rep).view(a_pool.shape[0], meta.num_tokens, -1, 1) * scales
-        b_tok = b_pool[rows]  # [T, R, out_total]
-        for i in range(a_pool.shape[0]):
+        return torch.bmm(a_tok, x_rep).view(a_pool.shape[0], meta.num_tokens, -1, 1) * scales
+
+    def expand(self, v, b_pool, out_offsets, meta, y) -> None:
+        b_tok = b_pool[meta.row_ids.long().view(meta.num_tokens, -1)]  # [T, R, out_total]
+        for i in range(v.shape[0]):
             cols = slice(out_offsets[i], out_offsets[i + 1])
             y[:, cols] += torch.bmm(v[i].transpose(1, 2), b_tok[:, :, cols]).squeeze(1)
 
@@ -265,7 +267,7 @@ def bench_variant(scenario, variant, backend, projs, meta, bytes_read, device) -
 def tuning_label(t: GroupedTuning) -> str:
     changed = [f"{f.name}={getattr(t, f.name)}" for f in dataclasses.fields(t)
                if getattr(t, f.name) != getattr(DEFAULT_TUNING, f.name)]  # fmt: skip
-    return "fused " + (",".join(changed) or "default")
+    return "grouped " + (",".join(changed) or "default")
 
 
 def bench_scenario(cfg: BenchConfig, sc: Scenario, sweep: list[GroupedTuning],
@@ -280,7 +282,6 @@ def bench_scenario(cfg: BenchConfig, sc: Scenario, sweep: list[GroupedTuning],
     variants: list[tuple[str, LoraBackend, LoraBatchMeta]] = [
         ("grouped", TritonLoraBackend(), grouped),
         ("sgmv per-request", TritonLoraBackend(), per_request),
-        ("grouped two-kernel", TritonLoraBackend(tuning=TWO_KERNELS), grouped),
     ]
     variants += [(tuning_label(t), TritonLoraBackend(tuning=t), grouped) for t in sweep]
     variants += [(f"grouped group_tokens={n}", TritonLoraBackend(), metas[n])
@@ -307,6 +308,37 @@ def per_kernel_breakdown(projs, meta, device: str) -> dict[str, float]:
         expand = (v, p.b_pool, p.out_offsets, *index, y)
         out[f"{p.name}.shrink"] = time_us(lambda a=shrink: sgmv_shrink(*a, **seg_len), device)[0]
         out[f"{p.name}.expand"] = time_us(lambda a=expand: sgmv_expand(*a, **seg_len), device)[0]
+    return out
+
+
+def bench_with_base(cfg: BenchConfig, sc: Scenario) -> list[Result]:
+    """The layer's base GEMMs plus the grouped LoRA deltas through LoraContext.project, as the
+    model runs them: the shrink after the GEMM, or on a side stream beside it (CUDA graphs)."""
+    gen = torch.Generator().manual_seed(0)
+    adapter_rows = scattered_rows(sc.num_adapters, sc.rank, gen)
+    projs = build_projections(cfg, sc.num_adapters * sc.rank + SPARE_ROWS, len(sc.sets))
+    meta = build_meta(sc, adapter_rows, cfg.device, GROUP_TOKENS)
+    weights = [torch.randn(p.out_offsets[-1], p.x.shape[1], dtype=cfg.dtype, device=cfg.device)
+               * p.x.shape[1] ** -0.5 for p in projs]  # fmt: skip
+    pool = SimpleNamespace(a=[{p.name: p.a_pool for p in projs}],
+                           b=[{p.name: p.b_pool for p in projs}],
+                           out_offsets={p.name: p.out_offsets for p in projs})  # fmt: skip
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    side = torch.cuda.Stream() if cfg.device == "cuda" else None
+    out = []
+    for variant, lora in (("base GEMMs only", None),
+                          ("base + LoRA, shrink after GEMM", LoraContext(
+                              pool, TritonLoraBackend(), {p.name: meta for p in projs})),
+                          ("base + LoRA, shrink beside GEMM", LoraContext(
+                              pool, TritonLoraBackend(), {p.name: meta for p in projs}, side))):
+        def run(lora=lora) -> None:
+            for p, w in zip(projs, weights, strict=True):
+                linear = functools.partial(torch.matmul, other=w.T)
+                _ = linear(p.x) if lora is None else lora.project(linear, p.x, 0, p.name)
+
+        eager, graph = time_us(run, cfg.device)
+        print(f"{sc.name} / {variant}: eager {eager:.1f} us, graph {graph} us", flush=True)
+        out.append(Result(sc.name, variant, eager, graph, weight_bytes))
     return out
 
 
@@ -359,9 +391,11 @@ def main() -> None:
     results = [bench_base_gemms(cfg)]
     for i, sc in enumerate(scenarios(cfg)):
         zipf_many = sc.name.startswith("zipf") and sc.num_adapters == max(cfg.zipf_adapters)
-        sweep = FUSED_SWEEP if i <= 1 or zipf_many else []
+        sweep = SMALL_BATCH_SWEEP if i <= 2 or zipf_many else []
         results += bench_scenario(cfg, sc, sweep, GROUP_TOKENS_SWEEP if zipf_many else (),
                                   baselines=i == 0)  # fmt: skip
+        if i <= 2 or zipf_many:
+            results += bench_with_base(cfg, sc)
     ratio = stack_ratio(results, cfg)
     if out_dir := os.environ.get("OUT"):
         payload = {"config": {**asdict(cfg), "dtype": str(cfg.dtype)}, "env": environment(cfg),
@@ -372,9 +406,7 @@ def main() -> None:
     print(f"per kernel (per-request), {results[2].scenario}, eager us: {kernels}")
     for name in sorted({r.scenario for r in results[1:]}, key=[r.scenario for r in results].index):
         g, p = best_us(results, name, "grouped"), best_us(results, name, "sgmv per-request")
-        two = best_us(results, name, "grouped two-kernel")
-        print(f"{name}: grouped {g:.1f} us vs per-request {p:.1f} us ({p / g:.2f}x), "
-              f"two-kernel grouped {two:.1f} us")  # fmt: skip
+        print(f"{name}: grouped {g:.1f} us vs per-request {p:.1f} us ({p / g:.2f}x)")
     print(f"stack k={cfg.stack_k} r{cfg.rank} / single r{cfg.rank * cfg.stack_k}: {ratio:.3f} "
           "(target within 10%)")  # fmt: skip
     print(format_table(results))

@@ -25,7 +25,6 @@ from radixlora.kernels.lora_ops import (  # noqa: E402
     make_lora_backend,
 )
 from radixlora.kernels.sgmv_expand import sgmv_expand, sgmv_expand_ref  # noqa: E402
-from radixlora.kernels.sgmv_fused import MAX_FUSED_ROWS, grouped_lora, grouped_lora_ref  # noqa: E402
 from radixlora.kernels.sgmv_grouped import (  # noqa: E402
     GroupedTuning,
     grouped_expand,
@@ -373,14 +372,12 @@ def grouped_meta(segs) -> LoraBatchMeta:
     return meta
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_kernels"])
 @pytest.mark.parametrize("n_slices", [1, 2, 3])
 @pytest.mark.parametrize("name", GROUPED_SCENARIOS)
-def test_grouped_backend_matches_loop_reference(name, n_slices, fused):
+def test_grouped_backend_matches_loop_reference(name, n_slices):
     pool, x, y0, segs = build_grouped_case(name, n_slices, in_dim=48 if n_slices != 2 else 80)
     y = y0.clone()
-    # two kernels: in_dim in 2-3 atomic splits; fused: 3-5 shrink steps, 2-6 column chunks
-    tuning = GroupedTuning(k_chunk=32, block_k=16, fused=fused, fused_block_k=16, chunk_cols=16)
+    tuning = GroupedTuning(k_chunk=32, block_k=16)  # in_dim in 2-3 atomic splits
     TritonLoraBackend(tuning=tuning).apply(
         x, y, pool.a, pool.b, pool.out_offsets, grouped_meta(segs)
     )
@@ -437,51 +434,12 @@ def test_grouped_expand_leaves_tokens_of_no_group_bitwise_untouched():
     assert not torch.equal(y[1], y0[1])
 
 
-FUSED_TUNING = GroupedTuning(fused_block_k=16, block_n=16, chunk_cols=32)
-
-
-@pytest.mark.parametrize("n_slices", [1, 3])
-def test_fused_kernel_matches_its_reference_with_padding(n_slices):
-    pool, x, y0, segs = build_grouped_case("skewed", n_slices, in_dim=40)
-    meta = _pad_groups(grouped_meta(segs), extra=5)  # static-buffer form, junk past num_groups
-    args = (*_group_args(meta), meta.groups.row_scales, meta.max_rows)
-    y, y_ref = y0.clone(), y0.clone()
-    grouped_lora(x, pool.a, pool.b, pool.out_offsets, *args, y, tuning=FUSED_TUNING)
-    grouped_lora_ref(x, pool.a, pool.b, pool.out_offsets, *args, y_ref)
-    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(y_ref, expected(pool, x, y0, segs), rtol=1e-4, atol=1e-4)
-
-
-def test_fused_kernel_leaves_tokens_of_no_group_bitwise_untouched():
-    pool, x, y0, segs = build_grouped_case("no_adapter_rows", 2)
-    meta = grouped_meta(segs)
-    y = y0.clone()
-    grouped_lora(x, pool.a, pool.b, pool.out_offsets, *_group_args(meta),
-                 meta.groups.row_scales, meta.max_rows, y, tuning=FUSED_TUNING)  # fmt: skip
-    base_only = [0, 2, 3, 6, 7]
-    assert torch.equal(y[base_only], y0[base_only])
-    torch.testing.assert_close(y, expected(pool, x, y0, segs), rtol=1e-4, atol=1e-4)
-
-
-def test_fused_kernel_rejects_wide_sets_and_bad_shapes():
-    pool, x, y0, segs = build_grouped_case("no_adapter_rows", 1)
-    meta = grouped_meta(segs)
-    index = (*_group_args(meta), meta.groups.row_scales)
-    with pytest.raises(ValueError, match="two-kernel"):
-        grouped_lora(x, pool.a, pool.b, pool.out_offsets, *index, MAX_FUSED_ROWS + 1, y0,
-                     tuning=FUSED_TUNING)  # fmt: skip
-    with pytest.raises(ValueError):
-        grouped_lora(x, pool.a, pool.b, pool.out_offsets, *index, meta.max_rows, y0[:-1],
-                     tuning=FUSED_TUNING)  # fmt: skip
-
-
 def test_grouped_bf16_matches_fp32_reference():
-    for name in ("stacks_1_to_8", "distinct_mixed_ranks"):  # two kernels, fused
-        pool, x, y0, segs = build_grouped_case(name, 3, dtype=torch.bfloat16)
-        y = y0.clone()
-        TritonLoraBackend().apply(x, y, pool.a, pool.b, pool.out_offsets, grouped_meta(segs))
-        assert y.dtype == torch.bfloat16
-        torch.testing.assert_close(y.float(), expected(pool, x, y0, segs), rtol=2e-2, atol=3e-2)
+    pool, x, y0, segs = build_grouped_case("stacks_1_to_8", 3, dtype=torch.bfloat16)
+    y = y0.clone()
+    TritonLoraBackend().apply(x, y, pool.a, pool.b, pool.out_offsets, grouped_meta(segs))
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), expected(pool, x, y0, segs), rtol=2e-2, atol=3e-2)
 
 
 def test_host_groups_gather_tokens_by_set_without_reordering_segments():

@@ -265,21 +265,43 @@ class LoraSegments(dict):
 
 class LoraContext:
     """LoRA inputs of one forward batch: the pool, the backend, one metadata per module group
-    (None when no request of the batch uses that group, so its work is skipped, not zeroed)."""
+    (None when no request of the batch uses that group, so its work is skipped, not zeroed).
 
-    def __init__(self, pool: AdapterPool, backend, metas: dict[str, LoraBatchMeta | None]):
+    With a side stream (CUDA graph capture), a projection's shrink runs on it beside the base
+    GEMM: both only read x, and at decode sizes the shrink (zero-fill + launch) is pure latency
+    that the GEMM hides. Invariant: the side stream waits for everything queued on the compute
+    stream before each shrink, and the compute stream waits for the shrink before the expand, so
+    x is ready when read and v when used; v is allocated on the side stream and only reused by a
+    later shrink, which runs after the expand that read it."""
+
+    def __init__(
+        self,
+        pool: AdapterPool,
+        backend,
+        metas: dict[str, LoraBatchMeta | None],
+        side_stream: torch.cuda.Stream | None = None,
+    ):
         self.pool = pool
         self.backend = backend
         self.metas = metas
+        self.side_stream = side_stream
 
-    def apply(self, x: torch.Tensor, y: torch.Tensor, layer_id: int, group: str) -> None:
+    def project(self, linear: torch.nn.Module, x: torch.Tensor, layer_id: int, group: str):
+        """linear(x) plus the batch's LoRA deltas of `group` in layer `layer_id`."""
         meta = self.metas[group]
-        if meta is not None:
-            self.backend.apply(
-                x,
-                y,
-                self.pool.a[layer_id][group],
-                self.pool.b[layer_id][group],
-                self.pool.out_offsets[group],
-                meta,
-            )
+        if meta is None:
+            return linear(x)
+        a, b = self.pool.a[layer_id][group], self.pool.b[layer_id][group]
+        if self.side_stream is None:
+            y = linear(x)
+            self.backend.apply(x, y, a, b, self.pool.out_offsets[group], meta)
+            return y
+        compute = torch.cuda.current_stream()
+        self.side_stream.wait_stream(compute)
+        with torch.cuda.stream(self.side_stream):
+            v = self.backend.shrink(x, a, meta)
+        y = linear(x)
+        compute.wait_stream(self.side_stream)
+        if v is not None:
+            self.backend.expand(v, b, self.pool.out_offsets[group], meta, y)
+        return y
