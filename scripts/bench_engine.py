@@ -137,7 +137,8 @@ def throughput(engine: Engine, n: int, specs, prompt_len: int, new_tokens: int, 
     return {"tok_per_s": n * new_tokens / elapsed, "seconds": elapsed,
             "mean_decode_step_ms": 1e3 * statistics.fmean(s for s, _ in decode),
             "mean_decode_floor_ms": 1e3 * statistics.fmean(f for _, f in decode),
-            "decode_s": sum(s for s, _ in decode), "steps": len(steps),
+            "decode_s": sum(s for s, _ in decode),
+            "other_s": sum(s for s, _, d, _ in steps if not d), "steps": len(steps),
             "decode_steps": len(decode)}
 
 
@@ -246,6 +247,10 @@ def bench_throughput(engine: Engine, cfg: ModelConfig, dev, scale: int, rng, res
     peer_specs = [a.name for a in z64[:8]]
     peer = throughput(engine, 32, peer_specs, 256 // scale, 64 // scale, rng)
     results["c3_peer_shape_8_adapters_bs32"] = peer
+    engine.config = dataclasses.replace(overlapped, overlap_schedule=False)  # steps timed apart
+    for key, c3_specs in (("c3_no_overlap", peer_specs), ("c3_base_no_overlap", [None])):
+        results[key] = throughput(engine, 32, c3_specs, 256 // scale, 64 // scale, rng)
+    engine.config = overlapped
     if with_d:
         results["d"] = ttft_hit_vs_miss(engine, [a.name for a in z64[:10]], 2048 // scale, rng)
 
@@ -300,6 +305,13 @@ def report_rows(r: dict) -> list[tuple[str, float | None]]:
         ("c3 of which decode-only steps s", get("c3_peer_shape_8_adapters_bs32", "decode_s")),
         ("c3 mean decode step ms",
          get("c3_peer_shape_8_adapters_bs32", "mean_decode_step_ms")),
+        ("c3 no overlap: tok/s", get("c3_no_overlap", "tok_per_s")),
+        ("c3 no overlap: prefill steps s", get("c3_no_overlap", "other_s")),
+        ("c3 no overlap: mean decode step ms", get("c3_no_overlap", "mean_decode_step_ms")),
+        ("c3 base only, no overlap: tok/s", get("c3_base_no_overlap", "tok_per_s")),
+        ("c3 base only, no overlap: prefill s", get("c3_base_no_overlap", "other_s")),
+        ("c3 base only, no overlap: decode ms",
+         get("c3_base_no_overlap", "mean_decode_step_ms")),
         ("d TTFT miss ms", get("d", "ttft_miss_ms")),
         ("d TTFT hit ms", get("d", "ttft_hit_ms")),
         ("d speedup", ratio(get("d", "ttft_miss_ms"), get("d", "ttft_hit_ms"))),
