@@ -172,6 +172,8 @@ def main() -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--only-c", action="store_true", help="only the 256-request runs (c)")
+    p.add_argument("--no-lora-side-stream", dest="lora_side_stream", action="store_false",
+                   help="LoRA shrinks after their GEMMs in the graphs, not beside them")
     args = p.parse_args()
     shape = SMOKE if args.smoke else LLAMA3_8B
     scale = 8 if args.smoke else 1  # fewer requests / tokens in smoke mode
@@ -180,7 +182,7 @@ def main() -> None:
     results: dict = {}
     kw = dict(kv_pages=20_000 if args.smoke else 200_000, max_running=256 // scale,
               max_batch_tokens=8192, adapter_rows=2048 if not args.smoke else 1024, max_rank=64,
-              max_adapter_sets_per_batch=128)
+              max_adapter_sets_per_batch=128, lora_side_stream=args.lora_side_stream)
     engine = make_engine(path, args, **kw)
     cfg, dev = engine.model_cfg, engine.runner.device
     start = time.perf_counter()
