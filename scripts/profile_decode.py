@@ -1,0 +1,151 @@
+"""Where a decode step's device time goes: torch.profiler over CUDA-graph replays of the
+Llama-3-8B-shaped engine (dummy bf16 weights), base only vs with LoRA, kernels grouped by name.
+
+    python scripts/profile_decode.py            # on the H200; table per case, JSON to $OUT
+    python scripts/profile_decode.py --smoke    # tiny shapes on the CPU (eager, no graphs)
+
+Cases: batch 1 with one rank-16 adapter on all 7 projections (target b), and batch 32 over 8
+such adapters (the c3 shape), each against the same batch on the base model. The engine runs a
+few decode steps first so the step's graph is captured and its static buffers hold the batch;
+then the profiled region replays that graph `--replays` times. Times are per replay.
+
+A sweep then recaptures the LoRA graphs under other launch settings of the grouped kernels (and
+with the shrinks after their GEMMs instead of on the side stream) and reports the median replay
+time of each (CUDA events): kernel sums above overlap on two streams, replay times do not."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from bench_engine import ALL7, LLAMA3_8B, SMOKE, make_engine, model_dir, random_adapter
+from torch.profiler import ProfilerActivity, profile
+
+from radixlora import SamplingParams
+from radixlora.cuda_graph import GraphKey
+from radixlora.kernels.sgmv_grouped import DEFAULT_TUNING
+
+CASES = (("bs1 one adapter", 1, 1), ("bs32 8 adapters", 32, 8))
+SWEEP = [(f"grouped {k}={v}", dataclasses.replace(DEFAULT_TUNING, **{k: v}))
+         for k, v in (("min_items_per_sm", 1), ("min_items_per_sm", 16), ("k_chunk", 512),
+                      ("block_n", 128), ("num_warps", 2), ("num_warps", 8),
+                      ("programs_per_sm", 2), ("num_stages", 2))]  # fmt: skip
+
+
+def kernel_family(name: str) -> str:
+    """A short label per kernel kind (Triton kernels by function name, cuBLAS GEMMs as one)."""
+    for key in ("grouped_shrink", "grouped_expand", "decode_split", "decode_merge", "extend",
+                "rmsnorm", "rotary", "silu", "sample", "argmax", "softmax"):  # fmt: skip
+        if key in name:
+            return key
+    if "gemm" in name.lower() or "gemv" in name.lower() or "sm90" in name:
+        return "base GEMM (cuBLAS)"
+    if "fill" in name.lower() or "memset" in name.lower():
+        return "fill / memset"
+    return name[:48]
+
+
+def profile_graph(engine, batch: int, rows: int, replays: int) -> dict[str, float]:
+    """Device microseconds per replay by kernel family of the graph (batch, batch, rows)."""
+    graphs = engine.runner.graphs
+    entry = graphs.graphs[GraphKey(batch, batch, rows)] if graphs is not None else None
+    if entry is None:
+        return {}
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            entry.graph.replay()
+        torch.cuda.synchronize()
+    per_family: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_family[kernel_family(event.name)] += event.device_time_total / replays
+    return dict(sorted(per_family.items(), key=lambda kv: -kv[1]))
+
+
+def run_decode(engine, batch: int, specs, rng) -> None:
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    vocab = engine.model_cfg.vocab_size
+    for i in range(batch):
+        prompt = rng.integers(3, vocab, 64).tolist()
+        salt = str(rng.integers(1 << 30))
+        engine.submit(prompt, params, adapters=specs[i % len(specs)], cache_salt=salt)
+    while engine.scheduler.has_work():
+        engine.step()
+
+
+def replay_ms(engine, batch: int, rows: int) -> float:
+    """Median device time of one replay of the graph (batch, batch, rows), CUDA events."""
+    entry = engine.runner.graphs.graphs[GraphKey(batch, batch, rows)]
+    times = []
+    for _ in range(50):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        entry.graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def sweep(engine, names: list[str], rows: int, rng) -> dict[str, dict[str, float]]:
+    """Replay time of the LoRA graphs per launch setting, recaptured for each."""
+    graphs, backend = engine.runner.graphs, engine.runner.lora_backend
+    side = graphs.lora_stream
+    out: dict[str, dict[str, float]] = {}
+    for label, tuning, stream in [("default", None, side), ("shrink after GEMM", None, None),
+                                  *((label, t, side) for label, t in SWEEP)]:  # fmt: skip
+        backend.tuning, graphs.lora_stream = tuning, stream
+        graphs.graphs.clear()
+        out[label] = {}
+        for case, batch, n_adapters in CASES:
+            run_decode(engine, batch, names[:n_adapters], rng)
+            out[label][case] = replay_ms(engine, batch, rows)
+        print(f"{label:<36}" + "".join(f"{case}: {ms:.3f} ms  " for case, ms in out[label].items()))
+    backend.tuning, graphs.lora_stream = None, side
+    graphs.graphs.clear()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args()
+    shape = SMOKE if args.smoke else LLAMA3_8B
+    engine = make_engine(model_dir(shape), args, kv_pages=4096, max_running=32, max_rank=64)
+    cfg, dev, rng = engine.model_cfg, engine.runner.device, np.random.default_rng(0)
+    names = [f"p{i}" for i in range(8)]
+    for i, name in enumerate(names):
+        engine.add_adapter(random_adapter(cfg, name, 16, ALL7, 500 + i, dev))
+    rows_bucket = engine.runner.graphs.key_for([1], 16, True).rows if engine.runner.graphs else 0
+    report: dict = {"kernels": {}}
+    for label, batch, n_adapters in CASES:
+        for kind, specs, rows in (("base", [None], 0), ("LoRA", names[:n_adapters], rows_bucket)):
+            run_decode(engine, batch, specs, rng)  # captures and leaves the batch in the buffers
+            case = f"{label}, {kind}"
+            kernels = report["kernels"][case] = profile_graph(engine, batch, rows, args.replays)
+            print(f"{case}: {sum(kernels.values()):.1f} us of kernels per replay")
+            for family, us in list(kernels.items())[:12]:
+                print(f"    {family:<50}{us:10.1f}")
+    if engine.runner.graphs is not None:
+        report["base_replay_ms"] = {label: replay_ms(engine, batch, 0)
+                                    for label, batch, _ in CASES}  # fmt: skip
+        print("base graphs: " + "".join(f"{c}: {ms:.3f} ms  "
+                                        for c, ms in report["base_replay_ms"].items()))  # fmt: skip
+        report["lora_replay_ms"] = sweep(engine, names, rows_bucket, rng)
+    if out := os.environ.get("OUT"):
+        Path(out, "profile_decode.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
