@@ -227,6 +227,11 @@ class CudaGraphRunner(StaticInputs):
         entry.graph.replay()
         return entry.logits[: len(host["qo_lens"])]
 
+    def reset(self) -> None:
+        """Drop every captured graph (recaptured on use) with the memory pool they shared."""
+        self.graphs.clear()
+        self.pool = torch.cuda.graph_pool_handle()
+
     def capture_decode(self) -> None:
         """Capture every decode graph now (extend graphs are captured on first use)."""
         for rows in self.row_buckets:

@@ -103,14 +103,14 @@ def sweep(engine, names: list[str], rows: int, rng) -> dict[str, dict[str, float
     for label, tuning, stream in [("default", None, side), ("shrink after GEMM", None, None),
                                   *((label, t, side) for label, t in SWEEP)]:  # fmt: skip
         backend.tuning, graphs.lora_stream = tuning, stream
-        graphs.graphs.clear()
+        graphs.reset()
         out[label] = {}
         for case, batch, n_adapters in CASES:
             run_decode(engine, batch, names[:n_adapters], rng)
             out[label][case] = replay_ms(engine, batch, rows)
         print(f"{label:<36}" + "".join(f"{case}: {ms:.3f} ms  " for case, ms in out[label].items()))
     backend.tuning, graphs.lora_stream = None, side
-    graphs.graphs.clear()
+    graphs.reset()
     return out
 
 
