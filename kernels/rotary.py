@@ -41,8 +41,10 @@ def _mul_rounded(a, b):
 
 
 @triton.jit
-def _rotate_heads(ptr, row, head0, num_heads, stride_t, stride_h, cos, sin,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+def _rotated_heads(ptr, row, head0, num_heads, stride_t, stride_h, cos, sin, HALF: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+    """(lo, hi, heads, offs_d, mask): the rotated halves of heads [head0, head0 + BLOCK_H) of
+    token `row`, in x's dtype."""
     heads = head0 + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (heads < num_heads)[:, None] & (offs_d < HALF)[None, :]
@@ -54,8 +56,25 @@ def _rotate_heads(ptr, row, head0, num_heads, stride_t, stride_h, cos, sin,
     # x * cos + cat(-x_hi, x_lo) * sin, each product and the sum rounded to x's dtype
     lo = _mul_rounded(x_lo, cos).to(tl.float32) - _mul_rounded(x_hi, sin).to(tl.float32)
     hi = _mul_rounded(x_hi, cos).to(tl.float32) + _mul_rounded(x_lo, sin).to(tl.float32)
-    tl.store(lo_ptrs, lo.to(x_lo.dtype), mask=mask)
-    tl.store(lo_ptrs + HALF, hi.to(x_lo.dtype), mask=mask)
+    return lo.to(x_lo.dtype), hi.to(x_lo.dtype), heads, offs_d, mask
+
+
+@triton.jit
+def _rotate_heads(ptr, row, head0, num_heads, stride_t, stride_h, cos, sin,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+    lo, hi, heads, offs_d, mask = _rotated_heads(ptr, row, head0, num_heads, stride_t, stride_h,
+                                                 cos, sin, HALF, BLOCK_H, BLOCK_HALF)  # fmt: skip
+    lo_ptrs = ptr + row * stride_t + heads[:, None] * stride_h + offs_d[None, :]
+    tl.store(lo_ptrs, lo, mask=mask)
+    tl.store(lo_ptrs + HALF, hi, mask=mask)
+
+
+@triton.jit
+def _cos_sin(positions_ptr, inv_freq_ptr, row, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_HALF)
+    inv_freq = tl.load(inv_freq_ptr + offs_d, mask=offs_d < HALF, other=0.0)
+    freqs = tl.load(positions_ptr + row).to(tl.float32) * inv_freq
+    return tl.cos(freqs), tl.sin(freqs)
 
 
 @triton.jit
@@ -65,10 +84,7 @@ def _rotary_kernel(q_ptr, k_ptr, positions_ptr, inv_freq_ptr, num_q_heads, num_k
                    BLOCK_HALF: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    inv_freq = tl.load(inv_freq_ptr + offs_d, mask=offs_d < HALF, other=0.0)
-    freqs = tl.load(positions_ptr + row).to(tl.float32) * inv_freq
-    cos, sin = tl.cos(freqs), tl.sin(freqs)
+    cos, sin = _cos_sin(positions_ptr, inv_freq_ptr, row, HALF, BLOCK_HALF)
     if block < q_blocks:
         _rotate_heads(q_ptr, row, block * BLOCK_H, num_q_heads, stride_qt, stride_qh, cos, sin,
                       HALF, BLOCK_H, BLOCK_HALF)  # fmt: skip

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from radixlora.forward_batch import to_device
 from radixlora.kv_cache import KVPool
+from radixlora.model.ops import rotary
 
 
 @dataclass
@@ -37,6 +38,13 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q, k, v, layer_id: int, out_cache_loc: torch.Tensor, meta) -> torch.Tensor:
         """Store k/v at out_cache_loc, then attend. q: [T, Hq, D] -> [T, Hq, D]."""
+
+    def forward_with_rope(
+        self, q, k, v, positions, inv_freq, layer_id: int, out_cache_loc: torch.Tensor, meta
+    ) -> torch.Tensor:
+        """Rotary embedding of q and k (neox), then `forward`."""
+        q, k = rotary(q, k, positions, inv_freq)
+        return self.forward(q, k, v, layer_id, out_cache_loc, meta)
 
 
 @dataclass
@@ -107,10 +115,21 @@ class TritonAttentionBackend(AttentionBackend):
                                    inputs.kv_indices.to(torch.int32), max_qo, max_qo == 1)
 
     def forward(self, q, k, v, layer_id, out_cache_loc, meta: TritonAttentionMeta):
+        self.kv_pool.store(layer_id, out_cache_loc, k, v)
+        return self._attend(q, layer_id, meta)
+
+    def forward_with_rope(self, q, k, v, positions, inv_freq, layer_id, out_cache_loc, meta):
+        """One kernel rotates q and stores rotary(k) and v in the pool, then attention."""
+        from radixlora.kernels.rotary_kv import rotary_store_kv_
+
+        k_cache, v_cache = self.kv_pool.k_cache[layer_id], self.kv_pool.v_cache[layer_id]
+        rotary_store_kv_(q, k, v, positions, inv_freq, k_cache, v_cache, out_cache_loc)
+        return self._attend(q, layer_id, meta)
+
+    def _attend(self, q, layer_id: int, meta: TritonAttentionMeta) -> torch.Tensor:
         from radixlora.kernels.attention_decode import decode_attention
         from radixlora.kernels.attention_extend import extend_attention
 
-        self.kv_pool.store(layer_id, out_cache_loc, k, v)
         k_cache, v_cache = self.kv_pool.k_cache[layer_id], self.kv_pool.v_cache[layer_id]
         o = torch.empty_like(q)
         if meta.decode_only:

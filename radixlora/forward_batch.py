@@ -24,8 +24,11 @@ class ForwardBatch:
     attn_meta: Any
     lora: LoraContext | None
 
-    def attention(self, q, k, v, layer_id: int) -> torch.Tensor:
-        return self.attn_backend.forward(q, k, v, layer_id, self.out_cache_loc, self.attn_meta)
+    def attention(self, q, k, v, layer_id: int, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of q and k at the batch's positions, KV store, attention."""
+        return self.attn_backend.forward_with_rope(
+            q, k, v, self.positions, inv_freq, layer_id, self.out_cache_loc, self.attn_meta
+        )
 
     def lora_project(self, linear: torch.nn.Linear, x: torch.Tensor, layer_id: int, group: str):
         if self.lora is None:

@@ -26,6 +26,7 @@ from radixlora.kernels.rmsnorm import (  # noqa: E402
     rmsnorm_ref,
 )
 from radixlora.kernels.rotary import apply_rotary_, apply_rotary_ref  # noqa: E402
+from radixlora.kernels.rotary_kv import rotary_store_kv_, rotary_store_kv_ref  # noqa: E402
 from radixlora.model.llama import RMSNorm  # noqa: E402
 from radixlora.model.rope import inv_frequencies  # noqa: E402
 
@@ -174,6 +175,35 @@ def test_rotary_int32_positions_and_contiguous_heads():
     assert_close(k, k_ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [0, 1, 7])
+@pytest.mark.parametrize("head_dim", [16, 12])
+def test_rotary_store_kv_equals_rotary_then_index_store(dtype, num_tokens, head_dim):
+    qkv, q, k = fused_qkv(num_tokens, 4, 2, head_dim, dtype)
+    v = qkv[:, 6 * head_dim :].view(-1, 2, head_dim)
+    positions = torch.tensor(POSITIONS[num_tokens], dtype=torch.int64)
+    inv_freq = inv_frequencies(head_dim, LLAMA3_ROPE)
+    k_cache, v_cache = randn(20, 2, head_dim, dtype=dtype, seed=3), randn(20, 2, head_dim, seed=4)
+    v_cache = v_cache.to(dtype)
+    loc = torch.randperm(20, generator=torch.Generator().manual_seed(5))[:num_tokens]
+    qkv_before, k_cache0, v_cache0 = qkv.clone(), k_cache.clone(), v_cache.clone()
+    q2, k2 = q.clone(), k.clone()
+    apply_rotary_(q2, k2, positions, inv_freq)  # the unfused kernels: rotary, then index stores
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    k_want[loc], v_want[loc] = k2, v
+
+    assert rotary_store_kv_(q, k, v, positions, inv_freq, k_cache, v_cache, loc) is None
+    assert torch.equal(q, q2)
+    assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+    assert torch.equal(qkv[:, 4 * head_dim :], qkv_before[:, 4 * head_dim :])  # k, v untouched
+    q_ref, k_ref, v_ref = qkv_before[:, : 4 * head_dim].view(-1, 4, head_dim), k_cache0, v_cache0
+    rotary_store_kv_ref(q_ref, qkv_before[:, 4 * head_dim : 6 * head_dim].view(-1, 2, head_dim),
+                        v, positions, inv_freq, k_ref, v_ref, loc)  # fmt: skip
+    assert_close(q, q_ref)
+    assert_close(k_cache, k_ref)
+    assert torch.equal(v_cache, v_ref)
+
+
 # --- silu_and_mul ---------------------------------------------------------------------------
 
 
@@ -199,6 +229,7 @@ def test_silu_and_mul_strided_rows_into_out():
 X, W = randn(3, 8), norm_weight(8, torch.float32)
 X_WIDE, W_WIDE = torch.zeros(1, MAX_HIDDEN + 1), torch.ones(MAX_HIDDEN + 1)
 Q, K, POS, INV = randn(3, 4, 8), randn(3, 2, 8), torch.arange(3), torch.ones(4)
+KC = torch.zeros(5, 2, 8)
 BAD_CALLS = {
     "rms x 1-D": lambda: rmsnorm(X[0], W, EPS),
     "rms x int": lambda: rmsnorm(X.long(), W, EPS),
@@ -219,6 +250,11 @@ BAD_CALLS = {
     "rot inv_freq length": lambda: apply_rotary_(Q, K, POS, torch.ones(8)),
     "rot inv_freq fp64": lambda: apply_rotary_(Q, K, POS, INV.double()),
     "rot q head_dim stride": lambda: apply_rotary_(randn(3, 8, 4).transpose(1, 2), K, POS, INV),
+    "kv v shape": lambda: rotary_store_kv_(Q, K, K[:, :1], POS, INV, KC, KC, POS),
+    "kv cache dtype": lambda: rotary_store_kv_(Q, K, K, POS, INV, KC.half(), KC, POS),
+    "kv cache heads": lambda: rotary_store_kv_(Q, K, K, POS, INV, KC[:, :1], KC, POS),
+    "kv loc float": lambda: rotary_store_kv_(Q, K, K, POS, INV, KC, KC, POS.float()),
+    "kv loc length": lambda: rotary_store_kv_(Q, K, K, POS, INV, KC, KC, POS[:2]),
     "silu 1-D": lambda: silu_and_mul(X[0]),
     "silu odd width": lambda: silu_and_mul(randn(3, 7)),
     "silu int": lambda: silu_and_mul(X.long()),

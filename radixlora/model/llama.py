@@ -11,7 +11,7 @@ from torch import nn
 
 from radixlora.config import ModelConfig
 from radixlora.forward_batch import ForwardBatch
-from radixlora.model.ops import rms_norm, rotary, silu_mul
+from radixlora.model.ops import rms_norm, silu_mul
 from radixlora.model.rope import RotaryEmbedding
 
 
@@ -42,14 +42,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, fb: ForwardBatch, inv_freq: torch.Tensor):
         qkv = fb.lora_project(self.qkv_proj, x, self.layer_id, "qkv")
         q, k, v = qkv.split(self.split, dim=-1)
-        q, k = rotary(
+        o = fb.attention(
             q.view(-1, self.num_heads, self.head_dim),
             k.view(-1, self.num_kv_heads, self.head_dim),
-            fb.positions,
+            v.view(-1, self.num_kv_heads, self.head_dim),
+            self.layer_id,
             inv_freq,
         )
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        o = fb.attention(q, k, v, self.layer_id)
         return fb.lora_project(self.o_proj, o.reshape(-1, self.split[0]), self.layer_id, "o")
 
 

@@ -1,0 +1,133 @@
+"""Rotary embedding fused with the KV-cache store: one launch rotates q in place and writes
+rotary(k) and v into the pool slots of the batch's new tokens. Unfused, a layer runs the rotary
+kernel and then two index_put copies (k, v); at decode sizes each is a latency-bound launch
+(docs/PERF.md, the decode profile)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .rotary import (
+    _INDEX_DTYPES,
+    _check_heads,
+    _check_rotary_args,
+    _cos_sin,
+    _heads_per_program,
+    _rotate_heads,
+    _rotated_heads,
+    apply_rotary_ref,
+)
+
+
+def rotary_store_kv_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+) -> None:
+    """Pure-torch reference of `rotary_store_kv_`."""
+    q_rot, k_rot = apply_rotary_ref(q, k, positions, inv_freq)
+    q.copy_(q_rot)
+    k_cache[loc] = k_rot
+    v_cache[loc] = v
+
+
+@triton.jit
+def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, positions_ptr,
+                            inv_freq_ptr, num_q_heads, num_kv_heads, q_blocks, kv_blocks,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                            stride_kcs, stride_kch, stride_vcs, stride_vch,
+                            HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_HALF: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    slot = tl.load(loc_ptr + row).to(tl.int64)
+    if block < q_blocks + kv_blocks:
+        cos, sin = _cos_sin(positions_ptr, inv_freq_ptr, row, HALF, BLOCK_HALF)
+        if block < q_blocks:
+            _rotate_heads(q_ptr, row, block * BLOCK_H, num_q_heads, stride_qt, stride_qh, cos, sin,
+                          HALF, BLOCK_H, BLOCK_HALF)  # fmt: skip
+        else:
+            lo, hi, heads, offs_d, mask = _rotated_heads(
+                k_ptr, row, (block - q_blocks) * BLOCK_H, num_kv_heads, stride_kt, stride_kh, cos,
+                sin, HALF, BLOCK_H, BLOCK_HALF)  # fmt: skip
+            out = k_cache_ptr + slot * stride_kcs + heads[:, None] * stride_kch + offs_d[None, :]
+            tl.store(out, lo, mask=mask)
+            tl.store(out + HALF, hi, mask=mask)
+    else:
+        heads = (block - q_blocks - kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, 2 * BLOCK_HALF)
+        mask = (heads < num_kv_heads)[:, None] & (offs_d < 2 * HALF)[None, :]
+        x = tl.load(v_ptr + row * stride_vt + heads[:, None] * stride_vh + offs_d[None, :],
+                    mask=mask)  # fmt: skip
+        out = v_cache_ptr + slot * stride_vcs + heads[:, None] * stride_vch + offs_d[None, :]
+        tl.store(out, x, mask=mask)
+
+
+def rotary_store_kv_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+) -> None:
+    """Semantics (neox rotary as in `apply_rotary_`, same rounding):
+        q_rot, k_rot = apply_rotary(q, k, positions, inv_freq)
+        q.copy_(q_rot)            # in place
+        k_cache[loc] = k_rot      # k itself is left as it is
+        v_cache[loc] = v
+
+    Args:
+        q: [T, Hq, D], k and v: [T, Hk, D]; one float dtype, any strides with stride 1 along D
+           (views of a fused qkv projection output); q must not overlap k or the caches.
+        positions: [T] int32/int64, contiguous; inv_freq: [D // 2] float32, contiguous.
+        k_cache, v_cache: [num_slots, Hk, D] in q's dtype, stride 1 along D (one layer's pool).
+        loc: [T] int32/int64, contiguous, slots < num_slots; a slot named twice (the padding
+            slot of CUDA graphs) ends up holding one of its tokens' values.
+    """
+    _check_rotary_args(q, k, positions, inv_freq)
+    _check_store_args(k, v, k_cache, v_cache, loc)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if num_tokens == 0:
+        return
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    block_h = _heads_per_program(block_half, max(num_q_heads, num_kv_heads))
+    q_blocks, kv_blocks = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, block_h)
+    _rotary_store_kv_kernel[(num_tokens, q_blocks + 2 * kv_blocks)](
+        q, k, v, k_cache, v_cache, loc, positions, inv_freq, num_q_heads, num_kv_heads,
+        q_blocks, kv_blocks, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
+        HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+def _check_store_args(k, v, k_cache, v_cache, loc) -> None:
+    _check_heads("v", v)
+    if v.shape != k.shape or v.dtype != k.dtype or v.device != k.device:
+        raise ValueError(f"v {v.dtype} {tuple(v.shape)} must match k {k.dtype} {tuple(k.shape)}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_heads(name, cache)
+        if cache.shape[1:] != k.shape[1:] or cache.dtype != k.dtype or cache.device != k.device:
+            raise ValueError(
+                f"{name} {cache.dtype} {tuple(cache.shape)} must be [num_slots, "
+                f"{k.shape[1]}, {k.shape[2]}] {k.dtype} on {k.device}"
+            )
+    if loc.shape != (k.shape[0],) or loc.dtype not in _INDEX_DTYPES or loc.stride(0) != 1:
+        raise ValueError(
+            f"loc must be contiguous int32/int64 [{k.shape[0]}], got {loc.dtype} "
+            f"{tuple(loc.shape)}"
+        )
+    if loc.device != k.device:
+        raise ValueError(f"loc is on {loc.device}, expected {k.device}")
