@@ -19,13 +19,20 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import torch
-from bench_engine import ALL7, LLAMA3_8B, SMOKE, make_engine, model_dir, random_adapter
+from bench_engine import (
+    ALL7,
+    LLAMA3_8B,
+    SMOKE,
+    graph_replay_ms,
+    make_engine,
+    model_dir,
+    random_adapter,
+)
 from torch.profiler import ProfilerActivity, profile
 
 from radixlora import SamplingParams
@@ -81,20 +88,6 @@ def run_decode(engine, batch: int, specs, rng) -> None:
         engine.step()
 
 
-def replay_ms(engine, batch: int, rows: int) -> float:
-    """Median device time of one replay of the graph (batch, batch, rows), CUDA events."""
-    entry = engine.runner.graphs.graphs[GraphKey(batch, batch, rows)]
-    times = []
-    for _ in range(50):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        entry.graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def sweep(engine, names: list[str], rows: int, rng) -> dict[str, dict[str, float]]:
     """Replay time of the LoRA graphs per launch setting, recaptured for each."""
     graphs, backend = engine.runner.graphs, engine.runner.lora_backend
@@ -107,7 +100,7 @@ def sweep(engine, names: list[str], rows: int, rng) -> dict[str, dict[str, float
         out[label] = {}
         for case, batch, n_adapters in CASES:
             run_decode(engine, batch, names[:n_adapters], rng)
-            out[label][case] = replay_ms(engine, batch, rows)
+            out[label][case] = graph_replay_ms(engine, rows, batch)
         print(f"{label:<36}" + "".join(f"{case}: {ms:.3f} ms  " for case, ms in out[label].items()))
     backend.tuning, graphs.lora_stream = None, side
     graphs.reset()
@@ -138,7 +131,7 @@ def main() -> None:
             for family, us in list(kernels.items())[:12]:
                 print(f"    {family:<50}{us:10.1f}")
     if engine.runner.graphs is not None:
-        report["base_replay_ms"] = {label: replay_ms(engine, batch, 0)
+        report["base_replay_ms"] = {label: graph_replay_ms(engine, 0, batch)
                                     for label, batch, _ in CASES}  # fmt: skip
         print("base graphs: " + "".join(f"{c}: {ms:.3f} ms  "
                                         for c, ms in report["base_replay_ms"].items()))  # fmt: skip
