@@ -1,5 +1,6 @@
-"""Fused elementwise kernels (RMSNorm, add + RMSNorm, rotary on q and k, SiLU-and-mul) vs the
-eager torch code they replace, at Llama-3-8B shapes in bf16 for T in {1, 64, 256}.
+"""Fused elementwise kernels (RMSNorm, add + RMSNorm, rotary on q and k, rotary + KV-cache
+store, SiLU-and-mul) vs the code they replace (eager torch; for rotary + KV store, the rotary
+kernel and two index_put copies), at Llama-3-8B shapes in bf16 for T in {1, 64, 256}.
 
 Every op is first checked against its pure-torch reference, in bf16 and in fp32, with
 positions up to 128k (rotary's range reduction); a failing op is not timed. Times are
@@ -42,6 +43,7 @@ from radixlora.kernels.rotary import (  # noqa: E402
     apply_rotary_,
     apply_rotary_ref,
 )
+from radixlora.kernels.rotary_kv import rotary_store_kv_, rotary_store_kv_ref  # noqa: E402
 from radixlora.model.rope import RotaryEmbedding  # noqa: E402
 
 EPS = 1e-5
@@ -175,6 +177,38 @@ def rotary_op(cfg: BenchConfig, tokens: int, dtype: torch.dtype) -> Op:
     return Op("rotary q+k", lambda: apply_rotary_(q, k, positions, rope.inv_freq), eager, check)
 
 
+def rotary_kv_op(cfg: BenchConfig, tokens: int, dtype: torch.dtype) -> Op:
+    """Rotary fused with the KV-cache store vs the rotary kernel then two index_put copies."""
+    s, randn = cfg.shape, make_randn(cfg, dtype)
+    q_dim, kv_dim = s.n_q_heads * s.head_dim, s.n_kv_heads * s.head_dim
+    qkv = randn(tokens, q_dim + 2 * kv_dim)
+    q, k, v = (t.view(tokens, -1, s.head_dim) for t in qkv.split((q_dim, kv_dim, kv_dim), -1))
+    gen = torch.Generator().manual_seed(2)
+    positions = torch.randint(0, MAX_POSITION, (tokens,), generator=gen).to(cfg.device)
+    slots = 4 * tokens
+    loc = torch.randperm(slots, generator=gen)[:tokens].to(cfg.device)
+    inv_freq = RotaryEmbedding(s.head_dim, LLAMA3_ROPE).to(cfg.device).inv_freq
+    k_cache, v_cache = (randn(slots, s.n_kv_heads, s.head_dim) for _ in range(2))
+
+    def unfused() -> None:
+        apply_rotary_(q, k, positions, inv_freq)
+        k_cache[loc] = k
+        v_cache[loc] = v
+
+    def check() -> tuple[float, float, bool]:
+        q_out, kc_out, vc_out = q.clone(), k_cache.clone(), v_cache.clone()
+        q_ref, kc_ref, vc_ref = q.clone(), k_cache.clone(), v_cache.clone()
+        rotary_store_kv_(q_out, k, v, positions, inv_freq, kc_out, vc_out, loc)
+        rotary_store_kv_ref(q_ref, k, v, positions, inv_freq, kc_ref, vc_ref, loc)
+        rel, exact = compare(torch.cat((q_out, kc_out[loc]), 1), torch.cat((q_ref, kc_ref[loc]), 1))
+        return rel, exact, torch.equal(vc_out, vc_ref)
+
+    def fused() -> None:
+        rotary_store_kv_(q, k, v, positions, inv_freq, k_cache, v_cache, loc)
+
+    return Op("rotary+kv", fused, unfused, check)
+
+
 def silu_op(cfg: BenchConfig, tokens: int, dtype: torch.dtype) -> Op:
     gate_up = make_randn(cfg, dtype)(tokens, 2 * cfg.shape.intermediate, scale=2.0)
     out = torch.empty(tokens, cfg.shape.intermediate, dtype=dtype, device=cfg.device)
@@ -188,7 +222,8 @@ def silu_op(cfg: BenchConfig, tokens: int, dtype: torch.dtype) -> Op:
 
 def layer_ops(cfg: BenchConfig, tokens: int, dtype: torch.dtype) -> list[Op]:
     ops = norm_ops(cfg, tokens, dtype)
-    return [*ops, rotary_op(cfg, tokens, dtype), silu_op(cfg, tokens, dtype)]
+    return [*ops, rotary_op(cfg, tokens, dtype), rotary_kv_op(cfg, tokens, dtype),
+            silu_op(cfg, tokens, dtype)]  # fmt: skip
 
 
 def run_check(op: Op, tokens: int, dtype: torch.dtype) -> Check:
