@@ -384,6 +384,18 @@ def test_grouped_backend_matches_loop_reference(name, n_slices):
     torch.testing.assert_close(y, expected(pool, x, y0, segs), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("min_items_per_sm", [0, 64])
+def test_small_bucket_splitting_keeps_results(min_items_per_sm):
+    """0: in_dim in one split (plain stores into v); 64: split down to block_k (atomic sums)."""
+    pool, x, y0, segs = build_grouped_case("single_token_groups_and_short_extends", 3, in_dim=80)
+    y = y0.clone()
+    tuning = GroupedTuning(block_k=16, min_items_per_sm=min_items_per_sm)
+    TritonLoraBackend(tuning=tuning).apply(
+        x, y, pool.a, pool.b, pool.out_offsets, grouped_meta(segs)
+    )
+    torch.testing.assert_close(y, expected(pool, x, y0, segs), rtol=1e-4, atol=1e-4)
+
+
 def _group_args(meta: LoraBatchMeta):
     g = meta.groups
     return g.num_groups, g.group_indptr, g.token_ids, g.row_indptr, g.row_ids
