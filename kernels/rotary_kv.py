@@ -98,7 +98,7 @@ def rotary_store_kv_(
     _check_store_args(k, v, k_cache, v_cache, loc)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    if num_tokens == 0:
+    if num_tokens == 0 or num_q_heads + num_kv_heads == 0:
         return
     half = head_dim // 2
     block_half = triton.next_power_of_2(half)

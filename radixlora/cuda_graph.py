@@ -212,7 +212,12 @@ class StaticInputs:
 
 class CudaGraphRunner(StaticInputs):
     def __init__(
-        self, runner, max_batch: int, max_context: int, max_rows: int, lora_side_stream: bool
+        self,
+        runner,
+        max_batch: int,
+        max_context: int,
+        max_rows: int,
+        lora_side_stream: bool = True,
     ):
         super().__init__(runner, max_batch, max_context, max_rows)
         self.graphs: dict[GraphKey, _Graph] = {}

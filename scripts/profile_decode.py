@@ -62,7 +62,7 @@ def kernel_family(name: str) -> str:
 def profile_graph(engine, batch: int, rows: int, replays: int) -> dict[str, float]:
     """Device microseconds per replay by kernel family of the graph (batch, batch, rows)."""
     graphs = engine.runner.graphs
-    entry = graphs.graphs[GraphKey(batch, batch, rows)] if graphs is not None else None
+    entry = graphs.graphs.get(GraphKey(batch, batch, rows)) if graphs is not None else None
     if entry is None:
         return {}
     torch.cuda.synchronize()

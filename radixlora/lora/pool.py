@@ -271,8 +271,11 @@ class LoraContext:
     GEMM: both only read x, and at decode sizes the shrink (zero-fill + launch) is pure latency
     that the GEMM hides. Invariant: the side stream waits for everything queued on the compute
     stream before each shrink, and the compute stream waits for the shrink before the expand, so
-    x is ready when read and v when used; v is allocated on the side stream and only reused by a
-    later shrink, which runs after the expand that read it."""
+    x is ready when read and v when used. Memory (the caching allocator reuses a block only on
+    the stream that allocated it): v is allocated on the side stream, on which nothing but
+    shrinks allocates, so only a later shrink reuses it, and that runs after the expand that read
+    v; x belongs to the compute stream and is freed after the join, so its block is reused only
+    by work queued after the shrink that read it."""
 
     def __init__(
         self,
@@ -296,7 +299,7 @@ class LoraContext:
             y = linear(x)
             self.backend.apply(x, y, a, b, self.pool.out_offsets[group], meta)
             return y
-        compute = torch.cuda.current_stream()
+        compute = torch.cuda.current_stream(x.device)
         self.side_stream.wait_stream(compute)
         with torch.cuda.stream(self.side_stream):
             v = self.backend.shrink(x, a, meta)
