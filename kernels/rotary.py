@@ -132,6 +132,15 @@ def _check_rotary_args(
         raise ValueError("positions and inv_freq must be contiguous")
 
 
+def rotary_blocks(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(HALF, BLOCK_HALF, BLOCK_H, q head blocks, k head blocks) of a rotary launch."""
+    half = q.shape[2] // 2
+    block_half = triton.next_power_of_2(half)
+    block_h = _heads_per_program(block_half, max(q.shape[1], k.shape[1]))
+    q_blocks, k_blocks = triton.cdiv(q.shape[1], block_h), triton.cdiv(k.shape[1], block_h)
+    return half, block_half, block_h, q_blocks, k_blocks
+
+
 def _heads_per_program(block_half: int, max_heads: int) -> int:
     if _interpreting():  # fewest programs: the interpreter's cost is per program
         return triton.next_power_of_2(max_heads)
@@ -162,15 +171,12 @@ def apply_rotary_(
         inv_freq: [D // 2] float32, contiguous (RotaryEmbedding.inv_freq, scaling applied).
     """
     _check_rotary_args(q, k, positions, inv_freq)
-    num_tokens, num_q_heads, head_dim = q.shape
+    num_tokens, num_q_heads, _ = q.shape
     num_k_heads = k.shape[1]
     if num_tokens == 0 or num_q_heads + num_k_heads == 0:
         return
-    half = head_dim // 2
-    block_half = triton.next_power_of_2(half)
-    block_h = _heads_per_program(block_half, max(num_q_heads, num_k_heads))
-    q_blocks = triton.cdiv(num_q_heads, block_h)
-    grid = (num_tokens, q_blocks + triton.cdiv(num_k_heads, block_h))
+    half, block_half, block_h, q_blocks, k_blocks = rotary_blocks(q, k)
+    grid = (num_tokens, q_blocks + k_blocks)
     _rotary_kernel[grid](
         q, k, positions, inv_freq, num_q_heads, num_k_heads, q_blocks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),

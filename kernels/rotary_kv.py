@@ -14,10 +14,10 @@ from .rotary import (
     _check_heads,
     _check_rotary_args,
     _cos_sin,
-    _heads_per_program,
     _rotate_heads,
     _rotated_heads,
     apply_rotary_ref,
+    rotary_blocks,
 )
 
 
@@ -96,14 +96,11 @@ def rotary_store_kv_(
     """
     _check_rotary_args(q, k, positions, inv_freq)
     _check_store_args(k, v, k_cache, v_cache, loc)
-    num_tokens, num_q_heads, head_dim = q.shape
+    num_tokens, num_q_heads, _ = q.shape
     num_kv_heads = k.shape[1]
     if num_tokens == 0 or num_q_heads + num_kv_heads == 0:
         return
-    half = head_dim // 2
-    block_half = triton.next_power_of_2(half)
-    block_h = _heads_per_program(block_half, max(num_q_heads, num_kv_heads))
-    q_blocks, kv_blocks = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, block_h)
+    half, block_half, block_h, q_blocks, kv_blocks = rotary_blocks(q, k)
     _rotary_store_kv_kernel[(num_tokens, q_blocks + 2 * kv_blocks)](
         q, k, v, k_cache, v_cache, loc, positions, inv_freq, num_q_heads, num_kv_heads,
         q_blocks, kv_blocks, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
