@@ -8,26 +8,28 @@ import triton
 import triton.language as tl
 
 from .attention_extend import _interpreting
+from .rmsnorm import add_delta_ref, check_delta, load_with_delta
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_BLOCK = 1024
 
 
-def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_ref(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
     """Pure-torch reference of `silu_and_mul` (radixlora.model.llama.MLP.forward)."""
-    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = add_delta_ref(gate_up, delta).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, inter, stride_in, stride_out,
-                         BLOCK: tl.constexpr):  # fmt: skip
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, delta_ptr, inter, stride_in, stride_out,
+                         stride_delta, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     gate_ptrs = gate_up_ptr + row * stride_in + cols
-    gate = tl.load(gate_ptrs, mask=mask, other=0.0)
-    up = tl.load(gate_ptrs + inter, mask=mask, other=0.0)
+    delta_ptrs = delta_ptr + row * stride_delta + cols
+    gate = load_with_delta(gate_ptrs, delta_ptrs, mask, HAS_DELTA)
+    up = load_with_delta(gate_ptrs + inter, delta_ptrs + inter, mask, HAS_DELTA)
     g = gate.to(tl.float32)
     # F.silu is x / (1 + exp(-x)) in fp32, rounded to the input dtype before the product
     act = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype)
@@ -58,8 +60,12 @@ def _output(out: torch.Tensor | None, gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(
+    gate_up: torch.Tensor, out: torch.Tensor | None = None, delta: torch.Tensor | None = None
+) -> torch.Tensor:
     """Semantics:
+        if delta is not None:                            # a deferred LoRA delta of gate_up
+            gate_up = (gate_up.float() + delta).to(gate_up.dtype)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -72,11 +78,13 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
         gate_up: [T, 2 * I] float16/bfloat16/float32 (T may be 0), rows of stride 1; gate is
             the first half of each row, up the second.
         out: [T, I] of gate_up's dtype, rows of stride 1 | None.
+        delta: [T, 2 * I] float32, rows of stride 1 | None.
 
     Returns:
         out: [T, I], gate_up's dtype.
     """
     _check_gate_up(gate_up)
+    check_delta(delta, gate_up)
     out = _output(out, gate_up)
     num_tokens, inter = out.shape
     if num_tokens == 0 or inter == 0:
@@ -86,7 +94,8 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
         block = min(block, _MAX_BLOCK)
     grid = (num_tokens, triton.cdiv(inter, block))
     _silu_and_mul_kernel[grid](
-        gate_up, out, inter, gate_up.stride(0), out.stride(0),
-        BLOCK=block, num_warps=4, enable_fp_fusion=False,
+        gate_up, out, gate_up if delta is None else delta, inter, gate_up.stride(0), out.stride(0),
+        0 if delta is None else delta.stride(0), BLOCK=block, HAS_DELTA=delta is not None,
+        num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return out

@@ -17,11 +17,20 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return weight * h.to(x.dtype)
 
 
+def add_delta_ref(x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    """x + delta rounded once to x's dtype (delta: a float32 LoRA delta, or None)."""
+    return x if delta is None else (x.float() + delta).to(x.dtype)
+
+
 def fused_add_rmsnorm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    delta: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch reference of `fused_add_rmsnorm`."""
-    new_residual = x + residual
+    new_residual = add_delta_ref(x, delta) + residual
     return rmsnorm_ref(new_residual, weight, eps), new_residual
 
 
@@ -46,13 +55,24 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_out, eps,
 
 
 @triton.jit
-def _fused_add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols,
-                              stride_x, stride_res, stride_out, stride_res_out, eps,
-                              BLOCK: tl.constexpr):  # fmt: skip
+def load_with_delta(ptrs, delta_ptrs, mask, HAS_DELTA: tl.constexpr):
+    """The values at ptrs, plus the float32 values at delta_ptrs rounded once to their dtype."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(delta_ptrs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _fused_add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, delta_ptr, n_cols,
+                              stride_x, stride_res, stride_out, stride_res_out, stride_delta, eps,
+                              BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    x = load_with_delta(x_ptr + row * stride_x + cols, delta_ptr + row * stride_delta + cols, mask,
+                        HAS_DELTA)  # fmt: skip
     r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     # rounded to x's dtype before the norm reads it, as the unfused `x + residual` is
@@ -72,6 +92,15 @@ def _check_rows(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
         raise ValueError(f"{name} is on {t.device}, expected {like.device}")
     if t.shape[1] > 1 and t.stride(1) != 1:
         raise ValueError(f"{name} rows must be contiguous (stride 1 along H), got {t.stride()}")
+
+
+def check_delta(delta: torch.Tensor | None, like: torch.Tensor) -> None:
+    """A deferred LoRA delta must be float32 shaped like `like`, with rows of stride 1."""
+    if delta is None:
+        return
+    _check_rows("delta", delta, like)
+    if delta.dtype != torch.float32:
+        raise ValueError(f"delta must be float32, got {delta.dtype}")
 
 
 def _check_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -145,8 +174,11 @@ def fused_add_rmsnorm(
     *,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics:
+        if delta is not None:                            # a deferred LoRA delta of x
+            x = (x.float() + delta).to(x.dtype)
         new_residual = x + residual                      # in x.dtype
         return rmsnorm(new_residual, weight, eps), new_residual
 
@@ -161,6 +193,7 @@ def fused_add_rmsnorm(
         eps: float, added to the mean square.
         out: [T, H] of dtype promote_types(x.dtype, weight.dtype) | None.
         residual_out: [T, H] of x's dtype | None.
+        delta: [T, H] float32, rows of stride 1 | None.
 
     Returns:
         (normed [T, H] promote_types(x.dtype, weight.dtype), new_residual [T, H] x.dtype).
@@ -169,13 +202,15 @@ def fused_add_rmsnorm(
     _check_rows("residual", residual, x)
     if residual.dtype != x.dtype:
         raise ValueError(f"residual must be {x.dtype} like x, got {residual.dtype}")
+    check_delta(delta, x)
     out = _output(out, x, torch.promote_types(x.dtype, weight.dtype))
     residual_out = _output(residual_out, x, x.dtype)
     if x.shape[0] == 0:
         return out, residual_out
     _fused_add_rmsnorm_kernel[(x.shape[0],)](
-        x, residual, weight, out, residual_out, x.shape[1],
-        x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0), eps,
+        x, residual, weight, out, residual_out, x if delta is None else delta, x.shape[1],
+        x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
+        0 if delta is None else delta.stride(0), eps, HAS_DELTA=delta is not None,
         enable_fp_fusion=False, **_launch_config(x.shape[1]),
     )  # fmt: skip
     return out, residual_out

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .attention_extend import _interpreting
+from .rmsnorm import load_with_delta
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -42,15 +43,17 @@ def _mul_rounded(a, b):
 
 @triton.jit
 def _rotated_heads(ptr, row, head0, num_heads, stride_t, stride_h, cos, sin, HALF: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, delta_ptr, stride_dt, stride_dh,
+                   HAS_DELTA: tl.constexpr):  # fmt: skip
     """(lo, hi, heads, offs_d, mask): the rotated halves of heads [head0, head0 + BLOCK_H) of
-    token `row`, in x's dtype."""
+    token `row` (plus its float32 delta, rounded once), in x's dtype."""
     heads = head0 + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (heads < num_heads)[:, None] & (offs_d < HALF)[None, :]
     lo_ptrs = ptr + row * stride_t + heads[:, None] * stride_h + offs_d[None, :]
-    x_lo = tl.load(lo_ptrs, mask=mask, other=0.0)
-    x_hi = tl.load(lo_ptrs + HALF, mask=mask, other=0.0)
+    d_ptrs = delta_ptr + row * stride_dt + heads[:, None] * stride_dh + offs_d[None, :]
+    x_lo = load_with_delta(lo_ptrs, d_ptrs, mask, HAS_DELTA)
+    x_hi = load_with_delta(lo_ptrs + HALF, d_ptrs + HALF, mask, HAS_DELTA)
     cos = cos.to(x_lo.dtype)[None, :]
     sin = sin.to(x_lo.dtype)[None, :]
     # x * cos + cat(-x_hi, x_lo) * sin, each product and the sum rounded to x's dtype
@@ -61,9 +64,12 @@ def _rotated_heads(ptr, row, head0, num_heads, stride_t, stride_h, cos, sin, HAL
 
 @triton.jit
 def _rotate_heads(ptr, row, head0, num_heads, stride_t, stride_h, cos, sin,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  delta_ptr, stride_dt, stride_dh, HAS_DELTA: tl.constexpr):  # fmt: skip
+    """Rotates heads [head0, head0 + BLOCK_H) of token `row` in place (delta: as _rotated_heads)."""
     lo, hi, heads, offs_d, mask = _rotated_heads(ptr, row, head0, num_heads, stride_t, stride_h,
-                                                 cos, sin, HALF, BLOCK_H, BLOCK_HALF)  # fmt: skip
+                                                 cos, sin, HALF, BLOCK_H, BLOCK_HALF, delta_ptr,
+                                                 stride_dt, stride_dh, HAS_DELTA)  # fmt: skip
     lo_ptrs = ptr + row * stride_t + heads[:, None] * stride_h + offs_d[None, :]
     tl.store(lo_ptrs, lo, mask=mask)
     tl.store(lo_ptrs + HALF, hi, mask=mask)
@@ -87,10 +93,11 @@ def _rotary_kernel(q_ptr, k_ptr, positions_ptr, inv_freq_ptr, num_q_heads, num_k
     cos, sin = _cos_sin(positions_ptr, inv_freq_ptr, row, HALF, BLOCK_HALF)
     if block < q_blocks:
         _rotate_heads(q_ptr, row, block * BLOCK_H, num_q_heads, stride_qt, stride_qh, cos, sin,
-                      HALF, BLOCK_H, BLOCK_HALF)  # fmt: skip
+                      HALF, BLOCK_H, BLOCK_HALF, q_ptr, 0, 0, False)  # fmt: skip
     else:
         _rotate_heads(k_ptr, row, (block - q_blocks) * BLOCK_H, num_k_heads, stride_kt,
-                      stride_kh, cos, sin, HALF, BLOCK_H, BLOCK_HALF)  # fmt: skip
+                      stride_kh, cos, sin, HALF, BLOCK_H, BLOCK_HALF, k_ptr, 0, 0,
+                      False)  # fmt: skip
 
 
 def _check_heads(name: str, x: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .rmsnorm import add_delta_ref, load_with_delta
 from .rotary import (
     _INDEX_DTYPES,
     _check_heads,
@@ -30,9 +31,11 @@ def rotary_store_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     loc: torch.Tensor,
+    deltas: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Pure-torch reference of `rotary_store_kv_`."""
-    q_rot, k_rot = apply_rotary_ref(q, k, positions, inv_freq)
+    q_in, k, v = (q, k, v) if deltas is None else map(add_delta_ref, (q, k, v), deltas)
+    q_rot, k_rot = apply_rotary_ref(q_in, k, positions, inv_freq)
     q.copy_(q_rot)
     k_cache[loc] = k_rot
     v_cache[loc] = v
@@ -40,11 +43,11 @@ def rotary_store_kv_ref(
 
 @triton.jit
 def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, positions_ptr,
-                            inv_freq_ptr, num_q_heads, num_kv_heads, q_blocks, kv_blocks,
-                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                            stride_kcs, stride_kch, stride_vcs, stride_vch,
-                            HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                            BLOCK_HALF: tl.constexpr):  # fmt: skip
+                            inv_freq_ptr, dq_ptr, dk_ptr, dv_ptr, num_q_heads, num_kv_heads,
+                            q_blocks, kv_blocks, stride_qt, stride_qh, stride_kt, stride_kh,
+                            stride_vt, stride_vh, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                            stride_dt, stride_dh, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_HALF: tl.constexpr, HAS_DELTA: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     slot = tl.load(loc_ptr + row).to(tl.int64)
@@ -52,11 +55,13 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_p
         cos, sin = _cos_sin(positions_ptr, inv_freq_ptr, row, HALF, BLOCK_HALF)
         if block < q_blocks:
             _rotate_heads(q_ptr, row, block * BLOCK_H, num_q_heads, stride_qt, stride_qh, cos, sin,
-                          HALF, BLOCK_H, BLOCK_HALF)  # fmt: skip
+                          HALF, BLOCK_H, BLOCK_HALF, dq_ptr, stride_dt, stride_dh,
+                          HAS_DELTA)  # fmt: skip
         else:
             lo, hi, heads, offs_d, mask = _rotated_heads(
                 k_ptr, row, (block - q_blocks) * BLOCK_H, num_kv_heads, stride_kt, stride_kh, cos,
-                sin, HALF, BLOCK_H, BLOCK_HALF)  # fmt: skip
+                sin, HALF, BLOCK_H, BLOCK_HALF, dk_ptr, stride_dt, stride_dh,
+                HAS_DELTA)  # fmt: skip
             out = k_cache_ptr + slot * stride_kcs + heads[:, None] * stride_kch + offs_d[None, :]
             tl.store(out, lo, mask=mask)
             tl.store(out + HALF, hi, mask=mask)
@@ -64,8 +69,9 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_p
         heads = (block - q_blocks - kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, 2 * BLOCK_HALF)
         mask = (heads < num_kv_heads)[:, None] & (offs_d < 2 * HALF)[None, :]
-        x = tl.load(v_ptr + row * stride_vt + heads[:, None] * stride_vh + offs_d[None, :],
-                    mask=mask)  # fmt: skip
+        x = load_with_delta(v_ptr + row * stride_vt + heads[:, None] * stride_vh + offs_d[None, :],
+                            dv_ptr + row * stride_dt + heads[:, None] * stride_dh + offs_d[None, :],
+                            mask, HAS_DELTA)  # fmt: skip
         out = v_cache_ptr + slot * stride_vcs + heads[:, None] * stride_vch + offs_d[None, :]
         tl.store(out, x, mask=mask)
 
@@ -79,9 +85,12 @@ def rotary_store_kv_(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     loc: torch.Tensor,
+    deltas: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Semantics (neox rotary as in `apply_rotary_`, same rounding):
-        q_rot, k_rot = apply_rotary(q, k, positions, inv_freq)
+        if deltas is not None:          # deferred LoRA deltas of q, k, v
+            q_in, k, v = ((x.float() + d).to(x.dtype) for x, d in zip((q, k, v), deltas))
+        q_rot, k_rot = apply_rotary(q_in, k, positions, inv_freq)
         q.copy_(q_rot)            # in place
         k_cache[loc] = k_rot      # k itself is left as it is
         v_cache[loc] = v
@@ -93,20 +102,25 @@ def rotary_store_kv_(
         k_cache, v_cache: [num_slots, Hk, D] in q's dtype, stride 1 along D (one layer's pool).
         loc: [T] int32/int64, contiguous, slots < num_slots; a slot named twice (the padding
             slot of CUDA graphs) ends up holding one of its tokens' values.
+        deltas: (dq, dk, dv) float32 shaped like q, k, v, with stride 1 along D and the
+            strides of one another (views of one fused qkv delta) | None.
     """
     _check_rotary_args(q, k, positions, inv_freq)
     _check_store_args(k, v, k_cache, v_cache, loc)
+    _check_deltas(deltas, (q, k, v))
     num_tokens, num_q_heads, _ = q.shape
     num_kv_heads = k.shape[1]
     if num_tokens == 0 or num_q_heads + num_kv_heads == 0:
         return
     half, block_half, block_h, q_blocks, kv_blocks = rotary_blocks(q, k)
+    dq, dk, dv = (q, k, v) if deltas is None else deltas
     _rotary_store_kv_kernel[(num_tokens, q_blocks + 2 * kv_blocks)](
-        q, k, v, k_cache, v_cache, loc, positions, inv_freq, num_q_heads, num_kv_heads,
-        q_blocks, kv_blocks, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q, k, v, k_cache, v_cache, loc, positions, inv_freq, dq, dk, dv, num_q_heads,
+        num_kv_heads, q_blocks, kv_blocks, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1),
-        HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4, enable_fp_fusion=False,
+        v_cache.stride(0), v_cache.stride(1), dq.stride(0), dq.stride(1),
+        HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, HAS_DELTA=deltas is not None,
+        num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
 
 
@@ -128,3 +142,24 @@ def _check_store_args(k, v, k_cache, v_cache, loc) -> None:
         )
     if loc.device != k.device:
         raise ValueError(f"loc is on {loc.device}, expected {k.device}")
+
+
+def _check_deltas(deltas, heads: tuple[torch.Tensor, ...]) -> None:
+    if deltas is None:
+        return
+    if len(deltas) != 3:
+        raise ValueError(f"deltas must be (dq, dk, dv), got {len(deltas)} tensors")
+    for name, d, x in zip(("dq", "dk", "dv"), deltas, heads, strict=True):
+        if d.shape != x.shape or d.dtype != torch.float32 or d.device != x.device:
+            raise ValueError(
+                f"{name} must be float32 {tuple(x.shape)} on {x.device}, got {d.dtype} "
+                f"{tuple(d.shape)} on {d.device}"
+            )
+        # the kernel steps all three by dq's strides (a dim of size 1 is never stepped)
+        if d.stride(2) != 1 or any(
+            d.shape[i] > 1 and d.stride(i) != deltas[0].stride(i) for i in (0, 1)
+        ):
+            raise ValueError(
+                f"dq, dk, dv need stride 1 along D and equal strides, got "
+                f"{[t.stride() for t in deltas]}"
+            )

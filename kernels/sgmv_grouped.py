@@ -92,6 +92,7 @@ def grouped_expand_ref(
     row_indptr: torch.Tensor,
     row_ids: torch.Tensor,
     y: torch.Tensor,
+    accumulate: bool = True,
 ) -> None:
     """Pure-torch reference of `grouped_expand` (a loop over groups)."""
     off = list(out_offsets)
@@ -102,7 +103,9 @@ def grouped_expand_ref(
         b_rows = b_pool[row_ids[r0:r1].long()].float()
         for i in range(len(off) - 1):
             delta = v[i][tokens][:, : r1 - r0] @ b_rows[:, off[i] : off[i + 1]]
-            y[tokens, off[i] : off[i + 1]] += delta.to(y.dtype)
+            if accumulate:
+                delta += y[tokens, off[i] : off[i + 1]].float()
+            y[tokens, off[i] : off[i + 1]] = delta.to(y.dtype)
 
 
 @triton.jit
@@ -218,6 +221,7 @@ def _grouped_expand_kernel(
     BLOCK_N: tl.constexpr,
     ONE_ROW_TILE: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     num_items = tl.load(num_groups_ptr) * items_per_group
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
@@ -250,7 +254,8 @@ def _grouped_expand_kernel(
                     other=0.0,
                 )
                 acc = _dot_vb(v, b, FP32_DOT)
-                _add_to_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn)
+                _write_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn,
+                         ACCUMULATE)  # fmt: skip
         else:
             for m in range(m0, m_end, BLOCK_M):
                 offs_m = m + tl.arange(0, BLOCK_M)
@@ -268,7 +273,8 @@ def _grouped_expand_kernel(
                     )
                     b = _load_b_tile(b_ptr, rows, j_mask, offs_n, n_mask, stride_br, stride_bn)
                     acc += _dot_vb(v, b, FP32_DOT)
-                _add_to_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn)
+                _write_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn,
+                         ACCUMULATE)  # fmt: skip
 
 
 @triton.jit
@@ -290,11 +296,13 @@ def _dot_vb(v, b, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _add_to_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn):
+def _write_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn,
+             ACCUMULATE: tl.constexpr):  # fmt: skip
     y_ptrs = y_ptr + tokens[:, None] * stride_yt + offs_n[None, :] * stride_yn
     y_mask = m_mask[:, None] & n_mask[None, :]
-    y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=y_mask)
+    if ACCUMULATE:
+        acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def check_groups(
@@ -363,9 +371,10 @@ def grouped_shrink(
     max_rows: int,
     *,
     tuning: GroupedTuning = DEFAULT_TUNING,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Semantics:
-        v = empty(n_slices, T, max_rows, dtype=float32)
+        v = empty(n_slices, T, max_rows, dtype=float32) if out is None else out
         for g in range(num_groups):
             tokens = token_ids[group_indptr[g]:group_indptr[g + 1]]
             r0, r1 = row_indptr[g], row_indptr[g + 1]
@@ -387,9 +396,10 @@ def grouped_shrink(
         row_indptr: [max_groups + 1] int32, offsets into row_ids.
         row_ids: [N] int32, pool rows of each group; row_scales: [N] float32, their weights.
         max_rows: int, >= r1 - r0 for every group; the width of v.
+        out: [n_slices, T, max_rows] float32, contiguous and all zero | None (allocated).
 
     Returns:
-        v: [n_slices, T, max_rows] float32.
+        v: [n_slices, T, max_rows] float32 (out when given).
     """
     check_shrink_args(x, a_pool, max_rows, None)
     check_groups(num_groups, group_indptr, token_ids, row_indptr, row_ids, x.device, row_scales)
@@ -402,8 +412,17 @@ def grouped_shrink(
     k_chunk = min(tuning.k_chunk, in_dim, triton.cdiv(in_dim, wanted))
     k_per_split = triton.cdiv(k_chunk, block_k) * block_k
     split_k = triton.cdiv(in_dim, k_per_split)
-    alloc = torch.zeros if split_k > 1 else torch.empty
-    v = alloc(n_slices, num_tokens, max_rows, dtype=torch.float32, device=x.device)
+    v = out
+    if v is None:
+        alloc = torch.zeros if split_k > 1 else torch.empty
+        v = alloc(n_slices, num_tokens, max_rows, dtype=torch.float32, device=x.device)
+    elif v.shape != (n_slices, num_tokens, max_rows) or v.dtype != torch.float32 or (
+        v.device != x.device or not v.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be contiguous float32 [{n_slices}, {num_tokens}, {max_rows}] on {x.device}, "
+            f"got {v.dtype} {tuple(v.shape)} on {v.device}"
+        )
     if max_groups == 0 or num_tokens == 0 or max_rows == 0 or row_ids.numel() == 0:
         return v
     items_per_group = n_slices * split_k * num_row_tiles
@@ -433,6 +452,7 @@ def grouped_expand(
     y: torch.Tensor,
     *,
     tuning: GroupedTuning = DEFAULT_TUNING,
+    accumulate: bool = True,
 ) -> None:
     """Semantics:
         for g in range(num_groups):
@@ -441,11 +461,13 @@ def grouped_expand(
             rows = row_ids[r0:r1]
             for i in range(n_slices):
                 cols = slice(out_offsets[i], out_offsets[i + 1])
-                y[tokens, cols] += v[i, tokens, :r1 - r0] @ b_pool[rows, cols].float()
+                delta = v[i, tokens, :r1 - r0] @ b_pool[rows, cols].float()
+                y[tokens, cols] = y[tokens, cols] + delta if accumulate else delta
 
-    Accumulates into y in place (fp32 accumulation, one rounding to y's dtype); tokens of no
-    group and groups with no rows leave y untouched. With a 16-bit b_pool, v is rounded to
-    b_pool's dtype before the product (tensor cores), as in sgmv_expand.
+    Accumulates into y in place, or overwrites (accumulate=False), with fp32 accumulation and
+    one rounding to y's dtype; tokens of no group and groups with no rows leave y untouched.
+    With a 16-bit b_pool, v is rounded to b_pool's dtype before the product (tensor cores), as
+    in sgmv_expand.
 
     Args:
         v: [n_slices, T, max_rows] float32, from `grouped_shrink`.
@@ -479,5 +501,6 @@ def grouped_expand(
         b_pool.stride(0), b_pool.stride(1),
         y.stride(0), y.stride(1),
         BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_N=block_n, ONE_ROW_TILE=max_rows <= block_r,
-        FP32_DOT=fp32_dot(b_pool.dtype, b_pool.device), num_warps=tuning.num_warps,
+        FP32_DOT=fp32_dot(b_pool.dtype, b_pool.device), ACCUMULATE=accumulate,
+        num_warps=tuning.num_warps,
     )  # fmt: skip

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from radixlora.forward_batch import to_device
 from radixlora.kv_cache import KVPool
-from radixlora.model.ops import rotary
+from radixlora.model.ops import add_delta_ref, rotary
 
 
 @dataclass
@@ -40,9 +40,13 @@ class AttentionBackend(ABC):
         """Store k/v at out_cache_loc, then attend. q: [T, Hq, D] -> [T, Hq, D]."""
 
     def forward_with_rope(
-        self, q, k, v, positions, inv_freq, layer_id: int, out_cache_loc: torch.Tensor, meta
+        self, q, k, v, positions, inv_freq, layer_id: int, out_cache_loc: torch.Tensor, meta,
+        deltas=None,
     ) -> torch.Tensor:
-        """Rotary embedding of q and k (neox), then `forward`."""
+        """Rotary embedding of q and k (neox), then `forward`. deltas: (dq, dk, dv), deferred
+        LoRA deltas (float32) added to q, k, v first, or None."""
+        if deltas is not None:
+            q, k, v = map(add_delta_ref, (q, k, v), deltas)
         q, k = rotary(q, k, positions, inv_freq)
         return self.forward(q, k, v, layer_id, out_cache_loc, meta)
 
@@ -118,12 +122,14 @@ class TritonAttentionBackend(AttentionBackend):
         self.kv_pool.store(layer_id, out_cache_loc, k, v)
         return self._attend(q, layer_id, meta)
 
-    def forward_with_rope(self, q, k, v, positions, inv_freq, layer_id, out_cache_loc, meta):
-        """One kernel rotates q and stores rotary(k) and v in the pool, then attention."""
+    def forward_with_rope(self, q, k, v, positions, inv_freq, layer_id, out_cache_loc, meta,
+                          deltas=None):  # fmt: skip
+        """One kernel adds the deltas, rotates q and stores rotary(k) and v in the pool, then
+        attention."""
         from radixlora.kernels.rotary_kv import rotary_store_kv_
 
         k_cache, v_cache = self.kv_pool.k_cache[layer_id], self.kv_pool.v_cache[layer_id]
-        rotary_store_kv_(q, k, v, positions, inv_freq, k_cache, v_cache, out_cache_loc)
+        rotary_store_kv_(q, k, v, positions, inv_freq, k_cache, v_cache, out_cache_loc, deltas)
         return self._attend(q, layer_id, meta)
 
     def _attend(self, q, layer_id: int, meta: TritonAttentionMeta) -> torch.Tensor:

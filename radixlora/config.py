@@ -168,7 +168,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enable_radix_cache: bool = True
     cuda_graph: bool = True  # decode steps replay captured graphs (CUDA only)
-    lora_side_stream: bool = True  # in graphs, each LoRA shrink runs beside its base GEMM
+    lora_side_stream: bool = True  # in graphs, LoRA work runs beside the base GEMMs
     overlap_schedule: bool = True  # plan step N+1 while step N runs on the device
     seed: int = 0
     load_format: str = "safetensors"  # or "dummy": random weights, for benchmarks

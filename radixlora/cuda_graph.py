@@ -11,9 +11,11 @@ logits are never read.
 
 LoRA runs the grouped SGMV path under every graph: the step's tokens grouped by distinct adapter
 set (padding and base-only requests belong to no group), so the rows live in the group buffers
-and the per-segment metadata carries none; graphs therefore need the Triton LoRA backend. Each
-projection's LoRA shrink is captured on a side stream, a parallel branch of the graph beside the
-base GEMM (EngineConfig.lora_side_stream, LoraContext)."""
+and the per-segment metadata carries none; graphs therefore need the Triton LoRA backend. On CUDA
+each projection's LoRA work that reads only x is captured on a side stream, a parallel branch of
+the graph beside the base GEMM (EngineConfig.lora_side_stream): the shrink, or in buckets of at
+most LORA_DEFER_MAX_TOKENS tokens the whole delta (on a high-priority stream), deferred to the
+kernel that reads the projection's output (LoraContext)."""
 
 from __future__ import annotations
 
@@ -27,12 +29,15 @@ from radixlora.attention import TritonAttentionMeta
 from radixlora.forward_batch import ForwardBatch
 from radixlora.kernels.lora_ops import HostGroups, LoraBatchMeta, LoraGroups
 from radixlora.lora.adapter import MODULE_GROUPS
-from radixlora.lora.pool import LoraContext, LoraSegments
+from radixlora.lora.pool import LoraContext, LoraSegments, high_priority_stream
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 EXTEND_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512)
 MAX_EXTEND_BATCH = 16
 ROW_BUCKETS = (0, 32, 128, 512)
+# Deferred deltas take the expand off the critical path but cost a float32 write and read of
+# every projection output: a win where launches dominate, a loss where bytes do.
+LORA_DEFER_MAX_TOKENS = 32
 
 
 @dataclass
@@ -60,7 +65,8 @@ class StaticInputs:
         if runner.lora_backend.name != "triton":
             raise ValueError("cuda_graph needs lora_backend triton (or auto on CUDA)")
         self.runner = runner
-        self.lora_stream = None  # CudaGraphRunner: the side stream of the LoRA shrinks
+        # CudaGraphRunner: the side stream of the LoRA work, by whether the bucket defers
+        self.lora_streams: dict[bool, torch.cuda.Stream] = {}
         self.buckets = [b for b in BATCH_BUCKETS if b <= max_batch] or [1]
         self.extend_buckets = [b for b in self.buckets if b <= MAX_EXTEND_BATCH]
         self.row_buckets = sorted({r for r in ROW_BUCKETS if r < max_rows} | {max_rows})
@@ -180,9 +186,11 @@ class StaticInputs:
                 )
                 for g in MODULE_GROUPS
             }
+            defer = t <= LORA_DEFER_MAX_TOKENS
             lora = LoraContext(
-                self.runner.adapter_pool, self.runner.lora_backend, metas, self.lora_stream
-            )
+                self.runner.adapter_pool, self.runner.lora_backend, metas,
+                self.lora_streams.get(defer), defer,
+            )  # fmt: skip
         return ForwardBatch(
             self.input_ids[:t],
             self.positions[:t],
@@ -223,7 +231,10 @@ class CudaGraphRunner(StaticInputs):
         self.graphs: dict[GraphKey, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         if lora_side_stream:
-            self.lora_stream = torch.cuda.Stream(runner.device)
+            # high priority where the side branch is the whole delta, so it finishes within
+            # its GEMM; normal beside the large buckets' compute-bound GEMMs (PERF.md, run 11)
+            self.lora_streams = {True: high_priority_stream(runner.device),
+                                 False: torch.cuda.Stream(runner.device)}  # fmt: skip
 
     def forward(self, key: GraphKey, host: dict, lora_segments, resolve=None) -> torch.Tensor:
         """Logits [batch, vocab] of each request's last token, by replaying key's graph."""

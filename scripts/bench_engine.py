@@ -173,7 +173,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--only-c", action="store_true", help="only the 256-request runs (c)")
     p.add_argument("--no-lora-side-stream", dest="lora_side_stream", action="store_false",
-                   help="LoRA shrinks after their GEMMs in the graphs, not beside them")
+                   help="LoRA work on the compute stream in the graphs, not beside the GEMMs")
     args = p.parse_args()
     shape = SMOKE if args.smoke else LLAMA3_8B
     scale = 8 if args.smoke else 1  # fewer requests / tokens in smoke mode

@@ -33,6 +33,7 @@ from bench_common import time_us  # noqa: E402
 from radixlora.config import RopeConfig  # noqa: E402
 from radixlora.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from radixlora.kernels.rmsnorm import (  # noqa: E402
+    add_delta_ref,
     fused_add_rmsnorm,
     fused_add_rmsnorm_ref,
     rmsnorm,
@@ -139,7 +140,12 @@ def norm_ops(cfg: BenchConfig, tokens: int, dtype: torch.dtype) -> list[Op]:
     def check_add() -> tuple[float, float, bool]:
         normed, new_residual = fused_add_rmsnorm(x, residual, weight, EPS)
         normed_ref, residual_ref = fused_add_rmsnorm_ref(x, residual, weight, EPS)
-        return (*compare(normed, normed_ref), torch.equal(new_residual, residual_ref))
+        delta = randn(tokens, hidden, scale=0.1).float()
+        with_delta = fused_add_rmsnorm(x, residual, weight, EPS, delta=delta)
+        delta_first = fused_add_rmsnorm(add_delta_ref(x, delta), residual, weight, EPS)
+        exact = torch.equal(new_residual, residual_ref) and all(
+            map(torch.equal, with_delta, delta_first))
+        return (*compare(normed, normed_ref), exact)
 
     return [
         Op("rmsnorm", lambda: rmsnorm(x, weight, EPS, out=out),
@@ -201,7 +207,17 @@ def rotary_kv_op(cfg: BenchConfig, tokens: int, dtype: torch.dtype) -> Op:
         rotary_store_kv_(q_out, k, v, positions, inv_freq, kc_out, vc_out, loc)
         rotary_store_kv_ref(q_ref, k, v, positions, inv_freq, kc_ref, vc_ref, loc)
         rel, exact = compare(torch.cat((q_out, kc_out[loc]), 1), torch.cat((q_ref, kc_ref[loc]), 1))
-        return rel, exact, torch.equal(vc_out, vc_ref)
+        return rel, exact, torch.equal(vc_out, vc_ref) and delta_is_added_first()
+
+    def delta_is_added_first() -> bool:
+        deltas = tuple(t.view(tokens, -1, s.head_dim) for t in make_randn(cfg, torch.float32)(
+            tokens, q_dim + 2 * kv_dim, scale=0.1).split((q_dim, kv_dim, kv_dim), -1))
+        q_out, kc_out, vc_out = q.clone(), k_cache.clone(), v_cache.clone()
+        rotary_store_kv_(q_out, k, v, positions, inv_freq, kc_out, vc_out, loc, deltas)
+        q_in, k_in, v_in = map(add_delta_ref, (q, k, v), deltas)
+        kc_want, vc_want = k_cache.clone(), v_cache.clone()
+        rotary_store_kv_(q_in, k_in, v_in, positions, inv_freq, kc_want, vc_want, loc)
+        return all(map(torch.equal, (q_out, kc_out, vc_out), (q_in, kc_want, vc_want)))
 
     def fused() -> None:
         rotary_store_kv_(q, k, v, positions, inv_freq, k_cache, v_cache, loc)
@@ -214,7 +230,10 @@ def silu_op(cfg: BenchConfig, tokens: int, dtype: torch.dtype) -> Op:
     out = torch.empty(tokens, cfg.shape.intermediate, dtype=dtype, device=cfg.device)
 
     def check() -> tuple[float, float, bool]:
-        return (*compare(silu_and_mul(gate_up), silu_and_mul_ref(gate_up)), True)
+        delta = make_randn(cfg, torch.float32)(*gate_up.shape, scale=0.1)
+        exact = torch.equal(silu_and_mul(gate_up, delta=delta),
+                            silu_and_mul(add_delta_ref(gate_up, delta)))  # fmt: skip
+        return (*compare(silu_and_mul(gate_up), silu_and_mul_ref(gate_up)), exact)
 
     return Op("silu*mul", lambda: silu_and_mul(gate_up, out=out),
               lambda: silu_and_mul_ref(gate_up), check)  # fmt: skip

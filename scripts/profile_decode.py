@@ -91,18 +91,18 @@ def run_decode(engine, batch: int, specs, rng) -> None:
 def sweep(engine, names: list[str], rows: int, rng) -> dict[str, dict[str, float]]:
     """Replay time of the LoRA graphs per launch setting, recaptured for each."""
     graphs, backend = engine.runner.graphs, engine.runner.lora_backend
-    side = graphs.lora_stream
+    side = graphs.lora_streams
     out: dict[str, dict[str, float]] = {}
-    for label, tuning, stream in [("default", None, side), ("shrink after GEMM", None, None),
-                                  *((label, t, side) for label, t in SWEEP)]:  # fmt: skip
-        backend.tuning, graphs.lora_stream = tuning, stream
+    for label, tuning, streams in [("default", None, side), ("no side stream", None, {}),
+                                   *((label, t, side) for label, t in SWEEP)]:  # fmt: skip
+        backend.tuning, graphs.lora_streams = tuning, streams
         graphs.reset()
         out[label] = {}
         for case, batch, n_adapters in CASES:
             run_decode(engine, batch, names[:n_adapters], rng)
             out[label][case] = graph_replay_ms(engine, rows, batch)
         print(f"{label:<36}" + "".join(f"{case}: {ms:.3f} ms  " for case, ms in out[label].items()))
-    backend.tuning, graphs.lora_stream = None, side
+    backend.tuning, graphs.lora_streams = None, side
     graphs.reset()
     return out
 

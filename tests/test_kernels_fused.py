@@ -1,5 +1,6 @@
 """Fused elementwise kernels (RMSNorm, add + RMSNorm, rotary, SiLU-and-mul) vs pure-torch
-references that are checked against the model's own code.
+references that are checked against the model's own code. The consumers of projection outputs
+also add a deferred float32 LoRA delta as they load: that must equal adding it first.
 
 The Triton kernels run under TRITON_INTERPRET=1 on the CPU, in fp32 and fp16 only: the
 interpreter truncates fp32 -> bf16 instead of rounding to nearest even, so bf16 is checked on
@@ -20,6 +21,7 @@ from radixlora.config import RopeConfig  # noqa: E402
 from radixlora.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from radixlora.kernels.rmsnorm import (  # noqa: E402
     MAX_HIDDEN,
+    add_delta_ref,
     fused_add_rmsnorm,
     fused_add_rmsnorm_ref,
     rmsnorm,
@@ -127,6 +129,20 @@ def test_fused_add_rmsnorm(dtype, num_tokens):
     assert_close(normed, normed_ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_fused_add_rmsnorm_adds_a_deferred_delta(dtype, num_tokens):
+    x, residual = randn(num_tokens, 96, dtype=dtype), randn(num_tokens, 96, dtype=dtype, seed=1)
+    delta, weight = randn(num_tokens, 96, seed=2, scale=0.1), norm_weight(96, dtype)
+    normed, new_residual = fused_add_rmsnorm(x, residual, weight, EPS, delta=delta)
+    want = fused_add_rmsnorm(add_delta_ref(x, delta), residual, weight, EPS)
+    assert torch.equal(normed, want[0]) and torch.equal(new_residual, want[1])
+    normed_ref, residual_ref = fused_add_rmsnorm_ref(x, residual, weight, EPS, delta)
+    assert torch.equal(new_residual, residual_ref)
+    assert_close(normed, normed_ref)
+    assert not torch.equal(new_residual, x + residual)
+
+
 def test_fused_add_rmsnorm_in_place():
     x, residual, weight = randn(7, 96), randn(7, 96, seed=1), norm_weight(96, torch.float32)
     normed_ref, residual_ref = fused_add_rmsnorm_ref(x, residual, weight, EPS)
@@ -204,6 +220,37 @@ def test_rotary_store_kv_equals_rotary_then_index_store(dtype, num_tokens, head_
     assert torch.equal(v_cache, v_ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_rotary_store_kv_adds_deferred_deltas(dtype, num_tokens):
+    """Deltas are views of one fused qkv delta, as the model passes them."""
+    head_dim, split = 16, (64, 32, 32)
+    qkv, q, k = fused_qkv(num_tokens, 4, 2, head_dim, dtype)
+    v = qkv[:, 96:].view(-1, 2, head_dim)
+    fused_delta = randn(num_tokens, 128, seed=6, scale=0.1)
+    dq, dk, dv = (d.view(num_tokens, -1, head_dim) for d in fused_delta.split(split, dim=-1))
+    positions = torch.tensor(POSITIONS[num_tokens], dtype=torch.int64)
+    inv_freq = inv_frequencies(head_dim, LLAMA3_ROPE)
+    k_cache, v_cache = (torch.zeros(9, 2, head_dim, dtype=dtype) for _ in range(2))
+    loc = torch.arange(num_tokens) + 1
+    q_in, k_in, v_in = (add_delta_ref(t, d) for t, d in ((q, dq), (k, dk), (v, dv)))
+    kc_want, vc_want = k_cache.clone(), v_cache.clone()
+    rotary_store_kv_(q_in, k_in, v_in, positions, inv_freq, kc_want, vc_want, loc)
+    qkv_before = qkv.clone()
+
+    rotary_store_kv_(q, k, v, positions, inv_freq, k_cache, v_cache, loc, (dq, dk, dv))
+    assert torch.equal(q, q_in)
+    assert torch.equal(k_cache, kc_want) and torch.equal(v_cache, vc_want)
+    assert torch.equal(qkv[:, 64:], qkv_before[:, 64:])  # k, v themselves untouched
+    q_ref = qkv_before[:, :64].view(-1, 4, head_dim)
+    kc_ref, vc_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    rotary_store_kv_ref(q_ref, qkv_before[:, 64:96].view(-1, 2, head_dim), v, positions,
+                        inv_freq, kc_ref, vc_ref, loc, (dq, dk, dv))  # fmt: skip
+    assert_close(q, q_ref)
+    assert_close(k_cache, kc_ref)
+    assert torch.equal(v_cache, vc_ref)
+
+
 # --- silu_and_mul ---------------------------------------------------------------------------
 
 
@@ -215,6 +262,14 @@ def test_silu_and_mul(dtype, num_tokens):
     assert_close(out, expected)
     if dtype == torch.float16 and num_tokens:
         assert (out == expected).float().mean() > 0.98
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_adds_a_deferred_delta(dtype):
+    gate_up, delta = randn(7, 2 * 48, dtype=dtype, scale=3.0), randn(7, 2 * 48, seed=1)
+    out = silu_and_mul(gate_up, delta=delta)
+    assert torch.equal(out, silu_and_mul(add_delta_ref(gate_up, delta)))
+    assert_close(out, silu_and_mul_ref(gate_up, delta))
 
 
 def test_silu_and_mul_strided_rows_into_out():
@@ -240,6 +295,8 @@ BAD_CALLS = {
     "rms out shape": lambda: rmsnorm(X, W, EPS, out=torch.empty(4, 8)),
     "add residual dtype": lambda: fused_add_rmsnorm(X, X.half(), W, EPS),
     "add residual shape": lambda: fused_add_rmsnorm(X, X[:2], W, EPS),
+    "add delta fp16": lambda: fused_add_rmsnorm(X, X, W, EPS, delta=X.half()),
+    "add delta shape": lambda: fused_add_rmsnorm(X, X, W, EPS, delta=X[:2]),
     "rot q 2-D": lambda: apply_rotary_(Q.flatten(1), K, POS, INV),
     "rot k head_dim": lambda: apply_rotary_(Q, randn(3, 2, 6), POS, torch.ones(3)),
     "rot k dtype": lambda: apply_rotary_(Q, K.half(), POS, INV),
@@ -255,11 +312,17 @@ BAD_CALLS = {
     "kv cache heads": lambda: rotary_store_kv_(Q, K, K, POS, INV, KC[:, :1], KC, POS),
     "kv loc float": lambda: rotary_store_kv_(Q, K, K, POS, INV, KC, KC, POS.float()),
     "kv loc length": lambda: rotary_store_kv_(Q, K, K, POS, INV, KC, KC, POS[:2]),
+    "kv two deltas": lambda: rotary_store_kv_(Q, K, K, POS, INV, KC, KC, POS, (Q, K)),
+    "kv delta fp16": lambda: rotary_store_kv_(Q, K, K, POS, INV, KC, KC, POS, (Q.half(), K, K)),
+    "kv delta strides": lambda: rotary_store_kv_(Q, K, K, POS, INV, KC, KC, POS,
+                                                 (Q, randn(3, 2, 16)[..., :8], K)),
+    "kv delta shape": lambda: rotary_store_kv_(Q, K, K, POS, INV, KC, KC, POS, (Q, K[:, :1], K)),
     "silu 1-D": lambda: silu_and_mul(X[0]),
     "silu odd width": lambda: silu_and_mul(randn(3, 7)),
     "silu int": lambda: silu_and_mul(X.long()),
     "silu out shape": lambda: silu_and_mul(X, out=torch.empty(3, 8)),
     "silu out dtype": lambda: silu_and_mul(X, out=torch.empty(3, 4, dtype=torch.float16)),
+    "silu delta shape": lambda: silu_and_mul(X, delta=X[:, :4]),
 }
 
 

@@ -446,6 +446,49 @@ def test_grouped_expand_leaves_tokens_of_no_group_bitwise_untouched():
     assert not torch.equal(y[1], y0[1])
 
 
+@pytest.mark.parametrize("split", ["one_split", "atomic_splits"])
+def test_deferred_delta_equals_what_apply_adds(split):
+    """The deferred path (shrink into a zeroed workspace v, expand overwriting the groups' rows
+    of a float32 delta) gives the delta apply adds, bit for bit in fp32; the rows of tokens
+    with no adapter stay zero, so one delta buffer serves every layer."""
+    pool, x, y0, segs = build_grouped_case("no_adapter_rows", 3)
+    meta = grouped_meta(segs)
+    backend = TritonLoraBackend(tuning=GroupedTuning(k_chunk=48 if split == "one_split" else 16,
+                                                     block_k=16))  # fmt: skip
+    delta = torch.zeros_like(y0)
+    for _ in range(2):  # the second layer reuses delta, with a fresh zeroed v
+        v = torch.zeros(3, x.shape[0], meta.max_rows)
+        backend.deferred_delta(x, pool.a, pool.b, pool.out_offsets, meta, delta, v)
+        y = torch.zeros_like(y0)
+        backend.apply(x, y, pool.a, pool.b, pool.out_offsets, meta)
+        assert torch.equal(delta, y)
+    assert not delta[[0, 2, 3, 6, 7]].any() and delta[1].any()
+    torch.testing.assert_close(y0 + delta, expected(pool, x, y0, segs), rtol=1e-4, atol=1e-4)
+    torch_delta = torch.full_like(y0, 7.0)  # the generic path zeroes its delta first
+    TorchLoraBackend().deferred_delta(x, pool.a, pool.b, pool.out_offsets, meta, torch_delta)
+    torch.testing.assert_close(torch_delta, delta, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_expand_overwrites_and_shrink_fills_out():
+    pool, x, y0, segs = build_grouped_case("skewed", 2)
+    meta = grouped_meta(segs)
+    args = _group_args(meta)
+    out = torch.zeros(2, x.shape[0], meta.max_rows)
+    v = grouped_shrink(x, pool.a, *args, meta.groups.row_scales, meta.max_rows, out=out)
+    assert v is out
+    y, y_ref = y0.clone(), y0.clone()
+    grouped_expand(v, pool.b, pool.out_offsets, *args, y, accumulate=False)
+    grouped_expand_ref(v, pool.b, pool.out_offsets, *args, y_ref, accumulate=False)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    delta = torch.zeros_like(y0)
+    grouped_expand(v, pool.b, pool.out_offsets, *args, delta)
+    grouped = torch.zeros(x.shape[0], dtype=torch.bool)
+    grouped[meta.groups.token_ids.long()] = True
+    assert torch.equal(y[grouped], delta[grouped]) and torch.equal(y[~grouped], y0[~grouped])
+    with pytest.raises(ValueError, match="out must be"):
+        grouped_shrink(x, pool.a, *args, meta.groups.row_scales, meta.max_rows, out=out[:1])
+
+
 def test_grouped_bf16_matches_fp32_reference():
     pool, x, y0, segs = build_grouped_case("stacks_1_to_8", 3, dtype=torch.bfloat16)
     y = y0.clone()

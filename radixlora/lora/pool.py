@@ -6,6 +6,7 @@ row bookkeeping (RowAllocator, AdapterResidency); the worker owns the tensors (A
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -267,15 +268,25 @@ class LoraContext:
     """LoRA inputs of one forward batch: the pool, the backend, one metadata per module group
     (None when no request of the batch uses that group, so its work is skipped, not zeroed).
 
-    With a side stream (CUDA graph capture), a projection's shrink runs on it beside the base
-    GEMM: both only read x, and at decode sizes the shrink (zero-fill + launch) is pure latency
-    that the GEMM hides. Invariant: the side stream waits for everything queued on the compute
-    stream before each shrink, and the compute stream waits for the shrink before the expand, so
-    x is ready when read and v when used. Memory (the caching allocator reuses a block only on
-    the stream that allocated it): v is allocated on the side stream, on which nothing but
-    shrinks allocates, so only a later shrink reuses it, and that runs after the expand that read
-    v; x belongs to the compute stream and is freed after the join, so its block is reused only
-    by work queued after the shrink that read it."""
+    `project` returns (y, delta): linear(x) plus the LoRA deltas of x is y + delta. By default
+    the deltas are added into y after the GEMM and delta is None. Deferred (`defer`, small CUDA
+    graph buckets), the deltas come back as a float32 delta that y's consumer adds as it loads y
+    (rotary + KV store, the norms' residual add, SiLU-mul), so no LoRA launch follows the GEMM.
+    A deferred forward draws v and delta from one workspace zeroed once per forward (`begin`):
+    v per (layer, group), one delta per group shared by all layers, whose rows of tokens with no
+    adapter are never written and stay zero.
+
+    With a side stream (CUDA graph capture), the LoRA work that only reads x (the shrink, or
+    the whole delta when deferred) runs on it beside the base GEMM; at decode sizes it is
+    latency the GEMM hides. Invariant: the side stream waits for everything queued on the
+    compute stream before each projection's LoRA work, and the compute stream waits for it right
+    after the GEMM, so x is ready when read and v or delta when used, and a layer's delta is
+    overwritten only after the previous layer's consumer has read it. Memory (the caching
+    allocator reuses a block only on the stream that allocated it): v and delta are allocated on
+    the compute stream (workspace) or on the side stream (v of the non-deferred shrink, reused
+    only by a later shrink, which runs after the expand that read it); x belongs to the compute
+    stream and is freed after the join, so its block is reused only by work queued after the
+    LoRA work that read it."""
 
     def __init__(
         self,
@@ -283,28 +294,68 @@ class LoraContext:
         backend,
         metas: dict[str, LoraBatchMeta | None],
         side_stream: torch.cuda.Stream | None = None,
+        defer: bool = False,
     ):
         self.pool = pool
         self.backend = backend
         self.metas = metas
         self.side_stream = side_stream
+        self.defer = defer
+        self._v: list[dict[str, torch.Tensor]] = []  # deferred workspace, per layer and group
+        self._delta: dict[str, torch.Tensor] = {}
 
-    def project(self, linear: torch.nn.Module, x: torch.Tensor, layer_id: int, group: str):
-        """linear(x) plus the batch's LoRA deltas of `group` in layer `layer_id`."""
+    def begin(self, num_tokens: int, device) -> None:
+        """Start a forward: a deferred context takes a zeroed workspace (one fill)."""
+        if not self.defer:
+            return
+        used = {g: m for g, m in self.metas.items() if m is not None}
+        v_shapes = {g: (self.pool.a[0][g].shape[0], num_tokens, m.max_rows)
+                    for g, m in used.items() if m.groups is not None}  # fmt: skip
+        d_shapes = {g: (num_tokens, self.pool.out_offsets[g][-1]) for g in used}
+        shapes = [*v_shapes.values()] * len(self.pool.a) + [*d_shapes.values()]
+        sizes = [math.prod(shape) for shape in shapes]
+        buf = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        views = iter(t.view(shape) for t, shape in zip(buf.split(sizes), shapes, strict=True))
+        self._v = [dict(zip(v_shapes, views)) for _ in self.pool.a]
+        self._delta = dict(zip(d_shapes, views))
+
+    def project(
+        self, linear: torch.nn.Module, x: torch.Tensor, layer_id: int, group: str
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(y, delta): linear(x) plus the batch's LoRA deltas of `group` in layer `layer_id`
+        is y + delta (delta None: nothing to add)."""
         meta = self.metas[group]
         if meta is None:
-            return linear(x)
-        a, b = self.pool.a[layer_id][group], self.pool.b[layer_id][group]
+            return linear(x), None
+        a, b, out_offsets = self._pools(layer_id, group)
+        if self.defer:
+            delta = self._delta[group]
+            y, _ = self._beside_gemm(linear, x, lambda: self.backend.deferred_delta(
+                x, a, b, out_offsets, meta, delta, self._v[layer_id].get(group)))  # fmt: skip
+            return y, delta
+        y, v = self._beside_gemm(linear, x, lambda: self.backend.shrink(x, a, meta))
+        if v is not None:
+            self.backend.expand(v, b, out_offsets, meta, y)
+        return y, None
+
+    def _beside_gemm(self, linear, x: torch.Tensor, lora_work):
+        """(linear(x), lora_work()), the LoRA work on the side stream beside the GEMM if any."""
         if self.side_stream is None:
-            y = linear(x)
-            self.backend.apply(x, y, a, b, self.pool.out_offsets[group], meta)
-            return y
+            return linear(x), lora_work()
         compute = torch.cuda.current_stream(x.device)
         self.side_stream.wait_stream(compute)
         with torch.cuda.stream(self.side_stream):
-            v = self.backend.shrink(x, a, meta)
+            out = lora_work()
         y = linear(x)
         compute.wait_stream(self.side_stream)
-        if v is not None:
-            self.backend.expand(v, b, self.pool.out_offsets[group], meta, y)
-        return y
+        return y, out
+
+    def _pools(self, layer_id: int, group: str):
+        pool = self.pool
+        return pool.a[layer_id][group], pool.b[layer_id][group], pool.out_offsets[group]
+
+
+def high_priority_stream(device) -> torch.cuda.Stream:
+    """A stream at the device's highest priority (torch clamps a priority past the device's
+    range to its end): its CTAs are scheduled ahead of waiting CTAs of normal streams."""
+    return torch.cuda.Stream(device, priority=-(1 << 20))

@@ -1,7 +1,10 @@
 """Llama-family causal LM (Llama, Qwen2, Mistral) over a paged KV pool and a paged adapter pool.
 
-Projections are fused (qkv, gate_up) and every projection's LoRA delta is added through the
-forward batch's LoRA context, one batched op per projection. The model holds no per-request state.
+Projections are fused (qkv, gate_up) and every projection's LoRA delta comes from the forward
+batch's LoRA context, one batched op per projection. A projection returns (y, delta): under CUDA
+graphs the delta is computed beside the base GEMM and added by y's consumer (rotary + KV store,
+the norms' residual add, SiLU-mul); otherwise it is already in y and delta is None. The model
+holds no per-request state.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """(norm(x + residual), x + residual): the residual add is fused into the norm."""
-        return rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, delta=None):
+        """(norm(x + residual), x + residual): the residual add (and x's deferred LoRA delta)
+        is fused into the norm."""
+        return rms_norm(x, self.weight, self.eps, residual, delta)
 
 
 class Attention(nn.Module):
@@ -40,16 +44,20 @@ class Attention(nn.Module):
         self.split = (cfg.q_dim, cfg.kv_dim, cfg.kv_dim)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, inv_freq: torch.Tensor):
-        qkv = fb.lora_project(self.qkv_proj, x, self.layer_id, "qkv")
+        """(o_proj output, its deferred LoRA delta or None)."""
+        qkv, delta = fb.lora_project(self.qkv_proj, x, self.layer_id, "qkv")
+        deltas = None if delta is None else self.heads(delta)
+        o = fb.attention(*self.heads(qkv), self.layer_id, inv_freq, deltas)
+        return fb.lora_project(self.o_proj, o.reshape(-1, self.split[0]), self.layer_id, "o")
+
+    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hk, D]: views of a fused qkv row."""
         q, k, v = qkv.split(self.split, dim=-1)
-        o = fb.attention(
+        return (
             q.view(-1, self.num_heads, self.head_dim),
             k.view(-1, self.num_kv_heads, self.head_dim),
             v.view(-1, self.num_kv_heads, self.head_dim),
-            self.layer_id,
-            inv_freq,
         )
-        return fb.lora_project(self.o_proj, o.reshape(-1, self.split[0]), self.layer_id, "o")
 
 
 class MLP(nn.Module):
@@ -59,9 +67,10 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        gate_up = fb.lora_project(self.gate_up_proj, x, self.layer_id, "gate_up")
-        return fb.lora_project(self.down_proj, silu_mul(gate_up), self.layer_id, "down")
+    def forward(self, x: torch.Tensor, fb: ForwardBatch):
+        """(down_proj output, its deferred LoRA delta or None)."""
+        gate_up, delta = fb.lora_project(self.gate_up_proj, x, self.layer_id, "gate_up")
+        return fb.lora_project(self.down_proj, silu_mul(gate_up, delta), self.layer_id, "down")
 
 
 class DecoderLayer(nn.Module):
@@ -72,11 +81,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, layer_id)
 
-    def forward(self, h, residual, fb: ForwardBatch, inv_freq: torch.Tensor):
-        """(mlp output, residual stream before it); the residual adds live in the norms."""
-        x, residual = self.input_layernorm(h, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(x, fb, inv_freq), residual)
-        return self.mlp(x, fb), residual
+    def forward(self, h, delta, residual, fb: ForwardBatch, inv_freq: torch.Tensor):
+        """(mlp output, its deferred LoRA delta, residual stream before it); the residual adds
+        live in the norms."""
+        x, residual = self.input_layernorm(h, residual, delta)
+        o, delta = self.self_attn(x, fb, inv_freq)
+        x, residual = self.post_attention_layernorm(o, residual, delta)
+        h, delta = self.mlp(x, fb)
+        return h, delta, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -94,8 +106,10 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits (fp32) of the tokens at fb.logits_indices: [num_logits, vocab]."""
-        h, residual = self.embed_tokens(fb.input_ids), None
+        fb.begin()
+        h, delta, residual = self.embed_tokens(fb.input_ids), None, None
         for layer in self.layers:
-            h, residual = layer(h, residual, fb, self.rotary.inv_freq)
-        h, _ = self.norm((h + residual)[fb.logits_indices])
+            h, delta, residual = layer(h, delta, residual, fb, self.rotary.inv_freq)
+        rows = fb.logits_indices
+        h, _ = self.norm(h[rows], residual[rows], None if delta is None else delta[rows])
         return self.lm_head(h).float()
