@@ -68,13 +68,16 @@ def make_engine(path: Path, args, **kw) -> Engine:
 def run_until_done(engine: Engine) -> list[tuple[float, int, bool, float]]:
     """(seconds, batch size, decode-only, byte floor in seconds) of every step until the engine
     is idle. The floor reads the weights, every running request's KV and the pool rows of each
-    distinct adapter in the batch once."""
+    distinct adapter in the batch once. With overlap scheduling a call's time is charged to the
+    step it waits for, launched by the previous call (the first decode call waits for the
+    prefill)."""
     steps = []
     weight_bytes = sum(t.numel() * t.element_size() for t in engine.runner.model.parameters())
     cfg, pool = engine.model_cfg, engine.runner.adapter_pool
     dtype_bytes = engine.runner.dtype.itemsize
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
     row_bytes = pool.bytes_per_row(cfg, engine.runner.dtype)
+    launched = None  # with overlap, a call folds (waits for) the step the previous call launched
     while engine.scheduler.has_work():
         running = list(engine.scheduler.running)
         decode_only = bool(running) and all(r.remaining_prefill == 1 for r in running) and not (
@@ -84,7 +87,10 @@ def run_until_done(engine: Engine) -> list[tuple[float, int, bool, float]]:
                  + row_bytes * sum(adapters.values())) / HBM_BYTES_PER_S
         start = time.perf_counter()
         engine.step()
-        steps.append((time.perf_counter() - start, len(running), decode_only, floor))
+        now = (len(running), decode_only, floor)
+        folded = launched if engine.config.overlap_schedule and launched is not None else now
+        steps.append((time.perf_counter() - start, *folded))
+        launched = now
     return steps
 
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 from bench_engine import (
     ALL7,
     LLAMA3_8B,
@@ -53,26 +54,28 @@ def timed_finish(runner, blocked: list[float]):
 
 def run_round(engine, specs, n: int, prompt_len: int, new_tokens: int, rng,
               prof: cProfile.Profile | None = None) -> list[tuple[float, float]]:
-    """(wall s, s blocked on the device) of each decode-only step of one round of n requests;
-    prof, if given, profiles those steps."""
+    """(wall s, s blocked on the device) of each call that launches a decode-only step and
+    folds one (the first decode call waits for the prefill); prof, if given, profiles them."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     vocab, blocked, steps = engine.model_cfg.vocab_size, [], []
     engine.runner.finish = timed_finish(engine.runner, blocked)
     for i in range(n):
         engine.submit(rng.integers(3, vocab, prompt_len).tolist(), params,
                       adapters=specs[i % len(specs)], cache_salt=str(rng.integers(1 << 30)))
+    launched_decode = False  # a call folds the step the previous call launched (overlap)
     while engine.scheduler.has_work():
         sched = engine.scheduler
         decode = all(r.remaining_prefill == 1 for r in sched.running) and not sched.waiting
         blocked.clear()
         start = time.perf_counter()
-        if decode and prof is not None:
+        if decode and launched_decode and prof is not None:
             prof.enable()
         engine.step()
         if prof is not None:
             prof.disable()
-        if decode:
+        if decode and launched_decode:
             steps.append((time.perf_counter() - start, sum(blocked)))
+        launched_decode = decode
     del engine.runner.finish
     return steps
 
@@ -96,6 +99,39 @@ def run_case(engine, specs, n: int, prompt_len: int, new_tokens: int, rng) -> di
     }
 
 
+def device_timeline(engine, specs, n: int, prompt_len: int, new_tokens: int, rng) -> dict:
+    """torch.profiler over the decode steps of one round: how much of the steps' wall time the
+    device is busy (union of kernel and copy intervals), and the longest idle gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        steps = run_round(engine, specs, n, prompt_len, new_tokens, rng)
+    device_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in device_events)
+    per_name: dict[str, float] = {}
+    for e in device_events:
+        per_name[e.name[:60]] = per_name.get(e.name[:60], 0.0) + e.time_range.elapsed_us()
+    top = sorted(per_name.items(), key=lambda kv: kv[1], reverse=True)[:40]
+    if not spans:
+        return {"busy_share": float("nan"), "idle_ms": float("nan"), "largest_gaps_ms": [],
+                "top_device_ms": []}
+    busy, gaps, end = 0.0, [], None
+    for start, stop in spans:
+        if end is not None and start > end:
+            gaps.append(start - end)
+        if end is None or start > end:
+            busy += stop - start
+        elif stop > end:
+            busy += stop - end
+        end = stop if end is None else max(end, stop)
+    window = spans[-1][1] - spans[0][0]
+    return {"busy_share": busy / window, "window_ms": window / 1e3, "idle_ms": sum(gaps) / 1e3,
+            "steps": len(steps), "largest_gaps_ms": sorted(gaps, reverse=True)[:10],
+            "device_events": len(device_events),
+            "device_ms_total": sum(per_name.values()) / 1e3,
+            "top_device_ms": [(name, us / 1e3) for name, us in top]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--smoke", action="store_true")
@@ -114,6 +150,14 @@ def main() -> None:
         res = run_case(engine, specs, 32, 256 // scale, 64 // scale, rng)
         if engine.runner.graphs is not None:
             res["graph_replay_ms"] = graph_replay_ms(engine, rows, 32)
+        if engine.runner.graphs is not None:
+            res["timeline"] = device_timeline(engine, specs, 32, 256 // scale, 64 // scale, rng)
+            gaps = [round(g / 1e3, 2) for g in res["timeline"]["largest_gaps_ms"]]
+            print(f"{case}: device busy {res['timeline']['busy_share']:.1%} of the round; "
+                  f"largest idle gaps (ms) {gaps}; {res['timeline']['device_events']} device "
+                  f"events, {res['timeline']['device_ms_total']:.1f} ms in all; by name:")
+            for name, ms in res["timeline"]["top_device_ms"]:
+                print(f"    {name:<60} {ms:9.2f}")
         results[case] = res
         print(f"{case}: decode step {res['mean_step_ms']:.3f} ms, blocked on the device "
               f"{res['mean_blocked_ms']:.3f} ms, graph replay "
