@@ -10,7 +10,7 @@ few decode steps first so the step's graph is captured and its static buffers ho
 then the profiled region replays that graph `--replays` times. Times are per replay.
 
 A sweep then recaptures the LoRA graphs under other launch settings of the grouped kernels (and
-with the shrinks after their GEMMs instead of on the side stream) and reports the median replay
+with all LoRA work on the compute stream instead of a side stream) and reports the median replay
 time of each (CUDA events): kernel sums above overlap on two streams, replay times do not."""
 
 from __future__ import annotations
