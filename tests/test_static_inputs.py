@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixlora import Engine, SamplingParams
+from radixlora import Engine, SamplingParams, cuda_graph
 from radixlora.cuda_graph import StaticInputs
 from tests.conftest import assert_all_free
 
@@ -17,7 +17,11 @@ class EagerStaticInputs(StaticInputs):
     forward = StaticInputs.static_forward
 
 
-def test_static_buffers_match_eager(checkpoints, adapters):
+@pytest.mark.parametrize("defer_max_tokens", [cuda_graph.LORA_DEFER_MAX_TOKENS, 0])
+def test_static_buffers_match_eager(checkpoints, adapters, monkeypatch, defer_max_tokens):
+    """By default these small buckets defer the LoRA deltas to the consumer kernels; with the
+    limit at 0 every bucket adds them into the projection outputs instead."""
+    monkeypatch.setattr(cuda_graph, "LORA_DEFER_MAX_TOKENS", defer_max_tokens)
     dirs = {k: adapters["llama"][k] for k in "abd"}
     specs = [None, "a", [("b", 0.5), ("d", 1.0)], "d", None]
     prompts = [[7 + i] * (2 + 6 * i) for i in range(len(specs))]
