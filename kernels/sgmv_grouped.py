@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .sgmv_expand import MAX_SLICES, check_expand_args, check_offsets
-from .sgmv_shrink import check_shrink_args, fp32_dot, pow2_block, sm_count
+from .sgmv_shrink import check_index_tensors, check_shrink_args, fp32_dot, pow2_block, sm_count
 
 _CPU_PROGRAMS = 3  # the interpreter runs programs one by one: a few exercise the striding
 MIN_BLOCK_N = 64  # expand tiles are never narrower than this (small buckets narrow them)
@@ -322,16 +322,6 @@ def check_groups(
         "row_indptr": row_indptr,
         "row_ids": row_ids,
     }
-    for name, t in named.items():
-        if t.dtype != torch.int32 or t.dim() != 1:
-            raise ValueError(f"{name} must be a 1-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
-    if row_scales is not None:
-        named["row_scales"] = row_scales
-        if row_scales.dtype != torch.float32 or row_scales.shape != row_ids.shape:
-            raise ValueError(
-                f"row_scales must be float32 of shape {tuple(row_ids.shape)}, "
-                f"got {row_scales.dtype} {tuple(row_scales.shape)}"
-            )
     if num_groups.numel() != 1:
         raise ValueError(f"num_groups must hold one count, got shape {tuple(num_groups.shape)}")
     if group_indptr.numel() < 1 or row_indptr.shape != group_indptr.shape:
@@ -339,9 +329,7 @@ def check_groups(
             f"group_indptr {tuple(group_indptr.shape)} and row_indptr "
             f"{tuple(row_indptr.shape)} must both have shape [max_groups + 1]"
         )
-    for name, t in named.items():
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, expected {device}")
+    check_index_tensors(named, row_ids, row_scales, device)
 
 
 def _wanted_splits(items: int, device: torch.device, tuning: GroupedTuning) -> int:

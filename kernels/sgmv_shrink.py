@@ -121,21 +121,31 @@ def check_batch_meta(
 ) -> None:
     """Shape/dtype/device checks shared by the SGMV launchers (host-only, never syncs)."""
     named = {"seg_indptr": seg_indptr, "row_indptr": row_indptr, "row_ids": row_ids}
-    for name, t in named.items():
-        if t.dtype != torch.int32 or t.dim() != 1:
-            raise ValueError(f"{name} must be a 1-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
-    if row_scales is not None:
-        named["row_scales"] = row_scales
-        if row_scales.dtype != torch.float32 or row_scales.shape != row_ids.shape:
-            raise ValueError(
-                f"row_scales must be float32 of shape {tuple(row_ids.shape)}, "
-                f"got {row_scales.dtype} {tuple(row_scales.shape)}"
-            )
     if seg_indptr.numel() < 1 or row_indptr.shape != seg_indptr.shape:
         raise ValueError(
             f"seg_indptr {tuple(seg_indptr.shape)} and row_indptr {tuple(row_indptr.shape)} "
             "must both have shape [num_segments + 1]"
         )
+    check_index_tensors(named, row_ids, row_scales, device)
+
+
+def check_index_tensors(
+    named: dict[str, torch.Tensor],
+    row_ids: torch.Tensor,
+    row_scales: torch.Tensor | None,
+    device: torch.device,
+) -> None:
+    """Index tensors are 1-D int32, row_scales (if any) float32 like row_ids, all on device."""
+    for name, t in named.items():
+        if t.dtype != torch.int32 or t.dim() != 1:
+            raise ValueError(f"{name} must be a 1-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
+    if row_scales is not None:
+        named = {**named, "row_scales": row_scales}
+        if row_scales.dtype != torch.float32 or row_scales.shape != row_ids.shape:
+            raise ValueError(
+                f"row_scales must be float32 of shape {tuple(row_ids.shape)}, "
+                f"got {row_scales.dtype} {tuple(row_scales.shape)}"
+            )
     for name, t in named.items():
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, expected {device}")

@@ -293,7 +293,7 @@ def report_rows(r: dict) -> list[tuple[str, float | None]]:
         ("b one adapter bs1 ms", get("b_one_adapter_bs1_ms")),
         ("b graph replay only bs1 adapter ms", get("b_graph_replay_bs1_adapter_ms")),
         ("b adapter / base", ratio(get("b_one_adapter_bs1_ms"), get("b_base_bs1_ms"))),
-        ("b one adapter bs1, shrink not beside GEMM ms",
+        ("b one adapter bs1, LoRA not beside GEMM ms",
          get("b_one_adapter_bs1_no_side_stream_ms")),
         ("e no-adapter batch bs32 ms", get("e_no_adapter_bs32_ms")),
         ("e LoRA-disabled engine bs32 ms", get("e_lora_disabled_bs32_ms")),
