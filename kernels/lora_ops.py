@@ -329,8 +329,9 @@ class TritonLoraBackend(LoraBackend):
 
     name = "triton"
 
-    def __init__(self, split_k: int | None = None, tuning=None) -> None:
-        """tuning: launch parameters of the grouped kernels (None: chosen by rank width)."""
+    def __init__(self, split_k: int | None = None, tuning=None, side_tuning=None) -> None:
+        """tuning: launch parameters of the grouped kernels; side_tuning: those of deferred
+        deltas, which run beside a base GEMM (None: chosen by rank width)."""
         # Imported here so the torch backend works where triton is absent.
         from . import sgmv_grouped
         from .sgmv_expand import sgmv_expand
@@ -338,7 +339,7 @@ class TritonLoraBackend(LoraBackend):
 
         self._shrink, self._expand, self.split_k = sgmv_shrink, sgmv_expand, split_k
         self._grouped = sgmv_grouped
-        self.tuning = tuning
+        self.tuning, self.side_tuning = tuning, side_tuning
 
     def shrink(self, x, a_pool, meta) -> torch.Tensor | None:
         _check_tokens(meta, x)
@@ -372,7 +373,7 @@ class TritonLoraBackend(LoraBackend):
             super().deferred_delta(x, a_pool, b_pool, out_offsets, meta, delta)
             return
         _check_tokens(meta, x, delta)
-        tuning = self._tuning(meta)
+        tuning = self.side_tuning or self._grouped.tuning_for_rows(meta.max_rows, True)
         index = _group_index(g)
         self._grouped.grouped_shrink(x, a_pool, *index, g.row_scales, meta.max_rows,
                                      tuning=tuning, out=v)  # fmt: skip

@@ -17,6 +17,7 @@ extends under graphs), not for one 2k-token prompt."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -24,6 +25,7 @@ from itertools import pairwise
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .sgmv_expand import MAX_SLICES, check_expand_args, check_offsets
 from .sgmv_shrink import check_index_tensors, check_shrink_args, fp32_dot, pow2_block, sm_count
@@ -35,28 +37,42 @@ MIN_BLOCK_N = 64  # expand tiles are never narrower than this (small buckets nar
 @dataclass(frozen=True)
 class GroupedTuning:
     """Launch parameters of the grouped kernels (defaults from the H200 sweeps of
-    scripts/bench_sgmv.py, docs/PERF.md run 7)."""
+    scripts/bench_sgmv.py, docs/PERF.md runs 7 and 12)."""
 
     k_chunk: int = 1024  # shrink: in_dim per split (split_k = cdiv(in_dim, k_chunk))
     block_k: int = 128
-    block_n: int = 256  # expand: output columns per work item
+    shrink_warps: int = 2
+    shrink_stages: int = 3  # software pipelining depth of the shrink's in_dim loop
+    block_n: int = 128  # expand: output columns per step of a work item's column loop
+    col_chunk: int = 2048  # expand: output columns per work item (block_n times a power of 2)
+    expand_warps: int = 4
+    expand_stages: int = 3  # software pipelining depth of the expand's column loop
     block_m: int = 16  # tokens per step of a group's token loop
     programs_per_sm: int = 8  # persistent programs per SM (0: one program per work item)
-    num_warps: int = 4
-    num_stages: int = 3  # software pipelining depth of the shrink's in_dim loop
     # small buckets (batch 1, a few groups) split in_dim finer and use narrower expand tiles
     # until a full bucket has this many work items per SM: at those sizes every launch is
     # latency-bound, so short programs beat long ones (0: off)
     min_items_per_sm: int = 4
+    # programmatic dependent launch (CUDA): a kernel's programs start while the kernel before
+    # it in the stream drains, and wait (griddepcontrol.wait) before reading anything
+    pdl: bool = True
 
 
 DEFAULT_TUNING = GroupedTuning()
-WIDE_ROWS_TUNING = GroupedTuning(k_chunk=2048, block_n=128)  # 13% faster than default at 80 rows
+WIDE_ROWS_TUNING = GroupedTuning(k_chunk=2048)  # run 8: 13% faster at 80 rows than k_chunk=1024
 WIDE_ROWS = 32
 
 
-def tuning_for_rows(max_rows: int) -> GroupedTuning:
-    return WIDE_ROWS_TUNING if max_rows > WIDE_ROWS else DEFAULT_TUNING
+# A deferred delta's kernels run beside a base GEMM on a side stream (LoraContext, graphs of
+# <= 32 tokens). There, early-launched PDL programs hold SM slots the GEMM needs, and shorter
+# programs make the branch longer: the run-11 settings measured best (docs/PERF.md run 12).
+BESIDE_GEMM = {"pdl": False, "shrink_warps": 4, "block_n": 256, "col_chunk": 256,
+               "expand_stages": 1}  # fmt: skip
+
+
+def tuning_for_rows(max_rows: int, beside_gemm: bool = False) -> GroupedTuning:
+    tuning = WIDE_ROWS_TUNING if max_rows > WIDE_ROWS else DEFAULT_TUNING
+    return dataclasses.replace(tuning, **BESIDE_GEMM) if beside_gemm else tuning
 
 
 def grouped_shrink_ref(
@@ -138,7 +154,9 @@ def _grouped_shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _wait_for_previous_kernel(PDL)
     num_items = tl.load(num_groups_ptr) * items_per_group
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         group = item // items_per_group
@@ -207,7 +225,8 @@ def _grouped_expand_kernel(
     off1,
     off2,
     off3,
-    num_col_tiles,
+    col_chunk,
+    num_col_chunks,
     items_per_group,
     stride_vs,
     stride_vt,
@@ -222,28 +241,29 @@ def _grouped_expand_kernel(
     ONE_ROW_TILE: tl.constexpr,
     FP32_DOT: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _wait_for_previous_kernel(PDL)
     num_items = tl.load(num_groups_ptr) * items_per_group
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         group = item // items_per_group
         rest = item % items_per_group
-        slice_id = rest // num_col_tiles
+        slice_id = rest // num_col_chunks
         col_lo = tl.where(slice_id == 0, 0, tl.where(slice_id == 1, off1, off2))
         col_hi = tl.where(slice_id == 0, off1, tl.where(slice_id == 1, off2, off3))
-        n_start = col_lo + (rest % num_col_tiles) * BLOCK_N
-        offs_n = n_start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < col_hi
+        n_lo = col_lo + (rest % num_col_chunks) * col_chunk
+        n_hi = tl.minimum(n_lo + col_chunk, col_hi)
         m0 = tl.load(group_indptr_ptr + group)
         m1 = tl.load(group_indptr_ptr + group + 1)
         r0 = tl.load(row_indptr_ptr + group)
         num_rows = tl.minimum(tl.load(row_indptr_ptr + group + 1) - r0, max_rows)
-        m_end = tl.where((num_rows > 0) & (n_start < col_hi), m1, m0)
+        m_end = tl.where((num_rows > 0) & (n_lo < n_hi), m1, m0)
         v_slice = v_ptr + slice_id * stride_vs
-        if ONE_ROW_TILE:  # the B tile is loaded once and serves every token block
+        if ONE_ROW_TILE:  # rows and v are loaded once per token block, B streams by column
             offs_j = tl.arange(0, BLOCK_R)
             j_mask = offs_j < num_rows
             rows = tl.load(row_ids_ptr + r0 + offs_j, mask=j_mask, other=0).to(tl.int64)
-            b = _load_b_tile(b_ptr, rows, j_mask, offs_n, n_mask, stride_br, stride_bn)
             for m in range(m0, m_end, BLOCK_M):
                 offs_m = m + tl.arange(0, BLOCK_M)
                 m_mask = offs_m < m1
@@ -253,28 +273,46 @@ def _grouped_expand_kernel(
                     mask=m_mask[:, None] & j_mask[None, :],
                     other=0.0,
                 )
-                acc = _dot_vb(v, b, FP32_DOT)
-                _write_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn,
-                         ACCUMULATE)  # fmt: skip
+                for n in tl.range(n_lo, n_hi, BLOCK_N, num_stages=NUM_STAGES):
+                    offs_n = n + tl.arange(0, BLOCK_N)
+                    n_mask = offs_n < n_hi
+                    b = _load_b_tile(b_ptr, rows, j_mask, offs_n, n_mask, stride_br, stride_bn)
+                    acc = _dot_vb(v, b, FP32_DOT)
+                    _write_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn,
+                             ACCUMULATE)  # fmt: skip
         else:
             for m in range(m0, m_end, BLOCK_M):
                 offs_m = m + tl.arange(0, BLOCK_M)
                 m_mask = offs_m < m1
                 tokens = tl.load(token_ids_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for j in range(0, num_rows, BLOCK_R):
-                    offs_j = j + tl.arange(0, BLOCK_R)
-                    j_mask = offs_j < num_rows
-                    rows = tl.load(row_ids_ptr + r0 + offs_j, mask=j_mask, other=0).to(tl.int64)
-                    v = tl.load(
-                        v_slice + tokens[:, None] * stride_vt + offs_j[None, :] * stride_vr,
-                        mask=m_mask[:, None] & j_mask[None, :],
-                        other=0.0,
-                    )
-                    b = _load_b_tile(b_ptr, rows, j_mask, offs_n, n_mask, stride_br, stride_bn)
-                    acc += _dot_vb(v, b, FP32_DOT)
-                _write_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn,
-                         ACCUMULATE)  # fmt: skip
+                for n in range(n_lo, n_hi, BLOCK_N):
+                    offs_n = n + tl.arange(0, BLOCK_N)
+                    n_mask = offs_n < n_hi
+                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    for j in range(0, num_rows, BLOCK_R):
+                        offs_j = j + tl.arange(0, BLOCK_R)
+                        j_mask = offs_j < num_rows
+                        rows = tl.load(row_ids_ptr + r0 + offs_j, mask=j_mask, other=0)
+                        v = tl.load(
+                            v_slice + tokens[:, None] * stride_vt + offs_j[None, :] * stride_vr,
+                            mask=m_mask[:, None] & j_mask[None, :],
+                            other=0.0,
+                        )
+                        b = _load_b_tile(b_ptr, rows.to(tl.int64), j_mask, offs_n, n_mask,
+                                         stride_br, stride_bn)  # fmt: skip
+                        acc += _dot_vb(v, b, FP32_DOT)
+                    _write_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn,
+                             ACCUMULATE)  # fmt: skip
+
+
+@triton.jit
+def _wait_for_previous_kernel(PDL: tl.constexpr):
+    """Under programmatic dependent launch every program waits for the previous kernel in the
+    stream to complete (and its writes to be visible) before its first load, then lets the next
+    kernel's programs launch; no program may skip the wait, or the stream order breaks."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -337,6 +375,14 @@ def _wanted_splits(items: int, device: torch.device, tuning: GroupedTuning) -> i
     tuning.min_items_per_sm per SM (1: enough items already)."""
     sms = sm_count(device.index) if device.type == "cuda" else _CPU_PROGRAMS
     return max(1, triton.cdiv(tuning.min_items_per_sm * sms, max(items, 1)))
+
+
+def _use_pdl(device: torch.device, tuning: GroupedTuning) -> bool:
+    return tuning.pdl and device.type == "cuda"
+
+
+def _launch_options(device: torch.device, tuning: GroupedTuning) -> dict:
+    return {"launch_pdl": True} if _use_pdl(device, tuning) else {}
 
 
 def _num_programs(max_items: int, device: torch.device, tuning: GroupedTuning) -> int:
@@ -422,8 +468,9 @@ def grouped_shrink(
         a_pool.stride(0), a_pool.stride(1), a_pool.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         ATOMIC=split_k > 1, BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-        FP32_DOT=fp32_dot(x.dtype, x.device), num_warps=tuning.num_warps,
-        num_stages=tuning.num_stages,
+        FP32_DOT=fp32_dot(x.dtype, x.device), PDL=_use_pdl(x.device, tuning),
+        num_warps=tuning.shrink_warps, num_stages=tuning.shrink_stages,
+        **_launch_options(x.device, tuning),
     )  # fmt: skip
     return v
 
@@ -474,21 +521,26 @@ def grouped_expand(
     block_r = pow2_block(max_rows, 16, 32)
     widest = max(b - a for a, b in pairwise(off))
     block_n = pow2_block(min(widest, tuning.block_n), 16, 512)
-    while block_n > MIN_BLOCK_N and _wanted_splits(
-        max_groups * n_slices * triton.cdiv(max(widest, 1), block_n), v.device, tuning
+    chunk = block_n  # columns per work item: block_n times a power of 2
+    while chunk * 2 <= tuning.col_chunk and chunk < widest:
+        chunk *= 2
+    while chunk > MIN_BLOCK_N and _wanted_splits(
+        max_groups * n_slices * triton.cdiv(max(widest, 1), chunk), v.device, tuning
     ) > 1:
-        block_n //= 2
-    num_col_tiles = triton.cdiv(max(widest, 1), block_n)
-    items_per_group = n_slices * num_col_tiles
+        chunk //= 2
+        block_n = min(block_n, chunk)
+    num_col_chunks = triton.cdiv(max(widest, 1), chunk)
+    items_per_group = n_slices * num_col_chunks
     programs = _num_programs(max_groups * items_per_group, v.device, tuning)
     off += [off[-1]] * (MAX_SLICES + 1 - len(off))
     _grouped_expand_kernel[(programs,)](
         v, b_pool, y, num_groups, group_indptr, token_ids, row_indptr, row_ids,
-        max_rows, off[1], off[2], off[3], num_col_tiles, items_per_group,
+        max_rows, off[1], off[2], off[3], chunk, num_col_chunks, items_per_group,
         v.stride(0), v.stride(1), v.stride(2),
         b_pool.stride(0), b_pool.stride(1),
         y.stride(0), y.stride(1),
         BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_N=block_n, ONE_ROW_TILE=max_rows <= block_r,
         FP32_DOT=fp32_dot(b_pool.dtype, b_pool.device), ACCUMULATE=accumulate,
-        num_warps=tuning.num_warps,
+        NUM_STAGES=tuning.expand_stages, PDL=_use_pdl(v.device, tuning),
+        num_warps=tuning.expand_warps, **_launch_options(v.device, tuning),
     )  # fmt: skip

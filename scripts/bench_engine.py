@@ -27,6 +27,7 @@ import torch
 
 from radixlora import Engine, SamplingParams
 from radixlora.config import ModelConfig
+from radixlora.kernels.sgmv_grouped import DEFAULT_TUNING, GroupedTuning
 from radixlora.lora.adapter import GROUP_OF, LoraAdapter
 
 LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -172,6 +173,18 @@ def ttft_hit_vs_miss(engine: Engine, names: list[str], system_len: int, rng) -> 
             "ttft_hit_ms": 1e3 * statistics.median(hit)}
 
 
+def parse_tuning(text: str) -> GroupedTuning:
+    """"pdl=0,block_n=256" -> DEFAULT_TUNING with those fields (ints; bools as 0/1)."""
+    fields = {f.name: f.type for f in dataclasses.fields(GroupedTuning)}
+    changes = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise SystemExit(f"--grouped-tuning: unknown field {key!r} (fields: {list(fields)})")
+        changes[key] = bool(int(value)) if fields[key] == "bool" else int(value)
+    return dataclasses.replace(DEFAULT_TUNING, **changes)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--smoke", action="store_true")
@@ -180,6 +193,8 @@ def main() -> None:
     p.add_argument("--only-c", action="store_true", help="only the 256-request runs (c)")
     p.add_argument("--no-lora-side-stream", dest="lora_side_stream", action="store_false",
                    help="LoRA work on the compute stream in the graphs, not beside the GEMMs")
+    p.add_argument("--grouped-tuning", default="", metavar="K=V,...",
+                   help="GroupedTuning fields of the non-deferred grouped kernels")
     args = p.parse_args()
     shape = SMOKE if args.smoke else LLAMA3_8B
     scale = 8 if args.smoke else 1  # fewer requests / tokens in smoke mode
@@ -190,6 +205,8 @@ def main() -> None:
               max_batch_tokens=8192, adapter_rows=2048 if not args.smoke else 1024, max_rank=64,
               max_adapter_sets_per_batch=128, lora_side_stream=args.lora_side_stream)
     engine = make_engine(path, args, **kw)
+    if args.grouped_tuning:
+        engine.runner.lora_backend.tuning = parse_tuning(args.grouped_tuning)
     cfg, dev = engine.model_cfg, engine.runner.device
     start = time.perf_counter()
     if engine.runner.graphs is not None:

@@ -94,9 +94,11 @@ def tunings(*changes: dict) -> list[GroupedTuning]:
     return [dataclasses.replace(DEFAULT_TUNING, **c) for c in changes]
 
 
-SMALL_BATCH_SWEEP = tunings({"min_items_per_sm": 0}, {"min_items_per_sm": 2},
-                           {"min_items_per_sm": 8}, {"block_k": 64},
-                           {"min_items_per_sm": 8, "block_k": 64})  # fmt: skip
+RUN11_TUNING = {"shrink_warps": 4, "block_n": 256, "col_chunk": 256, "expand_stages": 1,
+                "pdl": False}  # the defaults before run 12, for comparison
+SMALL_BATCH_SWEEP = tunings(RUN11_TUNING, {"pdl": False}, {"block_n": 256, "expand_stages": 2},
+                            {"min_items_per_sm": 0}, {"min_items_per_sm": 8},
+                            {"shrink_warps": 4})  # fmt: skip
 GROUP_TOKENS_SWEEP = (32,)
 
 

@@ -41,9 +41,9 @@ from radixlora.kernels.sgmv_grouped import DEFAULT_TUNING
 
 CASES = (("bs1 one adapter", 1, 1), ("bs32 8 adapters", 32, 8))
 SWEEP = [(f"grouped {k}={v}", dataclasses.replace(DEFAULT_TUNING, **{k: v}))
-         for k, v in (("min_items_per_sm", 1), ("min_items_per_sm", 16), ("k_chunk", 512),
-                      ("block_n", 128), ("num_warps", 2), ("num_warps", 8),
-                      ("programs_per_sm", 2), ("num_stages", 2))]  # fmt: skip
+         for k, v in (("min_items_per_sm", 0), ("min_items_per_sm", 1), ("pdl", False),
+                      ("block_n", 256), ("shrink_warps", 4), ("expand_stages", 2),
+                      ("programs_per_sm", 2), ("shrink_stages", 2))]  # fmt: skip
 
 
 def kernel_family(name: str) -> str:

@@ -372,12 +372,20 @@ def grouped_meta(segs) -> LoraBatchMeta:
     return meta
 
 
+# in_dim in 2-3 atomic splits; expand work items of one tile, or of 2 tiles (pipelined, the
+# last one partial where a slice is not a multiple of 16 columns)
+GROUPED_TUNINGS = {"tile_items": GroupedTuning(k_chunk=32, block_k=16),
+                   "chunk_items": GroupedTuning(k_chunk=32, block_k=16, block_n=16, col_chunk=32,
+                                                expand_stages=2)}  # fmt: skip
+
+
+@pytest.mark.parametrize("tuning", GROUPED_TUNINGS)
 @pytest.mark.parametrize("n_slices", [1, 2, 3])
 @pytest.mark.parametrize("name", GROUPED_SCENARIOS)
-def test_grouped_backend_matches_loop_reference(name, n_slices):
+def test_grouped_backend_matches_loop_reference(name, n_slices, tuning):
     pool, x, y0, segs = build_grouped_case(name, n_slices, in_dim=48 if n_slices != 2 else 80)
     y = y0.clone()
-    tuning = GroupedTuning(k_chunk=32, block_k=16)  # in_dim in 2-3 atomic splits
+    tuning = GROUPED_TUNINGS[tuning]
     TritonLoraBackend(tuning=tuning).apply(
         x, y, pool.a, pool.b, pool.out_offsets, grouped_meta(segs)
     )
@@ -453,8 +461,8 @@ def test_deferred_delta_equals_what_apply_adds(split):
     with no adapter stay zero, so one delta buffer serves every layer."""
     pool, x, y0, segs = build_grouped_case("no_adapter_rows", 3)
     meta = grouped_meta(segs)
-    backend = TritonLoraBackend(tuning=GroupedTuning(k_chunk=48 if split == "one_split" else 16,
-                                                     block_k=16))  # fmt: skip
+    tuning = GroupedTuning(k_chunk=48 if split == "one_split" else 16, block_k=16)
+    backend = TritonLoraBackend(tuning=tuning, side_tuning=tuning)
     delta = torch.zeros_like(y0)
     for _ in range(2):  # the second layer reuses delta, with a fresh zeroed v
         v = torch.zeros(3, x.shape[0], meta.max_rows)
