@@ -156,7 +156,7 @@ def _grouped_shrink_kernel(
     FP32_DOT: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    _wait_for_previous_kernel(PDL)
+    _launch_next_kernel(PDL)
     num_items = tl.load(num_groups_ptr) * items_per_group
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         group = item // items_per_group
@@ -176,6 +176,7 @@ def _grouped_shrink_kernel(
         k_hi = tl.minimum(k_lo + k_per_split, in_dim)
         offs_k = tl.arange(0, BLOCK_K)
         a_base = a_ptr + slice_id * stride_as + rows[None, :] * stride_ar
+        _wait_for_previous_kernel(PDL)  # x is the previous kernel's output
         if row_tile * BLOCK_R < num_rows:
             for m in range(m0, m1, BLOCK_M):
                 offs_m = m + tl.arange(0, BLOCK_M)
@@ -209,6 +210,7 @@ def _grouped_shrink_kernel(
                     tl.atomic_add(v_ptrs, acc * scales[None, :], mask=out_mask)
                 else:
                     tl.store(v_ptrs, acc * scales[None, :], mask=out_mask)
+    _wait_for_previous_kernel(PDL)  # a program with no work item must wait too
 
 
 @triton.jit
@@ -244,7 +246,7 @@ def _grouped_expand_kernel(
     NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    _wait_for_previous_kernel(PDL)
+    _launch_next_kernel(PDL)
     num_items = tl.load(num_groups_ptr) * items_per_group
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         group = item // items_per_group
@@ -260,6 +262,7 @@ def _grouped_expand_kernel(
         num_rows = tl.minimum(tl.load(row_indptr_ptr + group + 1) - r0, max_rows)
         m_end = tl.where((num_rows > 0) & (n_lo < n_hi), m1, m0)
         v_slice = v_ptr + slice_id * stride_vs
+        _wait_for_previous_kernel(PDL)  # v (and y) come from earlier kernels
         if ONE_ROW_TILE:  # rows and v are loaded once per token block, B streams by column
             offs_j = tl.arange(0, BLOCK_R)
             j_mask = offs_j < num_rows
@@ -303,16 +306,24 @@ def _grouped_expand_kernel(
                         acc += _dot_vb(v, b, FP32_DOT)
                     _write_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn,
                              ACCUMULATE)  # fmt: skip
+    _wait_for_previous_kernel(PDL)  # a program with no work item must wait too
+
+
+@triton.jit
+def _launch_next_kernel(PDL: tl.constexpr):
+    """Programmatic dependent launch: the next kernel's programs may start now; they wait for
+    this whole grid (and, through its waits, every earlier kernel) before reading its output."""
+    if PDL:
+        gdc_launch_dependents()
 
 
 @triton.jit
 def _wait_for_previous_kernel(PDL: tl.constexpr):
-    """Under programmatic dependent launch every program waits for the previous kernel in the
-    stream to complete (and its writes to be visible) before its first load, then lets the next
-    kernel's programs launch; no program may skip the wait, or the stream order breaks."""
+    """Wait until the previous kernel in the stream has completed and its writes are visible.
+    Only the metadata (written by host copies before the launch) is read before it. Every
+    program must wait at least once, or a grid could finish before its predecessor."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
 
 
 @triton.jit
