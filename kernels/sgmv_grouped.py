@@ -18,6 +18,7 @@ extends under graphs), not for one 2k-token prompt."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -389,7 +390,13 @@ def _wanted_splits(items: int, device: torch.device, tuning: GroupedTuning) -> i
 
 
 def _use_pdl(device: torch.device, tuning: GroupedTuning) -> bool:
-    return tuning.pdl and device.type == "cuda"
+    """griddepcontrol needs sm_90 (Hopper) or newer; ROCm and the CPU interpreter lack it."""
+    return tuning.pdl and device.type == "cuda" and _has_griddepcontrol(device.index)
+
+
+@functools.cache
+def _has_griddepcontrol(device_index: int | None) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def _launch_options(device: torch.device, tuning: GroupedTuning) -> dict:

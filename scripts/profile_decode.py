@@ -9,9 +9,10 @@ such adapters (the c3 shape), each against the same batch on the base model. The
 few decode steps first so the step's graph is captured and its static buffers hold the batch;
 then the profiled region replays that graph `--replays` times. Times are per replay.
 
-A sweep then recaptures the LoRA graphs under other launch settings of the grouped kernels (and
-with all LoRA work on the compute stream instead of a side stream) and reports the median replay
-time of each (CUDA events): kernel sums above overlap on two streams, replay times do not."""
+A sweep then recaptures the LoRA graphs under other launch settings of the deferred side
+branch's grouped kernels (and with all LoRA work on the compute stream instead of a side
+stream) and reports the median replay time of each (CUDA events): kernel sums above overlap on
+two streams, replay times do not."""
 
 from __future__ import annotations
 
@@ -37,13 +38,14 @@ from torch.profiler import ProfilerActivity, profile
 
 from radixlora import SamplingParams
 from radixlora.cuda_graph import GraphKey
-from radixlora.kernels.sgmv_grouped import DEFAULT_TUNING
+from radixlora.kernels.sgmv_grouped import tuning_for_rows
 
 CASES = (("bs1 one adapter", 1, 1), ("bs32 8 adapters", 32, 8))
-SWEEP = [(f"grouped {k}={v}", dataclasses.replace(DEFAULT_TUNING, **{k: v}))
-         for k, v in (("min_items_per_sm", 0), ("min_items_per_sm", 1), ("pdl", False),
-                      ("block_n", 256), ("shrink_warps", 4), ("expand_stages", 2),
-                      ("programs_per_sm", 2), ("shrink_stages", 2))]  # fmt: skip
+# Changes to the side-branch launch settings (both cases are deferred-delta graphs, <= 32 tokens)
+SWEEP = [("min_items_per_sm", 1), ("min_items_per_sm", 2), ("min_items_per_sm", 16),
+         ("shrink_warps", 8), ("block_k", 64), ("block_k", 256), ("k_chunk", 512),
+         ("programs_per_sm", 2), ("programs_per_sm", 16), ("block_n", 128), ("block_n", 512),
+         ("expand_warps", 2), ("expand_warps", 8), ("pdl", True)]  # fmt: skip
 
 
 def kernel_family(name: str) -> str:
@@ -89,20 +91,27 @@ def run_decode(engine, batch: int, specs, rng) -> None:
 
 
 def sweep(engine, names: list[str], rows: int, rng) -> dict[str, dict[str, float]]:
-    """Replay time of the LoRA graphs per launch setting, recaptured for each."""
+    """Replay time of the LoRA graphs per side-branch launch setting, recaptured for each; the
+    default is measured first and last, to show drift."""
     graphs, backend = engine.runner.graphs, engine.runner.lora_backend
     side = graphs.lora_streams
+    normal = {**side, True: torch.cuda.Stream(device=engine.runner.device)}
+    beside = tuning_for_rows(rows, beside_gemm=True)
+    variants = [("default", None, side), ("no side stream", None, {}),
+                ("normal-priority side stream", None, normal),
+                *((f"side {k}={v}", dataclasses.replace(beside, **{k: v}), side)
+                  for k, v in SWEEP),
+                ("default again", None, side)]  # fmt: skip
     out: dict[str, dict[str, float]] = {}
-    for label, tuning, streams in [("default", None, side), ("no side stream", None, {}),
-                                   *((label, t, side) for label, t in SWEEP)]:  # fmt: skip
-        backend.tuning, graphs.lora_streams = tuning, streams
+    for label, side_tuning, streams in variants:
+        backend.side_tuning, graphs.lora_streams = side_tuning, streams
         graphs.reset()
         out[label] = {}
         for case, batch, n_adapters in CASES:
             run_decode(engine, batch, names[:n_adapters], rng)
             out[label][case] = graph_replay_ms(engine, rows, batch)
         print(f"{label:<36}" + "".join(f"{case}: {ms:.3f} ms  " for case, ms in out[label].items()))
-    backend.tuning, graphs.lora_streams = None, side
+    backend.side_tuning, graphs.lora_streams = None, side
     graphs.reset()
     return out
 
