@@ -41,17 +41,13 @@ class GroupedTuning:
     scripts/bench_sgmv.py, docs/PERF.md runs 7 and 12)."""
 
     k_chunk: int = 1024  # shrink: in_dim per split (split_k = cdiv(in_dim, k_chunk))
-    block_k: int = 256
+    block_k: int = 128
     shrink_warps: int = 2
-    shrink_stages: int = 2  # software pipelining depth of the shrink's in_dim loop
-    block_n: int = 256  # expand: output columns per step of a work item's column loop
+    shrink_stages: int = 3  # software pipelining depth of the shrink's in_dim loop
+    block_n: int = 128  # expand: output columns per step of a work item's column loop
     col_chunk: int = 2048  # expand: output columns per work item (block_n times a power of 2)
     expand_warps: int = 4
-    expand_stages: int = 2  # software pipelining depth of the expand's column loop
-    # outputs with a slice wider than wide_out columns (gate_up) stream in narrower steps
-    wide_out: int = 8192
-    wide_block_n: int = 128
-    wide_expand_stages: int = 3
+    expand_stages: int = 3  # software pipelining depth of the expand's column loop
     block_m: int = 16  # tokens per step of a group's token loop
     programs_per_sm: int = 8  # persistent programs per SM (0: one program per work item)
     # small buckets (batch 1, a few groups) split in_dim finer and use narrower expand tiles
@@ -71,9 +67,8 @@ WIDE_ROWS = 32
 # A deferred delta's kernels run beside a base GEMM on a side stream (LoraContext, graphs of
 # <= 32 tokens). There, early-launched PDL programs hold SM slots the GEMM needs, and shorter
 # programs make the branch longer: the run-11 settings measured best (docs/PERF.md run 12).
-BESIDE_GEMM = {"pdl": False, "block_k": 128, "shrink_warps": 4, "shrink_stages": 3,
-               "block_n": 256, "col_chunk": 256, "expand_stages": 1, "wide_block_n": 256,
-               "wide_expand_stages": 1}  # fmt: skip
+BESIDE_GEMM = {"pdl": False, "shrink_warps": 4, "block_n": 256, "col_chunk": 256,
+               "expand_stages": 1}  # fmt: skip
 
 
 def tuning_for_rows(max_rows: int, beside_gemm: bool = False) -> GroupedTuning:
@@ -543,8 +538,7 @@ def grouped_expand(
         return
     block_r = pow2_block(max_rows, 16, 32)
     widest = max(b - a for a, b in pairwise(off))
-    wide = widest > tuning.wide_out
-    block_n = pow2_block(min(widest, tuning.wide_block_n if wide else tuning.block_n), 16, 512)
+    block_n = pow2_block(min(widest, tuning.block_n), 16, 512)
     chunk = block_n  # columns per work item: block_n times a power of 2
     while chunk * 2 <= tuning.col_chunk and chunk < widest:
         chunk *= 2
@@ -565,7 +559,6 @@ def grouped_expand(
         y.stride(0), y.stride(1),
         BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_N=block_n, ONE_ROW_TILE=max_rows <= block_r,
         FP32_DOT=fp32_dot(b_pool.dtype, b_pool.device), ACCUMULATE=accumulate,
-        NUM_STAGES=tuning.wide_expand_stages if wide else tuning.expand_stages,
-        PDL=_use_pdl(v.device, tuning),
+        NUM_STAGES=tuning.expand_stages, PDL=_use_pdl(v.device, tuning),
         num_warps=tuning.expand_warps, **_launch_options(v.device, tuning),
     )  # fmt: skip

@@ -373,12 +373,10 @@ def grouped_meta(segs) -> LoraBatchMeta:
 
 
 # in_dim in 2-3 atomic splits; expand work items of one tile, or of 2 tiles (pipelined, the
-# last one partial where a slice is not a multiple of 16 columns), or of 4 tiles where a slice
-# is wider than wide_out
-GROUPED_TUNINGS = {"tile_items": GroupedTuning(k_chunk=32, block_k=16, col_chunk=256),
+# last one partial where a slice is not a multiple of 16 columns)
+GROUPED_TUNINGS = {"tile_items": GroupedTuning(k_chunk=32, block_k=16),
                    "chunk_items": GroupedTuning(k_chunk=32, block_k=16, block_n=16, col_chunk=32,
-                                                expand_stages=2, wide_out=40, wide_block_n=16,
-                                                wide_expand_stages=3)}  # fmt: skip
+                                                expand_stages=2)}  # fmt: skip
 
 
 @pytest.mark.parametrize("tuning", GROUPED_TUNINGS)
