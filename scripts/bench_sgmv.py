@@ -46,7 +46,7 @@ from kernels.lora_ops import (  # noqa: E402
     sets_of_segments,
 )
 from kernels.sgmv_expand import sgmv_expand  # noqa: E402
-from kernels.sgmv_grouped import DEFAULT_TUNING, GroupedTuning  # noqa: E402
+from kernels.sgmv_grouped import BESIDE_GEMM, DEFAULT_TUNING, GroupedTuning  # noqa: E402
 from kernels.sgmv_shrink import sgmv_shrink  # noqa: E402
 from radixlora.lora.pool import LoraContext, high_priority_stream  # noqa: E402
 
@@ -94,9 +94,7 @@ def tunings(*changes: dict) -> list[GroupedTuning]:
     return [dataclasses.replace(DEFAULT_TUNING, **c) for c in changes]
 
 
-RUN11_TUNING = {"shrink_warps": 4, "block_n": 256, "col_chunk": 256, "expand_stages": 1,
-                "pdl": False}  # the defaults before run 12, for comparison
-SMALL_BATCH_SWEEP = tunings(RUN11_TUNING, {"pdl": False}, {"block_n": 256, "expand_stages": 2},
+SMALL_BATCH_SWEEP = tunings(BESIDE_GEMM, {"pdl": False}, {"block_n": 256, "expand_stages": 2},
                             {"min_items_per_sm": 0}, {"min_items_per_sm": 8},
                             {"shrink_warps": 4})  # fmt: skip
 GROUP_TOKENS_SWEEP = (32,)
