@@ -373,7 +373,7 @@ class TritonLoraBackend(LoraBackend):
             super().deferred_delta(x, a_pool, b_pool, out_offsets, meta, delta)
             return
         _check_tokens(meta, x, delta)
-        tuning = self.side_tuning or self._grouped.tuning_for_rows(meta.max_rows, True)
+        tuning = self.side_tuning or self._grouped.tuning_for_rows(meta.max_rows, beside_gemm=True)
         index = _group_index(g)
         self._grouped.grouped_shrink(x, a_pool, *index, g.row_scales, meta.max_rows,
                                      tuning=tuning, out=v)  # fmt: skip

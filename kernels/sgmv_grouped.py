@@ -11,6 +11,9 @@ Programs are persistent: a fixed number of programs strides over the num_groups 
 items, num_groups being read on the device, so groups a CUDA-graph bucket holds but a step does
 not use cost no thread blocks.
 
+Launches use programmatic dependent launch where the GPU has it (GroupedTuning.pdl): a
+kernel's programs start, and read the host-written metadata, while the previous kernel drains.
+
 Long prefill segments keep the per-segment kernels (sgmv_shrink/sgmv_expand), whose grid tiles
 a segment's tokens: grouping pays where a set's tokens are few and scattered (decode, short
 extends under graphs), not for one 2k-token prompt."""
@@ -54,8 +57,8 @@ class GroupedTuning:
     # until a full bucket has this many work items per SM: at those sizes every launch is
     # latency-bound, so short programs beat long ones (0: off)
     min_items_per_sm: int = 4
-    # programmatic dependent launch (CUDA): a kernel's programs start while the kernel before
-    # it in the stream drains, and wait (griddepcontrol.wait) before reading anything
+    # programmatic dependent launch (sm_90+): a kernel's programs start while the kernel
+    # before it in the stream drains, and wait (griddepcontrol.wait) before reading its output
     pdl: bool = True
 
 
