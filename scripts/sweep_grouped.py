@@ -19,9 +19,7 @@ import dataclasses
 import itertools
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 if "--smoke" in sys.argv:
@@ -29,6 +27,7 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from bench_common import time_us  # noqa: E402
 from bench_sgmv import (  # noqa: E402
     FULL,
     GROUP_TOKENS,
@@ -59,12 +58,7 @@ def per_launch_us(fn, device: str, repeats: int = 10) -> float:
             fn()
 
     if device != "cuda":
-        times = []
-        for _ in range(2):
-            start = time.perf_counter()
-            burst()
-            times.append((time.perf_counter() - start) * 1e6 / repeats)
-        return statistics.median(times)
+        return time_us(burst, device)[0] / repeats
     ms = triton.testing.do_bench_cudagraph(burst, rep=50, return_mode="median")
     return ms * 1e3 / repeats
 
