@@ -60,9 +60,6 @@ class GroupedTuning:
     # programmatic dependent launch (sm_90+): a kernel's programs start while the kernel
     # before it in the stream drains, and wait (griddepcontrol.wait) before reading its output
     pdl: bool = True
-    # with pdl: before that wait, ask L2 for the adapter rows a work item is about to read
-    # (PTX prefetch.global.L2), so their DRAM reads overlap the previous kernel's tail
-    prefetch: bool = True
 
 
 DEFAULT_TUNING = GroupedTuning()
@@ -73,8 +70,8 @@ WIDE_ROWS = 32
 # A deferred delta's kernels run beside a base GEMM on a side stream (LoraContext, graphs of
 # <= 32 tokens). There, early-launched PDL programs hold SM slots the GEMM needs, and shorter
 # programs make the branch longer: the run-11 settings measured best (docs/PERF.md run 12).
-BESIDE_GEMM = {"pdl": False, "prefetch": False, "shrink_warps": 4, "block_n": 256,
-               "col_chunk": 256, "expand_stages": 1}  # fmt: skip
+BESIDE_GEMM = {"pdl": False, "shrink_warps": 4, "block_n": 256, "col_chunk": 256,
+               "expand_stages": 1}  # fmt: skip
 
 
 def tuning_for_rows(max_rows: int, beside_gemm: bool = False) -> GroupedTuning:
@@ -162,8 +159,6 @@ def _grouped_shrink_kernel(
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    LINE: tl.constexpr,
 ):
     _launch_next_kernel(PDL)
     num_items = tl.load(num_groups_ptr) * items_per_group
@@ -184,10 +179,7 @@ def _grouped_shrink_kernel(
         k_lo = split * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, in_dim)
         offs_k = tl.arange(0, BLOCK_K)
-        a_rows = a_ptr + slice_id * stride_as + rows * stride_ar
-        if PREFETCH and row_tile * BLOCK_R < num_rows:
-            _prefetch_l2(a_rows, k_lo, k_hi, stride_ak, LINE)
-        a_base = a_rows[None, :]
+        a_base = a_ptr + slice_id * stride_as + rows[None, :] * stride_ar
         _wait_for_previous_kernel(PDL)  # x is the previous kernel's output
         if row_tile * BLOCK_R < num_rows:
             for m in range(m0, m1, BLOCK_M):
@@ -257,8 +249,6 @@ def _grouped_expand_kernel(
     ACCUMULATE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    LINE: tl.constexpr,
 ):
     _launch_next_kernel(PDL)
     num_items = tl.load(num_groups_ptr) * items_per_group
@@ -276,11 +266,6 @@ def _grouped_expand_kernel(
         num_rows = tl.minimum(tl.load(row_indptr_ptr + group + 1) - r0, max_rows)
         m_end = tl.where((num_rows > 0) & (n_lo < n_hi), m1, m0)
         v_slice = v_ptr + slice_id * stride_vs
-        if PREFETCH:
-            for j in range(0, tl.where(m_end > m0, num_rows, 0), BLOCK_R):
-                offs_j = j + tl.arange(0, BLOCK_R)
-                rows = tl.load(row_ids_ptr + r0 + offs_j, mask=offs_j < num_rows, other=0)
-                _prefetch_l2(b_ptr + rows.to(tl.int64) * stride_br, n_lo, n_hi, stride_bn, LINE)
         _wait_for_previous_kernel(PDL)  # v (and y) come from earlier kernels
         if ONE_ROW_TILE:  # rows and v are loaded once per token block, B streams by column
             offs_j = tl.arange(0, BLOCK_R)
@@ -343,24 +328,6 @@ def _wait_for_previous_kernel(PDL: tl.constexpr):
     program must wait at least once, or a grid could finish before its predecessor."""
     if PDL:
         gdc_wait()
-
-
-@triton.jit
-def _prefetch_l2(row_ptrs, lo, hi, stride, LINE: tl.constexpr):
-    """Ask L2 for columns [lo, hi) of the rows starting at row_ptrs ([R] pointers): one PTX
-    prefetch per LINE columns (a 128-byte line when stride is 1). A hint: no value comes back,
-    and columns are clamped to hi - 1, so no address leaves the rows."""
-    offs = tl.arange(0, 16) * LINE
-    for c in range(lo, hi, 16 * LINE):
-        cols = tl.minimum(c + offs, hi - 1)
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
-            "=r,l",
-            [row_ptrs[None, :] + cols[:, None] * stride],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
 
 
 @triton.jit
@@ -428,15 +395,6 @@ def _wanted_splits(items: int, device: torch.device, tuning: GroupedTuning) -> i
 def _use_pdl(device: torch.device, tuning: GroupedTuning) -> bool:
     """griddepcontrol needs sm_90 (Hopper) or newer; ROCm and the CPU interpreter lack it."""
     return tuning.pdl and device.type == "cuda" and _has_griddepcontrol(device.index)
-
-
-def _use_prefetch(device: torch.device, tuning: GroupedTuning) -> bool:
-    """The L2 prefetch is PTX (CUDA only) and pays only where it runs before a PDL wait."""
-    return tuning.prefetch and _use_pdl(device, tuning)
-
-
-def _line_elements(pool: torch.Tensor) -> int:
-    return max(1, 128 // pool.element_size())
 
 
 @functools.cache
@@ -532,7 +490,6 @@ def grouped_shrink(
         v.stride(0), v.stride(1), v.stride(2),
         ATOMIC=split_k > 1, BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         FP32_DOT=fp32_dot(x.dtype, x.device), PDL=_use_pdl(x.device, tuning),
-        PREFETCH=_use_prefetch(x.device, tuning), LINE=_line_elements(a_pool),
         num_warps=tuning.shrink_warps, num_stages=tuning.shrink_stages,
         **_launch_options(x.device, tuning),
     )  # fmt: skip
@@ -606,6 +563,5 @@ def grouped_expand(
         BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_N=block_n, ONE_ROW_TILE=max_rows <= block_r,
         FP32_DOT=fp32_dot(b_pool.dtype, b_pool.device), ACCUMULATE=accumulate,
         NUM_STAGES=tuning.expand_stages, PDL=_use_pdl(v.device, tuning),
-        PREFETCH=_use_prefetch(v.device, tuning), LINE=_line_elements(b_pool),
         num_warps=tuning.expand_warps, **_launch_options(v.device, tuning),
     )  # fmt: skip

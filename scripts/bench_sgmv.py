@@ -94,8 +94,7 @@ def tunings(*changes: dict) -> list[GroupedTuning]:
     return [dataclasses.replace(DEFAULT_TUNING, **c) for c in changes]
 
 
-SMALL_BATCH_SWEEP = tunings(BESIDE_GEMM, {"pdl": False}, {"prefetch": False},
-                            {"block_n": 256, "expand_stages": 2},
+SMALL_BATCH_SWEEP = tunings(BESIDE_GEMM, {"pdl": False}, {"block_n": 256, "expand_stages": 2},
                             {"min_items_per_sm": 0}, {"min_items_per_sm": 8},
                             {"shrink_warps": 4})  # fmt: skip
 GROUP_TOKENS_SWEEP = (32,)
