@@ -2,7 +2,8 @@
 overlap scheduling give the same tokens and logprobs as the pure-torch reference path without
 overlap, over a mixed batch of base, single adapters and stacks on a tiny random model in fp32,
 also with a pool too small for all adapters (loads on the side stream while other requests
-decode) and with requests ending early on stop tokens while the next step is in flight. Exits
+decode), with requests ending early on stop tokens while the next step is in flight, and with
+48 requests (decode graphs above LORA_DEFER_MAX_TOKENS, whose LoRA is not deferred). Exits
 non-zero on any mismatch.
 
     python scripts/gpu_checks.py
@@ -34,6 +35,9 @@ def main() -> int:
                        overlap_schedule=False, **common)
     ref = reference.generate(prompts, params, adapters=specs)
     ref_stopping = reference.generate(prompts, stopping, adapters=specs)
+    # more decode tokens than LORA_DEFER_MAX_TOKENS: the graphs whose LoRA is not deferred
+    wide_prompts, wide_specs = [[7 + i] * (4 + i % 9) for i in range(48)], specs * 4
+    ref_wide = reference.generate(wide_prompts, params, adapters=wide_specs)
     fast_engine = Engine(model, **common)
     chunked = Engine(model, max_batch_tokens=48, **common)
     swapping = Engine(model, **{**common, "adapter_rows": 80})  # 92 rows of adapters
@@ -42,9 +46,10 @@ def main() -> int:
     for engine in engines:
         fast += engine.generate(prompts, params, adapters=specs)
     fast += fast_engine.generate(prompts, stopping, adapters=specs)
+    fast += fast_engine.generate(wide_prompts, params, adapters=wide_specs)
     graphs = sum(len(e.runner.graphs.graphs) for e in engines[1:])
     worst, mismatches = 0.0, 0
-    for a, b in zip(ref * len(engines) + ref_stopping, fast, strict=True):
+    for a, b in zip(ref * len(engines) + ref_stopping + ref_wide, fast, strict=True):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         mismatches += ta != tb
         worst = max(worst, *(abs(x - y) for x, y in zip(a.outputs[0].logprobs,

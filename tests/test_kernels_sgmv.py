@@ -10,8 +10,10 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: before any import
 
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import random  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -33,6 +35,7 @@ from radixlora.kernels.sgmv_grouped import (  # noqa: E402
     grouped_shrink_ref,
 )
 from radixlora.kernels.sgmv_shrink import sgmv_shrink, sgmv_shrink_ref  # noqa: E402
+from radixlora.lora.pool import LoraContext  # noqa: E402
 
 RANKS = [4, 8, 16, 32, 64, 12, 4, 8, 16, 24]
 SLICE_WIDTHS = {1: [96], 2: [48, 32], 3: [40, 16, 24]}  # q/k/v unequal, as under GQA
@@ -475,6 +478,31 @@ def test_deferred_delta_equals_what_apply_adds(split):
     torch_delta = torch.full_like(y0, 7.0)  # the generic path zeroes its delta first
     TorchLoraBackend().deferred_delta(x, pool.a, pool.b, pool.out_offsets, meta, torch_delta)
     torch.testing.assert_close(torch_delta, delta, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["after_gemm", "deferred"])
+def test_lora_context_projects_through_its_workspace(defer):
+    """LoraContext over two layers: linear(x) plus the LoRA deltas, the grouped shrinks
+    accumulating into the v of the workspace `begin` zeroed (no projection allocates its own)."""
+    pool, x, y0, segs = build_grouped_case("stacks_1_to_8", 3)
+    meta = grouped_meta(segs)
+    tuning = GroupedTuning(k_chunk=16, block_k=16)
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(pool.out_offsets[-1], x.shape[1], generator=gen)
+    layers = SimpleNamespace(a=[{"qkv": pool.a}] * 2, b=[{"qkv": pool.b}] * 2,
+                             out_offsets={"qkv": pool.out_offsets})  # fmt: skip
+    ctx = LoraContext(layers, TritonLoraBackend(tuning=tuning, side_tuning=tuning),
+                      {"qkv": meta, "o": None}, defer=defer)  # fmt: skip
+    ctx.begin(x.shape[0], x.device)
+    linear = functools.partial(torch.matmul, other=weight.T)
+    want = expected(pool, x, linear(x), segs)
+    for layer in range(2):
+        y, delta = ctx.project(linear, x, layer, "qkv")
+        assert (delta is not None) == defer
+        torch.testing.assert_close(y + delta if defer else y, want, rtol=1e-4, atol=1e-4)
+        assert ctx._v[layer]["qkv"].any()  # the shrink wrote into the workspace
+    y, delta = ctx.project(linear, x, 0, "o")  # no request uses o: no LoRA work at all
+    assert delta is None and torch.equal(y, linear(x)) and "o" not in ctx._v[0]
 
 
 def test_grouped_expand_overwrites_and_shrink_fills_out():
