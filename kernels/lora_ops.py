@@ -238,7 +238,6 @@ class LoraBackend(ABC):
         b_pool: torch.Tensor,
         out_offsets: Sequence[int],
         meta: LoraBatchMeta,
-        v: torch.Tensor | None = None,
     ) -> None:
         """Semantics (mutates y only):
             for s in range(S):
@@ -255,25 +254,18 @@ class LoraBackend(ABC):
             a_pool: [n_slices, num_rows, in_dim]; b_pool: [num_rows, out_total] (scaling folded).
             out_offsets: n_slices + 1 python ints, the column range of each slice in y/b_pool.
             meta: the batch's segments and rows (num_tokens == T).
-            v: a zeroed workspace for the shrink, as in `shrink`.
         """
         _check_tokens(meta, x, y)
-        v = self.shrink(x, a_pool, meta, v)
+        v = self.shrink(x, a_pool, meta)
         if v is not None:
             self.expand(v, b_pool, out_offsets, meta, y)
 
     @abstractmethod
     def shrink(
-        self,
-        x: torch.Tensor,
-        a_pool: torch.Tensor,
-        meta: LoraBatchMeta,
-        v: torch.Tensor | None = None,
+        self, x: torch.Tensor, a_pool: torch.Tensor, meta: LoraBatchMeta
     ) -> torch.Tensor | None:
         """The first phase of `apply`: the scaled rank-space activations, in the layout this
-        backend's expand reads (None: the batch has no rows, nothing to add). v: a zeroed
-        float32 [n_slices, T, meta.max_rows] workspace that a backend with that (grouped)
-        layout fills instead of allocating and zeroing its own; other backends ignore it."""
+        backend's expand reads (None: the batch has no rows, nothing to add)."""
 
     @abstractmethod
     def expand(
@@ -309,7 +301,7 @@ class TorchLoraBackend(LoraBackend):
 
     name = "torch"
 
-    def shrink(self, x, a_pool, meta, v=None) -> torch.Tensor | None:
+    def shrink(self, x, a_pool, meta) -> torch.Tensor | None:
         _check_tokens(meta, x)
         if meta.num_rows == 0:
             return None
@@ -349,12 +341,12 @@ class TritonLoraBackend(LoraBackend):
         self._grouped = sgmv_grouped
         self.tuning, self.side_tuning = tuning, side_tuning
 
-    def shrink(self, x, a_pool, meta, v=None) -> torch.Tensor | None:
+    def shrink(self, x, a_pool, meta) -> torch.Tensor | None:
         _check_tokens(meta, x)
         if (g := meta.groups) is not None:
             return self._grouped.grouped_shrink(
                 x, a_pool, *_group_index(g), g.row_scales, meta.max_rows,
-                tuning=self._tuning(meta), out=v,
+                tuning=self._tuning(meta),
             )  # fmt: skip
         if meta.num_rows == 0:
             return None

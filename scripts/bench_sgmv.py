@@ -214,18 +214,9 @@ def meta_variants(sc, adapter_rows, device, group_tokens) -> dict[int | None, Lo
 
 
 def layer_fn(backend: LoraBackend, projs, ys, meta) -> Callable[[], None]:
-    """One layer's LoRA work. With groups, the shrinks' v come from one workspace zeroed per
-    call, as the engine zeroes one per forward for all its layers (LoraContext.begin)."""
-    shapes = [(p.a_pool.shape[0], p.x.shape[0], meta.max_rows) for p in projs]
-    sizes = [math.prod(shape) for shape in shapes]
-
     def run() -> None:
-        vs: list = [None] * len(projs)
-        if meta.groups is not None:
-            ws = torch.zeros(sum(sizes), dtype=torch.float32, device=projs[0].x.device)
-            vs = [t.view(shape) for t, shape in zip(ws.split(sizes), shapes, strict=True)]
-        for p, y, v in zip(projs, ys, vs, strict=True):
-            backend.apply(p.x, y, p.a_pool, p.b_pool, p.out_offsets, meta, v)
+        for p, y in zip(projs, ys, strict=True):
+            backend.apply(p.x, y, p.a_pool, p.b_pool, p.out_offsets, meta)
 
     return run
 
@@ -236,7 +227,7 @@ class NaiveBmmBackend(LoraBackend):
 
     name = "naive-bmm"
 
-    def shrink(self, x, a_pool, meta, v=None) -> torch.Tensor:
+    def shrink(self, x, a_pool, meta) -> torch.Tensor:
         rows = meta.row_ids.long().view(meta.num_tokens, -1)  # [T, R]
         scales = meta.row_scales.view(meta.num_tokens, -1, 1).to(x.dtype)
         a_tok = a_pool[:, rows].flatten(0, 1)  # [n_slices * T, R, in_dim]
@@ -323,8 +314,8 @@ def per_kernel_breakdown(projs, meta, device: str) -> dict[str, float]:
 def bench_with_base(cfg: BenchConfig, sc: Scenario) -> list[Result]:
     """The layer's base GEMMs plus the grouped LoRA deltas through LoraContext.project, as the
     model runs them: added into each GEMM's output after it (eager), or computed beside it on a
-    side stream of normal or high priority (CUDA graphs), each call taking the context's zeroed
-    workspace as a forward does."""
+    side stream of normal or high priority, the expand after the GEMM (CUDA graphs; not
+    deferred)."""
     gen = torch.Generator().manual_seed(0)
     adapter_rows = scattered_rows(sc.num_adapters, sc.rank, gen)
     projs = build_projections(cfg, sc.num_adapters * sc.rank + SPARE_ROWS, len(sc.sets))
@@ -345,8 +336,6 @@ def bench_with_base(cfg: BenchConfig, sc: Scenario) -> list[Result]:
     out = []
     for variant, lora in variants.items():
         def run(lora=lora) -> None:
-            if lora is not None:
-                lora.begin(len(sc.sets), cfg.device)
             for p, w in zip(projs, weights, strict=True):
                 linear = functools.partial(torch.matmul, other=w.T)
                 _ = linear(p.x) if lora is None else lora.project(linear, p.x, 0, p.name)

@@ -481,9 +481,10 @@ def test_deferred_delta_equals_what_apply_adds(split):
 
 
 @pytest.mark.parametrize("defer", [False, True], ids=["after_gemm", "deferred"])
-def test_lora_context_projects_through_its_workspace(defer):
-    """LoraContext over two layers: linear(x) plus the LoRA deltas, the grouped shrinks
-    accumulating into the v of the workspace `begin` zeroed (no projection allocates its own)."""
+def test_lora_context_projects_linear_plus_deltas(defer):
+    """LoraContext over two layers gives linear(x) plus the LoRA deltas, added into y or
+    returned as a delta for y's consumer; deferred, the shrinks accumulate into the v of the
+    workspace `begin` zeroed. A group no request uses costs no LoRA work."""
     pool, x, y0, segs = build_grouped_case("stacks_1_to_8", 3)
     meta = grouped_meta(segs)
     tuning = GroupedTuning(k_chunk=16, block_k=16)
@@ -500,9 +501,10 @@ def test_lora_context_projects_through_its_workspace(defer):
         y, delta = ctx.project(linear, x, layer, "qkv")
         assert (delta is not None) == defer
         torch.testing.assert_close(y + delta if defer else y, want, rtol=1e-4, atol=1e-4)
-        assert ctx._v[layer]["qkv"].any()  # the shrink wrote into the workspace
-    y, delta = ctx.project(linear, x, 0, "o")  # no request uses o: no LoRA work at all
-    assert delta is None and torch.equal(y, linear(x)) and "o" not in ctx._v[0]
+        if defer:
+            assert ctx._v[layer]["qkv"].any()
+    y, delta = ctx.project(linear, x, 0, "o")
+    assert delta is None and torch.equal(y, linear(x))
 
 
 def test_grouped_expand_overwrites_and_shrink_fills_out():

@@ -272,10 +272,9 @@ class LoraContext:
     the deltas are added into y after the GEMM and delta is None. Deferred (`defer`, small CUDA
     graph buckets), the deltas come back as a float32 delta that y's consumer adds as it loads y
     (rotary + KV store, the norms' residual add, SiLU-mul), so no LoRA launch follows the GEMM.
-    A forward draws the grouped shrink's v, per (layer, group), from one workspace zeroed once
-    per forward (`begin`), so no projection zeroes its own. Deferred, the workspace also holds
-    one delta per group shared by all layers, whose rows of tokens with no adapter are never
-    written and stay zero.
+    A deferred forward draws v and delta from one workspace zeroed once per forward (`begin`):
+    v per (layer, group), one delta per group shared by all layers, whose rows of tokens with no
+    adapter are never written and stay zero.
 
     With a side stream (CUDA graph capture), the LoRA work that only reads x (the shrink, or
     the whole delta when deferred) runs on it beside the base GEMM; at decode sizes it is
@@ -302,19 +301,19 @@ class LoraContext:
         self.metas = metas
         self.side_stream = side_stream
         self.defer = defer
-        self._v: list[dict[str, torch.Tensor]] = []  # workspace, per layer and group
+        self._v: list[dict[str, torch.Tensor]] = []  # deferred workspace, per layer and group
         self._delta: dict[str, torch.Tensor] = {}
 
     def begin(self, num_tokens: int, device) -> None:
-        """Start a forward: take a zeroed workspace (one fill) for v and deferred deltas."""
+        """Start a forward: a deferred context takes a zeroed workspace (one fill)."""
+        if not self.defer:
+            return
         used = {g: m for g, m in self.metas.items() if m is not None}
         v_shapes = {g: (self.pool.a[0][g].shape[0], num_tokens, m.max_rows)
                     for g, m in used.items() if m.groups is not None}  # fmt: skip
-        d_shapes = {g: (num_tokens, self.pool.out_offsets[g][-1]) for g in used if self.defer}
+        d_shapes = {g: (num_tokens, self.pool.out_offsets[g][-1]) for g in used}
         shapes = [*v_shapes.values()] * len(self.pool.a) + [*d_shapes.values()]
         sizes = [math.prod(shape) for shape in shapes]
-        if not sizes:
-            return
         buf = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
         views = iter(t.view(shape) for t, shape in zip(buf.split(sizes), shapes, strict=True))
         self._v = [dict(zip(v_shapes, views)) for _ in self.pool.a]
@@ -334,8 +333,7 @@ class LoraContext:
             y, _ = self._beside_gemm(linear, x, lambda: self.backend.deferred_delta(
                 x, a, b, out_offsets, meta, delta, self._v[layer_id].get(group)))  # fmt: skip
             return y, delta
-        v_ws = self._v[layer_id].get(group) if self._v else None
-        y, v = self._beside_gemm(linear, x, lambda: self.backend.shrink(x, a, meta, v_ws))
+        y, v = self._beside_gemm(linear, x, lambda: self.backend.shrink(x, a, meta))
         if v is not None:
             self.backend.expand(v, b, out_offsets, meta, y)
         return y, None
