@@ -46,7 +46,13 @@ from kernels.lora_ops import (  # noqa: E402
     sets_of_segments,
 )
 from kernels.sgmv_expand import sgmv_expand  # noqa: E402
-from kernels.sgmv_grouped import BESIDE_GEMM, DEFAULT_TUNING, GroupedTuning  # noqa: E402
+from kernels.sgmv_grouped import (  # noqa: E402
+    BESIDE_GEMM,
+    DEFAULT_TUNING,
+    GroupedTuning,
+    grouped_shrink,
+    tuning_for_rows,
+)
 from kernels.sgmv_shrink import sgmv_shrink  # noqa: E402
 from radixlora.lora.pool import LoraContext, high_priority_stream  # noqa: E402
 
@@ -314,8 +320,11 @@ def per_kernel_breakdown(projs, meta, device: str) -> dict[str, float]:
 def bench_with_base(cfg: BenchConfig, sc: Scenario) -> list[Result]:
     """The layer's base GEMMs plus the grouped LoRA deltas through LoraContext.project, as the
     model runs them: added into each GEMM's output after it (eager), or computed beside it on a
-    side stream of normal or high priority, the expand after the GEMM (CUDA graphs; not
-    deferred)."""
+    side stream of normal or high priority, the expand after the GEMM, or deferred: the whole
+    delta beside the GEMM (CUDA graphs; the deferred variant zeroes its workspace once per layer
+    here, once per forward in the engine, and leaves out the consumers that add the deltas).
+    Two more split the deferred branch's cost: the side stream's fork and join around a
+    one-element kernel, and the shrink alone beside the GEMM."""
     gen = torch.Generator().manual_seed(0)
     adapter_rows = scattered_rows(sc.num_adapters, sc.rank, gen)
     projs = build_projections(cfg, sc.num_adapters * sc.rank + SPARE_ROWS, len(sc.sets))
@@ -330,12 +339,27 @@ def bench_with_base(cfg: BenchConfig, sc: Scenario) -> list[Result]:
     variants = {"base GEMMs only": None,
                 "base + LoRA after GEMM": LoraContext(pool, TritonLoraBackend(), metas)}
     if cfg.device == "cuda":
-        for name, side in (("normal", torch.cuda.Stream()), ("high", high_priority_stream("cuda"))):
+        high = high_priority_stream("cuda")
+        for name, side in (("normal", torch.cuda.Stream()), ("high", high)):
             variants[f"base + LoRA beside, {name} prio"] = LoraContext(
                 pool, TritonLoraBackend(), metas, side)
+        variants["base + deferred LoRA, high prio"] = LoraContext(
+            pool, TritonLoraBackend(), metas, high, defer=True)
+        tiny, g = torch.zeros(1, device=cfg.device), meta.groups
+        index = (g.num_groups, g.group_indptr, g.token_ids, g.row_indptr, g.row_ids)
+        side_tuning = tuning_for_rows(meta.max_rows, beside_gemm=True)
+        variants["base + fork/join only"] = SideOnly(pool, high, lambda x, name: tiny.add_(1))
+
+        def shrink(x: torch.Tensor, name: str) -> torch.Tensor:
+            return grouped_shrink(x, pool.a[0][name], *index, g.row_scales, meta.max_rows,
+                                  tuning=side_tuning)  # fmt: skip
+
+        variants["base + shrink alone beside"] = SideOnly(pool, high, shrink)
     out = []
     for variant, lora in variants.items():
         def run(lora=lora) -> None:
+            if lora is not None:
+                lora.begin(len(sc.sets), cfg.device)
             for p, w in zip(projs, weights, strict=True):
                 linear = functools.partial(torch.matmul, other=w.T)
                 _ = linear(p.x) if lora is None else lora.project(linear, p.x, 0, p.name)
@@ -344,6 +368,18 @@ def bench_with_base(cfg: BenchConfig, sc: Scenario) -> list[Result]:
         print(f"{sc.name} / {variant}: eager {eager:.1f} us, graph {graph} us", flush=True)
         out.append(Result(sc.name, variant, eager, graph, weight_bytes))
     return out
+
+
+class SideOnly(LoraContext):
+    """LoraContext's side-stream fork and join around `work(x, group)` instead of the LoRA
+    work: parts of what the deferred branch costs."""
+
+    def __init__(self, pool, side_stream, work: Callable[[torch.Tensor, str], object]) -> None:
+        super().__init__(pool, None, {}, side_stream)
+        self.work = work
+
+    def project(self, linear, x, layer_id, group):
+        return self._beside_gemm(linear, x, lambda: self.work(x, group))
 
 
 def bench_base_gemms(cfg: BenchConfig) -> Result:
