@@ -12,7 +12,14 @@ then the profiled region replays that graph `--replays` times. Times are per rep
 A sweep then recaptures the LoRA graphs under other launch settings of the deferred side
 branch's grouped kernels (and with all LoRA work on the compute stream instead of a side
 stream) and reports the median replay time of each (CUDA events): kernel sums above overlap on
-two streams, replay times do not."""
+two streams, replay times do not.
+
+    python scripts/profile_decode.py --no-profile --rounds 2 \
+        --sweep "shrink_warps=8" "min_items_per_sm=1,stream=normal"
+
+runs only the sweep, over the given variants (comma-separated settings of the side branch's
+GroupedTuning; stream=normal|none picks the side stream), each round in turn, the default
+first in each round."""
 
 from __future__ import annotations
 
@@ -42,10 +49,10 @@ from radixlora.kernels.sgmv_grouped import tuning_for_rows
 
 CASES = (("bs1 one adapter", 1, 1), ("bs32 8 adapters", 32, 8))
 # Changes to the side-branch launch settings (both cases are deferred-delta graphs, <= 32 tokens)
-SWEEP = [("min_items_per_sm", 1), ("min_items_per_sm", 2), ("min_items_per_sm", 16),
-         ("shrink_warps", 8), ("block_k", 64), ("block_k", 256), ("k_chunk", 512),
-         ("programs_per_sm", 2), ("programs_per_sm", 16), ("block_n", 128), ("block_n", 512),
-         ("expand_warps", 2), ("expand_warps", 8), ("pdl", True)]  # fmt: skip
+DEFAULT_SWEEP = ["stream=none", "stream=normal", "min_items_per_sm=1", "min_items_per_sm=2",
+                 "min_items_per_sm=16", "shrink_warps=8", "block_k=64", "block_k=256",
+                 "k_chunk=512", "programs_per_sm=2", "programs_per_sm=16", "block_n=128",
+                 "block_n=512", "expand_warps=2", "expand_warps=8", "pdl=True"]  # fmt: skip
 
 
 def kernel_family(name: str) -> str:
@@ -90,27 +97,45 @@ def run_decode(engine, batch: int, specs, rng) -> None:
         engine.step()
 
 
-def sweep(engine, names: list[str], rows: int, rng) -> dict[str, dict[str, float]]:
+def parse_variant(text: str) -> dict[str, object]:
+    """Settings of one variant: "shrink_warps=8,stream=normal" -> {"shrink_warps": 8, ...}."""
+    settings: dict[str, object] = {}
+    for item in filter(None, text.split(",")):
+        key, value = item.split("=")
+        if key == "stream":
+            settings[key] = value
+        elif value in ("True", "False"):
+            settings[key] = value == "True"
+        else:
+            settings[key] = int(value)
+    return settings
+
+
+def sweep(engine, names: list[str], rows: int, rng, variants: list[str], rounds: int):
     """Replay time of the LoRA graphs per side-branch launch setting, recaptured for each; the
-    default is measured first and last, to show drift."""
+    default leads every round, and the last round ends with it again, to show drift."""
     graphs, backend = engine.runner.graphs, engine.runner.lora_backend
     side = graphs.lora_streams
-    normal = {**side, True: torch.cuda.Stream(device=engine.runner.device)}
+    streams = {
+        "high": side,
+        "none": {},
+        "normal": {**side, True: torch.cuda.Stream(device=engine.runner.device)},
+    }
     beside = tuning_for_rows(rows, beside_gemm=True)
-    variants = [("default", None, side), ("no side stream", None, {}),
-                ("normal-priority side stream", None, normal),
-                *((f"side {k}={v}", dataclasses.replace(beside, **{k: v}), side)
-                  for k, v in SWEEP),
-                ("default again", None, side)]  # fmt: skip
-    out: dict[str, dict[str, float]] = {}
-    for label, side_tuning, streams in variants:
-        backend.side_tuning, graphs.lora_streams = side_tuning, streams
+    out: dict[str, dict[str, list[float]]] = {}
+    order = [label for _ in range(rounds) for label in ["", *variants]] + [""]
+    for label in order:
+        settings = parse_variant(label)
+        stream = streams[str(settings.pop("stream", "high"))]
+        backend.side_tuning = dataclasses.replace(beside, **settings) if settings else None
+        graphs.lora_streams = stream
         graphs.reset()
-        out[label] = {}
+        times = out.setdefault(label or "default", {})
         for case, batch, n_adapters in CASES:
             run_decode(engine, batch, names[:n_adapters], rng)
-            out[label][case] = graph_replay_ms(engine, rows, batch)
-        print(f"{label:<36}" + "".join(f"{case}: {ms:.3f} ms  " for case, ms in out[label].items()))
+            times.setdefault(case, []).append(graph_replay_ms(engine, rows, batch))
+        print(f"{label or 'default':<48}"
+              + "".join(f"{case}: {ms[-1]:.3f} ms  " for case, ms in times.items()))  # fmt: skip
     backend.side_tuning, graphs.lora_streams = None, side
     graphs.reset()
     return out
@@ -122,6 +147,9 @@ def main() -> None:
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--no-profile", action="store_true", help="only the sweep")
+    p.add_argument("--sweep", nargs="*", help="side-branch variants (default: one per setting)")
+    p.add_argument("--rounds", type=int, default=1)
     args = p.parse_args()
     shape = SMOKE if args.smoke else LLAMA3_8B
     engine = make_engine(model_dir(shape), args, kv_pages=4096, max_running=32, max_rank=64)
@@ -131,7 +159,7 @@ def main() -> None:
         engine.add_adapter(random_adapter(cfg, name, 16, ALL7, 500 + i, dev))
     rows_bucket = engine.runner.graphs.key_for([1], 16, True).rows if engine.runner.graphs else 0
     report: dict = {"kernels": {}}
-    for label, batch, n_adapters in CASES:
+    for label, batch, n_adapters in () if args.no_profile else CASES:
         for kind, specs, rows in (("base", [None], 0), ("LoRA", names[:n_adapters], rows_bucket)):
             run_decode(engine, batch, specs, rng)  # captures and leaves the batch in the buffers
             case = f"{label}, {kind}"
@@ -144,7 +172,8 @@ def main() -> None:
                                     for label, batch, _ in CASES}  # fmt: skip
         print("base graphs: " + "".join(f"{c}: {ms:.3f} ms  "
                                         for c, ms in report["base_replay_ms"].items()))  # fmt: skip
-        report["lora_replay_ms"] = sweep(engine, names, rows_bucket, rng)
+        variants = args.sweep if args.sweep is not None else DEFAULT_SWEEP
+        report["lora_replay_ms"] = sweep(engine, names, rows_bucket, rng, variants, args.rounds)
     if out := os.environ.get("OUT"):
         Path(out, "profile_decode.json").write_text(json.dumps(report, indent=2))
 
