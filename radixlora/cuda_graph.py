@@ -1,9 +1,10 @@
 """CUDA graphs for decode steps and short extends. Each (batch bucket, token bucket, LoRA row
 bucket) gets one graph captured on first use (or all at once by capture_all); every input of a
 step (token ids, positions, KV slots, attention and LoRA metadata) lives in static buffers
-refilled before replay, so a step costs a few host-to-device copies and one graph launch
-instead of ~1,000 kernel launches. A decode graph (one token per request) uses the split-K
-decode kernel; an extend graph (short prompts or cache hits, mixed with decodes) the extend one.
+refilled before replay, so a step costs one host-to-device copy, one scatter kernel and one
+graph launch instead of ~1,000 kernel launches. A decode graph (one token per request) uses the
+split-K decode kernel; an extend graph (short prompts or cache hits, mixed with decodes) the
+extend one.
 
 Padding requests decode token 0 at position 0 into the reserved KV slot 0 over a one-token
 context with no adapter rows; padding tokens past the last request belong to no segment. Their
@@ -28,6 +29,7 @@ import torch
 from radixlora.attention import TritonAttentionMeta
 from radixlora.forward_batch import ForwardBatch
 from radixlora.kernels.lora_ops import HostGroups, LoraBatchMeta, LoraGroups
+from radixlora.kernels.scatter_words import scatter_words
 from radixlora.lora.adapter import MODULE_GROUPS
 from radixlora.lora.pool import LoraContext, LoraSegments, high_priority_stream
 
@@ -72,26 +74,40 @@ class StaticInputs:
         self.row_buckets = sorted({r for r in ROW_BUCKETS if r < max_rows} | {max_rows})
         dev, n = runner.device, self.buckets[-1]
         t = max(n, EXTEND_TOKEN_BUCKETS[-1])
-        i32 = dict(dtype=torch.int32, device=dev)
-        self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
-        self.out_cache_loc = torch.zeros(t, dtype=torch.int64, device=dev)
-        self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
-        self.qo_indptr = torch.arange(n + 1, **i32)
-        self.kv_indptr = torch.arange(n + 1, **i32)
-        self.kv_indices = torch.zeros(n * max_context, **i32)
-        self.token_seg = torch.zeros(t, **i32)
-        self.no_seg_rows = torch.zeros(n + 1, **i32)
-        self.no_rows = torch.zeros(0, **i32)
-        self.num_groups = torch.zeros(1, **i32)
-        self.group_indptr = torch.zeros(t + 1, **i32)  # groups never outnumber tokens
-        self.group_tokens = torch.zeros(t, **i32)
         rows = t * self.row_buckets[-1] + 1
-        self.row_indptr = {g: torch.zeros(t + 1, **i32) for g in MODULE_GROUPS}
-        self.row_ids = {g: torch.zeros(rows, **i32) for g in MODULE_GROUPS}
-        self.row_scales = {
-            g: torch.zeros(rows, dtype=torch.float32, device=dev) for g in MODULE_GROUPS
-        }
+        i32, i64 = torch.int32, torch.int64
+        self.inputs = PackedInputs(
+            {
+                "input_ids": (t, i64),
+                "positions": (t, i64),
+                "out_cache_loc": (t, i64),
+                "logits_indices": (n, i64),
+                "qo_indptr": (n + 1, i32),
+                "kv_indptr": (n + 1, i32),
+                "kv_indices": (n * max_context, i32),
+                "num_groups": (1, i32),
+                "group_indptr": (t + 1, i32),  # groups never outnumber tokens
+                "group_tokens": (t, i32),
+                **{f"row_indptr.{g}": (t + 1, i32) for g in MODULE_GROUPS},
+                **{f"row_ids.{g}": (rows, i32) for g in MODULE_GROUPS},
+                **{f"row_scales.{g}": (rows, torch.float32) for g in MODULE_GROUPS},
+            },
+            dev,
+        )
+        views = self.inputs.views
+        self.input_ids, self.positions = views["input_ids"], views["positions"]
+        self.out_cache_loc, self.logits_indices = views["out_cache_loc"], views["logits_indices"]
+        self.qo_indptr, self.kv_indptr = views["qo_indptr"], views["kv_indptr"]
+        self.kv_indices, self.num_groups = views["kv_indices"], views["num_groups"]
+        self.group_indptr, self.group_tokens = views["group_indptr"], views["group_tokens"]
+        self.row_indptr = {g: views[f"row_indptr.{g}"] for g in MODULE_GROUPS}
+        self.row_ids = {g: views[f"row_ids.{g}"] for g in MODULE_GROUPS}
+        self.row_scales = {g: views[f"row_scales.{g}"] for g in MODULE_GROUPS}
+        for buffer in (self.logits_indices, self.qo_indptr, self.kv_indptr):
+            buffer.copy_(torch.arange(len(buffer)))
+        self.token_seg = torch.zeros(t, dtype=i32, device=dev)
+        self.no_seg_rows = torch.zeros(n + 1, dtype=i32, device=dev)
+        self.no_rows = torch.zeros(0, dtype=i32, device=dev)
 
     def key_for(self, qo_lens: list[int], max_rows: int, has_lora: bool) -> GraphKey | None:
         """The graph a batch replays into, or None when it needs the eager path."""
@@ -125,37 +141,22 @@ class StaticInputs:
         qo_lens = host["qo_lens"]
         pad_reqs = key.batch - len(qo_lens)
         pad_tokens = key.tokens - sum(qo_lens) - pad_reqs
-        self._copy(self.input_ids, _pad(host["input_ids"], pad_reqs + pad_tokens), np.int64)
-        if resolve is not None:
-            resolve(self.input_ids[: len(host["input_ids"])])
-        self._copy(self.positions, _pad(host["positions"], pad_reqs + pad_tokens), np.int64)
-        self._copy(self.out_cache_loc, _pad(host["out_cache_loc"], pad_reqs + pad_tokens), np.int64)
         qo = np.concatenate([qo_lens, np.ones(pad_reqs, np.int64)])
         kv = np.concatenate([host["kv_lens"], np.ones(pad_reqs, np.int64)])
-        self._copy(self.qo_indptr, _indptr(qo), np.int32)
-        self._copy(self.kv_indptr, _indptr(kv), np.int32)
-        self._copy(self.logits_indices, np.cumsum(qo) - 1, np.int64)
-        self._copy(self.kv_indices, _pad(host["kv_indices"], pad_reqs), np.int32)
+        parts = {
+            "input_ids": _pad(host["input_ids"], pad_reqs + pad_tokens),
+            "positions": _pad(host["positions"], pad_reqs + pad_tokens),
+            "out_cache_loc": _pad(host["out_cache_loc"], pad_reqs + pad_tokens),
+            "qo_indptr": _indptr(qo),
+            "kv_indptr": _indptr(kv),
+            "logits_indices": np.cumsum(qo) - 1,
+            "kv_indices": _pad(host["kv_indices"], pad_reqs),
+        }
         if lora_segments is not None and key.rows:
-            self._fill_groups(qo_lens, lora_segments)
-
-    def _fill_groups(self, qo_lens: list[int], lora_segments: LoraSegments) -> None:
-        groups = HostGroups.build(qo_lens, lora_segments.request_sets)
-        self._copy(self.num_groups, np.array([groups.num_groups]), np.int32)
-        self._copy(self.group_indptr, groups.group_indptr, np.int32)
-        self._copy(self.group_tokens, groups.token_ids, np.int32)
-        for group in MODULE_GROUPS:
-            row_indptr, row_ids, row_scales = groups.rows(*lora_segments[group])
-            self._copy(self.row_indptr[group], row_indptr, np.int32)
-            self._copy(self.row_ids[group], row_ids, np.int32)
-            self._copy(self.row_scales[group], row_scales, np.float32)
-
-    @staticmethod
-    def _copy(dst: torch.Tensor, values: np.ndarray, dtype) -> None:
-        src = torch.from_numpy(np.ascontiguousarray(values, dtype=dtype))
-        if dst.is_cuda:  # pinned, so the copy is queued behind the step in flight, not waited on
-            src = src.pin_memory()
-        dst[: len(src)].copy_(src, non_blocking=True)
+            parts.update(_group_parts(qo_lens, lora_segments))
+        self.inputs.send(parts)
+        if resolve is not None:
+            resolve(self.input_ids[: len(host["input_ids"])])
 
     def _static_batch(self, key: GraphKey) -> ForwardBatch:
         b, t, rows = key.batch, key.tokens, key.rows
@@ -271,6 +272,71 @@ class CudaGraphRunner(StaticInputs):
         entry = _Graph(graph, logits)
         self.graphs[key] = entry
         return entry
+
+
+_NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
+
+
+class PackedInputs:
+    """Static buffers that are views of one int32 word array, so that a step's inputs reach the
+    device in one host-to-device copy (packed with a table of where each part goes) and one
+    scatter kernel, not one copy per buffer (docs/PERF.md, run 14)."""
+
+    ALIGN = 4  # words: every view starts 16-byte aligned, whatever its dtype
+
+    def __init__(self, parts: dict[str, tuple[int, torch.dtype]], device) -> None:
+        self.offsets: dict[str, int] = {}
+        self.capacity: dict[str, int] = {}
+        self.dtypes: dict[str, type] = {}
+        size = 0
+        for name, (n, dtype) in parts.items():
+            self.offsets[name], self.capacity[name] = size, n * dtype.itemsize // 4
+            self.dtypes[name] = _NUMPY_DTYPES[dtype]
+            size += -(-self.capacity[name] // self.ALIGN) * self.ALIGN
+        self.words = torch.zeros(size, dtype=torch.int32, device=device)
+        self.inbox = torch.zeros(size + 3 * len(parts), dtype=torch.int32, device=device)
+        self.views = {
+            name: self.words[o : o + self.capacity[name]].view(parts[name][1])
+            for name, o in self.offsets.items()
+        }
+
+    def send(self, values: dict[str, np.ndarray]) -> None:
+        """Write each part's values at the start of its buffer (the rest keeps its contents),
+        in stream order."""
+        payload = [
+            np.ascontiguousarray(v, dtype=self.dtypes[k]).reshape(-1).view(np.int32)
+            for k, v in values.items()
+        ]
+        table = np.zeros((len(values), 3), np.int32)
+        src = table.size
+        for row, (name, words) in enumerate(zip(values, payload)):
+            if len(words) > self.capacity[name]:
+                raise ValueError(
+                    f"{name}: {len(words)} words exceed its buffer ({self.capacity[name]})"
+                )
+            table[row] = src, self.offsets[name], len(words)
+            src += len(words)
+        packed = torch.empty(src, dtype=torch.int32, pin_memory=self.words.is_cuda)
+        # pinned, so the copy is queued behind the step in flight, not waited on
+        np.concatenate([table.reshape(-1), *payload], out=packed.numpy())
+        self.inbox[:src].copy_(packed, non_blocking=True)
+        scatter_words(self.inbox, self.words, len(values), max(map(len, payload), default=0))
+
+
+def _group_parts(qo_lens: list[int], lora_segments: LoraSegments) -> dict[str, np.ndarray]:
+    """The LoRA group buffers' contents of a batch."""
+    groups = HostGroups.build(qo_lens, lora_segments.request_sets)
+    parts = {
+        "num_groups": np.array([groups.num_groups]),
+        "group_indptr": groups.group_indptr,
+        "group_tokens": groups.token_ids,
+    }
+    for group in MODULE_GROUPS:
+        row_indptr, row_ids, row_scales = groups.rows(*lora_segments[group])
+        parts[f"row_indptr.{group}"] = row_indptr
+        parts[f"row_ids.{group}"] = row_ids
+        parts[f"row_scales.{group}"] = row_scales
+    return parts
 
 
 def _pad(values: np.ndarray, n: int) -> np.ndarray:
