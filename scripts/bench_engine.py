@@ -3,6 +3,7 @@
 
     python scripts/bench_engine.py              # on the H200; prints a table, JSON to $OUT
     python scripts/bench_engine.py --smoke      # tiny shapes on the CPU, checks the script runs
+    python scripts/bench_engine.py --only-be    # only targets b and e (--only-c: only c)
 
 Timing: wall clock around engine.step(). With overlap scheduling (the default) a step launches
 the next plan and then waits for the previous one's sampled tokens, so in steady state a step
@@ -190,7 +191,9 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--only-c", action="store_true", help="only the 256-request runs (c)")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--only-c", action="store_true", help="only the 256-request runs (c)")
+    only.add_argument("--only-be", action="store_true", help="only the small-batch steps (b, e)")
     p.add_argument("--no-lora-side-stream", dest="lora_side_stream", action="store_false",
                    help="LoRA work on the compute stream in the graphs, not beside the GEMMs")
     p.add_argument("--grouped-tuning", default="", metavar="K=V,...",
@@ -217,7 +220,8 @@ def main() -> None:
     results["floor_decode_ms"] = 1e3 * weight_bytes / HBM_BYTES_PER_S
     if not args.only_c:
         bench_small_batches(engine, path, args, kw, scale, rng, results)
-    bench_throughput(engine, cfg, dev, scale, rng, results, with_d=not args.only_c)
+    if not args.only_be:
+        bench_throughput(engine, cfg, dev, scale, rng, results, with_d=not args.only_c)
     report(results)
 
 
@@ -290,7 +294,7 @@ def report(r: dict) -> None:
 
 
 def report_rows(r: dict) -> list[tuple[str, float | None]]:
-    """(label, value) rows; None where the run did not measure it (--only-c)."""
+    """(label, value) rows; None where the run did not measure it (--only-c, --only-be)."""
     def get(*keys):
         value = r
         for key in keys:
