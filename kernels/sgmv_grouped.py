@@ -68,10 +68,10 @@ WIDE_ROWS = 32
 
 
 # A deferred delta's kernels run beside a base GEMM on a side stream (LoraContext, graphs of
-# <= 32 tokens). There, early-launched PDL programs hold SM slots the GEMM needs, and shorter
-# programs make the branch longer: the run-11 settings measured best (docs/PERF.md run 12).
-BESIDE_GEMM = {"pdl": False, "shrink_warps": 4, "block_n": 256, "col_chunk": 256,
-               "expand_stages": 1}  # fmt: skip
+# <= 32 tokens). There, early-launched PDL programs hold SM slots the GEMM needs: the run-11
+# settings (docs/PERF.md run 12), with fewer and wider shrink programs (run 14).
+BESIDE_GEMM = {"pdl": False, "shrink_warps": 8, "block_n": 256, "col_chunk": 256,
+               "expand_stages": 1, "min_items_per_sm": 1}  # fmt: skip
 
 
 def tuning_for_rows(max_rows: int, beside_gemm: bool = False) -> GroupedTuning:
