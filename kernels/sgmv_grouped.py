@@ -69,8 +69,8 @@ WIDE_ROWS = 32
 
 # A deferred delta's kernels run beside a base GEMM on a side stream (LoraContext, graphs of
 # <= 32 tokens). There, early-launched PDL programs hold SM slots the GEMM needs: the run-11
-# settings (docs/PERF.md run 12), with fewer and wider shrink programs (run 14).
-BESIDE_GEMM = {"pdl": False, "shrink_warps": 8, "block_n": 256, "col_chunk": 256,
+# settings (docs/PERF.md run 12), with fewer, wider and longer-stepping shrink programs (run 14).
+BESIDE_GEMM = {"pdl": False, "shrink_warps": 8, "block_k": 256, "block_n": 256, "col_chunk": 256,
                "expand_stages": 1, "min_items_per_sm": 1}  # fmt: skip
 
 
