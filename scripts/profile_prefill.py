@@ -5,10 +5,10 @@ projections, as bench_engine.py's c3 runs it.
     python scripts/profile_prefill.py            # on the H200; table per case, JSON to $OUT
     python scripts/profile_prefill.py --smoke    # tiny shapes on the CPU
 
-Per case: the step's wall time (median of 3 unprofiled runs, each from submit to the sampled
-token), then torch.profiler's device time per kernel family over one more run, and the
-throughput of the base GEMMs (2 x the weight matrices' parameters x tokens over their summed
-time)."""
+Per case: the wall time (median of 3 unprofiled runs, each from submit to the sampled token)
+and the engine steps it took (the prefill step, plus the step that sees the requests finish),
+then torch.profiler's device time per kernel family over one more run, and the throughput of
+the base GEMMs (2 x the weight matrices' parameters x tokens over their summed time)."""
 
 from __future__ import annotations
 
@@ -31,19 +31,20 @@ from radixlora import SamplingParams
 REQUESTS, PROMPT = 32, 256
 
 
-def prefill(engine, specs, rng, prompt_len: int) -> float:
-    """Seconds from submitting the prompts to their one sampled token each."""
+def prefill(engine, specs, rng, prompt_len: int) -> tuple[float, int]:
+    """Seconds and engine steps from submitting the prompts to their one sampled token each."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     vocab = engine.model_cfg.vocab_size
     for i in range(REQUESTS):
         prompt, salt = rng.integers(3, vocab, prompt_len).tolist(), str(rng.integers(1 << 30))
         engine.submit(prompt, params, adapters=specs[i % len(specs)], cache_salt=salt)
     _sync(engine)
-    start = time.perf_counter()
+    start, steps = time.perf_counter(), 0
     while engine.scheduler.has_work():
         engine.step()
+        steps += 1
     _sync(engine)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, steps
 
 
 def _sync(engine) -> None:
@@ -53,7 +54,8 @@ def _sync(engine) -> None:
 
 def profile_case(engine, specs, rng, prompt_len: int) -> dict:
     prefill(engine, specs, rng, prompt_len)  # compiles kernels, loads the adapters
-    wall = statistics.median(prefill(engine, specs, rng, prompt_len) for _ in range(3))
+    runs = [prefill(engine, specs, rng, prompt_len) for _ in range(3)]
+    wall = statistics.median(seconds for seconds, _ in runs)
     activities = [ProfilerActivity.CPU]
     if engine.runner.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -63,7 +65,7 @@ def profile_case(engine, specs, rng, prompt_len: int) -> dict:
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             per_family[kernel_family(event.name)] += event.device_time_total / 1e3
-    return {"wall_ms": 1e3 * wall,
+    return {"wall_ms": 1e3 * wall, "steps": max(steps for _, steps in runs),
             "device_ms": dict(sorted(per_family.items(), key=lambda kv: -kv[1]))}  # fmt: skip
 
 
@@ -75,22 +77,24 @@ def main() -> None:
     args = p.parse_args()
     shape = SMOKE if args.smoke else LLAMA3_8B
     prompt_len = PROMPT // 8 if args.smoke else PROMPT
-    engine = make_engine(model_dir(shape), args, kv_pages=4096, max_running=REQUESTS,
-                         max_batch_tokens=REQUESTS * prompt_len, max_rank=64)  # fmt: skip
+    tokens = REQUESTS * prompt_len  # one step: the KV pool (page size 1) must hold them all
+    engine = make_engine(model_dir(shape), args, kv_pages=2 * tokens, max_running=REQUESTS,
+                         max_batch_tokens=tokens, max_rank=64)  # fmt: skip
     cfg, dev, rng = engine.model_cfg, engine.runner.device, np.random.default_rng(0)
     names = [f"p{i}" for i in range(8)]
     for i, name in enumerate(names):
         engine.add_adapter(random_adapter(cfg, name, 16, ALL7, 500 + i, dev))
     matrix_params = sum(t.numel() for n, t in engine.runner.model.named_parameters()
                         if t.dim() == 2 and "embed" not in n and "lm_head" not in n)  # fmt: skip
-    tflop = 2 * matrix_params * REQUESTS * prompt_len / 1e12
+    tflop = 2 * matrix_params * tokens / 1e12
     report = {}
     for case, specs in (("base", [None]), ("8 adapters", names)):
         r = report[case] = profile_case(engine, specs, rng, prompt_len)
         gemm_ms = r["device_ms"].get("base GEMM (cuBLAS)", 0.0)
         r["gemm_tflop_per_s"] = tflop / (gemm_ms / 1e3) if gemm_ms else None
-        print(f"{case}: step {r['wall_ms']:.1f} ms, kernels {sum(r['device_ms'].values()):.1f} ms"
-              f", base GEMMs {gemm_ms:.1f} ms for {tflop:.1f} TFLOP")  # fmt: skip
+        kernels_ms = sum(r["device_ms"].values())
+        print(f"{case}: {r['steps']} steps, {r['wall_ms']:.1f} ms; kernels {kernels_ms:.1f} ms, "
+              f"base GEMMs {gemm_ms:.1f} ms for {tflop:.1f} TFLOP")  # fmt: skip
         for family, ms in list(r["device_ms"].items())[:14]:
             print(f"    {family:<50}{ms:10.2f}")
     if out := os.environ.get("OUT"):
