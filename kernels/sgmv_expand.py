@@ -144,6 +144,9 @@ def sgmv_expand(
     y: torch.Tensor,
     *,
     max_seg_len: int | None = None,
+    block_t: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
 ) -> None:
     """Semantics:
         for s in range(S):
@@ -169,6 +172,8 @@ def sgmv_expand(
         row_ids: [N] int32, pool rows of each segment.
         y: [T, out_total], float16/bfloat16/float32, updated in place.
         max_seg_len: int | None, >= t1 - t0 for every segment (None: T); sizes the grid only.
+        block_t, block_n, num_warps: launch settings (tokens and columns per program; None:
+            by segment length and slice width), for sweeps.
     """
     check_expand_args(v, b_pool, y)
     check_batch_meta(seg_indptr, row_indptr, row_ids, v.device)
@@ -179,10 +184,10 @@ def sgmv_expand(
         return
 
     seg_len = num_tokens if max_seg_len is None else min(max_seg_len, num_tokens)
-    block_t = pow2_block(seg_len, 16, 64)
+    block_t = block_t or pow2_block(seg_len, 16, 64)
     block_r = pow2_block(max_rows, 16, 32)
     widest = max(b - a for a, b in pairwise(off))
-    block_n = pow2_block(widest, 16, 128)
+    block_n = block_n or pow2_block(widest, 16, 128)
     num_col_tiles = triton.cdiv(max(widest, 1), block_n)
     tiles = triton.cdiv(max(seg_len, 1), block_t) * n_slices * num_col_tiles
     off += [off[-1]] * (MAX_SLICES + 1 - len(off))
@@ -194,5 +199,5 @@ def sgmv_expand(
         b_pool.stride(0), b_pool.stride(1),
         y.stride(0), y.stride(1),
         BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_N=block_n,
-        FP32_DOT=fp32_dot(b_pool.dtype, b_pool.device),
+        FP32_DOT=fp32_dot(b_pool.dtype, b_pool.device), num_warps=num_warps,
     )  # fmt: skip

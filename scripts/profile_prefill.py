@@ -8,27 +8,54 @@ projections, as bench_engine.py's c3 runs it.
 Per case: the wall time (median of 3 unprofiled runs, each from submit to the sampled token)
 and the engine steps it took (the prefill step, plus the step that sees the requests finish),
 then torch.profiler's device time per kernel family over one more run, and the throughput of
-the base GEMMs (2 x the weight matrices' parameters x tokens over their summed time)."""
+the base GEMMs (2 x the weight matrices' parameters x tokens over their summed time).
+
+    python scripts/profile_prefill.py --sweep-expand
+
+times instead the per-request SGMV expand alone at that step's shape (32 segments of 256 tokens,
+rank 16 over 8 adapters, each module group's widths, y += v @ B in bf16) under each launch
+setting of EXPAND_SWEEP (CUDA-graph medians)."""
 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
-import torch
-from bench_engine import ALL7, LLAMA3_8B, SMOKE, make_engine, model_dir, random_adapter
-from profile_decode import kernel_family
-from torch.profiler import ProfilerActivity, profile
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
 
-from radixlora import SamplingParams
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from bench_common import time_us  # noqa: E402
+from bench_engine import (  # noqa: E402
+    ALL7,
+    LLAMA3_8B,
+    SMOKE,
+    make_engine,
+    model_dir,
+    random_adapter,
+)
+from profile_decode import kernel_family  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-REQUESTS, PROMPT = 32, 256
+from radixlora import SamplingParams  # noqa: E402
+from radixlora.config import ModelConfig  # noqa: E402
+from radixlora.kernels.sgmv_expand import sgmv_expand  # noqa: E402
+from radixlora.lora.adapter import MODULE_GROUPS  # noqa: E402
+
+REQUESTS, PROMPT, RANK, ADAPTERS = 32, 256, 16, 8
+EXPAND_SWEEP = [
+    {"block_t": t, "block_n": n, "num_warps": w}
+    for t, n, w in itertools.product((32, 64, 128), (64, 128, 256), (4, 8))
+]
 
 
 def prefill(engine, specs, rng, prompt_len: int) -> tuple[float, int]:
@@ -69,14 +96,55 @@ def profile_case(engine, specs, rng, prompt_len: int) -> dict:
             "device_ms": dict(sorted(per_family.items(), key=lambda kv: -kv[1]))}  # fmt: skip
 
 
+def sweep_expand(cfg: ModelConfig, device: torch.device, prompt_len: int, settings) -> dict:
+    """Microseconds of one sgmv_expand per (module group, launch setting); "default" first."""
+    tokens, i32 = REQUESTS * prompt_len, dict(dtype=torch.int32, device=device)
+    seg_indptr = torch.arange(0, tokens + 1, prompt_len, **i32)
+    row_indptr = torch.arange(0, REQUESTS * RANK + 1, RANK, **i32)
+    row_ids = torch.cat([torch.arange(RANK, **i32) + (i % ADAPTERS) * RANK
+                         for i in range(REQUESTS)])  # fmt: skip
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out: dict[str, dict[str, float]] = {}
+    for group, modules in MODULE_GROUPS.items():
+        offsets = [0, *itertools.accumulate(cfg.module_shape(m)[1] for m in modules)]
+        b_pool = torch.randn(ADAPTERS * RANK, offsets[-1], dtype=dtype, device=device) * 0.01
+        v = torch.randn(len(modules), tokens, RANK, device=device)
+        y = torch.zeros(tokens, offsets[-1], dtype=dtype, device=device)
+        times = out[group] = {}
+        for setting in [{}, *settings]:
+            run = functools.partial(sgmv_expand, v, b_pool, offsets, seg_indptr, row_indptr,
+                                    row_ids, y, max_seg_len=prompt_len, **setting)  # fmt: skip
+            eager, graph = time_us(run, device.type)
+            label = ",".join(f"{k}={x}" for k, x in setting.items()) or "default"
+            times[label] = graph if graph is not None else eager
+        best = sorted(times.items(), key=lambda kv: kv[1])[:4]
+        print(f"{group}: default {times['default']:.1f} us; best "
+              + ", ".join(f"{label} {us:.1f}" for label, us in best))  # fmt: skip
+    totals = {label: sum(out[g][label] for g in out) for label in out[next(iter(out))]}
+    for label, us in sorted(totals.items(), key=lambda kv: kv[1])[:6]:
+        print(f"    all groups {label:<40}{us:10.1f} us")
+    print(f"    all groups {'default':<40}{totals['default']:10.1f} us")
+    return {"per_group_us": out, "total_us": totals}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--sweep-expand", action="store_true")
     args = p.parse_args()
     shape = SMOKE if args.smoke else LLAMA3_8B
     prompt_len = PROMPT // 8 if args.smoke else PROMPT
+    if args.sweep_expand:
+        cfg = ModelConfig.from_dir(model_dir(shape))
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        report = sweep_expand(
+            cfg, device, prompt_len, EXPAND_SWEEP[:2] if args.smoke else EXPAND_SWEEP
+        )
+        if out := os.environ.get("OUT"):
+            Path(out, "sweep_expand.json").write_text(json.dumps(report, indent=2))
+        return
     tokens = REQUESTS * prompt_len  # one step: the KV pool (page size 1) must hold them all
     engine = make_engine(model_dir(shape), args, kv_pages=2 * tokens, max_running=REQUESTS,
                          max_batch_tokens=tokens, max_rank=64)  # fmt: skip

@@ -200,6 +200,19 @@ def test_expand_leaves_base_only_tokens_bitwise_untouched():
     assert torch.equal(y[base_only], y0[base_only])
 
 
+@pytest.mark.parametrize("block_t,block_n", [(16, 16), (32, 64)])
+def test_expand_launch_settings_do_not_change_the_result(block_t, block_n):
+    """Tiles of other sizes than the launcher's choice (profile_prefill.py sweeps them)."""
+    pool, x, y0, segs = build_case("no_adapter_mix", 2)
+    meta = LoraBatchMeta.from_segments(*segs, device="cpu")
+    v = torch.randn(2, x.shape[0], meta.max_rows)
+    y, y_ref = y0.clone(), y0.clone()
+    sgmv_expand(v, pool.b, pool.out_offsets, *_meta_args(meta), y, block_t=block_t,
+                block_n=block_n, num_warps=8)  # fmt: skip
+    sgmv_expand_ref(v, pool.b, pool.out_offsets, *_meta_args(meta), y_ref)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+
+
 def test_kernels_accept_strided_pools():
     pool, x, y0, segs = build_case("decode_distinct", 2)
     wide_b = torch.randn(pool.b.shape[0], pool.b.shape[1] + 5)
