@@ -50,7 +50,7 @@ from radixlora.kernels.sgmv_grouped import tuning_for_rows
 CASES = (("bs1 one adapter", 1, 1), ("bs32 8 adapters", 32, 8))
 # Changes to the side-branch launch settings (both cases are deferred-delta graphs, <= 32 tokens)
 DEFAULT_SWEEP = ["stream=none", "stream=normal", "min_items_per_sm=4", "min_items_per_sm=2",
-                 "min_items_per_sm=16", "shrink_warps=4", "block_k=64", "block_k=256",
+                 "min_items_per_sm=16", "shrink_warps=4", "block_k=64", "block_k=128",
                  "k_chunk=512", "programs_per_sm=2", "programs_per_sm=16", "block_n=128",
                  "block_n=512", "expand_warps=2", "expand_warps=8", "pdl=True"]  # fmt: skip
 
