@@ -43,7 +43,8 @@ def scatter_words(packed: torch.Tensor, words: torch.Tensor, num_parts: int, max
             packed[0]); parts must not overlap one another in words.
         words: int32 [W], contiguous, on packed's device; every dst + n <= W.
         num_parts: rows of the table (0 launches nothing).
-        max_part: an upper bound of the parts' n (it sizes the grid only).
+        max_part: the largest part's n; it sizes the grid only (a smaller one gives fewer
+            programs per part, which stride over its blocks).
     """
     for name, t in (("packed", packed), ("words", words)):
         if t.dtype != torch.int32 or t.dim() != 1 or t.stride(0) != 1:

@@ -42,6 +42,9 @@ def test_scatter_words_matches_reference():
         assert got[dst : dst + len(values)].tolist() == values.tolist()
     untouched = torch.cat([got[:5], got[6:10], got[40:3000], got[5500:]])
     assert untouched.eq(-5).all()
+    one_program = torch.full_like(ref, -5)  # a grid of one program per part strides over blocks
+    scatter_words(packed, one_program, len(parts), max_part=1)
+    assert torch.equal(one_program, ref)
 
 
 def test_scatter_words_rejects_bad_args():
