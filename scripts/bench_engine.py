@@ -96,13 +96,19 @@ def run_until_done(engine: Engine) -> list[tuple[float, int, bool, float]]:
     return steps
 
 
-def decode_step_ms(engine: Engine, batch: int, specs, prompt_len: int, new_tokens: int,
-                   rng) -> float:
+def submit_random(engine: Engine, n: int, specs, prompt_len: int, new_tokens: int, rng) -> None:
+    """n greedy requests of random prompts (salted: no cache hits), adapters round-robin over
+    specs, each generating exactly new_tokens."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     vocab = engine.model_cfg.vocab_size
-    for i in range(batch):
+    for i in range(n):
         engine.submit(rng.integers(3, vocab, prompt_len).tolist(), params,
                       adapters=specs[i % len(specs)], cache_salt=str(rng.integers(1 << 30)))
+
+
+def decode_step_ms(engine: Engine, batch: int, specs, prompt_len: int, new_tokens: int,
+                   rng) -> float:
+    submit_random(engine, batch, specs, prompt_len, new_tokens, rng)
     steps = run_until_done(engine)
     decode = [s for s, b, d, _ in steps if d and b == batch]
     return 1e3 * statistics.median(decode)
@@ -132,12 +138,8 @@ def graph_replay_ms(engine: Engine, rows: int, batch: int = 1) -> float:
 def throughput(engine: Engine, n: int, specs, prompt_len: int, new_tokens: int, rng) -> dict:
     """Tokens/s of n requests over `specs`, measured on the second of two identical rounds
     (fresh prompts): the first compiles kernels, captures graphs and loads the adapters."""
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    vocab = engine.model_cfg.vocab_size
     for _ in range(2):
-        for i in range(n):
-            engine.submit(rng.integers(3, vocab, prompt_len).tolist(), params,
-                          adapters=specs[i % len(specs)], cache_salt=str(rng.integers(1 << 30)))
+        submit_random(engine, n, specs, prompt_len, new_tokens, rng)
         start = time.perf_counter()
         steps = run_until_done(engine)
     elapsed = time.perf_counter() - start

@@ -40,10 +40,10 @@ from bench_engine import (
     make_engine,
     model_dir,
     random_adapter,
+    submit_random,
 )
 from torch.profiler import ProfilerActivity, profile
 
-from radixlora import SamplingParams
 from radixlora.cuda_graph import GraphKey
 from radixlora.kernels.sgmv_grouped import tuning_for_rows
 
@@ -87,12 +87,7 @@ def profile_graph(engine, batch: int, rows: int, replays: int) -> dict[str, floa
 
 
 def run_decode(engine, batch: int, specs, rng) -> None:
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    vocab = engine.model_cfg.vocab_size
-    for i in range(batch):
-        prompt = rng.integers(3, vocab, 64).tolist()
-        salt = str(rng.integers(1 << 30))
-        engine.submit(prompt, params, adapters=specs[i % len(specs)], cache_salt=salt)
+    submit_random(engine, batch, specs, 64, 8, rng)
     while engine.scheduler.has_work():
         engine.step()
 

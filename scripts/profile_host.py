@@ -33,9 +33,8 @@ from bench_engine import (
     make_engine,
     model_dir,
     random_adapter,
+    submit_random,
 )
-
-from radixlora import SamplingParams
 
 TOP = 25
 
@@ -56,12 +55,9 @@ def run_round(engine, specs, n: int, prompt_len: int, new_tokens: int, rng,
               prof: cProfile.Profile | None = None) -> list[tuple[float, float]]:
     """(wall s, s blocked on the device) of each call that launches a decode-only step and
     folds one (the first decode call waits for the prefill); prof, if given, profiles them."""
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    vocab, blocked, steps = engine.model_cfg.vocab_size, [], []
+    blocked, steps = [], []
     engine.runner.finish = timed_finish(engine.runner, blocked)
-    for i in range(n):
-        engine.submit(rng.integers(3, vocab, prompt_len).tolist(), params,
-                      adapters=specs[i % len(specs)], cache_salt=str(rng.integers(1 << 30)))
+    submit_random(engine, n, specs, prompt_len, new_tokens, rng)
     launched_decode = False  # a call folds the step the previous call launched (overlap)
     while engine.scheduler.has_work():
         sched = engine.scheduler

@@ -42,11 +42,11 @@ from bench_engine import (  # noqa: E402
     make_engine,
     model_dir,
     random_adapter,
+    submit_random,
 )
 from profile_decode import kernel_family  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from radixlora import SamplingParams  # noqa: E402
 from radixlora.config import ModelConfig  # noqa: E402
 from radixlora.kernels.sgmv_expand import sgmv_expand  # noqa: E402
 from radixlora.lora.adapter import MODULE_GROUPS  # noqa: E402
@@ -60,11 +60,7 @@ EXPAND_SWEEP = [
 
 def prefill(engine, specs, rng, prompt_len: int) -> tuple[float, int]:
     """Seconds and engine steps from submitting the prompts to their one sampled token each."""
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    vocab = engine.model_cfg.vocab_size
-    for i in range(REQUESTS):
-        prompt, salt = rng.integers(3, vocab, prompt_len).tolist(), str(rng.integers(1 << 30))
-        engine.submit(prompt, params, adapters=specs[i % len(specs)], cache_salt=salt)
+    submit_random(engine, REQUESTS, specs, prompt_len, 1, rng)
     _sync(engine)
     start, steps = time.perf_counter(), 0
     while engine.scheduler.has_work():
