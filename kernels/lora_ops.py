@@ -278,15 +278,6 @@ class LoraBackend(ABC):
     ) -> None:
         """The second phase of `apply`: y += the deltas of v (from this backend's shrink)."""
 
-    def one_launch(self, meta: LoraBatchMeta) -> bool:
-        """Whether `apply` runs as one fused launch for this batch (so there is no shrink to
-        run beside the GEMM)."""
-        return False
-
-    def deferred_needs_v(self, meta: LoraBatchMeta) -> bool:
-        """Whether `deferred_delta` of this batch wants a zeroed v workspace."""
-        return False
-
     def deferred_delta(
         self,
         x: torch.Tensor,
@@ -342,28 +333,13 @@ class TritonLoraBackend(LoraBackend):
         """tuning: launch parameters of the grouped kernels; side_tuning: those of deferred
         deltas, which run beside a base GEMM (None: chosen by rank width)."""
         # Imported here so the torch backend works where triton is absent.
-        from . import sgmv_fused, sgmv_grouped
+        from . import sgmv_grouped
         from .sgmv_expand import sgmv_expand
         from .sgmv_shrink import sgmv_shrink
 
         self._shrink, self._expand, self.split_k = sgmv_shrink, sgmv_expand, split_k
-        self._grouped, self._fused = sgmv_grouped, sgmv_fused
+        self._grouped = sgmv_grouped
         self.tuning, self.side_tuning = tuning, side_tuning
-
-    def one_launch(self, meta: LoraBatchMeta) -> bool:
-        return self._fuses(meta, self._tuning(meta))
-
-    def _fuses(self, meta: LoraBatchMeta, tuning) -> bool:
-        return meta.groups is not None and tuning.fused and self._fused.fused_applies(meta.max_rows)
-
-    def apply(self, x, y, a_pool, b_pool, out_offsets, meta) -> None:
-        if not self.one_launch(meta):
-            super().apply(x, y, a_pool, b_pool, out_offsets, meta)
-            return
-        _check_tokens(meta, x, y)
-        g = meta.groups
-        self._fused.grouped_lora(x, a_pool, b_pool, out_offsets, *_group_index(g), g.row_scales,
-                                 meta.max_rows, y, tuning=self._tuning(meta))  # fmt: skip
 
     def shrink(self, x, a_pool, meta) -> torch.Tensor | None:
         _check_tokens(meta, x)
@@ -390,20 +366,15 @@ class TritonLoraBackend(LoraBackend):
         self._expand(v, b_pool, out_offsets, *index, y, max_seg_len=meta.max_seg_len)
 
     def deferred_delta(self, x, a_pool, b_pool, out_offsets, meta, delta, v=None) -> None:
-        """Grouped: one fused launch, or the shrink accumulating into the zeroed v and the
-        expand; either overwrites the rows of the groups' tokens only, so no launch zeroes
-        anything (v is needed where `deferred_needs_v`)."""
+        """Grouped: the shrink accumulates into the zeroed v and the expand overwrites the rows
+        of the groups' tokens only, so no launch zeroes anything."""
         g = meta.groups
-        fused = g is not None and self._fuses(meta, self._side_tuning(meta))
-        if g is None or not (fused or v is not None):
+        if g is None or v is None:
             super().deferred_delta(x, a_pool, b_pool, out_offsets, meta, delta)
             return
         _check_tokens(meta, x, delta)
-        tuning, index = self._side_tuning(meta), _group_index(g)
-        if fused:
-            self._fused.grouped_lora(x, a_pool, b_pool, out_offsets, *index, g.row_scales,
-                                     meta.max_rows, delta, tuning=tuning, accumulate=False)
-            return
+        tuning = self.side_tuning or self._grouped.tuning_for_rows(meta.max_rows, beside_gemm=True)
+        index = _group_index(g)
         self._grouped.grouped_shrink(x, a_pool, *index, g.row_scales, meta.max_rows,
                                      tuning=tuning, out=v)  # fmt: skip
         self._grouped.grouped_expand(v, b_pool, out_offsets, *index, delta, tuning=tuning,
@@ -411,12 +382,6 @@ class TritonLoraBackend(LoraBackend):
 
     def _tuning(self, meta: LoraBatchMeta):
         return self.tuning or self._grouped.tuning_for_rows(meta.max_rows)
-
-    def _side_tuning(self, meta: LoraBatchMeta):
-        return self.side_tuning or self._grouped.tuning_for_rows(meta.max_rows, beside_gemm=True)
-
-    def deferred_needs_v(self, meta: LoraBatchMeta) -> bool:
-        return meta.groups is not None and not self._fuses(meta, self._side_tuning(meta))
 
 
 def _group_index(g: LoraGroups) -> tuple[torch.Tensor, ...]:

@@ -60,9 +60,6 @@ class GroupedTuning:
     # programmatic dependent launch (sm_90+): a kernel's programs start while the kernel
     # before it in the stream drains, and wait (griddepcontrol.wait) before reading its output
     pdl: bool = True
-    # shrink and expand in one launch (kernels.sgmv_fused) where a set has <= 64 rank rows;
-    # pdl, shrink_warps and programs_per_sm's persistence do not apply to it
-    fused: bool = False
 
 
 DEFAULT_TUNING = GroupedTuning()
@@ -395,37 +392,6 @@ def _wanted_splits(items: int, device: torch.device, tuning: GroupedTuning) -> i
     return max(1, triton.cdiv(tuning.min_items_per_sm * sms, max(items, 1)))
 
 
-def in_dim_splits(
-    in_dim: int, items: int, device: torch.device, tuning: GroupedTuning
-) -> tuple[int, int, int]:
-    """(block_k, k_per_split, split_k) of a shrink over `items` (group, slice, row tile) work
-    items: chunks of at most tuning.k_chunk, finer for small buckets; k_per_split is a
-    multiple of block_k."""
-    block_k = pow2_block(min(tuning.block_k, in_dim), 16, 256)
-    wanted = _wanted_splits(items, device, tuning)
-    k_chunk = min(tuning.k_chunk, in_dim, triton.cdiv(in_dim, wanted))
-    k_per_split = triton.cdiv(k_chunk, block_k) * block_k
-    return block_k, k_per_split, triton.cdiv(in_dim, k_per_split)
-
-
-def column_chunks(
-    widest: int, items: int, device: torch.device, tuning: GroupedTuning
-) -> tuple[int, int, int]:
-    """(block_n, col_chunk, num_col_chunks) of an expand over `items` (group, slice) pairs whose
-    widest slice has `widest` columns: a work item's chunk is block_n times a power of 2, at
-    most tuning.col_chunk, narrower (down to MIN_BLOCK_N) for small buckets."""
-    block_n = pow2_block(min(widest, tuning.block_n), 16, 512)
-    chunk = block_n
-    while chunk * 2 <= tuning.col_chunk and chunk < widest:
-        chunk *= 2
-    while chunk > MIN_BLOCK_N and _wanted_splits(
-        items * triton.cdiv(max(widest, 1), chunk), device, tuning
-    ) > 1:
-        chunk //= 2
-        block_n = min(block_n, chunk)
-    return block_n, chunk, triton.cdiv(max(widest, 1), chunk)
-
-
 def _use_pdl(device: torch.device, tuning: GroupedTuning) -> bool:
     """griddepcontrol needs sm_90 (Hopper) or newer; ROCm and the CPU interpreter lack it."""
     return tuning.pdl and device.type == "cuda" and _has_griddepcontrol(device.index)
@@ -494,11 +460,13 @@ def grouped_shrink(
     check_groups(num_groups, group_indptr, token_ids, row_indptr, row_ids, x.device, row_scales)
     n_slices, num_tokens, in_dim = a_pool.shape[0], x.shape[0], x.shape[1]
     max_groups = group_indptr.numel() - 1
+    block_k = pow2_block(min(tuning.block_k, in_dim), 16, 256)
     block_r = pow2_block(max_rows, 16, 64)
     num_row_tiles = triton.cdiv(max_rows, block_r)
-    block_k, k_per_split, split_k = in_dim_splits(
-        in_dim, max_groups * n_slices * num_row_tiles, x.device, tuning
-    )
+    wanted = _wanted_splits(max_groups * n_slices * num_row_tiles, x.device, tuning)
+    k_chunk = min(tuning.k_chunk, in_dim, triton.cdiv(in_dim, wanted))
+    k_per_split = triton.cdiv(k_chunk, block_k) * block_k
+    split_k = triton.cdiv(in_dim, k_per_split)
     v = out
     if v is None:
         alloc = torch.zeros if split_k > 1 else torch.empty
@@ -573,7 +541,16 @@ def grouped_expand(
         return
     block_r = pow2_block(max_rows, 16, 32)
     widest = max(b - a for a, b in pairwise(off))
-    block_n, chunk, num_col_chunks = column_chunks(widest, max_groups * n_slices, v.device, tuning)
+    block_n = pow2_block(min(widest, tuning.block_n), 16, 512)
+    chunk = block_n  # columns per work item: block_n times a power of 2
+    while chunk * 2 <= tuning.col_chunk and chunk < widest:
+        chunk *= 2
+    while chunk > MIN_BLOCK_N and _wanted_splits(
+        max_groups * n_slices * triton.cdiv(max(widest, 1), chunk), v.device, tuning
+    ) > 1:
+        chunk //= 2
+        block_n = min(block_n, chunk)
+    num_col_chunks = triton.cdiv(max(widest, 1), chunk)
     items_per_group = n_slices * num_col_chunks
     programs = _num_programs(max_groups * items_per_group, v.device, tuning)
     off += [off[-1]] * (MAX_SLICES + 1 - len(off))

@@ -102,11 +102,7 @@ def tunings(*changes: dict) -> list[GroupedTuning]:
 
 SMALL_BATCH_SWEEP = tunings(BESIDE_GEMM, {"pdl": False}, {"block_n": 256, "expand_stages": 2},
                             {"min_items_per_sm": 0}, {"min_items_per_sm": 8},
-                            {"shrink_warps": 4}, {"fused": True},
-                            {"fused": True, "programs_per_sm": 4},
-                            {"fused": True, "min_items_per_sm": 8},
-                            {"fused": True, "k_chunk": 512},
-                            {"fused": True, "expand_warps": 8})  # fmt: skip
+                            {"shrink_warps": 4})  # fmt: skip
 GROUP_TOKENS_SWEEP = (32,)
 
 
@@ -349,12 +345,6 @@ def bench_with_base(cfg: BenchConfig, sc: Scenario) -> list[Result]:
                 pool, TritonLoraBackend(), metas, side)
         variants["base + deferred LoRA, high prio"] = LoraContext(
             pool, TritonLoraBackend(), metas, high, defer=True)
-        fused = dataclasses.replace(tuning_for_rows(meta.max_rows), fused=True)
-        fused_beside = dataclasses.replace(tuning_for_rows(meta.max_rows, True), fused=True)
-        variants["base + fused LoRA after GEMM"] = LoraContext(
-            pool, TritonLoraBackend(tuning=fused), metas)
-        variants["base + deferred fused LoRA, high prio"] = LoraContext(
-            pool, TritonLoraBackend(side_tuning=fused_beside), metas, high, defer=True)
         tiny, g = torch.zeros(1, device=cfg.device), meta.groups
         index = (g.num_groups, g.group_indptr, g.token_ids, g.row_indptr, g.row_ids)
         side_tuning = tuning_for_rows(meta.max_rows, beside_gemm=True)

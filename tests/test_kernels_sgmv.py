@@ -27,7 +27,6 @@ from radixlora.kernels.lora_ops import (  # noqa: E402
     make_lora_backend,
 )
 from radixlora.kernels.sgmv_expand import sgmv_expand, sgmv_expand_ref  # noqa: E402
-from radixlora.kernels.sgmv_fused import grouped_lora, grouped_lora_ref, sync_buffer  # noqa: E402
 from radixlora.kernels.sgmv_grouped import (  # noqa: E402
     GroupedTuning,
     grouped_expand,
@@ -471,17 +470,15 @@ def test_grouped_expand_leaves_tokens_of_no_group_bitwise_untouched():
     assert not torch.equal(y[1], y0[1])
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused"])
 @pytest.mark.parametrize("split", ["one_split", "atomic_splits"])
-def test_deferred_delta_equals_what_apply_adds(split, fused):
+def test_deferred_delta_equals_what_apply_adds(split):
     """The deferred path (shrink into a zeroed workspace v, expand overwriting the groups' rows
-    of a float32 delta; or both in one launch) gives the delta apply adds, bit for bit in fp32;
-    the rows of tokens with no adapter stay zero, so one delta buffer serves every layer."""
+    of a float32 delta) gives the delta apply adds, bit for bit in fp32; the rows of tokens
+    with no adapter stay zero, so one delta buffer serves every layer."""
     pool, x, y0, segs = build_grouped_case("no_adapter_rows", 3)
     meta = grouped_meta(segs)
-    tuning = GroupedTuning(k_chunk=48 if split == "one_split" else 16, block_k=16, fused=fused)
+    tuning = GroupedTuning(k_chunk=48 if split == "one_split" else 16, block_k=16)
     backend = TritonLoraBackend(tuning=tuning, side_tuning=tuning)
-    assert backend.one_launch(meta) == fused and backend.deferred_needs_v(meta) != fused
     delta = torch.zeros_like(y0)
     for _ in range(2):  # the second layer reuses delta, with a fresh zeroed v
         v = torch.zeros(3, x.shape[0], meta.max_rows)
@@ -496,16 +493,14 @@ def test_deferred_delta_equals_what_apply_adds(split, fused):
     torch.testing.assert_close(torch_delta, delta, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused"])
 @pytest.mark.parametrize("defer", [False, True], ids=["after_gemm", "deferred"])
-def test_lora_context_projects_linear_plus_deltas(defer, fused):
+def test_lora_context_projects_linear_plus_deltas(defer):
     """LoraContext over two layers gives linear(x) plus the LoRA deltas, added into y or
     returned as a delta for y's consumer; deferred, the shrinks accumulate into the v of the
-    workspace `begin` zeroed (fused: one launch, no v). A group no request uses costs no LoRA
-    work."""
-    pool, x, y0, segs = build_grouped_case("stacks_1_to_8" if not fused else "skewed", 3)
+    workspace `begin` zeroed. A group no request uses costs no LoRA work."""
+    pool, x, y0, segs = build_grouped_case("stacks_1_to_8", 3)
     meta = grouped_meta(segs)
-    tuning = GroupedTuning(k_chunk=16, block_k=16, fused=fused)
+    tuning = GroupedTuning(k_chunk=16, block_k=16)
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(pool.out_offsets[-1], x.shape[1], generator=gen)
     layers = SimpleNamespace(a=[{"qkv": pool.a}] * 2, b=[{"qkv": pool.b}] * 2,
@@ -520,7 +515,7 @@ def test_lora_context_projects_linear_plus_deltas(defer, fused):
         assert (delta is not None) == defer
         torch.testing.assert_close(y + delta if defer else y, want, rtol=1e-4, atol=1e-4)
         if defer:
-            assert ctx._v[layer]["qkv"].any() if not fused else "qkv" not in ctx._v[layer]
+            assert ctx._v[layer]["qkv"].any()
     y, delta = ctx.project(linear, x, 0, "o")
     assert delta is None and torch.equal(y, linear(x))
 
@@ -603,54 +598,3 @@ def test_grouped_launchers_reject_bad_metadata(case):
     with pytest.raises(ValueError):
         grouped_expand(torch.zeros(1, x.shape[0], meta.max_rows), pool.b, pool.out_offsets,
                        y=y0, **kw)  # fmt: skip
-
-
-# ---- fused: the grouped shrink and expand in one launch -------------------------------------
-
-FUSED = GroupedTuning(k_chunk=16, block_k=16, block_n=16, col_chunk=32, expand_stages=2,
-                      fused=True)  # fmt: skip
-
-
-@pytest.mark.parametrize("n_slices", [1, 2, 3])
-@pytest.mark.parametrize("name", GROUPED_SCENARIOS)
-def test_fused_backend_matches_loop_reference(name, n_slices):
-    """One launch where every set has <= 64 rows; stacks past that take the two kernels."""
-    pool, x, y0, segs = build_grouped_case(name, n_slices, in_dim=48 if n_slices != 2 else 80)
-    meta = grouped_meta(segs)
-    backend = TritonLoraBackend(tuning=FUSED)
-    assert backend.one_launch(meta) == (meta.max_rows <= 64)
-    y = y0.clone()
-    backend.apply(x, y, pool.a, pool.b, pool.out_offsets, meta)
-    torch.testing.assert_close(y, expected(pool, x, y0, segs), rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("k_chunk", [48, 16], ids=["one_split", "three_splits"])
-def test_grouped_lora_matches_its_reference_and_leaves_its_counters_zero(k_chunk):
-    """Padded group buffers, accumulate or overwrite; tokens of no group bitwise untouched; the
-    counters are zero after each launch, so the next launch (or graph replay) starts clean."""
-    pool, x, y0, segs = build_grouped_case("skewed", 3)
-    meta = _pad_groups(grouped_meta(segs), extra=5)
-    args = (*_group_args(meta), meta.groups.row_scales, meta.max_rows)
-    tuning = dataclasses.replace(FUSED, k_chunk=k_chunk, col_chunk=16)
-    no_group = [t for t, (_, rows) in enumerate(zip(segs[0], segs[1], strict=True)) if not rows]
-    assert no_group
-    for accumulate in (True, False, True):
-        y, y_ref = y0.clone(), y0.clone()
-        grouped_lora(x, pool.a, pool.b, pool.out_offsets, *args, y, tuning=tuning,
-                     accumulate=accumulate)  # fmt: skip
-        grouped_lora_ref(x, pool.a, pool.b, pool.out_offsets, *args[:-1], y_ref,
-                         accumulate=accumulate)  # fmt: skip
-        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
-        assert torch.equal(y[no_group], y0[no_group])
-        assert not sync_buffer(x.device, 1).any()
-    torch.testing.assert_close(y, expected(pool, x, y0, segs), rtol=1e-4, atol=1e-4)
-
-
-def test_grouped_lora_rejects_wide_sets_and_bad_outputs():
-    pool, x, y0, segs = build_grouped_case("distinct_mixed_ranks", 1)
-    meta = grouped_meta(segs)
-    args = (*_group_args(meta), meta.groups.row_scales)
-    with pytest.raises(ValueError, match="max_rows"):
-        grouped_lora(x, pool.a, pool.b, pool.out_offsets, *args, 65, y0.clone())
-    with pytest.raises(ValueError, match="y"):
-        grouped_lora(x, pool.a, pool.b, pool.out_offsets, *args, meta.max_rows, y0[:, :-1])

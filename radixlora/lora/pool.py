@@ -310,7 +310,7 @@ class LoraContext:
             return
         used = {g: m for g, m in self.metas.items() if m is not None}
         v_shapes = {g: (self.pool.a[0][g].shape[0], num_tokens, m.max_rows)
-                    for g, m in used.items() if self.backend.deferred_needs_v(m)}  # fmt: skip
+                    for g, m in used.items() if m.groups is not None}  # fmt: skip
         d_shapes = {g: (num_tokens, self.pool.out_offsets[g][-1]) for g in used}
         shapes = [*v_shapes.values()] * len(self.pool.a) + [*d_shapes.values()]
         sizes = [math.prod(shape) for shape in shapes]
@@ -333,10 +333,6 @@ class LoraContext:
             y, _ = self._beside_gemm(linear, x, lambda: self.backend.deferred_delta(
                 x, a, b, out_offsets, meta, delta, self._v[layer_id].get(group)))  # fmt: skip
             return y, delta
-        if self.backend.one_launch(meta):  # nothing of it can start before the GEMM ends
-            y = linear(x)
-            self.backend.apply(x, y, a, b, out_offsets, meta)
-            return y, None
         y, v = self._beside_gemm(linear, x, lambda: self.backend.shrink(x, a, meta))
         if v is not None:
             self.backend.expand(v, b, out_offsets, meta, y)
