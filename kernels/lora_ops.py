@@ -288,18 +288,11 @@ class LoraBackend(ABC):
         delta: torch.Tensor,
         v: torch.Tensor | None = None,
     ) -> None:
-        """delta [T, out_total] := the deltas `apply` would add to y, zero in the rows of
-        tokens with no adapter. Deferred, delta (float32) and v ([n_slices, T, max_rows]
-        float32, for the grouped layout) come zeroed from a workspace and those rows must stay
-        zero, so a delta buffer can serve every layer; before a GEMM that adds into it
-        (`gemm_adds_delta`), delta comes uninitialised."""
+        """delta [T, out_total] float32 := the deltas `apply` would add to y. delta and v
+        ([n_slices, T, max_rows] float32, for the grouped layout) come zeroed from a workspace;
+        rows of tokens with no adapter must stay zero, so a delta buffer can serve every layer."""
         delta.zero_()
         self.apply(x, delta, a_pool, b_pool, out_offsets, meta)
-
-    def gemm_adds_delta(self, meta: LoraBatchMeta) -> bool:
-        """Whether LoraContext should store this batch's deltas first (`deferred_delta`) and
-        let the base GEMM add into them, instead of adding them into the GEMM's output."""
-        return False
 
 
 class TorchLoraBackend(LoraBackend):
@@ -374,18 +367,9 @@ class TritonLoraBackend(LoraBackend):
 
     def deferred_delta(self, x, a_pool, b_pool, out_offsets, meta, delta, v=None) -> None:
         """Grouped: the shrink accumulates into the zeroed v and the expand overwrites the rows
-        of the groups' tokens only, so no launch zeroes anything. Per segment: the expand stores
-        every row (zeros where a segment has no adapter)."""
+        of the groups' tokens only, so no launch zeroes anything."""
         g = meta.groups
-        if g is None:
-            if (v := self.shrink(x, a_pool, meta)) is None:
-                delta.zero_()
-                return
-            index = (meta.seg_indptr, meta.row_indptr, meta.row_ids)
-            self._expand(v, b_pool, out_offsets, *index, delta, max_seg_len=meta.max_seg_len,
-                         accumulate=False)  # fmt: skip
-            return
-        if v is None:
+        if g is None or v is None:
             super().deferred_delta(x, a_pool, b_pool, out_offsets, meta, delta)
             return
         _check_tokens(meta, x, delta)
@@ -395,12 +379,6 @@ class TritonLoraBackend(LoraBackend):
                                      tuning=tuning, out=v)  # fmt: skip
         self._grouped.grouped_expand(v, b_pool, out_offsets, *index, delta, tuning=tuning,
                                      accumulate=False)  # fmt: skip
-
-    def gemm_adds_delta(self, meta: LoraBatchMeta) -> bool:
-        """Per-segment batches (prefill): the expand stores, and the GEMM, compute-bound at
-        those sizes, reads the delta as its C operand: one pass over y, not a read-modify-write
-        after the GEMM (docs/PERF.md run 15)."""
-        return meta.groups is None
 
     def _tuning(self, meta: LoraBatchMeta):
         return self.tuning or self._grouped.tuning_for_rows(meta.max_rows)

@@ -213,42 +213,6 @@ def test_expand_launch_settings_do_not_change_the_result(block_t, block_n):
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["no_adapter_mix", "skewed"])
-def test_expand_store_writes_every_row_of_the_segments(name):
-    """accumulate=False: y := the deltas, zeros for segments with no rows, whatever y held."""
-    pool, x, _, segs = build_case(name, 3)
-    meta = LoraBatchMeta.from_segments(*segs, device="cpu", grouped=False)
-    index = (meta.seg_indptr, meta.row_indptr, meta.row_ids)
-    v = sgmv_shrink(x, pool.a, *index, meta.row_scales, meta.max_rows)
-    y = torch.full((x.shape[0], pool.out_offsets[-1]), float("nan"))
-    y_ref = y.clone()
-    sgmv_expand(v, pool.b, pool.out_offsets, *index, y, accumulate=False)
-    sgmv_expand_ref(v, pool.b, pool.out_offsets, *index, y_ref, accumulate=False)
-    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(y, expected(pool, x, torch.zeros_like(y), segs), rtol=1e-4,
-                               atol=1e-4)  # fmt: skip
-
-
-@pytest.mark.parametrize("bias", [False, True], ids=["gemm_adds_delta", "bias_adds_after"])
-def test_lora_context_lets_the_gemm_add_a_stored_prefill_delta(bias):
-    """Per-segment (prefill) batches on the Triton backend: the delta is stored first and the
-    GEMM adds into it; a projection with a bias keeps the expand after the GEMM."""
-    pool, x, _, segs = build_case("no_adapter_mix", 3)
-    meta = LoraBatchMeta.from_segments(*segs, device="cpu", grouped=False)
-    torch.manual_seed(3)
-    linear = torch.nn.Linear(x.shape[1], pool.out_offsets[-1], bias=bias)
-    layers = SimpleNamespace(a=[{"qkv": pool.a}], b=[{"qkv": pool.b}],
-                             out_offsets={"qkv": pool.out_offsets})  # fmt: skip
-    backend = TritonLoraBackend()
-    assert backend.gemm_adds_delta(meta)
-    ctx = LoraContext(layers, backend, {"qkv": meta})
-    with torch.no_grad():
-        y, delta = ctx.project(linear, x, 0, "qkv")
-        want = expected(pool, x, linear(x), segs)
-    assert delta is None
-    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
-
-
 def test_kernels_accept_strided_pools():
     pool, x, y0, segs = build_case("decode_distinct", 2)
     wide_b = torch.randn(pool.b.shape[0], pool.b.shape[1] + 5)

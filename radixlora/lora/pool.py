@@ -269,12 +269,9 @@ class LoraContext:
     (None when no request of the batch uses that group, so its work is skipped, not zeroed).
 
     `project` returns (y, delta): linear(x) plus the LoRA deltas of x is y + delta. By default
-    the deltas are added into y after the GEMM and delta is None; where the backend says so
-    (`gemm_adds_delta`: Triton, per-segment batches such as prefill) and the projection has no
-    bias, the deltas are stored first and the GEMM adds into them (addmm, beta 1). Deferred
-    (`defer`, small CUDA graph buckets), the deltas come back as a float32 delta that y's
-    consumer adds as it loads y (rotary + KV store, the norms' residual add, SiLU-mul), so no
-    LoRA launch follows the GEMM.
+    the deltas are added into y after the GEMM and delta is None. Deferred (`defer`, small CUDA
+    graph buckets), the deltas come back as a float32 delta that y's consumer adds as it loads y
+    (rotary + KV store, the norms' residual add, SiLU-mul), so no LoRA launch follows the GEMM.
     A deferred forward draws v and delta from one workspace zeroed once per forward (`begin`):
     v per (layer, group), one delta per group shared by all layers, whose rows of tokens with no
     adapter are never written and stay zero.
@@ -336,10 +333,6 @@ class LoraContext:
             y, _ = self._beside_gemm(linear, x, lambda: self.backend.deferred_delta(
                 x, a, b, out_offsets, meta, delta, self._v[layer_id].get(group)))  # fmt: skip
             return y, delta
-        if self.backend.gemm_adds_delta(meta) and _plain_linear(linear):
-            y = torch.empty(x.shape[0], linear.out_features, dtype=x.dtype, device=x.device)
-            self.backend.deferred_delta(x, a, b, out_offsets, meta, y)
-            return y.addmm_(x, linear.weight.t()), None
         y, v = self._beside_gemm(linear, x, lambda: self.backend.shrink(x, a, meta))
         if v is not None:
             self.backend.expand(v, b, out_offsets, meta, y)
@@ -360,10 +353,6 @@ class LoraContext:
     def _pools(self, layer_id: int, group: str):
         pool = self.pool
         return pool.a[layer_id][group], pool.b[layer_id][group], pool.out_offsets[group]
-
-
-def _plain_linear(linear) -> bool:
-    return isinstance(linear, torch.nn.Linear) and linear.bias is None
 
 
 def high_priority_stream(device) -> torch.cuda.Stream:
