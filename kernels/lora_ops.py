@@ -286,11 +286,10 @@ class LoraBackend(ABC):
         out_offsets: Sequence[int],
         meta: LoraBatchMeta,
         delta: torch.Tensor,
-        v: torch.Tensor | None = None,
     ) -> None:
-        """delta [T, out_total] float32 := the deltas `apply` would add to y. delta and v
-        ([n_slices, T, max_rows] float32, for the grouped layout) come zeroed from a workspace;
-        rows of tokens with no adapter must stay zero, so a delta buffer can serve every layer."""
+        """delta [T, out_total] float32 := the deltas `apply` would add to y. delta comes zeroed
+        from a workspace; rows of tokens with no adapter must stay zero, so a delta buffer can
+        serve every layer."""
         delta.zero_()
         self.apply(x, delta, a_pool, b_pool, out_offsets, meta)
 
@@ -365,18 +364,18 @@ class TritonLoraBackend(LoraBackend):
         index = (meta.seg_indptr, meta.row_indptr, meta.row_ids)
         self._expand(v, b_pool, out_offsets, *index, y, max_seg_len=meta.max_seg_len)
 
-    def deferred_delta(self, x, a_pool, b_pool, out_offsets, meta, delta, v=None) -> None:
-        """Grouped: the shrink accumulates into the zeroed v and the expand overwrites the rows
-        of the groups' tokens only, so no launch zeroes anything."""
+    def deferred_delta(self, x, a_pool, b_pool, out_offsets, meta, delta) -> None:
+        """Grouped: the expand overwrites the rows of the groups' tokens only, so no launch
+        zeroes anything."""
         g = meta.groups
-        if g is None or v is None:
+        if g is None:
             super().deferred_delta(x, a_pool, b_pool, out_offsets, meta, delta)
             return
         _check_tokens(meta, x, delta)
         tuning = self.side_tuning or self._grouped.tuning_for_rows(meta.max_rows, beside_gemm=True)
         index = _group_index(g)
-        self._grouped.grouped_shrink(x, a_pool, *index, g.row_scales, meta.max_rows,
-                                     tuning=tuning, out=v)  # fmt: skip
+        v = self._grouped.grouped_shrink(x, a_pool, *index, g.row_scales, meta.max_rows,
+                                         tuning=tuning)  # fmt: skip
         self._grouped.grouped_expand(v, b_pool, out_offsets, *index, delta, tuning=tuning,
                                      accumulate=False)  # fmt: skip
 

@@ -115,6 +115,8 @@ def grouped_expand_ref(
     accumulate: bool = True,
 ) -> None:
     """Pure-torch reference of `grouped_expand` (a loop over groups)."""
+    if v.dim() == 4:
+        v = v.sum(0)
     off = list(out_offsets)
     tok_at, rows_at = group_indptr.tolist(), row_indptr.tolist()
     for g in range(int(num_groups.item())):
@@ -150,10 +152,10 @@ def _grouped_shrink_kernel(
     stride_as,
     stride_ar,
     stride_ak,
+    stride_vp,
     stride_vs,
     stride_vt,
     stride_vr,
-    ATOMIC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -205,15 +207,12 @@ def _grouped_shrink_kernel(
                         acc += tl.dot(x, a)
                 v_ptrs = (
                     v_ptr
+                    + split * stride_vp
                     + slice_id * stride_vs
                     + tokens[:, None] * stride_vt
                     + offs_j[None, :] * stride_vr
                 )
-                out_mask = m_mask[:, None] & j_mask[None, :]
-                if ATOMIC:
-                    tl.atomic_add(v_ptrs, acc * scales[None, :], mask=out_mask)
-                else:
-                    tl.store(v_ptrs, acc * scales[None, :], mask=out_mask)
+                tl.store(v_ptrs, acc * scales[None, :], mask=m_mask[:, None] & j_mask[None, :])
     _wait_for_previous_kernel(PDL)  # a program with no work item must wait too
 
 
@@ -234,6 +233,8 @@ def _grouped_expand_kernel(
     col_chunk,
     num_col_chunks,
     items_per_group,
+    num_parts,
+    stride_vp,
     stride_vs,
     stride_vt,
     stride_vr,
@@ -275,11 +276,8 @@ def _grouped_expand_kernel(
                 offs_m = m + tl.arange(0, BLOCK_M)
                 m_mask = offs_m < m1
                 tokens = tl.load(token_ids_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-                v = tl.load(
-                    v_slice + tokens[:, None] * stride_vt + offs_j[None, :] * stride_vr,
-                    mask=m_mask[:, None] & j_mask[None, :],
-                    other=0.0,
-                )
+                v = _load_v(v_slice, tokens, offs_j, m_mask, j_mask, num_parts, stride_vp,
+                            stride_vt, stride_vr, BLOCK_M, BLOCK_R)  # fmt: skip
                 for n in tl.range(n_lo, n_hi, BLOCK_N, num_stages=NUM_STAGES):
                     offs_n = n + tl.arange(0, BLOCK_N)
                     n_mask = offs_n < n_hi
@@ -300,11 +298,8 @@ def _grouped_expand_kernel(
                         offs_j = j + tl.arange(0, BLOCK_R)
                         j_mask = offs_j < num_rows
                         rows = tl.load(row_ids_ptr + r0 + offs_j, mask=j_mask, other=0)
-                        v = tl.load(
-                            v_slice + tokens[:, None] * stride_vt + offs_j[None, :] * stride_vr,
-                            mask=m_mask[:, None] & j_mask[None, :],
-                            other=0.0,
-                        )
+                        v = _load_v(v_slice, tokens, offs_j, m_mask, j_mask, num_parts,
+                                    stride_vp, stride_vt, stride_vr, BLOCK_M, BLOCK_R)  # fmt: skip
                         b = _load_b_tile(b_ptr, rows.to(tl.int64), j_mask, offs_n, n_mask,
                                          stride_br, stride_bn)  # fmt: skip
                         acc += _dot_vb(v, b, FP32_DOT)
@@ -328,6 +323,17 @@ def _wait_for_previous_kernel(PDL: tl.constexpr):
     program must wait at least once, or a grid could finish before its predecessor."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def _load_v(v_slice, tokens, offs_j, m_mask, j_mask, num_parts, stride_vp, stride_vt, stride_vr,
+            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    """The tokens' rank-space activations: the shrink's in_dim partial sums, added in order."""
+    ptrs = v_slice + tokens[:, None] * stride_vt + offs_j[None, :] * stride_vr
+    v = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for part in range(num_parts):
+        v += tl.load(ptrs + part * stride_vp, mask=m_mask[:, None] & j_mask[None, :], other=0.0)
+    return v
 
 
 @triton.jit
@@ -426,21 +432,24 @@ def grouped_shrink(
     max_rows: int,
     *,
     tuning: GroupedTuning = DEFAULT_TUNING,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Semantics:
-        v = empty(n_slices, T, max_rows, dtype=float32) if out is None else out
+        v = empty(P, n_slices, T, max_rows, dtype=float32)  # P: in_dim splits, see below
         for g in range(num_groups):
             tokens = token_ids[group_indptr[g]:group_indptr[g + 1]]
             r0, r1 = row_indptr[g], row_indptr[g + 1]
             rows, sc = row_ids[r0:r1], row_scales[r0:r1]
             for i in range(n_slices):
-                v[i, tokens, :r1 - r0] = (x[tokens].float() @ a_pool[i, rows].float().T) * sc
+                for p, ks in enumerate(in_dim_splits):
+                    v[p, i, tokens, :r1 - r0] = (
+                        x[tokens, ks].float() @ a_pool[i, rows][:, ks].float().T) * sc
+        # v.sum(0)[i, tokens, :r1 - r0] is the group's x @ A.T * sc
 
     Only those entries are defined; every other entry of v is unspecified (grouped_expand never
-    reads them). Groups must not share tokens. Split over in_dim in chunks of at most
-    tuning.k_chunk (finer for small buckets: GroupedTuning.min_items_per_sm); with more than one
-    split, partial sums are added atomically in fp32 into a zeroed v.
+    reads them). Groups must not share tokens. in_dim is split in chunks of at most
+    tuning.k_chunk (finer for small buckets: GroupedTuning.min_items_per_sm); each split stores
+    its partial sum and the expand adds them up in order, so nothing needs zeroing and results
+    are deterministic.
 
     Args:
         x: [T, in_dim], float16/bfloat16/float32.
@@ -451,10 +460,9 @@ def grouped_shrink(
         row_indptr: [max_groups + 1] int32, offsets into row_ids.
         row_ids: [N] int32, pool rows of each group; row_scales: [N] float32, their weights.
         max_rows: int, >= r1 - r0 for every group; the width of v.
-        out: [n_slices, T, max_rows] float32, contiguous and all zero | None (allocated).
 
     Returns:
-        v: [n_slices, T, max_rows] float32 (out when given).
+        v: [P, n_slices, T, max_rows] float32, the partial sums of the P in_dim splits.
     """
     check_shrink_args(x, a_pool, max_rows, None)
     check_groups(num_groups, group_indptr, token_ids, row_indptr, row_ids, x.device, row_scales)
@@ -467,17 +475,7 @@ def grouped_shrink(
     k_chunk = min(tuning.k_chunk, in_dim, triton.cdiv(in_dim, wanted))
     k_per_split = triton.cdiv(k_chunk, block_k) * block_k
     split_k = triton.cdiv(in_dim, k_per_split)
-    v = out
-    if v is None:
-        alloc = torch.zeros if split_k > 1 else torch.empty
-        v = alloc(n_slices, num_tokens, max_rows, dtype=torch.float32, device=x.device)
-    elif v.shape != (n_slices, num_tokens, max_rows) or v.dtype != torch.float32 or (
-        v.device != x.device or not v.is_contiguous()
-    ):
-        raise ValueError(
-            f"out must be contiguous float32 [{n_slices}, {num_tokens}, {max_rows}] on {x.device}, "
-            f"got {v.dtype} {tuple(v.shape)} on {v.device}"
-        )
+    v = torch.empty(split_k, n_slices, num_tokens, max_rows, dtype=torch.float32, device=x.device)
     if max_groups == 0 or num_tokens == 0 or max_rows == 0 or row_ids.numel() == 0:
         return v
     items_per_group = n_slices * split_k * num_row_tiles
@@ -487,8 +485,8 @@ def grouped_shrink(
         in_dim, max_rows, k_per_split, items_per_group, num_row_tiles, split_k,
         x.stride(0), x.stride(1),
         a_pool.stride(0), a_pool.stride(1), a_pool.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        ATOMIC=split_k > 1, BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        v.stride(0), v.stride(1), v.stride(2), v.stride(3),
+        BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         FP32_DOT=fp32_dot(x.dtype, x.device), PDL=_use_pdl(x.device, tuning),
         num_warps=tuning.shrink_warps, num_stages=tuning.shrink_stages,
         **_launch_options(x.device, tuning),
@@ -526,15 +524,17 @@ def grouped_expand(
     in sgmv_expand.
 
     Args:
-        v: [n_slices, T, max_rows] float32, from `grouped_shrink`.
+        v: [n_slices, T, max_rows] float32, or [P, n_slices, T, max_rows]: `grouped_shrink`'s
+            P partial sums, which are added in order (the Semantics' v is their sum).
         b_pool: [num_rows, out_total], float16/bfloat16/float32 (any strides).
         out_offsets: n_slices + 1 python ints rising from 0 to out_total; 1 <= n_slices <= 3.
         num_groups, group_indptr, token_ids, row_indptr, row_ids: as for `grouped_shrink`.
         y: [T, out_total], float16/bfloat16/float32, updated in place.
     """
-    check_expand_args(v, b_pool, y)
+    parts = v if v.dim() == 4 else v.unsqueeze(0)
+    check_expand_args(parts[0], b_pool, y)
     check_groups(num_groups, group_indptr, token_ids, row_indptr, row_ids, v.device)
-    n_slices, num_tokens, max_rows = v.shape
+    n_slices, num_tokens, max_rows = parts.shape[1:]
     off = check_offsets(out_offsets, n_slices, b_pool.shape[1])
     max_groups = group_indptr.numel() - 1
     if max_groups == 0 or num_tokens == 0 or max_rows == 0 or row_ids.numel() == 0:
@@ -555,9 +555,9 @@ def grouped_expand(
     programs = _num_programs(max_groups * items_per_group, v.device, tuning)
     off += [off[-1]] * (MAX_SLICES + 1 - len(off))
     _grouped_expand_kernel[(programs,)](
-        v, b_pool, y, num_groups, group_indptr, token_ids, row_indptr, row_ids,
+        parts, b_pool, y, num_groups, group_indptr, token_ids, row_indptr, row_ids,
         max_rows, off[1], off[2], off[3], chunk, num_col_chunks, items_per_group,
-        v.stride(0), v.stride(1), v.stride(2),
+        parts.shape[0], parts.stride(0), parts.stride(1), parts.stride(2), parts.stride(3),
         b_pool.stride(0), b_pool.stride(1),
         y.stride(0), y.stride(1),
         BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_N=block_n, ONE_ROW_TILE=max_rows <= block_r,

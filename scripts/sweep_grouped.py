@@ -81,9 +81,9 @@ class Layer:
                   for name, p in self.projs.items()}  # fmt: skip
 
     def shrink_us(self, name: str, tuning: GroupedTuning) -> float:
-        p, v = self.projs[name], self.v[name]
+        p = self.projs[name]
         return per_launch_us(lambda: grouped_shrink(
-            p.x, p.a_pool, *self.index, self.scales, self.max_rows, tuning=tuning, out=v),
+            p.x, p.a_pool, *self.index, self.scales, self.max_rows, tuning=tuning),
             self.device)  # fmt: skip
 
     def expand_us(self, name: str, tuning: GroupedTuning) -> float:

@@ -388,7 +388,7 @@ def grouped_meta(segs) -> LoraBatchMeta:
     return meta
 
 
-# in_dim in 2-3 atomic splits; expand work items of one tile, or of 2 tiles (pipelined, the
+# in_dim in 2-3 splits; expand work items of one tile, or of 2 tiles (pipelined, the
 # last one partial where a slice is not a multiple of 16 columns)
 GROUPED_TUNINGS = {"tile_items": GroupedTuning(k_chunk=32, block_k=16),
                    "chunk_items": GroupedTuning(k_chunk=32, block_k=16, block_n=16, col_chunk=32,
@@ -410,7 +410,7 @@ def test_grouped_backend_matches_loop_reference(name, n_slices, tuning):
 
 @pytest.mark.parametrize("min_items_per_sm", [0, 64])
 def test_small_bucket_splitting_keeps_results(min_items_per_sm):
-    """0: in_dim in one split (plain stores into v); 64: split down to block_k (atomic sums)."""
+    """0: in_dim in one split; 64: split down to block_k (one partial sum per split)."""
     pool, x, y0, segs = build_grouped_case("single_token_groups_and_short_extends", 3, in_dim=80)
     y = y0.clone()
     tuning = GroupedTuning(block_k=16, min_items_per_sm=min_items_per_sm)
@@ -440,23 +440,29 @@ def _pad_groups(meta: LoraBatchMeta, extra: int) -> LoraBatchMeta:
     return dataclasses.replace(meta, groups=padded)
 
 
-@pytest.mark.parametrize("split", ["one_split", "atomic_splits"])
+@pytest.mark.parametrize("split", ["one_split", "three_splits"])
 def test_grouped_kernels_match_their_references_with_padding(split):
+    """The shrink stores one partial sum per in_dim split (only the group tokens' entries
+    within their rows are defined); the expand adds them up, given partials or their sum."""
     pool, x, y0, segs = build_grouped_case("skewed", 3)
     meta = _pad_groups(grouped_meta(segs), extra=5)
     tuning = GroupedTuning(k_chunk=48 if split == "one_split" else 16, block_k=16)
     args = _group_args(meta)
     v = grouped_shrink(x, pool.a, *args, meta.groups.row_scales, meta.max_rows, tuning=tuning)
+    assert v.shape == (1 if split == "one_split" else 3, 3, x.shape[0], meta.max_rows)
     v_ref = grouped_shrink_ref(x, pool.a, *args, meta.groups.row_scales, meta.max_rows)
     defined = torch.zeros_like(v_ref, dtype=torch.bool)
-    tokens = meta.groups.token_ids[: int(meta.groups.group_indptr[-6])].long()
-    defined[:, tokens] = True
-    torch.testing.assert_close(v[defined & (v_ref != 0)], v_ref[defined & (v_ref != 0)])
-    y, y_ref = y0.clone(), y0.clone()
-    grouped_expand(v_ref, pool.b, pool.out_offsets, *args, y, tuning=tuning)
-    grouped_expand_ref(v_ref, pool.b, pool.out_offsets, *args, y_ref)
-    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(y_ref, expected(pool, x, y0, segs), rtol=1e-4, atol=1e-4)
+    tok_at, rows_at = meta.groups.group_indptr.tolist(), meta.groups.row_indptr.tolist()
+    for g in range(int(meta.groups.num_groups)):
+        tokens = meta.groups.token_ids[tok_at[g] : tok_at[g + 1]].long()
+        defined[:, tokens, : rows_at[g + 1] - rows_at[g]] = True
+    torch.testing.assert_close(v.sum(0)[defined], v_ref[defined])
+    for given in (v, v_ref):
+        y, y_ref = y0.clone(), y0.clone()
+        grouped_expand(given, pool.b, pool.out_offsets, *args, y, tuning=tuning)
+        grouped_expand_ref(given, pool.b, pool.out_offsets, *args, y_ref)
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y_ref, expected(pool, x, y0, segs), rtol=1e-4, atol=1e-4)
 
 
 def test_grouped_expand_leaves_tokens_of_no_group_bitwise_untouched():
@@ -470,19 +476,18 @@ def test_grouped_expand_leaves_tokens_of_no_group_bitwise_untouched():
     assert not torch.equal(y[1], y0[1])
 
 
-@pytest.mark.parametrize("split", ["one_split", "atomic_splits"])
+@pytest.mark.parametrize("split", ["one_split", "split_partials"])
 def test_deferred_delta_equals_what_apply_adds(split):
-    """The deferred path (shrink into a zeroed workspace v, expand overwriting the groups' rows
-    of a float32 delta) gives the delta apply adds, bit for bit in fp32; the rows of tokens
-    with no adapter stay zero, so one delta buffer serves every layer."""
+    """The deferred path (the expand overwriting the groups' rows of a float32 delta) gives the
+    delta apply adds, bit for bit in fp32; the rows of tokens with no adapter stay zero, so one
+    delta buffer serves every layer."""
     pool, x, y0, segs = build_grouped_case("no_adapter_rows", 3)
     meta = grouped_meta(segs)
     tuning = GroupedTuning(k_chunk=48 if split == "one_split" else 16, block_k=16)
     backend = TritonLoraBackend(tuning=tuning, side_tuning=tuning)
     delta = torch.zeros_like(y0)
-    for _ in range(2):  # the second layer reuses delta, with a fresh zeroed v
-        v = torch.zeros(3, x.shape[0], meta.max_rows)
-        backend.deferred_delta(x, pool.a, pool.b, pool.out_offsets, meta, delta, v)
+    for _ in range(2):  # the second layer reuses delta
+        backend.deferred_delta(x, pool.a, pool.b, pool.out_offsets, meta, delta)
         y = torch.zeros_like(y0)
         backend.apply(x, y, pool.a, pool.b, pool.out_offsets, meta)
         assert torch.equal(delta, y)
@@ -496,8 +501,8 @@ def test_deferred_delta_equals_what_apply_adds(split):
 @pytest.mark.parametrize("defer", [False, True], ids=["after_gemm", "deferred"])
 def test_lora_context_projects_linear_plus_deltas(defer):
     """LoraContext over two layers gives linear(x) plus the LoRA deltas, added into y or
-    returned as a delta for y's consumer; deferred, the shrinks accumulate into the v of the
-    workspace `begin` zeroed. A group no request uses costs no LoRA work."""
+    returned as a delta for y's consumer, in the workspace `begin` zeroed. A group no request
+    uses costs no LoRA work."""
     pool, x, y0, segs = build_grouped_case("stacks_1_to_8", 3)
     meta = grouped_meta(segs)
     tuning = GroupedTuning(k_chunk=16, block_k=16)
@@ -514,19 +519,15 @@ def test_lora_context_projects_linear_plus_deltas(defer):
         y, delta = ctx.project(linear, x, layer, "qkv")
         assert (delta is not None) == defer
         torch.testing.assert_close(y + delta if defer else y, want, rtol=1e-4, atol=1e-4)
-        if defer:
-            assert ctx._v[layer]["qkv"].any()
     y, delta = ctx.project(linear, x, 0, "o")
     assert delta is None and torch.equal(y, linear(x))
 
 
-def test_grouped_expand_overwrites_and_shrink_fills_out():
+def test_grouped_expand_overwrites_only_the_groups_tokens():
     pool, x, y0, segs = build_grouped_case("skewed", 2)
     meta = grouped_meta(segs)
     args = _group_args(meta)
-    out = torch.zeros(2, x.shape[0], meta.max_rows)
-    v = grouped_shrink(x, pool.a, *args, meta.groups.row_scales, meta.max_rows, out=out)
-    assert v is out
+    v = grouped_shrink(x, pool.a, *args, meta.groups.row_scales, meta.max_rows)
     y, y_ref = y0.clone(), y0.clone()
     grouped_expand(v, pool.b, pool.out_offsets, *args, y, accumulate=False)
     grouped_expand_ref(v, pool.b, pool.out_offsets, *args, y_ref, accumulate=False)
@@ -536,8 +537,6 @@ def test_grouped_expand_overwrites_and_shrink_fills_out():
     grouped = torch.zeros(x.shape[0], dtype=torch.bool)
     grouped[meta.groups.token_ids.long()] = True
     assert torch.equal(y[grouped], delta[grouped]) and torch.equal(y[~grouped], y0[~grouped])
-    with pytest.raises(ValueError, match="out must be"):
-        grouped_shrink(x, pool.a, *args, meta.groups.row_scales, meta.max_rows, out=out[:1])
 
 
 def test_grouped_bf16_matches_fp32_reference():

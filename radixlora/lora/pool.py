@@ -272,9 +272,10 @@ class LoraContext:
     the deltas are added into y after the GEMM and delta is None. Deferred (`defer`, small CUDA
     graph buckets), the deltas come back as a float32 delta that y's consumer adds as it loads y
     (rotary + KV store, the norms' residual add, SiLU-mul), so no LoRA launch follows the GEMM.
-    A deferred forward draws v and delta from one workspace zeroed once per forward (`begin`):
-    v per (layer, group), one delta per group shared by all layers, whose rows of tokens with no
-    adapter are never written and stay zero.
+    A deferred forward draws its deltas from one workspace zeroed once per forward (`begin`):
+    one delta per group shared by all layers, whose rows of tokens with no adapter are never
+    written and stay zero. (The shrink's v needs no zeroing: its in_dim splits store partial
+    sums that the expand adds up.)
 
     With a side stream (CUDA graph capture), the LoRA work that only reads x (the shrink, or
     the whole delta when deferred) runs on it beside the base GEMM; at decode sizes it is
@@ -282,9 +283,10 @@ class LoraContext:
     compute stream before each projection's LoRA work, and the compute stream waits for it right
     after the GEMM, so x is ready when read and v or delta when used, and a layer's delta is
     overwritten only after the previous layer's consumer has read it. Memory (the caching
-    allocator reuses a block only on the stream that allocated it): v and delta are allocated on
-    the compute stream (workspace) or on the side stream (v of the non-deferred shrink, reused
-    only by a later shrink, which runs after the expand that read it); x belongs to the compute
+    allocator reuses a block only on the stream that allocated it): delta is allocated on the
+    compute stream (workspace); v on the side stream, reused only by later side-stream work,
+    which runs after the expand that read it (the deferred expand runs on the side stream, the
+    other after the join, before the next projection's fork); x belongs to the compute
     stream and is freed after the join, so its block is reused only by work queued after the
     LoRA work that read it."""
 
@@ -301,23 +303,18 @@ class LoraContext:
         self.metas = metas
         self.side_stream = side_stream
         self.defer = defer
-        self._v: list[dict[str, torch.Tensor]] = []  # deferred workspace, per layer and group
-        self._delta: dict[str, torch.Tensor] = {}
+        self._delta: dict[str, torch.Tensor] = {}  # deferred workspace, per group
 
     def begin(self, num_tokens: int, device) -> None:
         """Start a forward: a deferred context takes a zeroed workspace (one fill)."""
         if not self.defer:
             return
-        used = {g: m for g, m in self.metas.items() if m is not None}
-        v_shapes = {g: (self.pool.a[0][g].shape[0], num_tokens, m.max_rows)
-                    for g, m in used.items() if m.groups is not None}  # fmt: skip
-        d_shapes = {g: (num_tokens, self.pool.out_offsets[g][-1]) for g in used}
-        shapes = [*v_shapes.values()] * len(self.pool.a) + [*d_shapes.values()]
+        used = [g for g, m in self.metas.items() if m is not None]
+        shapes = [(num_tokens, self.pool.out_offsets[g][-1]) for g in used]
         sizes = [math.prod(shape) for shape in shapes]
         buf = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
-        views = iter(t.view(shape) for t, shape in zip(buf.split(sizes), shapes, strict=True))
-        self._v = [dict(zip(v_shapes, views)) for _ in self.pool.a]
-        self._delta = dict(zip(d_shapes, views))
+        views = zip(used, buf.split(sizes), shapes, strict=True)
+        self._delta = {g: t.view(shape) for g, t, shape in views}
 
     def project(
         self, linear: torch.nn.Module, x: torch.Tensor, layer_id: int, group: str
@@ -331,7 +328,7 @@ class LoraContext:
         if self.defer:
             delta = self._delta[group]
             y, _ = self._beside_gemm(linear, x, lambda: self.backend.deferred_delta(
-                x, a, b, out_offsets, meta, delta, self._v[layer_id].get(group)))  # fmt: skip
+                x, a, b, out_offsets, meta, delta))  # fmt: skip
             return y, delta
         y, v = self._beside_gemm(linear, x, lambda: self.backend.shrink(x, a, meta))
         if v is not None:
