@@ -36,6 +36,7 @@ from .sgmv_shrink import check_index_tensors, check_shrink_args, fp32_dot, pow2_
 
 _CPU_PROGRAMS = 3  # the interpreter runs programs one by one: a few exercise the striding
 MIN_BLOCK_N = 64  # expand tiles are never narrower than this (small buckets narrow them)
+MAX_PARTS_PER_STEP = 8  # the expand's loads of the shrink's partial sums in flight at once
 
 
 @dataclass(frozen=True)
@@ -246,6 +247,7 @@ def _grouped_expand_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ONE_ROW_TILE: tl.constexpr,
+    PARTS_PER_STEP: tl.constexpr,
     FP32_DOT: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -277,7 +279,7 @@ def _grouped_expand_kernel(
                 m_mask = offs_m < m1
                 tokens = tl.load(token_ids_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
                 v = _load_v(v_slice, tokens, offs_j, m_mask, j_mask, num_parts, stride_vp,
-                            stride_vt, stride_vr, BLOCK_M, BLOCK_R)  # fmt: skip
+                            stride_vt, stride_vr, BLOCK_M, BLOCK_R, PARTS_PER_STEP)  # fmt: skip
                 for n in tl.range(n_lo, n_hi, BLOCK_N, num_stages=NUM_STAGES):
                     offs_n = n + tl.arange(0, BLOCK_N)
                     n_mask = offs_n < n_hi
@@ -299,7 +301,8 @@ def _grouped_expand_kernel(
                         j_mask = offs_j < num_rows
                         rows = tl.load(row_ids_ptr + r0 + offs_j, mask=j_mask, other=0)
                         v = _load_v(v_slice, tokens, offs_j, m_mask, j_mask, num_parts,
-                                    stride_vp, stride_vt, stride_vr, BLOCK_M, BLOCK_R)  # fmt: skip
+                                    stride_vp, stride_vt, stride_vr, BLOCK_M, BLOCK_R,
+                                    PARTS_PER_STEP)  # fmt: skip
                         b = _load_b_tile(b_ptr, rows.to(tl.int64), j_mask, offs_n, n_mask,
                                          stride_br, stride_bn)  # fmt: skip
                         acc += _dot_vb(v, b, FP32_DOT)
@@ -327,12 +330,17 @@ def _wait_for_previous_kernel(PDL: tl.constexpr):
 
 @triton.jit
 def _load_v(v_slice, tokens, offs_j, m_mask, j_mask, num_parts, stride_vp, stride_vt, stride_vr,
-            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
-    """The tokens' rank-space activations: the shrink's in_dim partial sums, added in order."""
+            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+            PARTS_PER_STEP: tl.constexpr):  # fmt: skip
+    """The tokens' rank-space activations: the shrink's in_dim partial sums, added in order,
+    PARTS_PER_STEP loads in flight at a time (a batch-1 expand adds up to 16 of them)."""
     ptrs = v_slice + tokens[:, None] * stride_vt + offs_j[None, :] * stride_vr
+    mask = m_mask[:, None] & j_mask[None, :]
     v = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for part in range(num_parts):
-        v += tl.load(ptrs + part * stride_vp, mask=m_mask[:, None] & j_mask[None, :], other=0.0)
+    for first in range(0, num_parts, PARTS_PER_STEP):
+        for i in tl.static_range(PARTS_PER_STEP):
+            part = tl.full((1, 1), first + i, tl.int32)
+            v += tl.load(ptrs + part * stride_vp, mask=mask & (part < num_parts), other=0.0)
     return v
 
 
@@ -561,6 +569,7 @@ def grouped_expand(
         b_pool.stride(0), b_pool.stride(1),
         y.stride(0), y.stride(1),
         BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_N=block_n, ONE_ROW_TILE=max_rows <= block_r,
+        PARTS_PER_STEP=min(MAX_PARTS_PER_STEP, triton.next_power_of_2(parts.shape[0])),
         FP32_DOT=fp32_dot(b_pool.dtype, b_pool.device), ACCUMULATE=accumulate,
         NUM_STAGES=tuning.expand_stages, PDL=_use_pdl(v.device, tuning),
         num_warps=tuning.expand_warps, **_launch_options(v.device, tuning),
