@@ -440,16 +440,17 @@ def _pad_groups(meta: LoraBatchMeta, extra: int) -> LoraBatchMeta:
     return dataclasses.replace(meta, groups=padded)
 
 
-@pytest.mark.parametrize("split", ["one_split", "three_splits"])
-def test_grouped_kernels_match_their_references_with_padding(split):
+@pytest.mark.parametrize("in_dim,splits", [(48, 1), (48, 3), (160, 10)])
+def test_grouped_kernels_match_their_references_with_padding(in_dim, splits):
     """The shrink stores one partial sum per in_dim split (only the group tokens' entries
-    within their rows are defined); the expand adds them up, given partials or their sum."""
-    pool, x, y0, segs = build_grouped_case("skewed", 3)
+    within their rows are defined); the expand adds them up, given partials or their sum (10
+    splits: two steps of 8 loads, the second partly masked)."""
+    pool, x, y0, segs = build_grouped_case("skewed", 3, in_dim=in_dim)
     meta = _pad_groups(grouped_meta(segs), extra=5)
-    tuning = GroupedTuning(k_chunk=48 if split == "one_split" else 16, block_k=16)
+    tuning = GroupedTuning(k_chunk=in_dim // splits, block_k=16)
     args = _group_args(meta)
     v = grouped_shrink(x, pool.a, *args, meta.groups.row_scales, meta.max_rows, tuning=tuning)
-    assert v.shape == (1 if split == "one_split" else 3, 3, x.shape[0], meta.max_rows)
+    assert v.shape == (splits, 3, x.shape[0], meta.max_rows)
     v_ref = grouped_shrink_ref(x, pool.a, *args, meta.groups.row_scales, meta.max_rows)
     defined = torch.zeros_like(v_ref, dtype=torch.bool)
     tok_at, rows_at = meta.groups.group_indptr.tolist(), meta.groups.row_indptr.tolist()
