@@ -442,13 +442,14 @@ def grouped_shrink(
     tuning: GroupedTuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
     """Semantics:
-        v = empty(P, n_slices, T, max_rows, dtype=float32)  # P: in_dim splits, see below
+        # ks_list: P column ranges that tile in_dim (chunks of k_chunk, see below)
+        v = empty(P, n_slices, T, max_rows, dtype=float32)
         for g in range(num_groups):
             tokens = token_ids[group_indptr[g]:group_indptr[g + 1]]
             r0, r1 = row_indptr[g], row_indptr[g + 1]
             rows, sc = row_ids[r0:r1], row_scales[r0:r1]
             for i in range(n_slices):
-                for p, ks in enumerate(in_dim_splits):
+                for p, ks in enumerate(ks_list):
                     v[p, i, tokens, :r1 - r0] = (
                         x[tokens, ks].float() @ a_pool[i, rows][:, ks].float().T) * sc
         # v.sum(0)[i, tokens, :r1 - r0] is the group's x @ A.T * sc
