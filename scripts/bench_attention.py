@@ -178,7 +178,8 @@ def plan(smoke: bool) -> tuple[Shape, list[tuple[int, int]], list[tuple[int, int
         shape = Shape(4, 2, 16, torch.float16, "cpu", page_size=4)
         return shape, [(1, 20), (3, 70)], [(1, 0, 40), (2, 24, 9)], 2e-3
     shape = Shape(32, 8, 128, torch.bfloat16, "cuda", page_size=16)
-    decode = [(b, ctx) for ctx in (512, 4096) for b in (1, 32, 64)]
+    # (256, 576): target c2's decode batch (256 requests, prompt 512, mid-way through 128 tokens)
+    decode = [(b, ctx) for ctx in (512, 4096) for b in (1, 32, 64)] + [(256, 576)]
     return shape, decode, [(1, 0, 2048), (4, 1536, 512)], 2e-2
 
 

@@ -4,10 +4,12 @@ Llama-3-8B-shaped engine (dummy bf16 weights), base only vs with LoRA, kernels g
     python scripts/profile_decode.py            # on the H200; table per case, JSON to $OUT
     python scripts/profile_decode.py --smoke    # tiny shapes on the CPU (eager, no graphs)
 
-Cases: batch 1 with one rank-16 adapter on all 7 projections (target b), and batch 32 over 8
-such adapters (the c3 shape), each against the same batch on the base model. The engine runs a
-few decode steps first so the step's graph is captured and its static buffers hold the batch;
-then the profiled region replays that graph `--replays` times. Times are per replay.
+Cases (`--cases`): bs1, batch 1 with one rank-16 adapter on all 7 projections (target b); bs32,
+batch 32 over 8 such adapters (the c3 shape); c2, batch 256 with 512-token prompts over 64 such
+adapters picked with Zipf popularity (target c2's decode step). Each runs against the same batch
+on the base model. The engine runs a few decode steps first so the step's graph is captured and
+its static buffers hold the batch; then the profiled region replays that graph `--replays`
+times. Times are per replay.
 
 A sweep then recaptures the LoRA graphs under other launch settings of the deferred side
 branch's grouped kernels (and with all LoRA work on the compute stream instead of a side
@@ -41,13 +43,30 @@ from bench_engine import (
     model_dir,
     random_adapter,
     submit_random,
+    zipf_specs,
 )
 from torch.profiler import ProfilerActivity, profile
 
 from radixlora.cuda_graph import GraphKey
 from radixlora.kernels.sgmv_grouped import tuning_for_rows
 
-CASES = (("bs1 one adapter", 1, 1), ("bs32 8 adapters", 32, 8))
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    label: str
+    batch: int
+    adapters: int  # the first n adapters, round-robin, or Zipf-picked when zipf
+    prompt_len: int = 64
+    zipf: bool = False
+
+    def specs(self, names: list[str], rng) -> list[str]:
+        if self.zipf:
+            return zipf_specs(names[: self.adapters], self.batch, 1.0, rng)
+        return names[: self.adapters]
+
+
+CASES = {"bs1": Case("bs1 one adapter", 1, 1), "bs32": Case("bs32 8 adapters", 32, 8),
+         "c2": Case("bs256 zipf 64 adapters", 256, 64, prompt_len=512, zipf=True)}  # fmt: skip
 # Changes to the side-branch launch settings (both cases are deferred-delta graphs, <= 32 tokens)
 DEFAULT_SWEEP = ["stream=none", "stream=normal", "min_items_per_sm=4", "min_items_per_sm=2",
                  "min_items_per_sm=16", "shrink_warps=4", "block_k=64", "block_k=128",
@@ -86,15 +105,15 @@ def profile_graph(engine, batch: int, rows: int, replays: int) -> dict[str, floa
     return dict(sorted(per_family.items(), key=lambda kv: -kv[1]))
 
 
-def run_decode(engine, batch: int, specs, rng) -> None:
-    submit_random(engine, batch, specs, 64, 8, rng)
+def run_decode(engine, batch: int, specs, rng, prompt_len: int = 64) -> None:
+    submit_random(engine, batch, specs, prompt_len, 8, rng)
     while engine.scheduler.has_work():
         engine.step()
 
 
-def base_replay_ms(engine, batch: int, rng) -> float:
-    run_decode(engine, batch, [None], rng)  # captures the base graph where no profile did
-    return graph_replay_ms(engine, 0, batch)
+def base_replay_ms(engine, case: Case, rng) -> float:
+    run_decode(engine, case.batch, [None], rng, case.prompt_len)  # captures it where no profile did
+    return graph_replay_ms(engine, 0, case.batch)
 
 
 def parse_variant(text: str) -> dict[str, object]:
@@ -111,7 +130,8 @@ def parse_variant(text: str) -> dict[str, object]:
     return settings
 
 
-def sweep(engine, names: list[str], rows: int, rng, variants: list[str], rounds: int):
+def sweep(engine, names: list[str], rows: int, rng, variants: list[str], rounds: int,
+          cases: list[Case]):
     """Replay time of the LoRA graphs per side-branch launch setting, recaptured for each; the
     default leads every round, and the last round ends with it again, to show drift."""
     graphs, backend = engine.runner.graphs, engine.runner.lora_backend
@@ -131,9 +151,9 @@ def sweep(engine, names: list[str], rows: int, rng, variants: list[str], rounds:
         graphs.lora_streams = stream
         graphs.reset()
         times = out.setdefault(label or "default", {})
-        for case, batch, n_adapters in CASES:
-            run_decode(engine, batch, names[:n_adapters], rng)
-            times.setdefault(case, []).append(graph_replay_ms(engine, rows, batch))
+        for case in cases:
+            run_decode(engine, case.batch, case.specs(names, rng), rng, case.prompt_len)
+            times.setdefault(case.label, []).append(graph_replay_ms(engine, rows, case.batch))
         print(f"{label or 'default':<48}"
               + "".join(f"{case}: {ms[-1]:.3f} ms  " for case, ms in times.items()))  # fmt: skip
     backend.side_tuning, graphs.lora_streams = None, side
@@ -150,30 +170,39 @@ def main() -> None:
     p.add_argument("--no-profile", action="store_true", help="only the sweep")
     p.add_argument("--sweep", nargs="*", help="side-branch variants (default: one per setting)")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--cases", nargs="+", choices=list(CASES), default=["bs1", "bs32"])
     args = p.parse_args()
     shape = SMOKE if args.smoke else LLAMA3_8B
-    engine = make_engine(model_dir(shape), args, kv_pages=4096, max_running=32, max_rank=64)
+    cases = [CASES[name] for name in args.cases]
+    batch = max(case.batch for case in cases)
+    kv_tokens = batch * (max(case.prompt_len for case in cases) + 16)
+    engine = make_engine(model_dir(shape), args, kv_pages=max(4096, kv_tokens), max_running=batch,
+                         max_rank=64, adapter_rows=2048, max_adapter_sets_per_batch=128)
     cfg, dev, rng = engine.model_cfg, engine.runner.device, np.random.default_rng(0)
-    names = [f"p{i}" for i in range(8)]
+    names = [f"p{i}" for i in range(max(case.adapters for case in cases))]
     for i, name in enumerate(names):
         engine.add_adapter(random_adapter(cfg, name, 16, ALL7, 500 + i, dev))
     rows_bucket = engine.runner.graphs.key_for([1], 16, True).rows if engine.runner.graphs else 0
     report: dict = {"kernels": {}}
-    for label, batch, n_adapters in () if args.no_profile else CASES:
-        for kind, specs, rows in (("base", [None], 0), ("LoRA", names[:n_adapters], rows_bucket)):
-            run_decode(engine, batch, specs, rng)  # captures and leaves the batch in the buffers
-            case = f"{label}, {kind}"
-            kernels = report["kernels"][case] = profile_graph(engine, batch, rows, args.replays)
-            print(f"{case}: {sum(kernels.values()):.1f} us of kernels per replay")
+    for case in () if args.no_profile else cases:
+        lora = case.specs(names, rng)
+        for kind, specs, rows in (("base", [None], 0), ("LoRA", lora, rows_bucket)):
+            # captures the graph and leaves the batch in its buffers
+            run_decode(engine, case.batch, specs, rng, case.prompt_len)
+            label = f"{case.label}, {kind}"
+            kernels = report["kernels"][label] = profile_graph(engine, case.batch, rows,
+                                                               args.replays)
+            print(f"{label}: {sum(kernels.values()):.1f} us of kernels per replay")
             for family, us in list(kernels.items())[:12]:
                 print(f"    {family:<50}{us:10.1f}")
     if engine.runner.graphs is not None:
-        report["base_replay_ms"] = {label: base_replay_ms(engine, batch, rng)
-                                    for label, batch, _ in CASES}  # fmt: skip
+        report["base_replay_ms"] = {case.label: base_replay_ms(engine, case, rng)
+                                    for case in cases}  # fmt: skip
         print("base graphs: " + "".join(f"{c}: {ms:.3f} ms  "
                                         for c, ms in report["base_replay_ms"].items()))  # fmt: skip
         variants = args.sweep if args.sweep is not None else DEFAULT_SWEEP
-        report["lora_replay_ms"] = sweep(engine, names, rows_bucket, rng, variants, args.rounds)
+        report["lora_replay_ms"] = sweep(engine, names, rows_bucket, rng, variants, args.rounds,
+                                         cases)
     if out := os.environ.get("OUT"):
         Path(out, "profile_decode.json").write_text(json.dumps(report, indent=2))
 
