@@ -8,6 +8,7 @@ Stage 2 merges the splits of each (request, q head). The KV layout and CSR metad
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -38,10 +39,13 @@ def _decode_split_kernel(
     kv_indices,
     mid_o,
     mid_lse,
+    o,
     qk_scale,
     window,
     stride_qb,
     stride_qh,
+    stride_ob,
+    stride_oh,
     stride_ks,
     stride_kh,
     stride_vs,
@@ -93,12 +97,17 @@ def _decode_split_kernel(
     # l_i >= 1 when the split saw a key (its max term is exp2(0)), else l_i = 0 and m_i = -inf:
     # clamping to 1 keeps empty splits at lse = -inf (weight 0 in the merge) without log2(0).
     l_i = tl.maximum(l_i, 1.0)
-    lse = m_i + tl.math.log2(l_i)
     acc = acc / l_i[:, None]
-    row = (req * GROUP * tl.num_programs(1) + heads).to(tl.int64) * NUM_SPLITS + split
-    tl.store(mid_lse + row, lse, mask=h_mask)
-    o_ptrs = mid_o + row[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(o_ptrs, acc, mask=h_mask[:, None] & d_mask[None, :])
+    hd_mask = h_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        # the only split holds the whole softmax: no merge pass
+        o_ptrs = o + req.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, acc.to(o.dtype.element_ty), mask=hd_mask)
+    else:
+        lse = m_i + tl.math.log2(l_i)
+        row = (req * GROUP * tl.num_programs(1) + heads).to(tl.int64) * NUM_SPLITS + split
+        tl.store(mid_lse + row, lse, mask=h_mask)
+        tl.store(mid_o + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=hd_mask)
 
 
 @triton.jit
@@ -153,9 +162,16 @@ def _check_decode_args(q, k_cache, v_cache, o, kv_indptr, kv_indices, num_splits
         raise ValueError(f"num_splits must be in [1, 1024], got {num_splits}")
 
 
-def _decode_block_n() -> int:
-    return 32 if _interpreting() else 64
+@dataclasses.dataclass(frozen=True)
+class DecodeTuning:
+    """Launch parameters of the split kernel (scripts/bench_attention.py --sweep-decode)."""
 
+    block_n: int = 64  # keys per step of a program's loop (32 under the interpreter)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DEFAULT_DECODE_TUNING = DecodeTuning()
 
 def decode_attention(
     q: torch.Tensor,
@@ -167,6 +183,7 @@ def decode_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     num_splits: int | None = None,
+    tuning: DecodeTuning = DEFAULT_DECODE_TUNING,
 ) -> torch.Tensor:
     """Attention of each request's single new token over its whole paged KV sequence; writes o.
 
@@ -187,7 +204,9 @@ def decode_attention(
         kv_indices: [N] int32, slots of each request's KV in position order (the new token last).
         sm_scale: softmax scale, usually D ** -0.5.
         sliding_window: if set, only the last sliding_window keys are seen.
-        num_splits: splits of each request's KV range; `default_num_splits` if None.
+        num_splits: splits of each request's KV range; `default_num_splits` if None. With one
+            split the split kernel writes o itself and no merge runs.
+        tuning: launch parameters (the defaults are the H200's best, docs/PERF.md).
 
     Any head_dim works (blocks are padded to a power of 2 >= 16); accumulation is fp32.
     """
@@ -201,19 +220,23 @@ def decode_attention(
     if num_splits is None:
         num_splits = default_num_splits(batch, n_kv_heads, q.device)
     f32 = {"dtype": torch.float32, "device": q.device}
-    mid_o = torch.empty(batch, n_q_heads, num_splits, head_dim, **f32)
-    mid_lse = torch.empty(batch, n_q_heads, num_splits, **f32)
+    parts = num_splits if num_splits > 1 else 0
+    mid_o = torch.empty(batch, n_q_heads, parts, head_dim, **f32)
+    mid_lse = torch.empty(batch, n_q_heads, parts, **f32)
     block_d = _block_d(head_dim)
     _decode_split_kernel[(batch, n_kv_heads, num_splits)](
-        q, k_cache, v_cache, kv_indptr, kv_indices, mid_o, mid_lse,
+        q, k_cache, v_cache, kv_indptr, kv_indices, mid_o, mid_lse, o,
         sm_scale * LOG2E, sliding_window or 0,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=_decode_block_n(), USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2,
+        BLOCK_N=32 if _interpreting() else tuning.block_n, USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=tuning.num_warps,
+        num_stages=tuning.num_stages,
     )  # fmt: skip
+    if num_splits == 1:
+        return o
     _decode_merge_kernel[(batch, n_q_heads)](
         mid_o, mid_lse, o, o.stride(0), o.stride(1),
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits,

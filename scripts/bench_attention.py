@@ -1,11 +1,13 @@
 """Benchmark the paged attention kernels at Llama-3-8B shapes (32 q heads, 8 kv heads, D=128, bf16).
 
-Each case is checked against the pure-torch reference before it is timed (triton.testing.do_bench,
-median). Decode reports achieved bandwidth against the H200's 4.24 TB/s; extend reports TFLOP/s.
-Results go to $OUT/bench_attention.json when OUT is set.
+Each case is checked against the pure-torch reference before it is timed (on the GPU,
+triton.testing.do_bench_cudagraph, median: device time of the kernels without the host's launch
+cost, as in the engine's CUDA graphs). Decode reports achieved bandwidth against the H200's
+4.24 TB/s; extend reports TFLOP/s. Results go to $OUT/bench_attention.json when OUT is set.
 
-    python scripts/bench_attention.py            # GPU
-    python scripts/bench_attention.py --smoke    # tiny shapes, CPU, TRITON_INTERPRET=1
+    python scripts/bench_attention.py                 # GPU
+    python scripts/bench_attention.py --sweep-decode  # GPU: decode launch settings at c2/c3 shapes
+    python scripts/bench_attention.py --smoke         # tiny shapes, CPU, TRITON_INTERPRET=1
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from radixlora.kernels.attention_decode import (  # noqa: E402
+    DEFAULT_DECODE_TUNING,
+    DecodeTuning,
     decode_attention,
     decode_attention_ref,
     default_num_splits,
@@ -93,7 +97,7 @@ def make_paged(kv_lens: list[int], shape: Shape, gen: torch.Generator) -> Paged:
 
 def time_ms(fn: Callable[[], object], smoke: bool) -> float:
     if not smoke:
-        return triton.testing.do_bench(fn, return_mode="median")
+        return triton.testing.do_bench_cudagraph(fn, return_mode="median")
     fn()
     times = []
     for _ in range(3):
@@ -110,7 +114,8 @@ def check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
     return err
 
 
-def bench_decode(batch: int, ctx: int, shape: Shape, smoke: bool, tol: float) -> Result:
+def bench_decode(batch: int, ctx: int, shape: Shape, smoke: bool, tol: float,
+                 splits: int | None = None, tuning: DecodeTuning = DEFAULT_DECODE_TUNING) -> Result:
     gen = torch.Generator().manual_seed(batch * 100003 + ctx)
     paged = make_paged([ctx] * batch, shape, gen)
     q = torch.randn(batch, shape.n_q_heads, shape.head_dim, generator=gen).to(shape.dtype)
@@ -118,11 +123,11 @@ def bench_decode(batch: int, ctx: int, shape: Shape, smoke: bool, tol: float) ->
     o = torch.empty_like(q)
     scale = shape.head_dim**-0.5
     args = (q, paged.k_cache, paged.v_cache, o, paged.kv_indptr, paged.kv_indices, scale)
-    splits = default_num_splits(batch, shape.n_kv_heads, q.device)
-    decode_attention(*args, num_splits=splits)
+    splits = splits or default_num_splits(batch, shape.n_kv_heads, q.device)
+    decode_attention(*args, num_splits=splits, tuning=tuning)
     ref = decode_attention_ref(q, paged.k_cache, paged.v_cache, *args[4:])
     err = check(f"decode b={batch} ctx={ctx}", o, ref, tol)
-    ms = time_ms(lambda: decode_attention(*args, num_splits=splits), smoke)
+    ms = time_ms(lambda: decode_attention(*args, num_splits=splits, tuning=tuning), smoke)
     kv_bytes = 2 * batch * ctx * shape.n_kv_heads * shape.head_dim * paged.k_cache.element_size()
     bytes_moved = kv_bytes + 4 * batch * ctx + 2 * q.numel() * q.element_size()
     bw = bytes_moved / (ms * 1e-3)
@@ -183,11 +188,36 @@ def plan(smoke: bool) -> tuple[Shape, list[tuple[int, int]], list[tuple[int, int
     return shape, decode, [(1, 0, 2048), (4, 1536, 512)], 2e-2
 
 
+def sweep_decode(shape: Shape, smoke: bool, tol: float) -> None:
+    """Decode launch settings at c2's batch (256 x 576) and c3's (32 x 288): splits x keys per
+    step x warps x pipeline stages, ms and % of peak bandwidth per setting, best last."""
+    cases = [(2, 40)] if smoke else [(256, 576), (32, 288)]
+    grid = [(32, 2, 2)] if smoke else [
+        (n, w, st) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]  # fmt: skip
+    for batch, ctx in cases:
+        default = default_num_splits(batch, shape.n_kv_heads, torch.device(shape.device))
+        rows = []
+        for splits in sorted({default, 2 * default}):
+            for block_n, warps, stages in grid:
+                tuning = DecodeTuning(block_n, warps, stages)
+                r = bench_decode(batch, ctx, shape, smoke, tol, splits, tuning)
+                rows.append((r.ms, splits, tuning, r.pct_peak_bw))
+                print(f"decode b={batch} ctx={ctx} splits={splits} {tuning}: {r.ms:.4f} ms "
+                      f"{r.pct_peak_bw:.1f}%", flush=True)  # fmt: skip
+        best = min(rows, key=lambda row: row[0])
+        print(f"best b={batch} ctx={ctx}: splits={best[1]} {best[2]} {best[0]:.4f} ms "
+              f"{best[3]:.1f}%", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter)")
+    parser.add_argument("--sweep-decode", action="store_true", help="decode launch settings")
     cli = parser.parse_args()
     shape, decode_cases, extend_cases, tol = plan(cli.smoke)
+    if cli.sweep_decode:
+        sweep_decode(shape, cli.smoke, tol)
+        return
     if not cli.smoke:
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
               f"triton {triton.__version__}", flush=True)  # fmt: skip

@@ -20,8 +20,8 @@ two streams, replay times do not.
         --sweep "shrink_warps=4" "min_items_per_sm=4,stream=normal"
 
 runs only the sweep, over the given variants (comma-separated settings of the side branch's
-GroupedTuning; stream=normal|none picks the side stream), each round in turn, the default
-first in each round."""
+GroupedTuning, or with a "main." prefix of the larger graphs' grouped kernels; stream=normal|none
+picks the side stream), each round in turn, the default first in each round."""
 
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ class Case:
     batch: int
     adapters: int  # the first n adapters, round-robin, or Zipf-picked when zipf
     prompt_len: int = 64
+    new_tokens: int = 16  # enough to outlast the prefill of the whole batch
     zipf: bool = False
 
     def specs(self, names: list[str], rng) -> list[str]:
@@ -65,9 +66,12 @@ class Case:
         return names[: self.adapters]
 
 
-CASES = {"bs1": Case("bs1 one adapter", 1, 1), "bs32": Case("bs32 8 adapters", 32, 8),
-         "c2": Case("bs256 zipf 64 adapters", 256, 64, prompt_len=512, zipf=True)}  # fmt: skip
-# Changes to the side-branch launch settings (both cases are deferred-delta graphs, <= 32 tokens)
+CASES = {
+    "bs1": Case("bs1 one adapter", 1, 1),
+    "bs32": Case("bs32 8 adapters", 32, 8),
+    "c2": Case("bs256 zipf 64 adapters", 256, 64, prompt_len=512, new_tokens=64, zipf=True),
+}
+# Changes to the side-branch launch settings (bs1 and bs32 are deferred-delta graphs, <= 32 tokens)
 DEFAULT_SWEEP = ["stream=none", "stream=normal", "min_items_per_sm=4", "min_items_per_sm=2",
                  "min_items_per_sm=16", "shrink_warps=4", "block_k=64", "block_k=128",
                  "k_chunk=512", "programs_per_sm=2", "programs_per_sm=16", "block_n=128",
@@ -105,14 +109,30 @@ def profile_graph(engine, batch: int, rows: int, replays: int) -> dict[str, floa
     return dict(sorted(per_family.items(), key=lambda kv: -kv[1]))
 
 
-def run_decode(engine, batch: int, specs, rng, prompt_len: int = 64) -> None:
-    submit_random(engine, batch, specs, prompt_len, 8, rng)
+def drain(engine) -> None:
     while engine.scheduler.has_work():
         engine.step()
 
 
+def run_decode(engine, case: Case, specs, rng) -> None:
+    """Run the case's batch until all its requests have decoded together a few steps, so the
+    step's graph is captured and its static buffers hold the whole batch; the requests stay
+    running (the next call drains them)."""
+    drain(engine)
+    submit_random(engine, case.batch, specs, case.prompt_len, case.new_tokens, rng)
+    full_steps = 0
+    while full_steps < 3:
+        if not engine.scheduler.has_work():
+            raise SystemExit(f"{case.label}: the requests finished before decoding together")
+        running = engine.scheduler.running
+        if (len(running) == case.batch and not engine.scheduler.waiting
+                and all(r.remaining_prefill == 1 for r in running)):  # fmt: skip
+            full_steps += 1
+        engine.step()
+
+
 def base_replay_ms(engine, case: Case, rng) -> float:
-    run_decode(engine, case.batch, [None], rng, case.prompt_len)  # captures it where no profile did
+    run_decode(engine, case, [None], rng)  # captures the base graph where no profile did
     return graph_replay_ms(engine, 0, case.batch)
 
 
@@ -132,8 +152,10 @@ def parse_variant(text: str) -> dict[str, object]:
 
 def sweep(engine, names: list[str], rows: int, rng, variants: list[str], rounds: int,
           cases: list[Case]):
-    """Replay time of the LoRA graphs per side-branch launch setting, recaptured for each; the
-    default leads every round, and the last round ends with it again, to show drift."""
+    """Replay time of the LoRA graphs per launch setting, recaptured for each; the default leads
+    every round, and the last round ends with it again, to show drift. A setting applies to the
+    deferred side branch (graphs of <= 32 tokens), or with a "main." prefix to the grouped
+    kernels of larger graphs."""
     graphs, backend = engine.runner.graphs, engine.runner.lora_backend
     side = graphs.lora_streams
     streams = {
@@ -141,22 +163,27 @@ def sweep(engine, names: list[str], rows: int, rng, variants: list[str], rounds:
         "none": {},
         "normal": {**side, True: torch.cuda.Stream(device=engine.runner.device)},
     }
-    beside = tuning_for_rows(rows, beside_gemm=True)
     out: dict[str, dict[str, list[float]]] = {}
     order = [label for _ in range(rounds) for label in ["", *variants]] + [""]
     for label in order:
         settings = parse_variant(label)
         stream = streams[str(settings.pop("stream", "high"))]
+        main = {k.removeprefix("main."): v for k, v in settings.items() if k.startswith("main.")}
+        settings = {k: v for k, v in settings.items() if not k.startswith("main.")}
+        beside = tuning_for_rows(rows, beside_gemm=True)
         backend.side_tuning = dataclasses.replace(beside, **settings) if settings else None
+        backend.tuning = dataclasses.replace(tuning_for_rows(rows), **main) if main else None
         graphs.lora_streams = stream
+        drain(engine)
         graphs.reset()
         times = out.setdefault(label or "default", {})
         for case in cases:
-            run_decode(engine, case.batch, case.specs(names, rng), rng, case.prompt_len)
+            run_decode(engine, case, case.specs(names, rng), rng)
             times.setdefault(case.label, []).append(graph_replay_ms(engine, rows, case.batch))
         print(f"{label or 'default':<48}"
               + "".join(f"{case}: {ms[-1]:.3f} ms  " for case, ms in times.items()))  # fmt: skip
-    backend.side_tuning, graphs.lora_streams = None, side
+    backend.side_tuning, backend.tuning, graphs.lora_streams = None, None, side
+    drain(engine)
     graphs.reset()
     return out
 
@@ -175,9 +202,10 @@ def main() -> None:
     shape = SMOKE if args.smoke else LLAMA3_8B
     cases = [CASES[name] for name in args.cases]
     batch = max(case.batch for case in cases)
-    kv_tokens = batch * (max(case.prompt_len for case in cases) + 16)
+    kv_tokens = batch * max(case.prompt_len + case.new_tokens + 16 for case in cases)
     engine = make_engine(model_dir(shape), args, kv_pages=max(4096, kv_tokens), max_running=batch,
-                         max_rank=64, adapter_rows=2048, max_adapter_sets_per_batch=128)
+                         max_batch_tokens=8192, max_rank=64, adapter_rows=2048,
+                         max_adapter_sets_per_batch=128)
     cfg, dev, rng = engine.model_cfg, engine.runner.device, np.random.default_rng(0)
     names = [f"p{i}" for i in range(max(case.adapters for case in cases))]
     for i, name in enumerate(names):
@@ -188,7 +216,7 @@ def main() -> None:
         lora = case.specs(names, rng)
         for kind, specs, rows in (("base", [None], 0), ("LoRA", lora, rows_bucket)):
             # captures the graph and leaves the batch in its buffers
-            run_decode(engine, case.batch, specs, rng, case.prompt_len)
+            run_decode(engine, case, specs, rng)
             label = f"{case.label}, {kind}"
             kernels = report["kernels"][label] = profile_graph(engine, case.batch, rows,
                                                                args.replays)

@@ -200,12 +200,13 @@ def test_decode_fp32(group: int, page_size: int, num_splits: int) -> None:
     assert_close(run_decode(case, num_splits), decode_ref(case), torch.float32)
 
 
-def test_decode_head_dim_32_fp16() -> None:
+@pytest.mark.parametrize("num_splits", [1, 4])  # 1: the split kernel stores o, no merge
+def test_decode_head_dim_32_fp16(num_splits: int) -> None:
     prefix = [n - 1 for n in DECODE_KV_LENS]
     case = make_case(
         [1] * len(prefix), prefix, group=4, head_dim=32, page_size=4, dtype=torch.float16
     )
-    assert_close(run_decode(case, 4), decode_ref(case), torch.float16)
+    assert_close(run_decode(case, num_splits), decode_ref(case), torch.float16)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
