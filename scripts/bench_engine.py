@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from radixlora import Engine, SamplingParams
+from radixlora import Engine, SamplingParams, cuda_graph
 from radixlora.config import ModelConfig
 from radixlora.kernels.sgmv_grouped import DEFAULT_TUNING, GroupedTuning
 from radixlora.lora.adapter import GROUP_OF, LoraAdapter
@@ -200,7 +200,12 @@ def main() -> None:
                    help="LoRA work on the compute stream in the graphs, not beside the GEMMs")
     p.add_argument("--grouped-tuning", default="", metavar="K=V,...",
                    help="GroupedTuning fields of the non-deferred grouped kernels")
+    p.add_argument("--lora-defer-max-tokens", type=int, metavar="N",
+                   help="defer the LoRA deltas of graphs of up to N tokens (default: "
+                        f"{cuda_graph.LORA_DEFER_MAX_TOKENS})")
     args = p.parse_args()
+    if args.lora_defer_max_tokens is not None:
+        cuda_graph.LORA_DEFER_MAX_TOKENS = args.lora_defer_max_tokens
     shape = SMOKE if args.smoke else LLAMA3_8B
     scale = 8 if args.smoke else 1  # fewer requests / tokens in smoke mode
     rng = np.random.default_rng(0)

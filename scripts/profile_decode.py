@@ -21,7 +21,8 @@ two streams, replay times do not.
 
 runs only the sweep, over the given variants (comma-separated settings of the side branch's
 GroupedTuning, or with a "main." prefix of the larger graphs' grouped kernels; stream=normal|none
-picks the side stream), each round in turn, the default first in each round."""
+picks the side stream; defer_max=N sets LORA_DEFER_MAX_TOKENS), each round in turn, the default
+first in each round."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ from bench_engine import (
 )
 from torch.profiler import ProfilerActivity, profile
 
+from radixlora import cuda_graph
 from radixlora.cuda_graph import GraphKey
 from radixlora.kernels.sgmv_grouped import tuning_for_rows
 
@@ -66,6 +68,7 @@ class Case:
         return names[: self.adapters]
 
 
+DEFER_MAX_TOKENS = cuda_graph.LORA_DEFER_MAX_TOKENS
 CASES = {
     "bs1": Case("bs1 one adapter", 1, 1),
     "bs32": Case("bs32 8 adapters", 32, 8),
@@ -155,7 +158,7 @@ def sweep(engine, names: list[str], rows: int, rng, variants: list[str], rounds:
     """Replay time of the LoRA graphs per launch setting, recaptured for each; the default leads
     every round, and the last round ends with it again, to show drift. A setting applies to the
     deferred side branch (graphs of <= 32 tokens), or with a "main." prefix to the grouped
-    kernels of larger graphs."""
+    kernels of larger graphs; defer_max=N defers the deltas of graphs of up to N tokens."""
     graphs, backend = engine.runner.graphs, engine.runner.lora_backend
     side = graphs.lora_streams
     streams = {
@@ -168,6 +171,7 @@ def sweep(engine, names: list[str], rows: int, rng, variants: list[str], rounds:
     for label in order:
         settings = parse_variant(label)
         stream = streams[str(settings.pop("stream", "high"))]
+        cuda_graph.LORA_DEFER_MAX_TOKENS = settings.pop("defer_max", DEFER_MAX_TOKENS)
         main = {k.removeprefix("main."): v for k, v in settings.items() if k.startswith("main.")}
         settings = {k: v for k, v in settings.items() if not k.startswith("main.")}
         beside = tuning_for_rows(rows, beside_gemm=True)
@@ -183,6 +187,7 @@ def sweep(engine, names: list[str], rows: int, rng, variants: list[str], rounds:
         print(f"{label or 'default':<48}"
               + "".join(f"{case}: {ms[-1]:.3f} ms  " for case, ms in times.items()))  # fmt: skip
     backend.side_tuning, backend.tuning, graphs.lora_streams = None, None, side
+    cuda_graph.LORA_DEFER_MAX_TOKENS = DEFER_MAX_TOKENS
     drain(engine)
     graphs.reset()
     return out
