@@ -2,8 +2,9 @@
 
 Flash-decoding: stage 1 runs one program per (request, kv head, split); it reads each key/value
 once for the whole GQA query group and writes a normalised partial output plus its log-sum-exp.
-Stage 2 merges the splits of each (request, q head). The KV layout and CSR metadata are those of
-`attention_extend`; the query of request b is at position kv_len_b - 1.
+Stage 2 merges the splits of each (request, q head); with one split (batches that fill the GPU
+without splitting) stage 1 writes the output itself and stage 2 does not run. The KV layout and
+CSR metadata are those of `attention_extend`; the query of request b is at position kv_len_b - 1.
 """
 
 from __future__ import annotations
@@ -172,6 +173,7 @@ class DecodeTuning:
 
 
 DEFAULT_DECODE_TUNING = DecodeTuning()
+
 
 def decode_attention(
     q: torch.Tensor,
