@@ -14,10 +14,10 @@ import torch
 
 from radixlora.errors import InvalidRequestError
 from radixlora.forward_batch import to_device
+from radixlora.kernels.sampling import sample_tokens, sample_tokens_ref
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
-_M32 = 0xFFFFFFFF
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
@@ -104,20 +104,20 @@ class SampleOutput:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
-    """logits: [B, V] fp32. Logprobs are of the raw model distribution (before temperature)."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    tokens = logits.argmax(dim=-1)
-    if not batch.all_greedy:
-        scores = logits / batch.temperature.clamp_min(1e-6)[:, None]
-        if batch.needs_filter:
-            scores = _filter(scores, batch)
-        noise = gumbel_noise(batch.seeds, batch.steps, logits.shape[-1])
-        sampled = (scores + noise).argmax(dim=-1)
-        tokens = torch.where(batch.temperature == 0, tokens, sampled)
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    """logits: [B, V] (any float dtype). Logprobs are of the raw model distribution (before
+    temperature). On CUDA, batches without top-k/top-p/min-p run the one-pass sampling kernel;
+    the others (and the CPU) run its torch reference with the filter."""
+    args = (logits, batch.temperature, batch.seeds, batch.steps)
+    if logits.is_cuda and not batch.needs_filter:
+        tokens, chosen, lse = sample_tokens(*args, all_greedy=batch.all_greedy)
+    else:
+        filter_scores = (lambda scores: _filter(scores, batch)) if batch.needs_filter else None
+        tokens, chosen, lse = sample_tokens_ref(*args, all_greedy=batch.all_greedy,
+                                                filter_scores=filter_scores)  # fmt: skip
     top_ids = top_lp = None
     if batch.num_top_logprobs:
-        top_lp, top_ids = logprobs.topk(batch.num_top_logprobs, dim=-1)
+        top_logits, top_ids = logits.topk(batch.num_top_logprobs, dim=-1)
+        top_lp = top_logits.float() - lse[:, None]
     return SampleOutput(tokens, chosen, top_ids, top_lp)
 
 
@@ -132,22 +132,3 @@ def _filter(scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     drop[:, 0] = False
     sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
     return torch.empty_like(scores).scatter_(1, order, sorted_scores)
-
-
-def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise [B, vocab] that depends only on (seed, step, vocab id)."""
-    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :]
-    h = _fmix32((seeds[:, None] & _M32) ^ _fmix32(steps[:, None] * 0x9E3779B1 + 0x7F4A7C15))
-    h = _fmix32(h ^ ((seeds[:, None] >> 32) & _M32) * 0x85EBCA77)
-    h = _fmix32(h ^ _fmix32(ids * 0xC2B2AE3D + 0x165667B1))
-    u = ((h >> 8).double() + 0.5) / float(1 << 24)
-    return -torch.log(-torch.log(u)).float()
-
-
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finalizer on int64 tensors holding 32-bit values (products wrap; only
-    the low 32 bits are kept, which wrapping preserves)."""
-    h = h & _M32
-    h = ((h ^ (h >> 16)) * 0x85EBCA6B) & _M32
-    h = ((h ^ (h >> 13)) * 0xC2B2AE35) & _M32
-    return h ^ (h >> 16)

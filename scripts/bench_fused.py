@@ -1,6 +1,8 @@
 """Fused elementwise kernels (RMSNorm, add + RMSNorm, rotary on q and k, rotary + KV-cache
-store, SiLU-and-mul) vs the code they replace (eager torch; for rotary + KV store, the rotary
-kernel and two index_put copies), at Llama-3-8B shapes in bf16 for T in {1, 64, 256}.
+store, SiLU-and-mul) and the one-pass sampler (greedy and at temperature 0.8, over T rows of
+Llama-3's 128256 logits) vs the code they replace (eager torch; for rotary + KV store, the
+rotary kernel and two index_put copies; for the sampler, its torch reference, which batches
+with top-k/top-p still run), at Llama-3-8B shapes in bf16 for T in {1, 64, 256}.
 
 Every op is first checked against its pure-torch reference, in bf16 and in fp32, with
 positions up to 128k (rotary's range reduction); a failing op is not timed. Times are
@@ -45,6 +47,7 @@ from radixlora.kernels.rotary import (  # noqa: E402
     apply_rotary_ref,
 )
 from radixlora.kernels.rotary_kv import rotary_store_kv_, rotary_store_kv_ref  # noqa: E402
+from radixlora.kernels.sampling import sample_tokens, sample_tokens_ref  # noqa: E402
 from radixlora.model.rope import RotaryEmbedding  # noqa: E402
 
 EPS = 1e-5
@@ -60,6 +63,7 @@ class Shape:
     n_kv_heads: int
     head_dim: int
     intermediate: int
+    vocab: int
 
 
 @dataclass(frozen=True)
@@ -71,9 +75,9 @@ class BenchConfig:
     device: str
 
 
-FULL = BenchConfig(Shape(4096, 32, 8, 128, 14336), (1, 64, 256), torch.bfloat16,
+FULL = BenchConfig(Shape(4096, 32, 8, 128, 14336, 128256), (1, 64, 256), torch.bfloat16,
                    (torch.bfloat16, torch.float32), "cuda")  # fmt: skip
-SMOKE = BenchConfig(Shape(96, 4, 2, 16, 48), (1, 7), torch.float16,
+SMOKE = BenchConfig(Shape(96, 4, 2, 16, 48, 300), (1, 7), torch.float16,
                     (torch.float16, torch.float32), "cpu")  # fmt: skip
 
 
@@ -239,10 +243,32 @@ def silu_op(cfg: BenchConfig, tokens: int, dtype: torch.dtype) -> Op:
               lambda: silu_and_mul_ref(gate_up), check)  # fmt: skip
 
 
+def sample_ops(cfg: BenchConfig, rows: int, dtype: torch.dtype) -> list[Op]:
+    logits = make_randn(cfg, dtype)(rows, cfg.shape.vocab, scale=3.0)
+    gen = torch.Generator().manual_seed(3)
+    seeds = torch.randint(0, 2**62, (rows,), generator=gen).to(cfg.device)
+    steps = torch.randint(0, 4096, (rows,), generator=gen).to(cfg.device)
+
+    def op(name: str, temperature: float) -> Op:
+        greedy = temperature == 0
+        args = (logits, torch.full((rows,), temperature, device=cfg.device), seeds, steps)
+
+        def check() -> tuple[float, float, bool]:
+            tokens, logprobs, lse = sample_tokens(*args, all_greedy=greedy)
+            ref_tokens, ref_logprobs, ref_lse = sample_tokens_ref(*args, all_greedy=greedy)
+            rel, exact = compare(torch.cat((logprobs, lse)), torch.cat((ref_logprobs, ref_lse)))
+            return rel, exact, torch.equal(tokens, ref_tokens)
+
+        return Op(name, lambda: sample_tokens(*args, all_greedy=greedy),
+                  lambda: sample_tokens_ref(*args, all_greedy=greedy), check)  # fmt: skip
+
+    return [op("sample T=0", 0.0), op("sample T=0.8", 0.8)]
+
+
 def layer_ops(cfg: BenchConfig, tokens: int, dtype: torch.dtype) -> list[Op]:
     ops = norm_ops(cfg, tokens, dtype)
     return [*ops, rotary_op(cfg, tokens, dtype), rotary_kv_op(cfg, tokens, dtype),
-            silu_op(cfg, tokens, dtype)]  # fmt: skip
+            silu_op(cfg, tokens, dtype), *sample_ops(cfg, tokens, dtype)]  # fmt: skip
 
 
 def run_check(op: Op, tokens: int, dtype: torch.dtype) -> Check:

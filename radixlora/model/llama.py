@@ -105,11 +105,12 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits (fp32) of the tokens at fb.logits_indices: [num_logits, vocab]."""
+        """Logits (in the model's dtype, as lm_head rounds them) of the tokens at
+        fb.logits_indices: [num_logits, vocab]."""
         fb.begin()
         h, delta, residual = self.embed_tokens(fb.input_ids), None, None
         for layer in self.layers:
             h, delta, residual = layer(h, delta, residual, fb, self.rotary.inv_freq)
         rows = fb.logits_indices
         h, _ = self.norm(h[rows], residual[rows], None if delta is None else delta[rows])
-        return self.lm_head(h).float()
+        return self.lm_head(h)

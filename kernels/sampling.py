@@ -1,0 +1,239 @@
+"""Next-token choice from logits in one read of the vocabulary: greedy, or Gumbel-max at a
+temperature with counter-based noise, plus the log-sum-exp of the raw logits for logprobs.
+
+Stage 1 runs one program per (row, vocabulary split) and keeps, in one pass over its columns,
+the running max and sum of exponentials of the logits and the best score with its first
+column. Stage 2 merges the splits of each row. The noise of (seed, step, column) is murmur3's
+finalizer over those 32-bit words, the same bits in `gumbel_noise` (torch) and in the kernel.
+Top-k/top-p/min-p filters are not in the kernel (they need a sort): radixlora.sampling runs the
+torch reference for batches that use them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .sgmv_shrink import sm_count
+
+_M32 = 0xFFFFFFFF
+MIN_TEMPERATURE = 1e-6  # temperatures > 0 are clamped up to this before the division
+BLOCK = 2048  # vocabulary columns per step of a program's loop
+PROGRAMS_PER_SM = 4  # stage 1 splits rows until the grid has this many programs per SM
+_CPU_SMS = 1
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, vocab] float32 that depends only on (seed, step, vocab id)."""
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :]
+    h = _fmix32((seeds[:, None] & _M32) ^ _fmix32(steps[:, None] * 0x9E3779B1 + 0x7F4A7C15))
+    h = _fmix32(h ^ ((seeds[:, None] >> 32) & _M32) * 0x85EBCA77)
+    h = _fmix32(h ^ _fmix32(ids * 0xC2B2AE3D + 0x165667B1))
+    # (2k + 1) / 2^24 for a 23-bit k: exact in float32, strictly inside (0, 1)
+    u = ((h >> 9).float() + 0.5) * 2.0**-23
+    return -torch.log(-torch.log(u))
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finalizer on int64 tensors holding 32-bit values (products wrap; only
+    the low 32 bits are kept, which wrapping preserves)."""
+    h = h & _M32
+    h = ((h ^ (h >> 16)) * 0x85EBCA6B) & _M32
+    h = ((h ^ (h >> 13)) * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def sample_tokens_ref(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    *,
+    all_greedy: bool = False,
+    filter_scores=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pure-torch reference of `sample_tokens`. filter_scores (not in the kernel): a map of the
+    temperature-scaled scores [B, V] applied before the noise (top-k/top-p/min-p masking)."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    tokens = x.argmax(dim=-1)
+    if not all_greedy:
+        scores = x / temperature.clamp_min(MIN_TEMPERATURE)[:, None]
+        if filter_scores is not None:
+            scores = filter_scores(scores)
+        sampled = (scores + gumbel_noise(seeds, steps, x.shape[-1])).argmax(dim=-1)
+        tokens = torch.where(temperature > 0, sampled, tokens)
+    chosen = x.gather(1, tokens[:, None])[:, 0] - lse
+    return tokens, chosen, lse
+
+
+@triton.jit
+def _fmix(h):
+    """murmur3's 32-bit finalizer on uint32 values (products wrap mod 2^32)."""
+    h = (h ^ (h >> 16)) * 0x85EBCA6B
+    h = (h ^ (h >> 13)) * 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _row_hash(seed, step):
+    """The per-row words of `gumbel_noise`: seed and step mixed, as uint32."""
+    seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    seed_hi = (seed >> 32).to(tl.uint32)
+    h = _fmix(seed_lo ^ _fmix(step.to(tl.uint32) * 0x9E3779B1 + 0x7F4A7C15))
+    return _fmix(h ^ seed_hi * 0x85EBCA77)
+
+
+@triton.jit
+def _gumbel(row_hash, cols):
+    h = _fmix(row_hash ^ _fmix(cols.to(tl.uint32) * 0xC2B2AE3D + 0x165667B1))
+    u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _sample_partials_kernel(
+    logits_ptr, temp_ptr, seed_ptr, step_ptr,
+    part_max_ptr, part_sum_ptr, part_best_ptr, part_idx_ptr,
+    vocab, chunk, num_splits, stride_row, min_temp,
+    BLOCK: tl.constexpr, GREEDY: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    temp = tl.load(temp_ptr + row)
+    hot = temp > 0
+    temp = tl.maximum(temp, min_temp)
+    row_hash = _row_hash(tl.load(seed_ptr + row), tl.load(step_ptr + row))
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, vocab)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    run_max = tl.full((), float("-inf"), tl.float32)
+    run_sum = tl.zeros((), tl.float32)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_idx = tl.zeros((), tl.int32)
+    for start in range(lo, hi, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < hi
+        x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(run_max, tl.max(x, axis=0))
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        run_max = new_max
+        score = x
+        if not GREEDY:
+            hot_score = tl.div_rn(x, temp) + _gumbel(row_hash, cols)
+            score = tl.where(hot, hot_score, x)  # masked columns: -inf either way
+        tile_best = tl.max(score, axis=0)
+        tile_idx = tl.min(tl.where(score == tile_best, cols, vocab), axis=0)
+        better = tile_best > best  # strict: on a tie the earlier column stays
+        best_idx = tl.where(better, tile_idx, best_idx)
+        best = tl.where(better, tile_best, best)
+    out = row * num_splits + split
+    tl.store(part_max_ptr + out, run_max)
+    tl.store(part_sum_ptr + out, run_sum)
+    tl.store(part_best_ptr + out, best)
+    tl.store(part_idx_ptr + out, best_idx)
+
+
+@triton.jit
+def _sample_merge_kernel(
+    logits_ptr, part_max_ptr, part_sum_ptr, part_best_ptr, part_idx_ptr,
+    token_ptr, logprob_ptr, lse_ptr, vocab, num_splits, stride_row,
+    SPLITS: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    splits = tl.arange(0, SPLITS)
+    mask = splits < num_splits
+    at = row * num_splits + splits
+    part_max = tl.load(part_max_ptr + at, mask=mask, other=float("-inf"))
+    part_sum = tl.load(part_sum_ptr + at, mask=mask, other=0.0)
+    row_max = tl.max(part_max, axis=0)
+    lse = row_max + tl.log(tl.sum(part_sum * tl.exp(part_max - row_max), axis=0))
+    part_best = tl.load(part_best_ptr + at, mask=mask, other=float("-inf"))
+    part_idx = tl.load(part_idx_ptr + at, mask=mask, other=vocab)
+    best = tl.max(part_best, axis=0)
+    token = tl.min(tl.where(part_best == best, part_idx, vocab), axis=0)
+    chosen = tl.load(logits_ptr + row.to(tl.int64) * stride_row + token).to(tl.float32)
+    tl.store(token_ptr + row, token.to(tl.int64))
+    tl.store(logprob_ptr + row, chosen - lse)
+    tl.store(lse_ptr + row, lse)
+
+
+def default_num_splits(rows: int, vocab: int, device: torch.device, block: int = BLOCK) -> int:
+    """Splits per row so that the grid has PROGRAMS_PER_SM programs per SM, each at least one
+    block of the vocabulary."""
+    sms = sm_count(device.index) if device.type == "cuda" else _CPU_SMS
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, max(rows, 1)), triton.cdiv(vocab, block)))
+
+
+def _check(logits, temperature, seeds, steps) -> None:
+    if logits.dim() != 2 or logits.dtype not in _FLOAT_DTYPES or logits.stride(1) != 1:
+        raise ValueError(
+            f"logits must be [B, V] fp16/bf16/fp32 with unit column stride, got "
+            f"{tuple(logits.shape)} {logits.dtype} strides {logits.stride()}"
+        )
+    rows = logits.shape[0]
+    named = {"temperature": (temperature, torch.float32), "seeds": (seeds, torch.int64),
+             "steps": (steps, torch.int64)}  # fmt: skip
+    for name, (t, dtype) in named.items():
+        if t.shape != (rows,) or t.dtype != dtype or t.device != logits.device:
+            raise ValueError(
+                f"{name} must be [{rows}] {dtype} on {logits.device}, got "
+                f"{tuple(t.shape)} {t.dtype} on {t.device}"
+            )
+    if logits.shape[1] == 0 or logits.shape[1] >= 2**31:
+        raise ValueError(f"vocab size must be in [1, 2^31), got {logits.shape[1]}")
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    *,
+    all_greedy: bool = False,
+    num_splits: int | None = None,
+    block: int = BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Semantics:
+        x = logits.float()
+        lse = logsumexp(x, -1)
+        scores = x / temperature.clamp_min(1e-6)[:, None] + gumbel_noise(seeds, steps, V)
+        tokens = where(temperature > 0, scores.argmax(-1), x.argmax(-1))
+        return tokens, x[arange(B), tokens] - lse, lse
+
+    argmax takes the first column among equal maxima. Logits must be finite.
+
+    Args:
+        logits: [B, V] float16/bfloat16/float32, unit column stride.
+        temperature: [B] float32 (0: greedy). seeds, steps: [B] int64, the noise's counters.
+        all_greedy: the caller knows every temperature is 0 (the noise is not computed).
+        num_splits: vocabulary splits per row (default: `default_num_splits`).
+        block: vocabulary columns per step of a program's loop (a power of 2).
+
+    Returns:
+        tokens [B] int64, their logprobs under softmax(x) [B] float32, lse [B] float32.
+    """
+    _check(logits, temperature, seeds, steps)
+    rows, vocab = logits.shape
+    splits = num_splits or default_num_splits(rows, vocab, logits.device, block)
+    chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
+    splits = triton.cdiv(vocab, chunk)
+    f32 = {"dtype": torch.float32, "device": logits.device}
+    parts = [torch.empty(rows, splits, **f32) for _ in range(3)]
+    part_idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    logprobs, lse = torch.empty(rows, **f32), torch.empty(rows, **f32)
+    if rows == 0:
+        return tokens, logprobs, lse
+    _sample_partials_kernel[(rows, splits)](
+        logits, temperature, seeds, steps, *parts, part_idx,
+        vocab, chunk, splits, logits.stride(0), MIN_TEMPERATURE,
+        BLOCK=block, GREEDY=all_greedy, num_warps=8,
+    )  # fmt: skip
+    _sample_merge_kernel[(rows,)](
+        logits, *parts, part_idx, tokens, logprobs, lse, vocab, splits, logits.stride(0),
+        SPLITS=triton.next_power_of_2(splits), num_warps=1,
+    )  # fmt: skip
+    return tokens, logprobs, lse
