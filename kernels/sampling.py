@@ -21,6 +21,7 @@ _M32 = 0xFFFFFFFF
 MIN_TEMPERATURE = 1e-6  # temperatures > 0 are clamped up to this before the division
 BLOCK = 2048  # vocabulary columns per step of a program's loop
 PROGRAMS_PER_SM = 4  # stage 1 splits rows until the grid has this many programs per SM
+WARPS = 8  # per stage-1 program
 _CPU_SMS = 1
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -60,7 +61,7 @@ def sample_tokens_ref(
     lse = torch.logsumexp(x, dim=-1)
     tokens = x.argmax(dim=-1)
     if not all_greedy:
-        scores = x / temperature.clamp_min(MIN_TEMPERATURE)[:, None]
+        scores = x * (1.0 / temperature.clamp_min(MIN_TEMPERATURE))[:, None]
         if filter_scores is not None:
             scores = filter_scores(scores)
         sampled = (scores + gumbel_noise(seeds, steps, x.shape[-1])).argmax(dim=-1)
@@ -104,7 +105,7 @@ def _sample_partials_kernel(
     split = tl.program_id(1)
     temp = tl.load(temp_ptr + row)
     hot = temp > 0
-    temp = tl.maximum(temp, min_temp)
+    inv_temp = tl.div_rn(1.0, tl.maximum(temp, min_temp))
     row_hash = _row_hash(tl.load(seed_ptr + row), tl.load(step_ptr + row))
     lo = split * chunk
     hi = tl.minimum(lo + chunk, vocab)
@@ -122,7 +123,7 @@ def _sample_partials_kernel(
         run_max = new_max
         score = x
         if not GREEDY:
-            hot_score = tl.div_rn(x, temp) + _gumbel(row_hash, cols)
+            hot_score = x * inv_temp + _gumbel(row_hash, cols)
             score = tl.where(hot, hot_score, x)  # masked columns: -inf either way
         tile_best = tl.max(score, axis=0)
         tile_idx = tl.min(tl.where(score == tile_best, cols, vocab), axis=0)
@@ -199,7 +200,7 @@ def sample_tokens(
     """Semantics:
         x = logits.float()
         lse = logsumexp(x, -1)
-        scores = x / temperature.clamp_min(1e-6)[:, None] + gumbel_noise(seeds, steps, V)
+        scores = x * (1 / temperature.clamp_min(1e-6))[:, None] + gumbel_noise(seeds, steps, V)
         tokens = where(temperature > 0, scores.argmax(-1), x.argmax(-1))
         return tokens, x[arange(B), tokens] - lse, lse
 
@@ -220,17 +221,16 @@ def sample_tokens(
     splits = num_splits or default_num_splits(rows, vocab, logits.device, block)
     chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
     splits = triton.cdiv(vocab, chunk)
-    f32 = {"dtype": torch.float32, "device": logits.device}
-    parts = [torch.empty(rows, splits, **f32) for _ in range(3)]
+    parts = torch.empty(3, rows, splits, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    logprobs, lse = torch.empty(rows, **f32), torch.empty(rows, **f32)
+    logprobs, lse = torch.empty(2, rows, dtype=torch.float32, device=logits.device)
     if rows == 0:
         return tokens, logprobs, lse
     _sample_partials_kernel[(rows, splits)](
         logits, temperature, seeds, steps, *parts, part_idx,
         vocab, chunk, splits, logits.stride(0), MIN_TEMPERATURE,
-        BLOCK=block, GREEDY=all_greedy, num_warps=8,
+        BLOCK=block, GREEDY=all_greedy, num_warps=WARPS,
     )  # fmt: skip
     _sample_merge_kernel[(rows,)](
         logits, *parts, part_idx, tokens, logprobs, lse, vocab, splits, logits.stride(0),
