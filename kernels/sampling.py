@@ -20,8 +20,8 @@ from .sgmv_shrink import sm_count
 _M32 = 0xFFFFFFFF
 MIN_TEMPERATURE = 1e-6  # temperatures > 0 are clamped up to this before the division
 BLOCK = 2048  # vocabulary columns per step of a program's loop
-PROGRAMS_PER_SM = 4  # stage 1 splits rows until the grid has this many programs per SM
-WARPS = 8  # per stage-1 program
+PROGRAMS_PER_SM = 8  # stage 1 splits rows until the grid has this many programs per SM
+WARPS = 4  # per stage-1 program
 _CPU_SMS = 1
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
