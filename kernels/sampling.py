@@ -96,9 +96,8 @@ def _gumbel(row_hash, cols):
 
 @triton.jit
 def _sample_partials_kernel(
-    logits_ptr, temp_ptr, seed_ptr, step_ptr,
-    part_max_ptr, part_sum_ptr, part_best_ptr, part_idx_ptr,
-    vocab, chunk, num_splits, stride_row, min_temp,
+    logits_ptr, temp_ptr, seed_ptr, step_ptr, parts_ptr, part_idx_ptr,
+    vocab, chunk, num_splits, stride_row, stride_part, min_temp,
     BLOCK: tl.constexpr, GREEDY: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
@@ -130,35 +129,35 @@ def _sample_partials_kernel(
         better = tile_best > best  # strict: on a tie the earlier column stays
         best_idx = tl.where(better, tile_idx, best_idx)
         best = tl.where(better, tile_best, best)
-    out = row * num_splits + split
-    tl.store(part_max_ptr + out, run_max)
-    tl.store(part_sum_ptr + out, run_sum)
-    tl.store(part_best_ptr + out, best)
+    out = row * num_splits + split  # parts: [3, B, num_splits] max, sum of exp, best score
+    tl.store(parts_ptr + out, run_max)
+    tl.store(parts_ptr + stride_part + out, run_sum)
+    tl.store(parts_ptr + 2 * stride_part + out, best)
     tl.store(part_idx_ptr + out, best_idx)
 
 
 @triton.jit
 def _sample_merge_kernel(
-    logits_ptr, part_max_ptr, part_sum_ptr, part_best_ptr, part_idx_ptr,
-    token_ptr, logprob_ptr, lse_ptr, vocab, num_splits, stride_row,
+    logits_ptr, parts_ptr, part_idx_ptr, token_ptr, out_ptr,
+    vocab, num_splits, stride_row, stride_part, rows,
     SPLITS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     splits = tl.arange(0, SPLITS)
     mask = splits < num_splits
     at = row * num_splits + splits
-    part_max = tl.load(part_max_ptr + at, mask=mask, other=float("-inf"))
-    part_sum = tl.load(part_sum_ptr + at, mask=mask, other=0.0)
+    part_max = tl.load(parts_ptr + at, mask=mask, other=float("-inf"))
+    part_sum = tl.load(parts_ptr + stride_part + at, mask=mask, other=0.0)
     row_max = tl.max(part_max, axis=0)
     lse = row_max + tl.log(tl.sum(part_sum * tl.exp(part_max - row_max), axis=0))
-    part_best = tl.load(part_best_ptr + at, mask=mask, other=float("-inf"))
+    part_best = tl.load(parts_ptr + 2 * stride_part + at, mask=mask, other=float("-inf"))
     part_idx = tl.load(part_idx_ptr + at, mask=mask, other=vocab)
     best = tl.max(part_best, axis=0)
     token = tl.min(tl.where(part_best == best, part_idx, vocab), axis=0)
     chosen = tl.load(logits_ptr + row.to(tl.int64) * stride_row + token).to(tl.float32)
     tl.store(token_ptr + row, token.to(tl.int64))
-    tl.store(logprob_ptr + row, chosen - lse)
-    tl.store(lse_ptr + row, lse)
+    tl.store(out_ptr + row, chosen - lse)  # out: [2, B] logprobs, lse
+    tl.store(out_ptr + rows + row, lse)
 
 
 def default_num_splits(rows: int, vocab: int, device: torch.device, block: int = BLOCK) -> int:
@@ -224,16 +223,15 @@ def sample_tokens(
     parts = torch.empty(3, rows, splits, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    logprobs, lse = torch.empty(2, rows, dtype=torch.float32, device=logits.device)
-    if rows == 0:
-        return tokens, logprobs, lse
-    _sample_partials_kernel[(rows, splits)](
-        logits, temperature, seeds, steps, *parts, part_idx,
-        vocab, chunk, splits, logits.stride(0), MIN_TEMPERATURE,
-        BLOCK=block, GREEDY=all_greedy, num_warps=WARPS,
-    )  # fmt: skip
-    _sample_merge_kernel[(rows,)](
-        logits, *parts, part_idx, tokens, logprobs, lse, vocab, splits, logits.stride(0),
-        SPLITS=triton.next_power_of_2(splits), num_warps=1,
-    )  # fmt: skip
-    return tokens, logprobs, lse
+    out = torch.empty(2, rows, dtype=torch.float32, device=logits.device)
+    if rows > 0:
+        _sample_partials_kernel[(rows, splits)](
+            logits, temperature, seeds, steps, parts, part_idx,
+            vocab, chunk, splits, logits.stride(0), parts.stride(0), MIN_TEMPERATURE,
+            BLOCK=block, GREEDY=all_greedy, num_warps=WARPS,
+        )  # fmt: skip
+        _sample_merge_kernel[(rows,)](
+            logits, parts, part_idx, tokens, out, vocab, splits, logits.stride(0),
+            parts.stride(0), rows, SPLITS=triton.next_power_of_2(splits), num_warps=1,
+        )  # fmt: skip
+    return tokens, out[0], out[1]

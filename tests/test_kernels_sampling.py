@@ -44,7 +44,7 @@ def test_kernel_matches_reference(dtype, splits):
     assert_matches_ref(*batch(7, 451, dtype), num_splits=splits)
 
 
-@pytest.mark.parametrize("rows,vocab", [(1, 1), (1, 63), (2, 64), (3, 65), (9, 300)])
+@pytest.mark.parametrize("rows,vocab", [(0, 5), (1, 1), (1, 63), (2, 64), (3, 65), (9, 300)])
 def test_kernel_shapes_and_default_splits(rows, vocab):
     assert_matches_ref(*batch(rows, vocab, seed=rows))
     assert_matches_ref(*batch(rows, vocab, seed=rows, hot=False), all_greedy=True)
