@@ -5,8 +5,14 @@ Stage 1 runs one program per (row, vocabulary split) and keeps, in one pass over
 the running max and sum of exponentials of the logits and the best score with its first
 column. Stage 2 merges the splits of each row. The noise of (seed, step, column) is murmur3's
 finalizer over those 32-bit words, the same bits in `gumbel_noise` (torch) and in the kernel.
-Top-k/top-p/min-p filters are not in the kernel (they need a sort): radixlora.sampling runs the
-torch reference for batches that use them.
+
+Top-k, top-p and min-p keep the columns whose tempered score is at least a row's threshold, so
+the kept set only grows as a column's score does. Stage 2 finds the Gumbel-max over it without
+a sort: it starts from stage 1's winner over all columns; while the candidate is not kept, every
+kept column scores strictly higher than it, so the next candidate is the Gumbel-max over the
+columns scoring higher, found with the candidate's membership in one more pass over the row.
+The top column is always kept, so the loop ends; a sample of the unfiltered distribution lands
+in the kept set with probability about top_p, so most rows take one pass.
 """
 
 from __future__ import annotations
@@ -46,24 +52,41 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
+def filter_scores_ref(
+    scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """scores [B, V] with -inf in the columns top-k/top-p/min-p drop. A column stays when fewer
+    than top_k columns score strictly higher (top_k <= 0: off), the softmax mass of the columns
+    scoring strictly higher is below top_p (or top_p >= 1), and its probability is at least
+    min_p times the top one's. Ties at the boundary all stay."""
+    vocab = scores.shape[-1]
+    desc = scores.sort(dim=-1, descending=True).values
+    mass_before = torch.softmax(desc, dim=-1).cumsum(dim=-1)
+    above = vocab - torch.searchsorted(desc.flip(-1).contiguous(), scores, right=True)
+    mass_above = mass_before.gather(1, (above - 1).clamp_min(0)).masked_fill(above == 0, 0.0)
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]
+    keep = (above < k) & ((top_p[:, None] >= 1) | (mass_above < top_p[:, None]))
+    keep &= torch.exp(scores - desc[:, :1]) >= min_p[:, None]
+    return scores.masked_fill(~keep, float("-inf"))
+
+
 def sample_tokens_ref(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     seeds: torch.Tensor,
     steps: torch.Tensor,
+    filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     *,
     all_greedy: bool = False,
-    filter_scores=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pure-torch reference of `sample_tokens`. filter_scores (not in the kernel): a map of the
-    temperature-scaled scores [B, V] applied before the noise (top-k/top-p/min-p masking)."""
+    """Pure-torch reference of `sample_tokens`."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1)
     tokens = x.argmax(dim=-1)
     if not all_greedy:
         scores = x * (1.0 / temperature.clamp_min(MIN_TEMPERATURE))[:, None]
-        if filter_scores is not None:
-            scores = filter_scores(scores)
+        if filters is not None:
+            scores = filter_scores_ref(scores, *filters)
         sampled = (scores + gumbel_noise(seeds, steps, x.shape[-1])).argmax(dim=-1)
         tokens = torch.where(temperature > 0, sampled, tokens)
     chosen = x.gather(1, tokens[:, None])[:, 0] - lse
@@ -98,7 +121,7 @@ def _gumbel(row_hash, cols):
 def _sample_partials_kernel(
     logits_ptr, temp_ptr, seed_ptr, step_ptr, parts_ptr, part_idx_ptr,
     vocab, chunk, num_splits, stride_row, stride_part, min_temp,
-    BLOCK: tl.constexpr, GREEDY: tl.constexpr,
+    BLOCK: tl.constexpr, GREEDY: tl.constexpr, FILTER: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -111,6 +134,7 @@ def _sample_partials_kernel(
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     run_max = tl.full((), float("-inf"), tl.float32)
     run_sum = tl.zeros((), tl.float32)
+    run_sum_t = tl.zeros((), tl.float32)  # of the tempered scores, whose max is run_max * inv_temp
     best = tl.full((), float("-inf"), tl.float32)
     best_idx = tl.zeros((), tl.int32)
     for start in range(lo, hi, BLOCK):
@@ -119,6 +143,9 @@ def _sample_partials_kernel(
         x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(run_max, tl.max(x, axis=0))
         run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        if FILTER:
+            rescale = tl.exp(run_max * inv_temp - new_max * inv_temp)
+            run_sum_t = run_sum_t * rescale + tl.sum(tl.exp(x * inv_temp - new_max * inv_temp), 0)
         run_max = new_max
         score = x
         if not GREEDY:
@@ -129,20 +156,48 @@ def _sample_partials_kernel(
         better = tile_best > best  # strict: on a tie the earlier column stays
         best_idx = tl.where(better, tile_idx, best_idx)
         best = tl.where(better, tile_best, best)
-    out = row * num_splits + split  # parts: [3, B, num_splits] max, sum of exp, best score
+    out = row * num_splits + split  # parts: [4, B, splits] max, sum of exp, best, tempered sum
     tl.store(parts_ptr + out, run_max)
     tl.store(parts_ptr + stride_part + out, run_sum)
     tl.store(parts_ptr + 2 * stride_part + out, best)
+    tl.store(parts_ptr + 3 * stride_part + out, run_sum_t)
     tl.store(part_idx_ptr + out, best_idx)
+
+
+@triton.jit
+def _scan_above(row_ptr, vocab, floor, inv_temp, lse_t, row_hash, BLOCK: tl.constexpr):
+    """Over one row's tempered scores s: the softmax mass and the number of columns with
+    s > floor, and the first column maximising s + noise among them (vocab if none)."""
+    mass = tl.zeros((), tl.float32)
+    count = tl.zeros((), tl.int32)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_idx = tl.zeros((), tl.int32) + vocab
+    for start in range(0, vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        s = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        s = s * inv_temp
+        if tl.max(s, axis=0) > floor:  # most tiles hold no column above a candidate
+            above = s > floor
+            mass += tl.sum(tl.where(above, tl.exp(s - lse_t), 0.0), axis=0)
+            count += tl.sum(above.to(tl.int32), axis=0)
+            score = tl.where(above, s + _gumbel(row_hash, cols), float("-inf"))
+            tile_best = tl.max(score, axis=0)
+            tile_idx = tl.min(tl.where(score == tile_best, cols, vocab), axis=0)
+            better = tile_best > best
+            best_idx = tl.where(better, tile_idx, best_idx)
+            best = tl.where(better, tile_best, best)
+    return mass, count, best_idx
 
 
 @triton.jit
 def _sample_merge_kernel(
     logits_ptr, parts_ptr, part_idx_ptr, token_ptr, out_ptr,
-    vocab, num_splits, stride_row, stride_part, rows,
-    SPLITS: tl.constexpr,
+    temp_ptr, seed_ptr, step_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+    vocab, num_splits, stride_row, stride_part, rows, min_temp,
+    SPLITS: tl.constexpr, BLOCK: tl.constexpr, FILTER: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     splits = tl.arange(0, SPLITS)
     mask = splits < num_splits
     at = row * num_splits + splits
@@ -154,7 +209,28 @@ def _sample_merge_kernel(
     part_idx = tl.load(part_idx_ptr + at, mask=mask, other=vocab)
     best = tl.max(part_best, axis=0)
     token = tl.min(tl.where(part_best == best, part_idx, vocab), axis=0)
-    chosen = tl.load(logits_ptr + row.to(tl.int64) * stride_row + token).to(tl.float32)
+    if FILTER:
+        temp = tl.load(temp_ptr + row)
+        top_k = tl.load(top_k_ptr + row)
+        top_p = tl.load(top_p_ptr + row)
+        min_p = tl.load(min_p_ptr + row)
+        k = tl.where(top_k > 0, tl.minimum(top_k, vocab), vocab).to(tl.int32)
+        if (temp > 0) & ((top_k > 0) | (top_p < 1) | (min_p > 0)):
+            inv_temp = tl.div_rn(1.0, tl.maximum(temp, min_temp))
+            row_hash = _row_hash(tl.load(seed_ptr + row), tl.load(step_ptr + row))
+            max_t = row_max * inv_temp
+            part_sum_t = tl.load(parts_ptr + 3 * stride_part + at, mask=mask, other=0.0)
+            sum_t = tl.sum(part_sum_t * tl.exp(part_max * inv_temp - max_t), axis=0)
+            lse_t = max_t + tl.log(sum_t)
+            kept = tl.zeros((), tl.int32)
+            while kept == 0:
+                score = tl.load(row_ptr + token).to(tl.float32) * inv_temp
+                mass, count, above_best = _scan_above(row_ptr, vocab, score, inv_temp, lse_t,
+                                                      row_hash, BLOCK)  # fmt: skip
+                kept = ((count < k) & ((top_p >= 1) | (mass < top_p))
+                        & (tl.exp(score - max_t) >= min_p)).to(tl.int32)  # fmt: skip
+                token = tl.where(kept != 0, token, above_best)
+    chosen = tl.load(row_ptr + token).to(tl.float32)
     tl.store(token_ptr + row, token.to(tl.int64))
     tl.store(out_ptr + row, chosen - lse)  # out: [2, B] logprobs, lse
     tl.store(out_ptr + rows + row, lse)
@@ -167,7 +243,7 @@ def default_num_splits(rows: int, vocab: int, device: torch.device, block: int =
     return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, max(rows, 1)), triton.cdiv(vocab, block)))
 
 
-def _check(logits, temperature, seeds, steps) -> None:
+def _check(logits, temperature, seeds, steps, filters) -> None:
     if logits.dim() != 2 or logits.dtype not in _FLOAT_DTYPES or logits.stride(1) != 1:
         raise ValueError(
             f"logits must be [B, V] fp16/bf16/fp32 with unit column stride, got "
@@ -176,6 +252,9 @@ def _check(logits, temperature, seeds, steps) -> None:
     rows = logits.shape[0]
     named = {"temperature": (temperature, torch.float32), "seeds": (seeds, torch.int64),
              "steps": (steps, torch.int64)}  # fmt: skip
+    if filters is not None:
+        named.update(zip(("top_k", "top_p", "min_p"),
+                         zip(filters, (torch.int64, torch.float32, torch.float32))))  # fmt: skip
     for name, (t, dtype) in named.items():
         if t.shape != (rows,) or t.dtype != dtype or t.device != logits.device:
             raise ValueError(
@@ -191,6 +270,7 @@ def sample_tokens(
     temperature: torch.Tensor,
     seeds: torch.Tensor,
     steps: torch.Tensor,
+    filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     *,
     all_greedy: bool = False,
     num_splits: int | None = None,
@@ -199,7 +279,10 @@ def sample_tokens(
     """Semantics:
         x = logits.float()
         lse = logsumexp(x, -1)
-        scores = x * (1 / temperature.clamp_min(1e-6))[:, None] + gumbel_noise(seeds, steps, V)
+        scores = x * (1 / temperature.clamp_min(1e-6))[:, None]
+        if filters is not None:
+            scores = filter_scores_ref(scores, *filters)
+        scores = scores + gumbel_noise(seeds, steps, V)
         tokens = where(temperature > 0, scores.argmax(-1), x.argmax(-1))
         return tokens, x[arange(B), tokens] - lse, lse
 
@@ -208,6 +291,7 @@ def sample_tokens(
     Args:
         logits: [B, V] float16/bfloat16/float32, unit column stride.
         temperature: [B] float32 (0: greedy). seeds, steps: [B] int64, the noise's counters.
+        filters: (top_k [B] int64, top_p [B] float32, min_p [B] float32), or None.
         all_greedy: the caller knows every temperature is 0 (the noise is not computed).
         num_splits: vocabulary splits per row (default: `default_num_splits`).
         block: vocabulary columns per step of a program's loop (a power of 2).
@@ -215,12 +299,13 @@ def sample_tokens(
     Returns:
         tokens [B] int64, their logprobs under softmax(x) [B] float32, lse [B] float32.
     """
-    _check(logits, temperature, seeds, steps)
+    _check(logits, temperature, seeds, steps, filters)
     rows, vocab = logits.shape
     splits = num_splits or default_num_splits(rows, vocab, logits.device, block)
     chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
     splits = triton.cdiv(vocab, chunk)
-    parts = torch.empty(3, rows, splits, dtype=torch.float32, device=logits.device)
+    filtered = filters is not None and not all_greedy
+    parts = torch.empty(4, rows, splits, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     out = torch.empty(2, rows, dtype=torch.float32, device=logits.device)
@@ -228,10 +313,13 @@ def sample_tokens(
         _sample_partials_kernel[(rows, splits)](
             logits, temperature, seeds, steps, parts, part_idx,
             vocab, chunk, splits, logits.stride(0), parts.stride(0), MIN_TEMPERATURE,
-            BLOCK=block, GREEDY=all_greedy, num_warps=WARPS,
+            BLOCK=block, GREEDY=all_greedy, FILTER=filtered, num_warps=WARPS,
         )  # fmt: skip
         _sample_merge_kernel[(rows,)](
-            logits, parts, part_idx, tokens, out, vocab, splits, logits.stride(0),
-            parts.stride(0), rows, SPLITS=triton.next_power_of_2(splits), num_warps=1,
+            logits, parts, part_idx, tokens, out,
+            temperature, seeds, steps, *(filters if filtered else (temperature,) * 3),
+            vocab, splits, logits.stride(0), parts.stride(0), rows, MIN_TEMPERATURE,
+            SPLITS=triton.next_power_of_2(splits), BLOCK=block, FILTER=filtered,
+            num_warps=WARPS if filtered else 1,
         )  # fmt: skip
     return tokens, out[0], out[1]

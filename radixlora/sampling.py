@@ -105,30 +105,14 @@ class SampleOutput:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
     """logits: [B, V] (any float dtype). Logprobs are of the raw model distribution (before
-    temperature). On CUDA, batches without top-k/top-p/min-p run the one-pass sampling kernel;
-    the others (and the CPU) run its torch reference with the filter."""
-    args = (logits, batch.temperature, batch.seeds, batch.steps)
-    if logits.is_cuda and not batch.needs_filter:
-        tokens, chosen, lse = sample_tokens(*args, all_greedy=batch.all_greedy)
-    else:
-        filter_scores = (lambda scores: _filter(scores, batch)) if batch.needs_filter else None
-        tokens, chosen, lse = sample_tokens_ref(*args, all_greedy=batch.all_greedy,
-                                                filter_scores=filter_scores)  # fmt: skip
+    temperature and filters). The one-pass sampling kernel on CUDA, its torch reference
+    elsewhere."""
+    filters = (batch.top_k, batch.top_p, batch.min_p) if batch.needs_filter else None
+    sampler = sample_tokens if logits.is_cuda else sample_tokens_ref
+    tokens, chosen, lse = sampler(logits, batch.temperature, batch.seeds, batch.steps, filters,
+                                  all_greedy=batch.all_greedy)  # fmt: skip
     top_ids = top_lp = None
     if batch.num_top_logprobs:
         top_logits, top_ids = logits.topk(batch.num_top_logprobs, dim=-1)
         top_lp = top_logits.float() - lse[:, None]
     return SampleOutput(tokens, chosen, top_ids, top_lp)
-
-
-def _filter(scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    sorted_scores, order = scores.sort(dim=-1, descending=True)
-    probs = sorted_scores.softmax(dim=-1)
-    rank = torch.arange(scores.shape[-1], device=scores.device)[None, :]
-    k = torch.where(batch.top_k > 0, batch.top_k, scores.shape[-1])[:, None]
-    cum_before = probs.cumsum(dim=-1) - probs
-    drop = (rank >= k) | (cum_before >= batch.top_p[:, None])
-    drop |= probs < batch.min_p[:, None] * probs[:, :1]
-    drop[:, 0] = False
-    sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
-    return torch.empty_like(scores).scatter_(1, order, sorted_scores)

@@ -1,8 +1,8 @@
 """Fused elementwise kernels (RMSNorm, add + RMSNorm, rotary on q and k, rotary + KV-cache
-store, SiLU-and-mul) and the one-pass sampler (greedy and at temperature 0.8, over T rows of
-Llama-3's 128256 logits) vs the code they replace (eager torch; for rotary + KV store, the
-rotary kernel and two index_put copies; for the sampler, its torch reference, which batches
-with top-k/top-p still run), at Llama-3-8B shapes in bf16 for T in {1, 64, 256}.
+store, SiLU-and-mul) and the one-pass sampler (greedy; at temperature 0.8 alone, with top-p 0.9
+and with top-k 50; over T rows of Llama-3's 128256 logits) vs the code they replace (eager
+torch; for rotary + KV store, the rotary kernel and two index_put copies; for the sampler, its
+torch reference), at Llama-3-8B shapes in bf16 for T in {1, 64, 256}.
 
 Every op is first checked against its pure-torch reference, in bf16 and in fp32, with
 positions up to 128k (rotary's range reduction); a failing op is not timed. Times are
@@ -249,9 +249,13 @@ def sample_ops(cfg: BenchConfig, rows: int, dtype: torch.dtype) -> list[Op]:
     seeds = torch.randint(0, 2**62, (rows,), generator=gen).to(cfg.device)
     steps = torch.randint(0, 4096, (rows,), generator=gen).to(cfg.device)
 
-    def op(name: str, temperature: float) -> Op:
+    def op(name: str, temperature: float, top_k: int = -1, top_p: float = 1.0) -> Op:
         greedy = temperature == 0
         args = (logits, torch.full((rows,), temperature, device=cfg.device), seeds, steps)
+        if top_k > 0 or top_p < 1:
+            args += ((torch.full((rows,), top_k, device=cfg.device),
+                      torch.full((rows,), top_p, device=cfg.device),
+                      torch.zeros(rows, device=cfg.device)),)  # fmt: skip
 
         def check() -> tuple[float, float, bool]:
             tokens, logprobs, lse = sample_tokens(*args, all_greedy=greedy)
@@ -262,7 +266,8 @@ def sample_ops(cfg: BenchConfig, rows: int, dtype: torch.dtype) -> list[Op]:
         return Op(name, lambda: sample_tokens(*args, all_greedy=greedy),
                   lambda: sample_tokens_ref(*args, all_greedy=greedy), check)  # fmt: skip
 
-    return [op("sample T=0", 0.0), op("sample T=0.8", 0.8)]
+    return [op("sample T=0", 0.0), op("sample T=0.8", 0.8),
+            op("sample p0.9", 0.8, top_p=0.9), op("sample k50", 0.8, top_k=50)]  # fmt: skip
 
 
 def layer_ops(cfg: BenchConfig, tokens: int, dtype: torch.dtype) -> list[Op]:

@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from radixlora.kernels.sampling import (  # noqa: E402
+    filter_scores_ref,
     gumbel_noise,
     sample_tokens,
     sample_tokens_ref,
@@ -29,10 +30,20 @@ def batch(rows: int, vocab: int, dtype=torch.float32, seed: int = 0, hot: bool =
     return logits, temps if hot else torch.zeros(rows), seeds, steps
 
 
-def assert_matches_ref(logits, temps, seeds, steps, all_greedy=False, **kw) -> None:
-    tokens, logprobs, lse = sample_tokens(logits, temps, seeds, steps, all_greedy=all_greedy,
-                                          block=BLOCK, **kw)  # fmt: skip
-    ref = sample_tokens_ref(logits, temps, seeds, steps, all_greedy=all_greedy)
+def filters(rows: int):
+    """Per row: (top_k, top_p, min_p), with rows of each filter alone, all three, and none."""
+    table = [(0, 1.0, 0.0), (5, 1.0, 0.0), (-1, 0.6, 0.0), (-1, 1.0, 0.05), (20, 0.9, 0.01),
+             (1, 1.0, 0.0), (-1, 1e-6, 0.0), (-1, 1.0, 1.0), (3, 0.95, 0.0)]  # fmt: skip
+    rows_of = [table[i % len(table)] for i in range(rows)]
+    top_k, top_p, min_p = zip(*rows_of) if rows else ((), (), ())
+    return (torch.tensor(top_k, dtype=torch.int64), torch.tensor(top_p, dtype=torch.float32),
+            torch.tensor(min_p, dtype=torch.float32))  # fmt: skip
+
+
+def assert_matches_ref(logits, temps, seeds, steps, filters=None, all_greedy=False, **kw):
+    tokens, logprobs, lse = sample_tokens(logits, temps, seeds, steps, filters,
+                                          all_greedy=all_greedy, block=BLOCK, **kw)  # fmt: skip
+    ref = sample_tokens_ref(logits, temps, seeds, steps, filters, all_greedy=all_greedy)
     assert tokens.dtype == torch.int64 and torch.equal(tokens, ref[0])
     torch.testing.assert_close(logprobs, ref[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref[2], atol=1e-5, rtol=1e-5)
@@ -53,6 +64,46 @@ def test_kernel_shapes_and_default_splits(rows, vocab):
 def test_kernel_on_a_row_slice_of_wider_logits():
     logits, *rest = batch(4, 200)
     assert_matches_ref(logits[:, :130], *rest, num_splits=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_filtered_kernel_matches_reference(dtype, splits):
+    logits, temps, seeds, steps = batch(18, 300, dtype, seed=3)
+    assert_matches_ref(logits, temps, seeds, steps, filters(18), num_splits=splits)
+    for step in (1, 2):  # other noise: other candidates, other loop lengths
+        assert_matches_ref(logits, temps, seeds, steps + step, filters(18), num_splits=splits)
+
+
+def test_filter_reference_against_its_definition():
+    g = torch.Generator().manual_seed(4)
+    scores = torch.randn(9, 40, generator=g).repeat_interleave(2, dim=1)  # ties in every row
+    kept = filter_scores_ref(scores, *filters(9)).isfinite()
+    probs = torch.softmax(scores, -1)
+    for row, (top_k, top_p, min_p) in enumerate(zip(*filters(9))):
+        for col in range(scores.shape[1]):
+            higher = scores[row] > scores[row, col]
+            want = ((top_k <= 0 or higher.sum() < top_k)
+                    and (top_p >= 1 or probs[row][higher].sum() < top_p)
+                    and probs[row, col] >= min_p * probs[row].max())  # fmt: skip
+            assert kept[row, col] == want, (row, col)
+    assert kept[torch.arange(9), scores.argmax(-1)].all()  # the top column always stays
+
+
+def test_filtered_gumbel_max_draws_from_the_kept_softmax():
+    draws = 20000
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]]).expand(draws, -1)
+    seeds = torch.arange(draws, dtype=torch.int64) * 7919 + 17
+    steps = torch.zeros(draws, dtype=torch.int64)
+    probs = torch.softmax(logits[0], -1)  # 0.55, 0.20, 0.12, 0.07, 0.03: top_p 0.8 keeps 3
+    one = (torch.full((draws,), -1), torch.full((draws,), 0.8), torch.zeros(draws))
+    tokens, _, _ = sample_tokens_ref(logits, torch.ones(draws), seeds, steps, one)
+    freq = torch.bincount(tokens, minlength=5).float() / draws
+    want = torch.cat((probs[:3] / probs[:3].sum(), torch.zeros(2)))
+    torch.testing.assert_close(freq, want, atol=0.012, rtol=0)
+    kernel_tokens, _, _ = sample_tokens(logits[:64], torch.ones(64), seeds[:64], steps[:64],
+                                        tuple(t[:64] for t in one), block=BLOCK)  # fmt: skip
+    assert torch.equal(kernel_tokens, tokens[:64])
 
 
 def test_first_maximum_wins_across_splits():
@@ -106,3 +157,6 @@ def test_bad_arguments_raise():
         sample_tokens(logits, temps, seeds, steps[:2])
     with pytest.raises(ValueError, match="vocab"):
         sample_tokens(logits[:, :0], temps, seeds, steps)
+    top_k, top_p, min_p = filters(3)
+    with pytest.raises(ValueError, match="top_p"):
+        sample_tokens(logits, temps, seeds, steps, (top_k, top_p.double(), min_p))
