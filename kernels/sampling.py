@@ -24,7 +24,7 @@ import triton.language as tl
 from .sgmv_shrink import sm_count
 
 _M32 = 0xFFFFFFFF
-MIN_TEMPERATURE = 1e-6  # temperatures > 0 are clamped up to this before the division
+MIN_TEMPERATURE = 1e-6  # temperatures are clamped up to this before their reciprocal
 BLOCK = 2048  # vocabulary columns per step of a program's loop
 PROGRAMS_PER_SM = 8  # stage 1 splits rows until the grid has this many programs per SM
 WARPS = 4  # per stage-1 program
