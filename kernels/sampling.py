@@ -118,6 +118,23 @@ def _gumbel(row_hash, cols):
 
 
 @triton.jit
+def _rescaled_sum(run_sum, run_max, new_max, values):
+    """An online sum of exp(values - max): run_sum (taken at run_max) moved to new_max, plus one
+    tile's terms."""
+    return run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(values - new_max), axis=0)
+
+
+@triton.jit
+def _first_max(score, cols, vocab, best, best_idx):
+    """The running (max score, its first column) after one more tile: on a tie the earlier
+    column stays."""
+    tile_best = tl.max(score, axis=0)
+    tile_idx = tl.min(tl.where(score == tile_best, cols, vocab), axis=0)
+    better = tile_best > best
+    return tl.where(better, tile_best, best), tl.where(better, tile_idx, best_idx)
+
+
+@triton.jit
 def _sample_partials_kernel(
     logits_ptr, temp_ptr, seed_ptr, step_ptr, parts_ptr, part_idx_ptr,
     vocab, chunk, num_splits, stride_row, stride_part, min_temp,
@@ -142,20 +159,16 @@ def _sample_partials_kernel(
         mask = cols < hi
         x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(run_max, tl.max(x, axis=0))
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        run_sum = _rescaled_sum(run_sum, run_max, new_max, x)
         if FILTER:
-            rescale = tl.exp(run_max * inv_temp - new_max * inv_temp)
-            run_sum_t = run_sum_t * rescale + tl.sum(tl.exp(x * inv_temp - new_max * inv_temp), 0)
+            run_sum_t = _rescaled_sum(run_sum_t, run_max * inv_temp, new_max * inv_temp,
+                                      x * inv_temp)  # fmt: skip
         run_max = new_max
         score = x
         if not GREEDY:
             hot_score = x * inv_temp + _gumbel(row_hash, cols)
             score = tl.where(hot, hot_score, x)  # masked columns: -inf either way
-        tile_best = tl.max(score, axis=0)
-        tile_idx = tl.min(tl.where(score == tile_best, cols, vocab), axis=0)
-        better = tile_best > best  # strict: on a tie the earlier column stays
-        best_idx = tl.where(better, tile_idx, best_idx)
-        best = tl.where(better, tile_best, best)
+        best, best_idx = _first_max(score, cols, vocab, best, best_idx)
     out = row * num_splits + split  # parts: [4, B, splits] max, sum of exp, best, tempered sum
     tl.store(parts_ptr + out, run_max)
     tl.store(parts_ptr + stride_part + out, run_sum)
@@ -181,11 +194,7 @@ def _scan_above(row_ptr, vocab, floor, inv_temp, lse_t, row_hash, BLOCK: tl.cons
             mass += tl.sum(tl.where(above, tl.exp(s - lse_t), 0.0), axis=0)
             count += tl.sum(above.to(tl.int32), axis=0)
             score = tl.where(above, s + _gumbel(row_hash, cols), float("-inf"))
-            tile_best = tl.max(score, axis=0)
-            tile_idx = tl.min(tl.where(score == tile_best, cols, vocab), axis=0)
-            better = tile_best > best
-            best_idx = tl.where(better, tile_idx, best_idx)
-            best = tl.where(better, tile_best, best)
+            best, best_idx = _first_max(score, cols, vocab, best, best_idx)
     return mass, count, best_idx
 
 
