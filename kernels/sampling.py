@@ -28,6 +28,7 @@ MIN_TEMPERATURE = 1e-6  # temperatures are clamped up to this before their recip
 BLOCK = 2048  # vocabulary columns per step of a program's loop
 PROGRAMS_PER_SM = 8  # stage 1 splits rows until the grid has this many programs per SM
 WARPS = 4  # per stage-1 program
+FILTER_WARPS = 4  # per stage-2 program when filters are given (a row's candidate passes)
 _CPU_SMS = 1
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -76,14 +77,12 @@ def sample_tokens_ref(
     seeds: torch.Tensor,
     steps: torch.Tensor,
     filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    *,
-    all_greedy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-torch reference of `sample_tokens`."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1)
     tokens = x.argmax(dim=-1)
-    if not all_greedy:
+    if bool((temperature > 0).any()):
         scores = x * (1.0 / temperature.clamp_min(MIN_TEMPERATURE))[:, None]
         if filters is not None:
             scores = filter_scores_ref(scores, *filters)
@@ -135,10 +134,48 @@ def _first_max(score, cols, vocab, best, best_idx):
 
 
 @triton.jit
+def _row_filtered(row, hot, top_k_ptr, top_p_ptr, min_p_ptr, FILTER: tl.constexpr):
+    """Whether a row samples from a filtered set: it is hot and has top-k, top-p or min-p."""
+    filtered = hot & False
+    if FILTER:
+        filtered = hot & ((tl.load(top_k_ptr + row) > 0) | (tl.load(top_p_ptr + row) < 1)
+                          | (tl.load(min_p_ptr + row) > 0))  # fmt: skip
+    return filtered
+
+
+@triton.jit
+def _partials(row_ptr, lo, hi, vocab, inv_temp, row_hash,
+              BLOCK: tl.constexpr, HOT: tl.constexpr, TEMPERED_SUM: tl.constexpr):  # fmt: skip
+    """One pass over columns [lo, hi): the max and sum of exp of the logits, the sum of exp of
+    the tempered scores (taken at max * inv_temp; when TEMPERED_SUM), and the best score with
+    its first column (the logit, or when HOT the tempered score plus noise)."""
+    run_max = tl.full((), float("-inf"), tl.float32)
+    run_sum = tl.zeros((), tl.float32)
+    run_sum_t = tl.zeros((), tl.float32)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_idx = tl.zeros((), tl.int32)
+    for start in range(lo, hi, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + cols, mask=cols < hi, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(run_max, tl.max(x, axis=0))
+        run_sum = _rescaled_sum(run_sum, run_max, new_max, x)
+        if TEMPERED_SUM:
+            run_sum_t = _rescaled_sum(run_sum_t, run_max * inv_temp, new_max * inv_temp,
+                                      x * inv_temp)  # fmt: skip
+        run_max = new_max
+        score = x
+        if HOT:
+            score = x * inv_temp + _gumbel(row_hash, cols)  # masked columns stay -inf
+        best, best_idx = _first_max(score, cols, vocab, best, best_idx)
+    return run_max, run_sum, run_sum_t, best, best_idx
+
+
+@triton.jit
 def _sample_partials_kernel(
-    logits_ptr, temp_ptr, seed_ptr, step_ptr, parts_ptr, part_idx_ptr,
+    logits_ptr, temp_ptr, seed_ptr, step_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+    parts_ptr, part_idx_ptr,
     vocab, chunk, num_splits, stride_row, stride_part, min_temp,
-    BLOCK: tl.constexpr, GREEDY: tl.constexpr, FILTER: tl.constexpr,
+    BLOCK: tl.constexpr, FILTER: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -149,26 +186,17 @@ def _sample_partials_kernel(
     lo = split * chunk
     hi = tl.minimum(lo + chunk, vocab)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    run_max = tl.full((), float("-inf"), tl.float32)
-    run_sum = tl.zeros((), tl.float32)
-    run_sum_t = tl.zeros((), tl.float32)  # of the tempered scores, whose max is run_max * inv_temp
-    best = tl.full((), float("-inf"), tl.float32)
-    best_idx = tl.zeros((), tl.int32)
-    for start in range(lo, hi, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < hi
-        x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        new_max = tl.maximum(run_max, tl.max(x, axis=0))
-        run_sum = _rescaled_sum(run_sum, run_max, new_max, x)
-        if FILTER:
-            run_sum_t = _rescaled_sum(run_sum_t, run_max * inv_temp, new_max * inv_temp,
-                                      x * inv_temp)  # fmt: skip
-        run_max = new_max
-        score = x
-        if not GREEDY:
-            hot_score = x * inv_temp + _gumbel(row_hash, cols)
-            score = tl.where(hot, hot_score, x)  # masked columns: -inf either way
-        best, best_idx = _first_max(score, cols, vocab, best, best_idx)
+    # one branch per kind of row, so a greedy row computes no noise and an unfiltered row no
+    # tempered sum, whatever the other rows of the batch are
+    if _row_filtered(row, hot, top_k_ptr, top_p_ptr, min_p_ptr, FILTER):
+        run_max, run_sum, run_sum_t, best, best_idx = _partials(
+            row_ptr, lo, hi, vocab, inv_temp, row_hash, BLOCK, True, True)
+    elif hot:
+        run_max, run_sum, run_sum_t, best, best_idx = _partials(
+            row_ptr, lo, hi, vocab, inv_temp, row_hash, BLOCK, True, False)
+    else:
+        run_max, run_sum, run_sum_t, best, best_idx = _partials(
+            row_ptr, lo, hi, vocab, inv_temp, row_hash, BLOCK, False, False)
     out = row * num_splits + split  # parts: [4, B, splits] max, sum of exp, best, tempered sum
     tl.store(parts_ptr + out, run_max)
     tl.store(parts_ptr + stride_part + out, run_sum)
@@ -220,11 +248,11 @@ def _sample_merge_kernel(
     token = tl.min(tl.where(part_best == best, part_idx, vocab), axis=0)
     if FILTER:
         temp = tl.load(temp_ptr + row)
-        top_k = tl.load(top_k_ptr + row)
-        top_p = tl.load(top_p_ptr + row)
-        min_p = tl.load(min_p_ptr + row)
-        k = tl.where(top_k > 0, tl.minimum(top_k, vocab), vocab).to(tl.int32)
-        if (temp > 0) & ((top_k > 0) | (top_p < 1) | (min_p > 0)):
+        if _row_filtered(row, temp > 0, top_k_ptr, top_p_ptr, min_p_ptr, FILTER):
+            top_k = tl.load(top_k_ptr + row)
+            top_p = tl.load(top_p_ptr + row)
+            min_p = tl.load(min_p_ptr + row)
+            k = tl.where(top_k > 0, tl.minimum(top_k, vocab), vocab).to(tl.int32)
             inv_temp = tl.div_rn(1.0, tl.maximum(temp, min_temp))
             row_hash = _row_hash(tl.load(seed_ptr + row), tl.load(step_ptr + row))
             max_t = row_max * inv_temp
@@ -281,7 +309,6 @@ def sample_tokens(
     steps: torch.Tensor,
     filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     *,
-    all_greedy: bool = False,
     num_splits: int | None = None,
     block: int = BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -301,7 +328,6 @@ def sample_tokens(
         logits: [B, V] float16/bfloat16/float32, unit column stride.
         temperature: [B] float32 (0: greedy). seeds, steps: [B] int64, the noise's counters.
         filters: (top_k [B] int64, top_p [B] float32, min_p [B] float32), or None.
-        all_greedy: the caller knows every temperature is 0 (the noise is not computed).
         num_splits: vocabulary splits per row (default: `default_num_splits`).
         block: vocabulary columns per step of a program's loop (a power of 2).
 
@@ -313,22 +339,23 @@ def sample_tokens(
     splits = num_splits or default_num_splits(rows, vocab, logits.device, block)
     chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
     splits = triton.cdiv(vocab, chunk)
-    filtered = filters is not None and not all_greedy
+    filtered = filters is not None
     parts = torch.empty(4, rows, splits, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     out = torch.empty(2, rows, dtype=torch.float32, device=logits.device)
     if rows > 0:
+        filter_ptrs = filters if filtered else (temperature,) * 3
         _sample_partials_kernel[(rows, splits)](
-            logits, temperature, seeds, steps, parts, part_idx,
+            logits, temperature, seeds, steps, *filter_ptrs, parts, part_idx,
             vocab, chunk, splits, logits.stride(0), parts.stride(0), MIN_TEMPERATURE,
-            BLOCK=block, GREEDY=all_greedy, FILTER=filtered, num_warps=WARPS,
+            BLOCK=block, FILTER=filtered, num_warps=WARPS,
         )  # fmt: skip
         _sample_merge_kernel[(rows,)](
             logits, parts, part_idx, tokens, out,
-            temperature, seeds, steps, *(filters if filtered else (temperature,) * 3),
+            temperature, seeds, steps, *filter_ptrs,
             vocab, splits, logits.stride(0), parts.stride(0), rows, MIN_TEMPERATURE,
             SPLITS=triton.next_power_of_2(splits), BLOCK=block, FILTER=filtered,
-            num_warps=WARPS if filtered else 1,
+            num_warps=FILTER_WARPS if filtered else 1,
         )  # fmt: skip
     return tokens, out[0], out[1]

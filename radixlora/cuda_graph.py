@@ -32,6 +32,7 @@ from radixlora.kernels.lora_ops import HostGroups, LoraBatchMeta, LoraGroups
 from radixlora.kernels.scatter_words import scatter_words
 from radixlora.lora.adapter import MODULE_GROUPS
 from radixlora.lora.pool import LoraContext, LoraSegments, high_priority_stream
+from radixlora.sampling import GREEDY, ROW_DTYPES, ROW_FIELDS, SamplingBatch, draw
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 EXTEND_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -43,9 +44,23 @@ LORA_DEFER_MAX_TOKENS = 32
 
 
 @dataclass
+class GraphOutputs:
+    """What a graph step leaves on the device, one row per request."""
+
+    logits: torch.Tensor  # [batch, vocab] of each request's last token
+    tokens: torch.Tensor  # [batch] int64, sampled inside the graph
+    logprobs: torch.Tensor  # [batch] the tokens' logprobs under softmax(logits)
+    lse: torch.Tensor  # [batch] log-sum-exp of the logits
+
+    def __getitem__(self, rows) -> GraphOutputs:
+        return GraphOutputs(self.logits[rows], self.tokens[rows], self.logprobs[rows],
+                            self.lse[rows])  # fmt: skip
+
+
+@dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor
+    outputs: GraphOutputs
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,7 @@ class StaticInputs:
                 **{f"row_indptr.{g}": (t + 1, i32) for g in MODULE_GROUPS},
                 **{f"row_ids.{g}": (rows, i32) for g in MODULE_GROUPS},
                 **{f"row_scales.{g}": (rows, torch.float32) for g in MODULE_GROUPS},
+                **{f"sample.{name}": (n, ROW_DTYPES[name]) for name in ROW_FIELDS},
             },
             dev,
         )
@@ -103,6 +119,7 @@ class StaticInputs:
         self.row_indptr = {g: views[f"row_indptr.{g}"] for g in MODULE_GROUPS}
         self.row_ids = {g: views[f"row_ids.{g}"] for g in MODULE_GROUPS}
         self.row_scales = {g: views[f"row_scales.{g}"] for g in MODULE_GROUPS}
+        self.sampling = {name: views[f"sample.{name}"] for name in ROW_FIELDS}
         for buffer in (self.logits_indices, self.qo_indptr, self.kv_indptr):
             buffer.copy_(torch.arange(len(buffer)))
         self.token_seg = torch.zeros(t, dtype=i32, device=dev)
@@ -131,13 +148,22 @@ class StaticInputs:
         token_bucket = EXTEND_TOKEN_BUCKETS[bisect.bisect_left(EXTEND_TOKEN_BUCKETS, need)]
         return GraphKey(bucket, max(token_bucket, bucket + 1), rows)
 
-    def static_forward(self, key: GraphKey, host: dict, lora_segments, resolve=None):
-        """What a graph replay computes, run eagerly: logits of each request's last token."""
-        self._fill(key, host, lora_segments, resolve)
-        return self.runner.model(self._static_batch(key))[: len(host["qo_lens"])]
+    def static_forward(self, key: GraphKey, host: dict, lora_segments, sampling: SamplingBatch,
+                       resolve=None) -> GraphOutputs:  # fmt: skip
+        """What a graph replay computes, run eagerly."""
+        self._fill(key, host, lora_segments, sampling, resolve)
+        return self._run(key)[: len(host["qo_lens"])]
 
-    def _fill(self, key: GraphKey, host: dict, lora_segments, resolve=None) -> None:
-        """Copy a batch into the static buffers; `resolve` replaces placeholder ids in place."""
+    def _run(self, key: GraphKey) -> GraphOutputs:
+        """The forward and the sampler over the static buffers (what a graph captures)."""
+        logits = self.runner.model(self._static_batch(key))
+        rows = {name: buffer[: key.batch] for name, buffer in self.sampling.items()}
+        return GraphOutputs(logits, *draw(logits, rows))
+
+    def _fill(self, key: GraphKey, host: dict, lora_segments, sampling: SamplingBatch,
+              resolve=None) -> None:  # fmt: skip
+        """Copy a batch (with one sampling row per request) into the static buffers; `resolve`
+        replaces placeholder ids in place."""
         qo_lens = host["qo_lens"]
         pad_reqs = key.batch - len(qo_lens)
         pad_tokens = key.tokens - sum(qo_lens) - pad_reqs
@@ -154,6 +180,7 @@ class StaticInputs:
         }
         if lora_segments is not None and key.rows:
             parts.update(_group_parts(qo_lens, lora_segments))
+        parts.update(_sampling_parts(sampling, key.batch))
         self.inputs.send(parts)
         if resolve is not None:
             resolve(self.input_ids[: len(host["input_ids"])])
@@ -215,6 +242,7 @@ class StaticInputs:
                 "kv_indices": np.zeros(0),
             },
             None,
+            SamplingBatch.build([], [], []),
         )
         self.num_groups.zero_()
 
@@ -237,12 +265,14 @@ class CudaGraphRunner(StaticInputs):
             self.lora_streams = {True: high_priority_stream(runner.device),
                                  False: torch.cuda.Stream(runner.device)}  # fmt: skip
 
-    def forward(self, key: GraphKey, host: dict, lora_segments, resolve=None) -> torch.Tensor:
-        """Logits [batch, vocab] of each request's last token, by replaying key's graph."""
+    def forward(self, key: GraphKey, host: dict, lora_segments, sampling: SamplingBatch,
+                resolve=None) -> GraphOutputs:  # fmt: skip
+        """Replays key's graph. Its outputs stay valid until the graph is replayed again: read
+        them in stream order before that (copies and kernels queued behind the replay)."""
         entry = self.graphs.get(key) or self._capture(key)  # capture resets the buffers
-        self._fill(key, host, lora_segments, resolve)
+        self._fill(key, host, lora_segments, sampling, resolve)
         entry.graph.replay()
-        return entry.logits[: len(host["qo_lens"])]
+        return entry.outputs[: len(host["qo_lens"])]
 
     def reset(self) -> None:
         """Drop every captured graph (recaptured on use) with the memory pool they shared."""
@@ -258,18 +288,16 @@ class CudaGraphRunner(StaticInputs):
 
     def _capture(self, key: GraphKey) -> _Graph:
         self._reset_inputs(key)
-        fb = self._static_batch(key)
-        model = self.runner.model
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compiles Triton kernels and settles allocations
-                model(fb)
+                self._run(key)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = model(fb)
-        entry = _Graph(graph, logits)
+            outputs = self._run(key)
+        entry = _Graph(graph, outputs)
         self.graphs[key] = entry
         return entry
 
@@ -337,6 +365,14 @@ def _group_parts(qo_lens: list[int], lora_segments: LoraSegments) -> dict[str, n
         parts[f"row_ids.{group}"] = row_ids
         parts[f"row_scales.{group}"] = row_scales
     return parts
+
+
+def _sampling_parts(sampling: SamplingBatch, batch: int) -> dict[str, np.ndarray]:
+    """Sampling rows padded to the bucket with greedy rows (whose noise is never computed)."""
+    pad = batch - len(sampling.temperature)
+    fill = SamplingBatch.build([GREEDY] * pad, [0] * pad, [0] * pad).rows()
+    return {f"sample.{name}": np.concatenate([values, fill[name]])
+            for name, values in sampling.rows().items()}  # fmt: skip
 
 
 def _pad(values: np.ndarray, n: int) -> np.ndarray:

@@ -18,7 +18,7 @@ from radixlora.kv_cache import KVPool
 from radixlora.lora.adapter import MODULE_GROUPS
 from radixlora.lora.pool import AdapterPool, LoraContext, LoraSegments
 from radixlora.model.loader import load_model
-from radixlora.sampling import SamplingBatch, sample
+from radixlora.sampling import GREEDY, SampleOutput, SamplingBatch, sample, with_top_logprobs
 from radixlora.scheduler import BatchPlan
 
 
@@ -100,22 +100,30 @@ class ModelRunner:
         scored = _scored_rows(plan)
         resolve = self._resolve_placeholders if (host["input_ids"] < 0).any() else None
         key = self._graph_key(host, segments) if scored is None else None
+        step = LaunchedStep()
+        out = None
         if key is not None:
-            logits = self.graphs.forward(key, host, segments, resolve)
+            # the graph samples every request's row (greedy where the item samples nothing)
+            rows = self._sampling_batch(plan.items)
+            graph_out = self.graphs.forward(key, host, segments, rows, resolve)
             if len(sampled) < len(plan.items):
-                rows = [k for k, i in enumerate(plan.items) if i.sample]
-                logits = logits[to_device(rows, torch.int64, self.device)]
+                index = [k for k, i in enumerate(plan.items) if i.sample]
+                graph_out = graph_out[to_device(index, torch.int64, self.device)]
+            if sampled:
+                out = with_top_logprobs(SampleOutput(graph_out.tokens, graph_out.logprobs),
+                                        graph_out.logits, graph_out.lse, rows.num_top_logprobs)
         else:
             if scored is not None:
                 host["logits_indices"] = np.concatenate([scored[0], host["logits_indices"]])
             logits = self.model(self._forward_batch(host, segments, resolve))
-        step = LaunchedStep()
-        if scored is not None:
-            step.input_logprobs = _prompt_logprobs(logits[: len(scored[0])], scored, self.device)
-            step.input_counts = scored[2]
-            logits = logits[len(scored[0]) :]
-        if sampled:
-            out = sample(logits, self._sampling_batch(sampled))
+            if scored is not None:
+                step.input_logprobs = _prompt_logprobs(logits[: len(scored[0])], scored,
+                                                       self.device)  # fmt: skip
+                step.input_counts = scored[2]
+                logits = logits[len(scored[0]) :]
+            if sampled:
+                out = sample(logits, self._sampling_batch(sampled))
+        if out is not None:
             self.last_sampled = out.token_ids
             step.token_ids, step.logprobs = out.token_ids, out.logprobs
             step.top_ids, step.top_logprobs = out.top_ids, out.top_logprobs
@@ -195,12 +203,13 @@ class ModelRunner:
             lora,
         )
 
-    def _sampling_batch(self, sampled) -> SamplingBatch:
+    @staticmethod
+    def _sampling_batch(items) -> SamplingBatch:
+        """One row per item; items that sample nothing get a greedy row."""
         return SamplingBatch.build(
-            [i.req.params for i in sampled],
-            [i.req.seed for i in sampled],
-            [i.out_index for i in sampled],
-            self.device,
+            [i.req.params if i.sample else GREEDY for i in items],
+            [i.req.seed if i.sample else 0 for i in items],
+            [i.out_index if i.sample else 0 for i in items],
         )
 
 

@@ -7,9 +7,10 @@ any backend. No per-request generator objects, no Python loop over requests."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 import torch
 
 from radixlora.errors import InvalidRequestError
@@ -63,56 +64,83 @@ def _check_float(name, value, low, high, low_open=False) -> None:
         raise InvalidRequestError(f"{name} must be in {interval}, got {value}", param=name)
 
 
+GREEDY = SamplingParams(temperature=0.0)  # rows that sample nothing: cheapest to compute
+
+
 @dataclass
 class SamplingBatch:
-    """Per-row sampling inputs of one batch, on the device."""
+    """Per-row sampling inputs of one batch, as host arrays (the CUDA graphs copy them into
+    static buffers with the rest of a step's inputs)."""
 
-    temperature: torch.Tensor  # [B] fp32; 0 = greedy
-    top_p: torch.Tensor  # [B]
-    top_k: torch.Tensor  # [B] int64; <= 0 = off
-    min_p: torch.Tensor  # [B]
-    seeds: torch.Tensor  # [B] int64
-    steps: torch.Tensor  # [B] int64 index of the token being sampled
+    temperature: np.ndarray  # [B] float32; 0 = greedy
+    top_p: np.ndarray  # [B] float32
+    top_k: np.ndarray  # [B] int64; <= 0 = off
+    min_p: np.ndarray  # [B] float32
+    seeds: np.ndarray  # [B] int64
+    steps: np.ndarray  # [B] int64 index of the token being sampled
     num_top_logprobs: int = 0
-    needs_filter: bool = field(default=False)
-    all_greedy: bool = field(default=False)
 
     @classmethod
-    def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int], device):
-        def t(values, dtype):
-            return to_device(values, dtype, torch.device(device))
-
+    def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int]):
         return cls(
-            temperature=t([p.temperature for p in params], torch.float32),
-            top_p=t([p.top_p for p in params], torch.float32),
-            top_k=t([p.top_k for p in params], torch.int64),
-            min_p=t([p.min_p for p in params], torch.float32),
-            seeds=t(seeds, torch.int64),
-            steps=t(steps, torch.int64),
-            num_top_logprobs=max((p.logprobs or 0) for p in params),
-            needs_filter=any(p.top_p < 1 or p.top_k > 0 or p.min_p > 0 for p in params),
-            all_greedy=all(p.temperature == 0 for p in params),
+            temperature=np.array([p.temperature for p in params], np.float32),
+            top_p=np.array([p.top_p for p in params], np.float32),
+            top_k=np.array([p.top_k for p in params], np.int64),
+            min_p=np.array([p.min_p for p in params], np.float32),
+            seeds=np.array(seeds, np.int64),
+            steps=np.array(steps, np.int64),
+            num_top_logprobs=max((p.logprobs or 0) for p in params) if params else 0,
         )
+
+    @property
+    def needs_filter(self) -> bool:
+        hot = self.temperature > 0
+        return bool((hot & ((self.top_p < 1) | (self.top_k > 0) | (self.min_p > 0))).any())
+
+    def rows(self) -> dict[str, np.ndarray]:
+        """The per-row arrays by name, in the order `draw` takes them."""
+        return {name: getattr(self, name) for name in ROW_FIELDS}
+
+    def to(self, device) -> dict[str, torch.Tensor]:
+        dev = torch.device(device)
+        return {name: to_device(values, ROW_DTYPES[name], dev)
+                for name, values in self.rows().items()}  # fmt: skip
+
+
+ROW_FIELDS = ("temperature", "seeds", "steps", "top_k", "top_p", "min_p")
+ROW_DTYPES = {"temperature": torch.float32, "seeds": torch.int64, "steps": torch.int64,
+              "top_k": torch.int64, "top_p": torch.float32, "min_p": torch.float32}  # fmt: skip
 
 
 @dataclass
 class SampleOutput:
     token_ids: torch.Tensor  # [B]
     logprobs: torch.Tensor  # [B] logprob of the chosen token under the model's distribution
-    top_ids: torch.Tensor | None  # [B, k]
-    top_logprobs: torch.Tensor | None  # [B, k]
+    top_ids: torch.Tensor | None = None  # [B, k]
+    top_logprobs: torch.Tensor | None = None  # [B, k]
+
+
+def draw(logits: torch.Tensor, rows: dict[str, torch.Tensor], filtered: bool = True):
+    """(tokens, their logprobs, log-sum-exp) of logits [B, V] (any float dtype) with per-row
+    tensors named as in ROW_FIELDS: the one-pass sampling kernel on CUDA (also inside CUDA
+    graphs), its torch reference elsewhere. filtered=False ignores top-k/top-p/min-p (the caller
+    knows no row has one)."""
+    filters = (rows["top_k"], rows["top_p"], rows["min_p"]) if filtered else None
+    sampler = sample_tokens if logits.is_cuda else sample_tokens_ref
+    return sampler(logits, rows["temperature"], rows["seeds"], rows["steps"], filters)
+
+
+def with_top_logprobs(out: SampleOutput, logits: torch.Tensor, lse: torch.Tensor,
+                      k: int) -> SampleOutput:  # fmt: skip
+    """out with the k most likely tokens of each row and their logprobs, when k > 0."""
+    if k:
+        top_logits, out.top_ids = logits.topk(k, dim=-1)
+        out.top_logprobs = top_logits.float() - lse[:, None]
+    return out
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
     """logits: [B, V] (any float dtype). Logprobs are of the raw model distribution (before
-    temperature and filters). The one-pass sampling kernel on CUDA, its torch reference
-    elsewhere."""
-    filters = (batch.top_k, batch.top_p, batch.min_p) if batch.needs_filter else None
-    sampler = sample_tokens if logits.is_cuda else sample_tokens_ref
-    tokens, chosen, lse = sampler(logits, batch.temperature, batch.seeds, batch.steps, filters,
-                                  all_greedy=batch.all_greedy)  # fmt: skip
-    top_ids = top_lp = None
-    if batch.num_top_logprobs:
-        top_logits, top_ids = logits.topk(batch.num_top_logprobs, dim=-1)
-        top_lp = top_logits.float() - lse[:, None]
-    return SampleOutput(tokens, chosen, top_ids, top_lp)
+    temperature and filters)."""
+    tokens, chosen, lse = draw(logits, batch.to(logits.device), batch.needs_filter)
+    return with_top_logprobs(SampleOutput(tokens, chosen), logits, lse, batch.num_top_logprobs)

@@ -249,24 +249,25 @@ def sample_ops(cfg: BenchConfig, rows: int, dtype: torch.dtype) -> list[Op]:
     seeds = torch.randint(0, 2**62, (rows,), generator=gen).to(cfg.device)
     steps = torch.randint(0, 4096, (rows,), generator=gen).to(cfg.device)
 
-    def op(name: str, temperature: float, top_k: int = -1, top_p: float = 1.0) -> Op:
-        greedy = temperature == 0
+    def op(name: str, temperature: float, top_k: int = -1, top_p: float = 1.0,
+           filter_args: bool = False) -> Op:  # fmt: skip
         args = (logits, torch.full((rows,), temperature, device=cfg.device), seeds, steps)
-        if top_k > 0 or top_p < 1:
+        if top_k > 0 or top_p < 1 or filter_args:
             args += ((torch.full((rows,), top_k, device=cfg.device),
                       torch.full((rows,), top_p, device=cfg.device),
                       torch.zeros(rows, device=cfg.device)),)  # fmt: skip
 
         def check() -> tuple[float, float, bool]:
-            tokens, logprobs, lse = sample_tokens(*args, all_greedy=greedy)
-            ref_tokens, ref_logprobs, ref_lse = sample_tokens_ref(*args, all_greedy=greedy)
+            tokens, logprobs, lse = sample_tokens(*args)
+            ref_tokens, ref_logprobs, ref_lse = sample_tokens_ref(*args)
             rel, exact = compare(torch.cat((logprobs, lse)), torch.cat((ref_logprobs, ref_lse)))
             return rel, exact, torch.equal(tokens, ref_tokens)
 
-        return Op(name, lambda: sample_tokens(*args, all_greedy=greedy),
-                  lambda: sample_tokens_ref(*args, all_greedy=greedy), check)  # fmt: skip
+        return Op(name, lambda: sample_tokens(*args), lambda: sample_tokens_ref(*args), check)
 
-    return [op("sample T=0", 0.0), op("sample T=0.8", 0.8),
+    # "as in graphs": filter tensors passed with every row unfiltered, as the decode graphs do
+    return [op("sample T=0", 0.0), op("sample T=0 as in graphs", 0.0, filter_args=True),
+            op("sample T=0.8", 0.8), op("sample T=0.8 as in graphs", 0.8, filter_args=True),
             op("sample p0.9", 0.8, top_p=0.9), op("sample k50", 0.8, top_k=50)]  # fmt: skip
 
 

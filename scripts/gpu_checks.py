@@ -3,8 +3,10 @@ overlap scheduling give the same tokens and logprobs as the pure-torch reference
 overlap, over a mixed batch of base, single adapters and stacks on a tiny random model in fp32,
 also with a pool too small for all adapters (loads on the side stream while other requests
 decode), with requests ending early on stop tokens while the next step is in flight, and with
-48 requests (decode graphs above LORA_DEFER_MAX_TOKENS, whose LoRA is not deferred). Exits
-non-zero on any mismatch.
+48 requests (decode graphs above LORA_DEFER_MAX_TOKENS, whose LoRA is not deferred). Sampling
+inside the graphs (seeded temperature, top-k, top-p, min-p and greedy rows in one batch) must
+draw the tokens of the torch reference sampler applied to the graph's own logits, and the
+reference path's tokens. Exits non-zero on any mismatch.
 
     python scripts/gpu_checks.py
 """
@@ -16,7 +18,35 @@ import tempfile
 from pathlib import Path
 
 from radixlora import Engine, SamplingParams
+from radixlora.kernels.sampling import sample_tokens_ref
 from radixlora.tiny import build_tiny_adapter, build_tiny_model
+
+
+def checked_graphs(engine: Engine, counts: dict[str, int]) -> None:
+    """Wraps the engine's graph replays: each step's in-graph tokens are compared with the
+    reference sampler on the logits the same replay produced (a sync per step)."""
+    graphs = engine.runner.graphs
+    forward = graphs.forward
+
+    def replay(key, host, lora_segments, sampling, resolve=None):
+        out = forward(key, host, lora_segments, sampling, resolve)
+        rows = sampling.to(out.logits.device)
+        ref, _, _ = sample_tokens_ref(out.logits, rows["temperature"], rows["seeds"],
+                                      rows["steps"], (rows["top_k"], rows["top_p"], rows["min_p"]))
+        counts["rows"] += len(ref)
+        counts["hot rows"] += int((rows["temperature"] > 0).sum())
+        counts["mismatches"] += int((ref != out.tokens).sum())
+        return out
+
+    graphs.forward = replay
+
+
+def sampling_params(n: int) -> list[SamplingParams]:
+    kinds = [dict(temperature=0.0, logprobs=2), dict(temperature=0.8), dict(top_p=0.9),
+             dict(temperature=0.7, top_k=5), dict(temperature=1.3, min_p=0.1),
+             dict(top_k=20, top_p=0.8, min_p=0.02)]  # fmt: skip
+    return [SamplingParams(max_tokens=24, ignore_eos=True, seed=i, **kinds[i % len(kinds)])
+            for i in range(n)]  # fmt: skip
 
 
 def main() -> int:
@@ -48,8 +78,17 @@ def main() -> int:
     fast += fast_engine.generate(prompts, stopping, adapters=specs)
     fast += fast_engine.generate(wide_prompts, params, adapters=wide_specs)
     graphs = sum(len(e.runner.graphs.graphs) for e in engines[1:])
+    # sampling in the graphs, against the reference sampler on the same logits and against
+    # the reference path
+    mixed = sampling_params(len(prompts))
+    ref_mixed = reference.generate(prompts, mixed, adapters=specs)
+    counts = {"rows": 0, "hot rows": 0, "mismatches": 0}
+    checked = Engine(model, **common)
+    checked_graphs(checked, counts)
+    fast += checked.generate(prompts, mixed, adapters=specs)
+    print(f"in-graph sampling vs the reference sampler on the graphs' logits: {counts}")
     worst, mismatches = 0.0, 0
-    for a, b in zip(ref * len(engines) + ref_stopping + ref_wide, fast, strict=True):
+    for a, b in zip(ref * len(engines) + ref_stopping + ref_wide + ref_mixed, fast, strict=True):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         mismatches += ta != tb
         worst = max(worst, *(abs(x - y) for x, y in zip(a.outputs[0].logprobs,
@@ -57,7 +96,8 @@ def main() -> int:
     evictions = swapping.scheduler.residency.num_evictions
     print(f"graphs captured: {graphs}; sequences with different tokens: {mismatches}/{len(fast)}; "
           f"max |logprob diff| {worst:.2e}; evictions in the small pool: {evictions}")
-    ok = mismatches == 0 and worst < 1e-3 and graphs > 0 and evictions > 0
+    ok = (mismatches == 0 and worst < 1e-3 and graphs > 0 and evictions > 0
+          and counts["mismatches"] == 0 and counts["hot rows"] > 0)  # fmt: skip
     print("gpu checks:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -40,10 +40,10 @@ def filters(rows: int):
             torch.tensor(min_p, dtype=torch.float32))  # fmt: skip
 
 
-def assert_matches_ref(logits, temps, seeds, steps, filters=None, all_greedy=False, **kw):
+def assert_matches_ref(logits, temps, seeds, steps, filters=None, **kw):
     tokens, logprobs, lse = sample_tokens(logits, temps, seeds, steps, filters,
-                                          all_greedy=all_greedy, block=BLOCK, **kw)  # fmt: skip
-    ref = sample_tokens_ref(logits, temps, seeds, steps, filters, all_greedy=all_greedy)
+                                          block=BLOCK, **kw)  # fmt: skip
+    ref = sample_tokens_ref(logits, temps, seeds, steps, filters)
     assert tokens.dtype == torch.int64 and torch.equal(tokens, ref[0])
     torch.testing.assert_close(logprobs, ref[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref[2], atol=1e-5, rtol=1e-5)
@@ -58,7 +58,7 @@ def test_kernel_matches_reference(dtype, splits):
 @pytest.mark.parametrize("rows,vocab", [(0, 5), (1, 1), (1, 63), (2, 64), (3, 65), (9, 300)])
 def test_kernel_shapes_and_default_splits(rows, vocab):
     assert_matches_ref(*batch(rows, vocab, seed=rows))
-    assert_matches_ref(*batch(rows, vocab, seed=rows, hot=False), all_greedy=True)
+    assert_matches_ref(*batch(rows, vocab, seed=rows, hot=False))
 
 
 def test_kernel_on_a_row_slice_of_wider_logits():

@@ -40,6 +40,34 @@ def test_static_buffers_match_eager(checkpoints, adapters, monkeypatch, defer_ma
     assert_all_free(eng)
 
 
+def test_sampling_rows_in_static_buffers_match_eager(checkpoints, adapters):
+    """Seeded temperature, top-k/top-p/min-p and greedy rows side by side: the rows the graphs
+    sample from (padded with greedy rows to the bucket) draw the eager path's tokens."""
+    dirs = {k: adapters["llama"][k] for k in "ab"}
+    specs = [None, "a", "b", None, "a"]
+    prompts = [[9 + i] * (3 + 5 * i) for i in range(len(specs))]
+    params = [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1),
+              SamplingParams(max_tokens=5, temperature=0.8, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=5, temperature=1.0, top_p=0.9, seed=2, ignore_eos=True),
+              SamplingParams(max_tokens=5, temperature=0.7, top_k=5, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=3, temperature=1.3, min_p=0.1, seed=4, ignore_eos=True,
+                             logprobs=2)]  # fmt: skip
+    kw = dict(adapters=dirs, max_rank=64, page_size=2, kv_pages=256)
+    ref = Engine(checkpoints["llama"], **kw).generate(prompts, params, adapters=specs)
+    eng = Engine(checkpoints["llama"], attention_backend="triton", lora_backend="triton",
+                 max_batch_tokens=24, **kw)
+    eng.runner.graphs = EagerStaticInputs(eng.runner, max_batch=8, max_context=512, max_rows=128)
+    got = eng.generate(prompts, params, adapters=specs)
+    for a, b in zip(ref, got, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        torch.testing.assert_close(torch.tensor(a.outputs[0].logprobs),
+                                   torch.tensor(b.outputs[0].logprobs), atol=1e-4, rtol=0)
+        top = [[[t for t, _ in row] for row in r.outputs[0].top_logprobs] for r in (a, b)]
+        assert top[0] == top[1]
+    assert len({tuple(r.outputs[0].token_ids) for r in ref}) > 1
+    assert_all_free(eng)
+
+
 def test_static_buffers_need_the_triton_lora_backend(checkpoints):
     eng = Engine(checkpoints["llama"], lora_backend="torch", kv_pages=16)
     with pytest.raises(ValueError, match="lora_backend triton"):
