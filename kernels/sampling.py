@@ -28,7 +28,7 @@ MIN_TEMPERATURE = 1e-6  # temperatures are clamped up to this before their recip
 BLOCK = 2048  # vocabulary columns per step of a program's loop
 PROGRAMS_PER_SM = 8  # stage 1 splits rows until the grid has this many programs per SM
 WARPS = 4  # per stage-1 program
-FILTER_WARPS = 4  # per stage-2 program when filters are given (a row's candidate passes)
+FILTER_WARPS = 16  # per stage-2 program when filters are given (a row's candidate passes)
 _CPU_SMS = 1
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
