@@ -28,7 +28,8 @@ MIN_TEMPERATURE = 1e-6  # temperatures are clamped up to this before their recip
 BLOCK = 2048  # vocabulary columns per step of a program's loop
 PROGRAMS_PER_SM = 8  # stage 1 splits rows until the grid has this many programs per SM
 WARPS = 4  # per stage-1 program
-FILTER_WARPS = 16  # per stage-2 program when filters are given (a row's candidate passes)
+FILTER_WARPS = 32  # per stage-2 program when filters are given (a row's candidate passes)
+FILTER_BLOCK = 16384  # columns per step of a candidate pass
 _CPU_SMS = 1
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -311,6 +312,7 @@ def sample_tokens(
     *,
     num_splits: int | None = None,
     block: int = BLOCK,
+    filter_block: int = FILTER_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Semantics:
         x = logits.float()
@@ -330,6 +332,7 @@ def sample_tokens(
         filters: (top_k [B] int64, top_p [B] float32, min_p [B] float32), or None.
         num_splits: vocabulary splits per row (default: `default_num_splits`).
         block: vocabulary columns per step of a program's loop (a power of 2).
+        filter_block: the same for a filtered row's candidate passes.
 
     Returns:
         tokens [B] int64, their logprobs under softmax(x) [B] float32, lse [B] float32.
@@ -355,7 +358,7 @@ def sample_tokens(
             logits, parts, part_idx, tokens, out,
             temperature, seeds, steps, *filter_ptrs,
             vocab, splits, logits.stride(0), parts.stride(0), rows, MIN_TEMPERATURE,
-            SPLITS=triton.next_power_of_2(splits), BLOCK=block, FILTER=filtered,
+            SPLITS=triton.next_power_of_2(splits), BLOCK=filter_block, FILTER=filtered,
             num_warps=FILTER_WARPS if filtered else 1,
         )  # fmt: skip
     return tokens, out[0], out[1]

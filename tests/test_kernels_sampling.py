@@ -42,7 +42,7 @@ def filters(rows: int):
 
 def assert_matches_ref(logits, temps, seeds, steps, filters=None, **kw):
     tokens, logprobs, lse = sample_tokens(logits, temps, seeds, steps, filters,
-                                          block=BLOCK, **kw)  # fmt: skip
+                                          block=BLOCK, filter_block=BLOCK, **kw)  # fmt: skip
     ref = sample_tokens_ref(logits, temps, seeds, steps, filters)
     assert tokens.dtype == torch.int64 and torch.equal(tokens, ref[0])
     torch.testing.assert_close(logprobs, ref[1], atol=1e-5, rtol=1e-5)
@@ -102,7 +102,8 @@ def test_filtered_gumbel_max_draws_from_the_kept_softmax():
     want = torch.cat((probs[:3] / probs[:3].sum(), torch.zeros(2)))
     torch.testing.assert_close(freq, want, atol=0.012, rtol=0)
     kernel_tokens, _, _ = sample_tokens(logits[:64], torch.ones(64), seeds[:64], steps[:64],
-                                        tuple(t[:64] for t in one), block=BLOCK)  # fmt: skip
+                                        tuple(t[:64] for t in one), block=BLOCK,
+                                        filter_block=BLOCK)  # fmt: skip
     assert torch.equal(kernel_tokens, tokens[:64])
 
 
