@@ -1,14 +1,15 @@
 """CUDA graphs for decode steps and short extends. Each (batch bucket, token bucket, LoRA row
-bucket) gets one graph captured on first use (or all at once by capture_all); every input of a
-step (token ids, positions, KV slots, attention and LoRA metadata) lives in static buffers
-refilled before replay, so a step costs one host-to-device copy, one scatter kernel and one
-graph launch instead of ~1,000 kernel launches. A decode graph (one token per request) uses the
-split-K decode kernel; an extend graph (short prompts or cache hits, mixed with decodes) the
-extend one.
+bucket) gets one graph, captured on first use (decode graphs all at once by capture_decode),
+holding the forward and the sampler; every input of a step (token ids, positions, KV slots,
+attention and LoRA metadata, each row's sampling parameters) lives in static buffers refilled
+before replay, so a step costs one host-to-device copy, one scatter kernel and one graph launch
+instead of ~1,000 kernel launches. A decode graph (one token per request) uses the split-K
+decode kernel; an extend graph (short prompts or cache hits, mixed with decodes) the extend
+one.
 
 Padding requests decode token 0 at position 0 into the reserved KV slot 0 over a one-token
-context with no adapter rows; padding tokens past the last request belong to no segment. Their
-logits are never read.
+context with no adapter rows; padding tokens past the last request belong to no segment. The
+graph samples padding rows greedily (no noise computed); their outputs are never read.
 
 LoRA runs the grouped SGMV path under every graph: the step's tokens grouped by distinct adapter
 set (padding and base-only requests belong to no group), so the rows live in the group buffers

@@ -96,38 +96,46 @@ class ModelRunner:
         self.adapter_pool.wait_loads()
         host = _host_inputs(plan)
         segments = _lora_segments(plan)
-        sampled = [i for i in plan.items if i.sample]
         scored = _scored_rows(plan)
         resolve = self._resolve_placeholders if (host["input_ids"] < 0).any() else None
         key = self._graph_key(host, segments) if scored is None else None
         step = LaunchedStep()
-        out = None
         if key is not None:
-            # the graph samples every request's row (greedy where the item samples nothing)
-            rows = self._sampling_batch(plan.items)
-            graph_out = self.graphs.forward(key, host, segments, rows, resolve)
-            if len(sampled) < len(plan.items):
-                index = [k for k, i in enumerate(plan.items) if i.sample]
-                graph_out = graph_out[to_device(index, torch.int64, self.device)]
-            if sampled:
-                out = with_top_logprobs(SampleOutput(graph_out.tokens, graph_out.logprobs),
-                                        graph_out.logits, graph_out.lse, rows.num_top_logprobs)
+            out = self._graph_step(key, plan, host, segments, resolve)
         else:
-            if scored is not None:
-                host["logits_indices"] = np.concatenate([scored[0], host["logits_indices"]])
-            logits = self.model(self._forward_batch(host, segments, resolve))
-            if scored is not None:
-                step.input_logprobs = _prompt_logprobs(logits[: len(scored[0])], scored,
-                                                       self.device)  # fmt: skip
-                step.input_counts = scored[2]
-                logits = logits[len(scored[0]) :]
-            if sampled:
-                out = sample(logits, self._sampling_batch(sampled))
+            out = self._eager_step(plan, host, segments, resolve, scored, step)
         if out is not None:
             self.last_sampled = out.token_ids
             step.token_ids, step.logprobs = out.token_ids, out.logprobs
             step.top_ids, step.top_logprobs = out.top_ids, out.top_logprobs
         return self._copy_to_host(step)
+
+    def _graph_step(self, key, plan: BatchPlan, host: dict, segments,
+                    resolve) -> SampleOutput | None:  # fmt: skip
+        """Replay a graph; it samples every request's row (greedy where the item samples
+        nothing), so only top logprobs are left to compute here."""
+        rows = self._sampling_batch(plan.items)
+        out = self.graphs.forward(key, host, segments, rows, resolve)
+        index = [k for k, i in enumerate(plan.items) if i.sample]
+        if not index:
+            return None
+        if len(index) < len(plan.items):
+            out = out[to_device(index, torch.int64, self.device)]
+        return with_top_logprobs(SampleOutput(out.tokens, out.logprobs), out.logits, out.lse,
+                                 rows.num_top_logprobs)  # fmt: skip
+
+    def _eager_step(self, plan: BatchPlan, host: dict, segments, resolve, scored,
+                    step: LaunchedStep) -> SampleOutput | None:  # fmt: skip
+        """Run the model eagerly, then score prompt tokens (into step) and sample."""
+        if scored is not None:
+            host["logits_indices"] = np.concatenate([scored[0], host["logits_indices"]])
+        logits = self.model(self._forward_batch(host, segments, resolve))
+        if scored is not None:
+            step.input_logprobs = _prompt_logprobs(logits[: len(scored[0])], scored, self.device)
+            step.input_counts = scored[2]
+            logits = logits[len(scored[0]) :]
+        sampled = [i for i in plan.items if i.sample]
+        return sample(logits, self._sampling_batch(sampled)) if sampled else None
 
     def failed(self) -> None:
         """The last launched step did not run: the next step's placeholders have no tokens."""
