@@ -37,6 +37,7 @@ from .sgmv_shrink import check_index_tensors, check_shrink_args, fp32_dot, pow2_
 _CPU_PROGRAMS = 3  # the interpreter runs programs one by one: a few exercise the striding
 MIN_BLOCK_N = 64  # expand tiles are never narrower than this (small buckets narrow them)
 MAX_PARTS_PER_STEP = 8  # the expand's loads of the shrink's partial sums in flight at once
+MAX_MERGED_ROWS = 64  # merge_slices: columns of a merged shrink tile (slices x row tile)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ class GroupedTuning:
     # programmatic dependent launch (sm_90+): a kernel's programs start while the kernel
     # before it in the stream drains, and wait (griddepcontrol.wait) before reading its output
     pdl: bool = True
+    # shrink: one work item covers every slice of a fused projection (q/k/v, gate/up) as one
+    # tile of up to MAX_MERGED_ROWS columns, so a program has that many more bytes in flight
+    merge_slices: bool = False
 
 
 DEFAULT_TUNING = GroupedTuning()
@@ -144,6 +148,8 @@ def _grouped_shrink_kernel(
     row_scales_ptr,
     in_dim,
     max_rows,
+    n_slices,
+    slices_per_item,
     k_per_split,
     items_per_group,
     num_row_tiles,
@@ -159,6 +165,7 @@ def _grouped_shrink_kernel(
     stride_vr,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    SLICE_TILE: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
     PDL: tl.constexpr,
@@ -170,26 +177,30 @@ def _grouped_shrink_kernel(
         rest = item % items_per_group
         row_tile = rest % num_row_tiles
         split = (rest // num_row_tiles) % split_k
-        slice_id = rest // (num_row_tiles * split_k)
+        slice_tile = rest // (num_row_tiles * split_k)
         m0 = tl.load(group_indptr_ptr + group)
         m1 = tl.load(group_indptr_ptr + group + 1)
         r0 = tl.load(row_indptr_ptr + group)
         num_rows = tl.minimum(tl.load(row_indptr_ptr + group + 1) - r0, max_rows)
-        offs_j = row_tile * BLOCK_R + tl.arange(0, BLOCK_R)
-        j_mask = offs_j < num_rows
+        # column c of the tile: row (row tile, c % BLOCK_R) of slice (slice tile, c // BLOCK_R)
+        offs_c = tl.arange(0, SLICE_TILE * BLOCK_R)
+        in_item = offs_c // BLOCK_R
+        slice_ids = slice_tile * slices_per_item + in_item
+        offs_j = row_tile * BLOCK_R + offs_c % BLOCK_R
+        j_mask = (offs_j < num_rows) & (in_item < slices_per_item) & (slice_ids < n_slices)
         rows = tl.load(row_ids_ptr + r0 + offs_j, mask=j_mask, other=0).to(tl.int64)
         scales = tl.load(row_scales_ptr + r0 + offs_j, mask=j_mask, other=0.0)
         k_lo = split * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, in_dim)
         offs_k = tl.arange(0, BLOCK_K)
-        a_base = a_ptr + slice_id * stride_as + rows[None, :] * stride_ar
+        a_base = a_ptr + slice_ids[None, :].to(tl.int64) * stride_as + rows[None, :] * stride_ar
         _wait_for_previous_kernel(PDL)  # x is the previous kernel's output
         if row_tile * BLOCK_R < num_rows:
             for m in range(m0, m1, BLOCK_M):
                 offs_m = m + tl.arange(0, BLOCK_M)
                 m_mask = offs_m < m1
                 tokens = tl.load(token_ids_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-                acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                acc = tl.zeros((BLOCK_M, SLICE_TILE * BLOCK_R), dtype=tl.float32)
                 for k in range(k_lo, k_hi, BLOCK_K):
                     k_mask = (k + offs_k) < k_hi
                     x = tl.load(
@@ -209,7 +220,7 @@ def _grouped_shrink_kernel(
                 v_ptrs = (
                     v_ptr
                     + split * stride_vp
-                    + slice_id * stride_vs
+                    + slice_ids[None, :] * stride_vs
                     + tokens[:, None] * stride_vt
                     + offs_j[None, :] * stride_vr
                 )
@@ -480,22 +491,27 @@ def grouped_shrink(
     block_k = pow2_block(min(tuning.block_k, in_dim), 16, 256)
     block_r = pow2_block(max_rows, 16, 64)
     num_row_tiles = triton.cdiv(max_rows, block_r)
-    wanted = _wanted_splits(max_groups * n_slices * num_row_tiles, x.device, tuning)
+    slice_tile = triton.next_power_of_2(n_slices)
+    merge = tuning.merge_slices and n_slices > 1 and slice_tile * block_r <= MAX_MERGED_ROWS
+    slices_per_item, slice_tile = (n_slices, slice_tile) if merge else (1, 1)
+    num_slice_tiles = triton.cdiv(n_slices, slices_per_item)
+    wanted = _wanted_splits(max_groups * num_slice_tiles * num_row_tiles, x.device, tuning)
     k_chunk = min(tuning.k_chunk, in_dim, triton.cdiv(in_dim, wanted))
     k_per_split = triton.cdiv(k_chunk, block_k) * block_k
     split_k = triton.cdiv(in_dim, k_per_split)
     v = torch.empty(split_k, n_slices, num_tokens, max_rows, dtype=torch.float32, device=x.device)
     if max_groups == 0 or num_tokens == 0 or max_rows == 0 or row_ids.numel() == 0:
         return v
-    items_per_group = n_slices * split_k * num_row_tiles
+    items_per_group = num_slice_tiles * split_k * num_row_tiles
     programs = _num_programs(max_groups * items_per_group, x.device, tuning)
     _grouped_shrink_kernel[(programs,)](
         x, a_pool, v, num_groups, group_indptr, token_ids, row_indptr, row_ids, row_scales,
-        in_dim, max_rows, k_per_split, items_per_group, num_row_tiles, split_k,
+        in_dim, max_rows, n_slices, slices_per_item, k_per_split, items_per_group,
+        num_row_tiles, split_k,
         x.stride(0), x.stride(1),
         a_pool.stride(0), a_pool.stride(1), a_pool.stride(2),
         v.stride(0), v.stride(1), v.stride(2), v.stride(3),
-        BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        BLOCK_M=tuning.block_m, BLOCK_R=block_r, SLICE_TILE=slice_tile, BLOCK_K=block_k,
         FP32_DOT=fp32_dot(x.dtype, x.device), PDL=_use_pdl(x.device, tuning),
         num_warps=tuning.shrink_warps, num_stages=tuning.shrink_stages,
         **_launch_options(x.device, tuning),
