@@ -392,9 +392,9 @@ def grouped_meta(segs) -> LoraBatchMeta:
 # last one partial where a slice is not a multiple of 16 columns); shrink items of every slice
 # at once where the slices' row tiles fit MAX_MERGED_ROWS (here: at most 16 rows with 3 slices,
 # 32 with 2, as in no_adapter_rows and single_token_groups_and_short_extends)
-GROUPED_TUNINGS = {"tile_items": GroupedTuning(k_chunk=32, block_k=16),
+GROUPED_TUNINGS = {"tile_items": GroupedTuning(k_chunk=32, block_k=16, merge_slices=False),
                    "chunk_items": GroupedTuning(k_chunk=32, block_k=16, block_n=16, col_chunk=32,
-                                                expand_stages=2),
+                                                expand_stages=2, merge_slices=False),
                    "merged_slices": GroupedTuning(k_chunk=32, block_k=16,
                                                   merge_slices=True)}  # fmt: skip
 
