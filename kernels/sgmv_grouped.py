@@ -63,8 +63,8 @@ class GroupedTuning:
     # before it in the stream drains, and wait (griddepcontrol.wait) before reading its output
     pdl: bool = True
     # shrink: one work item covers every slice of a fused projection (q/k/v, gate/up) as one
-    # tile of up to MAX_MERGED_ROWS columns, so a program has that many more bytes in flight
-    # (docs/PERF.md run 18: target a 82.1 -> 79.5 us; decode graphs unchanged)
+    # tile of up to MAX_MERGED_ROWS columns, so a program has n_slices times the bytes in
+    # flight (docs/PERF.md run 18: target a 82.1 -> 79.5 us; decode graphs unchanged)
     merge_slices: bool = True
 
 
