@@ -98,7 +98,7 @@ class SamplingBatch:
         return bool((hot & ((self.top_p < 1) | (self.top_k > 0) | (self.min_p > 0))).any())
 
     def rows(self) -> dict[str, np.ndarray]:
-        """The per-row arrays by name, in the order `draw` takes them."""
+        """The per-row arrays by name (ROW_FIELDS), as `draw` and the static buffers take them."""
         return {name: getattr(self, name) for name in ROW_FIELDS}
 
     def to(self, device) -> dict[str, torch.Tensor]:
