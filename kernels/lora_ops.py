@@ -275,8 +275,10 @@ class LoraBackend(ABC):
         out_offsets: Sequence[int],
         meta: LoraBatchMeta,
         y: torch.Tensor,
+        accumulate: bool = True,
     ) -> None:
-        """The second phase of `apply`: y += the deltas of v (from this backend's shrink)."""
+        """The second phase of `apply`: y += the deltas of v (from this backend's shrink), or
+        with accumulate=False y := the deltas (zero in rows of tokens with no adapter)."""
 
     def deferred_delta(
         self,
@@ -307,12 +309,15 @@ class TorchLoraBackend(LoraBackend):
         v = x.float() @ a_pool[:, meta.row_ids.long()].float().transpose(1, 2)
         return v * token_row_weights(meta)  # [n_slices, T, N]
 
-    def expand(self, v, b_pool, out_offsets, meta, y) -> None:
+    def expand(self, v, b_pool, out_offsets, meta, y, accumulate=True) -> None:
         _check_tokens(meta, y)
         b_sel = b_pool[meta.row_ids.long()].float()
         off = list(out_offsets)
         delta = torch.cat([v[i] @ b_sel[:, off[i] : off[i + 1]] for i in range(len(off) - 1)], 1)
-        y += delta.to(y.dtype)
+        if accumulate:
+            y += delta.to(y.dtype)
+        else:
+            y.copy_(delta)
 
 
 def token_row_weights(meta: LoraBatchMeta) -> torch.Tensor:
@@ -354,15 +359,18 @@ class TritonLoraBackend(LoraBackend):
             meta.max_rows, max_seg_len=meta.max_seg_len, split_k=self.split_k,
         )  # fmt: skip
 
-    def expand(self, v, b_pool, out_offsets, meta, y) -> None:
+    def expand(self, v, b_pool, out_offsets, meta, y, accumulate=True) -> None:
         _check_tokens(meta, y)
         if (g := meta.groups) is not None:
+            if not accumulate:
+                y.zero_()  # grouped kernels leave rows of tokens in no group untouched
             self._grouped.grouped_expand(
                 v, b_pool, out_offsets, *_group_index(g), y, tuning=self._tuning(meta)
             )
             return
         index = (meta.seg_indptr, meta.row_indptr, meta.row_ids)
-        self._expand(v, b_pool, out_offsets, *index, y, max_seg_len=meta.max_seg_len)
+        self._expand(v, b_pool, out_offsets, *index, y, max_seg_len=meta.max_seg_len,
+                     accumulate=accumulate)  # fmt: skip
 
     def deferred_delta(self, x, a_pool, b_pool, out_offsets, meta, delta) -> None:
         """Grouped: the expand overwrites the rows of the groups' tokens only, so no launch

@@ -23,18 +23,19 @@ def sgmv_expand_ref(
     row_indptr: torch.Tensor,
     row_ids: torch.Tensor,
     y: torch.Tensor,
+    accumulate: bool = True,
 ) -> None:
     """Pure-torch reference of `sgmv_expand` (a loop over segments; slow, exact)."""
     off = list(out_offsets)
     seg, rows_at = seg_indptr.tolist(), row_indptr.tolist()
     for s in range(len(seg) - 1):
         t0, t1, r0, r1 = seg[s], seg[s + 1], rows_at[s], rows_at[s + 1]
-        if r1 == r0:
-            continue
         b_rows = b_pool[row_ids[r0:r1].long()].float()
         for i in range(len(off) - 1):
             delta = v[i, t0:t1, : r1 - r0] @ b_rows[:, off[i] : off[i + 1]]
-            y[t0:t1, off[i] : off[i + 1]] += delta.to(y.dtype)
+            if accumulate:
+                delta += y[t0:t1, off[i] : off[i + 1]].float()
+            y[t0:t1, off[i] : off[i + 1]] = delta.to(y.dtype)
 
 
 @triton.jit
@@ -63,6 +64,7 @@ def _sgmv_expand_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seg = tl.program_id(1)
@@ -76,7 +78,9 @@ def _sgmv_expand_kernel(
     r0 = tl.load(row_indptr_ptr + seg)
     num_rows = tl.minimum(tl.load(row_indptr_ptr + seg + 1) - r0, max_rows)
     t_start = t0 + tile_t * BLOCK_T
-    if (t_start >= t1) | (num_rows <= 0) | (n_start >= col_hi):
+    if (t_start >= t1) | (n_start >= col_hi):
+        return
+    if ACCUMULATE & (num_rows <= 0):
         return
 
     offs_t = t_start + tl.arange(0, BLOCK_T)
@@ -100,8 +104,9 @@ def _sgmv_expand_kernel(
 
     y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :] * stride_yn
     y_mask = t_mask[:, None] & n_mask[None, :]
-    y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=y_mask)
+    if ACCUMULATE:
+        acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def check_offsets(out_offsets: Sequence[int], n_slices: int, out_total: int) -> list[int]:
@@ -147,6 +152,7 @@ def sgmv_expand(
     block_t: int | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
+    accumulate: bool = True,
 ) -> None:
     """Semantics:
         for s in range(S):
@@ -155,12 +161,15 @@ def sgmv_expand(
             rows = row_ids[r0:r1]
             for i in range(n_slices):
                 cols = slice(out_offsets[i], out_offsets[i + 1])
-                y[t0:t1, cols] += v[i, t0:t1, :r1 - r0] @ b_pool[rows, cols].float()
+                delta = v[i, t0:t1, :r1 - r0] @ b_pool[rows, cols].float()
+                y[t0:t1, cols] = y[t0:t1, cols] + delta if accumulate else delta
 
-    Accumulates into y in place (fp32 accumulation, one rounding to y's dtype). One launch for
-    every segment and slice; slices may have different widths (q/k/v under GQA); segments with
-    no rows leave y untouched. With a 16-bit b_pool, v is rounded to b_pool's dtype before the
-    product (tensor cores), as in Punica.
+    Accumulates into y in place, or overwrites the segments' rows (accumulate=False: store
+    only, so a GEMM can then add into y with beta = 1), with fp32 accumulation and one rounding
+    to y's dtype. One launch for every segment and slice; slices may have different widths
+    (q/k/v under GQA); when accumulating, segments with no rows leave y untouched (overwriting,
+    they get zeros). With a 16-bit b_pool, v is rounded to b_pool's dtype before the product
+    (tensor cores), as in Punica.
 
     Args:
         v: [n_slices, T, max_rows] float32, from `sgmv_shrink` (scales already applied).
@@ -180,7 +189,8 @@ def sgmv_expand(
     n_slices, num_tokens, max_rows = v.shape
     off = check_offsets(out_offsets, n_slices, b_pool.shape[1])
     num_segments = seg_indptr.numel() - 1
-    if num_segments == 0 or num_tokens == 0 or max_rows == 0 or row_ids.numel() == 0:
+    nothing_to_add = max_rows == 0 or row_ids.numel() == 0
+    if num_segments == 0 or num_tokens == 0 or (accumulate and nothing_to_add):
         return
 
     seg_len = num_tokens if max_seg_len is None else min(max_seg_len, num_tokens)
@@ -199,5 +209,6 @@ def sgmv_expand(
         b_pool.stride(0), b_pool.stride(1),
         y.stride(0), y.stride(1),
         BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_N=block_n,
-        FP32_DOT=fp32_dot(b_pool.dtype, b_pool.device), num_warps=num_warps,
+        FP32_DOT=fp32_dot(b_pool.dtype, b_pool.device), ACCUMULATE=accumulate,
+        num_warps=num_warps,
     )  # fmt: skip

@@ -240,7 +240,9 @@ class NaiveBmmBackend(LoraBackend):
         x_rep = x.repeat(a_pool.shape[0], 1).unsqueeze(-1)  # [n_slices * T, in_dim, 1]
         return torch.bmm(a_tok, x_rep).view(a_pool.shape[0], meta.num_tokens, -1, 1) * scales
 
-    def expand(self, v, b_pool, out_offsets, meta, y) -> None:
+    def expand(self, v, b_pool, out_offsets, meta, y, accumulate=True) -> None:
+        if not accumulate:
+            y.zero_()
         b_tok = b_pool[meta.row_ids.long().view(meta.num_tokens, -1)]  # [T, R, out_total]
         for i in range(v.shape[0]):
             cols = slice(out_offsets[i], out_offsets[i + 1])

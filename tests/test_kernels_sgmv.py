@@ -200,6 +200,24 @@ def test_expand_leaves_base_only_tokens_bitwise_untouched():
     assert torch.equal(y[base_only], y0[base_only])
 
 
+@pytest.mark.parametrize("name", ["no_adapter_mix", "base_only"])
+def test_expand_overwrite_stores_deltas_and_zeros(name):
+    """accumulate=False: every segment's rows become its deltas, zeros where it has no adapter
+    (so a GEMM can add into them), whatever y held."""
+    pool, x, _, segs = build_case("no_adapter_mix", 3)
+    if name == "base_only":
+        segs = (segs[0], [[] for _ in segs[1]], [[] for _ in segs[2]])
+    meta = LoraBatchMeta.from_segments(*segs, device="cpu", grouped=False)
+    v = torch.randn(3, x.shape[0], meta.max_rows)
+    y = torch.full((x.shape[0], pool.out_offsets[-1]), float("nan"))
+    y_ref = torch.zeros_like(y)
+    sgmv_expand(v, pool.b, pool.out_offsets, *_meta_args(meta), y, accumulate=False)
+    sgmv_expand_ref(v, pool.b, pool.out_offsets, *_meta_args(meta), y_ref, accumulate=False)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    base_only = torch.tensor([len(rows) == 0 for rows in segs[1]])[meta.token_seg.long()]
+    assert y[base_only].eq(0).all() and (name == "base_only" or y[~base_only].ne(0).any())
+
+
 @pytest.mark.parametrize("block_t,block_n", [(16, 16), (32, 64)])
 def test_expand_launch_settings_do_not_change_the_result(block_t, block_n):
     """Tiles of other sizes than the launcher's choice (profile_prefill.py sweeps them)."""
@@ -526,6 +544,42 @@ def test_lora_context_projects_linear_plus_deltas(defer):
         torch.testing.assert_close(y + delta if defer else y, want, rtol=1e-4, atol=1e-4)
     y, delta = ctx.project(linear, x, 0, "o")
     assert delta is None and torch.equal(y, linear(x))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("bias", [False, True], ids=["delta_then_gemm", "bias_after_gemm"])
+def test_lora_context_prefill_batch_gives_linear_plus_deltas(backend, bias):
+    """An eager batch of prefill segments (ungrouped metadata): without bias the deltas are
+    stored first and the GEMM adds them; with bias they are added after it. Either way y is
+    linear(x) plus the deltas, and tokens with no adapter get linear(x) alone."""
+    pool, x, _, segs = build_case("no_adapter_mix", 3)
+    meta = LoraBatchMeta.from_segments(*segs, device="cpu", grouped=False)
+    layers = SimpleNamespace(a=[{"qkv": pool.a}], b=[{"qkv": pool.b}],
+                             out_offsets={"qkv": pool.out_offsets})  # fmt: skip
+    lora = TritonLoraBackend(split_k=2) if backend == "triton" else TorchLoraBackend()
+    overwrites = []
+    expand = lora.expand
+    lora.expand = lambda *args, **kw: (overwrites.append(not kw.get("accumulate", True)),
+                                       expand(*args, **kw))[1]  # fmt: skip
+    torch.manual_seed(3)
+    linear = torch.nn.Linear(x.shape[1], pool.out_offsets[-1], bias=bias)
+    with torch.no_grad():
+        y, delta = LoraContext(layers, lora, {"qkv": meta}).project(linear, x, 0, "qkv")
+        want = expected(pool, x, linear(x), segs)
+    assert delta is None and overwrites == [not bias]
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_triton_backend_expand_overwrite_zeroes_tokens_without_adapter(grouped):
+    pool, x, y0, segs = build_case("no_adapter_mix", 2)
+    meta = LoraBatchMeta.from_segments(*segs, device="cpu", grouped=grouped)
+    backend = TritonLoraBackend(split_k=2)
+    v = backend.shrink(x, pool.a, meta)
+    y = y0.clone()
+    backend.expand(v, pool.b, pool.out_offsets, meta, y, accumulate=False)
+    zeros = torch.zeros_like(y0)
+    torch.testing.assert_close(y, expected(pool, x, zeros, segs), rtol=1e-4, atol=1e-4)
 
 
 def test_grouped_expand_overwrites_only_the_groups_tokens():

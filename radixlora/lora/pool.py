@@ -269,7 +269,9 @@ class LoraContext:
     (None when no request of the batch uses that group, so its work is skipped, not zeroed).
 
     `project` returns (y, delta): linear(x) plus the LoRA deltas of x is y + delta. By default
-    the deltas are added into y after the GEMM and delta is None. Deferred (`defer`, small CUDA
+    the deltas are added into y after the GEMM and delta is None; eager batches of prefill
+    segments (ungrouped metadata, no bias) instead store the deltas first and let the GEMM add
+    them (`_delta_then_gemm`). Deferred (`defer`, small CUDA
     graph buckets), the deltas come back as a float32 delta that y's consumer adds as it loads y
     (rotary + KV store, the norms' residual add, SiLU-mul), so no LoRA launch follows the GEMM.
     A deferred forward draws its deltas from one workspace zeroed once per forward (`begin`):
@@ -330,10 +332,23 @@ class LoraContext:
             y, _ = self._beside_gemm(linear, x, lambda: self.backend.deferred_delta(
                 x, a, b, out_offsets, meta, delta))  # fmt: skip
             return y, delta
+        if self.side_stream is None and meta.groups is None and linear.bias is None:
+            return self._delta_then_gemm(linear, x, a, b, out_offsets, meta), None
         y, v = self._beside_gemm(linear, x, lambda: self.backend.shrink(x, a, meta))
         if v is not None:
             self.backend.expand(v, b, out_offsets, meta, y)
         return y, None
+
+    def _delta_then_gemm(self, linear, x: torch.Tensor, a, b, out_offsets, meta) -> torch.Tensor:
+        """linear(x) plus the deltas, written first and added by the GEMM (beta = 1): the expand
+        only stores, and the GEMM reads them in its epilogue, hidden behind its compute at
+        prefill sizes, instead of an expand reading and rewriting y after it."""
+        v = self.backend.shrink(x, a, meta)
+        if v is None:
+            return linear(x)
+        y = x.new_empty(x.shape[0], linear.out_features)
+        self.backend.expand(v, b, out_offsets, meta, y, accumulate=False)
+        return y.addmm_(x, linear.weight.t())
 
     def _beside_gemm(self, linear, x: torch.Tensor, lora_work):
         """(linear(x), lora_work()), the LoRA work on the side stream beside the GEMM if any."""
