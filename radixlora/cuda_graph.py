@@ -17,11 +17,13 @@ and the per-segment metadata carries none; graphs therefore need the Triton LoRA
 each projection's LoRA work that reads only x is captured on a side stream, a parallel branch of
 the graph beside the base GEMM (EngineConfig.lora_side_stream): the shrink, or in buckets of at
 most LORA_DEFER_MAX_TOKENS tokens the whole delta (on a high-priority stream), deferred to the
-kernel that reads the projection's output (LoraContext)."""
+kernel that reads the projection's output (LoraContext). The GEMMs of graphs of up to
+CUBLASLT_MAX_TOKENS tokens are captured through cublasLt."""
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +44,10 @@ ROW_BUCKETS = (0, 32, 128, 512)
 # Deferred deltas take the expand off the critical path but cost a float32 write and read of
 # every projection output: a win where launches dominate, a loss where bytes do.
 LORA_DEFER_MAX_TOKENS = 32
+# Graphs of at most this many tokens capture their GEMMs through cublasLt, whose heuristics pick
+# faster kernels at those sizes on the H200; larger graphs keep torch's default, cuBLAS
+# (docs/PERF.md, run 19).
+CUBLASLT_MAX_TOKENS = 32
 
 
 @dataclass
@@ -289,6 +295,10 @@ class CudaGraphRunner(StaticInputs):
 
     def _capture(self, key: GraphKey) -> _Graph:
         self._reset_inputs(key)
+        with blas_library("cublaslt" if key.tokens <= CUBLASLT_MAX_TOKENS else None):
+            return self._capture_graph(key)
+
+    def _capture_graph(self, key: GraphKey) -> _Graph:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -301,6 +311,20 @@ class CudaGraphRunner(StaticInputs):
         entry = _Graph(graph, outputs)
         self.graphs[key] = entry
         return entry
+
+
+@contextlib.contextmanager
+def blas_library(library: str | None):
+    """GEMMs launched inside use `library` ("cublas", "cublaslt"; None: unchanged), as a graph
+    captured inside keeps them; torch's process-wide preference is restored after."""
+    saved = torch.backends.cuda.preferred_blas_library()
+    try:
+        if library is not None:
+            with contextlib.suppress(RuntimeError):  # a build without it keeps its default
+                torch.backends.cuda.preferred_blas_library(library)
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(saved)
 
 
 _NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}

@@ -203,7 +203,12 @@ def main() -> None:
     p.add_argument("--lora-defer-max-tokens", type=int, metavar="N",
                    help="defer the LoRA deltas of graphs of up to N tokens (default: "
                         f"{cuda_graph.LORA_DEFER_MAX_TOKENS})")
+    p.add_argument("--cublaslt-max-tokens", type=int, metavar="N",
+                   help="capture the GEMMs of graphs of up to N tokens through cublasLt "
+                        f"(default: {cuda_graph.CUBLASLT_MAX_TOKENS}; 0: none)")
     args = p.parse_args()
+    if args.cublaslt_max_tokens is not None:
+        cuda_graph.CUBLASLT_MAX_TOKENS = args.cublaslt_max_tokens
     if args.lora_defer_max_tokens is not None:
         cuda_graph.LORA_DEFER_MAX_TOKENS = args.lora_defer_max_tokens
     shape = SMOKE if args.smoke else LLAMA3_8B
@@ -222,6 +227,7 @@ def main() -> None:
     if engine.runner.graphs is not None:
         engine.runner.graphs.capture_decode()
     results["graph_capture_s"] = time.perf_counter() - start
+    results["cublaslt_max_tokens"] = cuda_graph.CUBLASLT_MAX_TOKENS
     weight_bytes = sum(t.numel() * t.element_size() for t in engine.runner.model.parameters())
     results["weight_bytes"] = weight_bytes
     results["floor_decode_ms"] = 1e3 * weight_bytes / HBM_BYTES_PER_S

@@ -72,3 +72,15 @@ def test_static_buffers_need_the_triton_lora_backend(checkpoints):
     eng = Engine(checkpoints["llama"], lora_backend="torch", kv_pages=16)
     with pytest.raises(ValueError, match="lora_backend triton"):
         StaticInputs(eng.runner, max_batch=4, max_context=64, max_rows=16)
+
+
+def test_blas_library_is_scoped_to_capture():
+    """The graphs' BLAS preference applies inside the block only, restored even on error; a
+    build without the library (this CPU build has no cublasLt) keeps its default."""
+    before = torch.backends.cuda.preferred_blas_library()
+    with pytest.raises(KeyError), cuda_graph.blas_library("cublaslt"):
+        raise KeyError("capture failed")
+    assert torch.backends.cuda.preferred_blas_library() == before
+    with cuda_graph.blas_library("cublas"):
+        assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublas
+    assert torch.backends.cuda.preferred_blas_library() == before
