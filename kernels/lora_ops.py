@@ -226,7 +226,7 @@ def _check_segments(
 class LoraBackend(ABC):
     """Applies the LoRA deltas of one fused projection for a whole batch, in two phases: the
     shrink reads only x, so it may run beside the base GEMM (LoraContext.project); the expand
-    adds into the GEMM's output."""
+    adds into the GEMM's output, or stores the deltas for a GEMM to add (accumulate=False)."""
 
     name: str
 
@@ -365,8 +365,9 @@ class TritonLoraBackend(LoraBackend):
             if not accumulate:
                 y.zero_()  # grouped kernels leave rows of tokens in no group untouched
             self._grouped.grouped_expand(
-                v, b_pool, out_offsets, *_group_index(g), y, tuning=self._tuning(meta)
-            )
+                v, b_pool, out_offsets, *_group_index(g), y,
+                tuning=self._tuning(meta), accumulate=accumulate,
+            )  # fmt: skip
             return
         index = (meta.seg_indptr, meta.row_indptr, meta.row_ids)
         self._expand(v, b_pool, out_offsets, *index, y, max_seg_len=meta.max_seg_len,

@@ -1,4 +1,5 @@
-"""SGMV expand: per-segment y += v @ B over a paged LoRA pool (Punica SGMV, S-LoRA pages)."""
+"""SGMV expand: per-segment y += v @ B (or y = v @ B) over a paged LoRA pool (Punica SGMV, S-LoRA
+pages)."""
 
 from __future__ import annotations
 

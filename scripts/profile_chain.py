@@ -119,6 +119,8 @@ def main() -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="bfloat16")
     args = p.parse_args()
+    if args.replays < 3:
+        p.error("--replays must be at least 3 (the first two are dropped)")
     if not torch.cuda.is_available():
         sys.exit("profile_chain.py times CUDA graphs: it needs a CUDA device")
     cases = [CASES[name] for name in args.cases]

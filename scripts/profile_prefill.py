@@ -13,8 +13,8 @@ the base GEMMs (2 x the weight matrices' parameters x tokens over their summed t
     python scripts/profile_prefill.py --sweep-expand
 
 times instead the per-request SGMV expand alone at that step's shape (32 segments of 256 tokens,
-rank 16 over 8 adapters, each module group's widths, y += v @ B in bf16) under each launch
-setting of EXPAND_SWEEP (CUDA-graph medians)."""
+rank 16 over 8 adapters, each module group's widths, y = v @ B in bf16, store only as the
+engine's prefill runs it) under each launch setting of EXPAND_SWEEP (CUDA-graph medians)."""
 
 from __future__ import annotations
 
@@ -109,7 +109,8 @@ def sweep_expand(cfg: ModelConfig, device: torch.device, prompt_len: int, settin
         times = out[group] = {}
         for setting in [{}, *settings]:
             run = functools.partial(sgmv_expand, v, b_pool, offsets, seg_indptr, row_indptr,
-                                    row_ids, y, max_seg_len=prompt_len, **setting)  # fmt: skip
+                                    row_ids, y, max_seg_len=prompt_len, accumulate=False,
+                                    **setting)  # fmt: skip
             eager, graph = time_us(run, device.type)
             label = ",".join(f"{k}={x}" for k, x in setting.items()) or "default"
             times[label] = graph if graph is not None else eager

@@ -9,6 +9,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: before any import
 
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import random  # noqa: E402
@@ -563,11 +564,26 @@ def test_lora_context_prefill_batch_gives_linear_plus_deltas(backend, bias):
                                        expand(*args, **kw))[1]  # fmt: skip
     torch.manual_seed(3)
     linear = torch.nn.Linear(x.shape[1], pool.out_offsets[-1], bias=bias)
-    with torch.no_grad():
+    with torch.no_grad(), _nan_filled_empty_tensors():  # a row left unwritten shows as NaN
         y, delta = LoraContext(layers, lora, {"qkv": meta}).project(linear, x, 0, "qkv")
+    with torch.no_grad():
         want = expected(pool, x, linear(x), segs)
     assert delta is None and overwrites == [not bias]
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+
+
+@contextlib.contextmanager
+def _nan_filled_empty_tensors():
+    """torch.empty and friends return NaN-filled memory inside the block."""
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was_filling = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+        torch.utils.deterministic.fill_uninitialized_memory = was_filling
 
 
 @pytest.mark.parametrize("grouped", [False, True])

@@ -74,13 +74,24 @@ def test_static_buffers_need_the_triton_lora_backend(checkpoints):
         StaticInputs(eng.runner, max_batch=4, max_context=64, max_rows=16)
 
 
-def test_blas_library_is_scoped_to_capture():
-    """The graphs' BLAS preference applies inside the block only, restored even on error; a
-    build without the library (this CPU build has no cublasLt) keeps its default."""
-    before = torch.backends.cuda.preferred_blas_library()
+def test_blas_library_is_scoped_to_capture(monkeypatch):
+    """The graphs' BLAS preference holds inside the block only and is restored even when the
+    capture fails; a build that lacks the library keeps its default."""
+    state = {"library": "default"}
+
+    def preferred(library=None):
+        if library == "missing":
+            raise RuntimeError("not compiled with it")
+        if library is not None:
+            state["library"] = library
+        return state["library"]
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
     with pytest.raises(KeyError), cuda_graph.blas_library("cublaslt"):
+        assert state["library"] == "cublaslt"
         raise KeyError("capture failed")
-    assert torch.backends.cuda.preferred_blas_library() == before
-    with cuda_graph.blas_library("cublas"):
-        assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublas
-    assert torch.backends.cuda.preferred_blas_library() == before
+    assert state["library"] == "default"
+    with cuda_graph.blas_library("missing"):
+        assert state["library"] == "default"
+    with cuda_graph.blas_library(None):
+        assert state["library"] == "default"

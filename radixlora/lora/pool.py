@@ -332,7 +332,8 @@ class LoraContext:
             y, _ = self._beside_gemm(linear, x, lambda: self.backend.deferred_delta(
                 x, a, b, out_offsets, meta, delta))  # fmt: skip
             return y, delta
-        if self.side_stream is None and meta.groups is None and linear.bias is None:
+        plain = isinstance(linear, torch.nn.Linear) and linear.bias is None
+        if self.side_stream is None and meta.groups is None and plain:
             return self._delta_then_gemm(linear, x, a, b, out_offsets, meta), None
         y, v = self._beside_gemm(linear, x, lambda: self.backend.shrink(x, a, meta))
         if v is not None:
@@ -341,8 +342,9 @@ class LoraContext:
 
     def _delta_then_gemm(self, linear, x: torch.Tensor, a, b, out_offsets, meta) -> torch.Tensor:
         """linear(x) plus the deltas, written first and added by the GEMM (beta = 1): the expand
-        only stores, and the GEMM reads them in its epilogue, hidden behind its compute at
-        prefill sizes, instead of an expand reading and rewriting y after it."""
+        only stores, and the GEMM reads them in its epilogue instead of an expand reading and
+        rewriting y after it. Every row of y is written first: the segments of a
+        LoraBatchMeta cover all its tokens, and tokens with no adapter get zeros."""
         v = self.backend.shrink(x, a, meta)
         if v is None:
             return linear(x)
