@@ -91,6 +91,7 @@ class RadixCache:
         self._protected_size = 0
         self._stats: dict[Hashable, list[int]] = {}
         self._clock = itertools.count(1)
+        self._candidates: list[tuple[int, int, TreeNode]] | None = None  # see evict
 
     # ---- lookup and insert -------------------------------------------------------------
 
@@ -183,6 +184,8 @@ class RadixCache:
                 self._protected_size -= path_node.num_tokens
                 self._evictable_size += path_node.num_tokens
                 released.append(path_node)
+        if released:
+            self._candidates = None
         if path and path[-1].orphan_free_fn is not None:
             self._free_orphaned(released, path[-1])
 
@@ -192,17 +195,30 @@ class RadixCache:
         """Evict least-recently-used unlocked leaves until `num_tokens` are freed or nothing
         is evictable; a parent left without children becomes a candidate in turn.
 
+        The candidate heap outlives the call, so a scheduler step that evicts once per admitted
+        request walks the tree once, not per request. It holds every evictable leaf, keyed by
+        its last access when pushed: an entry is re-keyed when popped if the node was touched
+        since, and dropped if the node was locked, given children or removed. Whatever can
+        make a new evictable leaf (insert, unlock, drop) discards the heap.
+
         Mutates: removes the evicted nodes and any unlocked namespace node left empty; calls
         `free_fn` once with all evicted slots (not at all when none). Returns tokens freed."""
         self._prune_empty_namespaces()
         if num_tokens <= 0:
             return 0
-        heap = [(leaf.last_access, leaf.node_id, leaf) for leaf in self._evictable_leaves()]
-        heapq.heapify(heap)
+        if self._candidates is None:
+            self._candidates = [(n.last_access, n.node_id, n) for n in self._evictable_leaves()]
+            heapq.heapify(self._candidates)
+        heap = self._candidates
         pieces: list[np.ndarray] = []
         num_freed = 0
         while heap and num_freed < num_tokens:
-            _, _, leaf = heapq.heappop(heap)
+            last_access, _, leaf = heapq.heappop(heap)
+            if leaf.removed or leaf.children or leaf.lock_ref > 0:
+                continue
+            if leaf.last_access != last_access:
+                heapq.heappush(heap, (leaf.last_access, leaf.node_id, leaf))
+                continue
             parent = leaf.parent
             pieces.append(leaf.kv_slots)
             num_freed += leaf.num_tokens
@@ -226,6 +242,7 @@ class RadixCache:
         dec_lock_ref then frees them through this `free_fn`. Statistics are kept (counters
         never go back). Mutates: the matching namespaces' subtrees and the sizes.
         Returns the tokens freed now."""
+        self._candidates = None
         pieces: list[np.ndarray] = []
         for namespace, ns_node in list(self._root.children.items()):
             if not predicate(namespace):
@@ -322,6 +339,7 @@ class RadixCache:
         leaf = TreeNode(key=tokens.copy(), kv_slots=kv_slots.copy(), parent=parent, last_access=now)
         parent.children[self._child_key(leaf.key, 0)] = leaf
         self._evictable_size += leaf.num_tokens
+        self._candidates = None
 
     def _namespace_node(self, namespace: Hashable, now: int) -> TreeNode:
         ns_node = self._root.children.get(namespace)

@@ -191,6 +191,51 @@ def test_evict_is_lru_and_parents_become_leaves():
     assert cache.namespaces() == [] and cache.total_size() == 0
 
 
+def test_consecutive_evictions_walk_the_tree_once(monkeypatch):
+    """A scheduler step evicts once per admitted request: the candidates found by one walk of
+    the tree serve the following calls, until an insert (or unlock, or drop) may have made a
+    new leaf evictable."""
+    walks = []
+    leaves = RadixCache._evictable_leaves
+    monkeypatch.setattr(RadixCache, "_evictable_leaves",
+                        lambda self: walks.append(1) or leaves(self))  # fmt: skip
+    cache = RadixCache()
+    for i in range(6):
+        cache.insert(NS_A, [i, 1, 2], slots(3 * i, 3))
+    free_log = FreeLog()
+    cache.evict(3, free_log)
+    cache.match_prefix(NS_A, [1, 1, 2])  # touched: re-keyed when popped, not re-walked
+    cache.evict(3, free_log)
+    cache.evict(3, free_log)
+    assert len(walks) == 1 and free_log.slots == [0, 1, 2, 6, 7, 8, 9, 10, 11]
+    cache.insert(NS_A, [9, 9, 9], slots(30, 3))
+    cache.evict(3, free_log)
+    assert len(walks) == 2 and free_log.slots[-3:] == [12, 13, 14]
+
+
+def lru_eviction_oracle(cache: RadixCache, num_tokens: int) -> list[int]:
+    """The slots an eviction of num_tokens must free, in order, found the slow way: rescan the
+    whole tree for the least recently used unlocked leaf before every pick (ties: the older
+    node). Reads the tree's private root; nothing is kept between calls."""
+    stack, nodes = [cache._root], []
+    while stack:
+        nodes.append(stack.pop())
+        stack.extend(nodes[-1].children.values())
+    children = {id(n): {id(c) for c in n.children.values()} for n in nodes}
+    parent = {id(c): id(n) for n in nodes for c in n.children.values()}
+    freed: list[int] = []
+    while len(freed) < num_tokens:
+        leaves = [n for n in nodes if id(n) in children and not children[id(n)]
+                  and n.lock_ref == 0 and n.num_tokens > 0]  # fmt: skip
+        if not leaves:
+            break
+        leaf = min(leaves, key=lambda n: (n.last_access, n.node_id))
+        freed += leaf.kv_slots.tolist()
+        del children[id(leaf)]
+        children[parent[id(leaf)]].discard(id(leaf))
+    return freed
+
+
 def test_drop_namespaces_frees_unlocked():
     cache = RadixCache()
     cache.insert(NS_A, [1, 2, 3], slots(0, 3))
@@ -403,7 +448,11 @@ class RadixCacheMachine(RuleBasedStateMachine):
     def evict(self, num_tokens):
         before = self.cache.evictable_size()
         num_freed_before = len(self.freed_by_cache)
-        num_freed = self.cache.evict(num_tokens, self.on_evict)
+        expected = lru_eviction_oracle(self.cache, num_tokens) if num_tokens > 0 else []
+        evicted: list[int] = []
+        num_freed = self.cache.evict(num_tokens, lambda s: (evicted.extend(s.tolist()),
+                                                            self.on_evict(s)))  # fmt: skip
+        assert evicted == expected
         assert num_freed == len(self.freed_by_cache) - num_freed_before
         assert num_freed >= num_tokens or self.cache.evictable_size() == 0
         assert self.cache.evictable_size() == before - num_freed
