@@ -66,7 +66,8 @@ class KVAllocator:
         """Slots of `num_pages` fresh pages, page by page, in order. Raises if not enough."""
         if num_pages > len(self._free):
             raise MemoryError(f"KV pool exhausted: need {num_pages} pages, {len(self._free)} free")
-        pages = np.array([self._free.pop() for _ in range(num_pages)], dtype=np.int32)
+        pages = np.array(self._free[len(self._free) - num_pages :][::-1], dtype=np.int32)
+        del self._free[len(self._free) - num_pages :]
         self._is_free[pages] = False
         if self.page_size == 1:
             return pages

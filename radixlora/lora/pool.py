@@ -197,6 +197,8 @@ class AdapterResidency:
 
     def can_acquire(self, adapters: list[LoraAdapter]) -> bool:
         missing = sum(a.rank for a in adapters if a.adapter_id not in self.resident)
+        if missing == 0:
+            return True
         protected = {a.adapter_id for a in adapters}
         reclaimable = sum(
             len(r.rows)
