@@ -215,8 +215,8 @@ def test_consecutive_evictions_walk_the_tree_once(monkeypatch):
 
 def lru_eviction_oracle(cache: RadixCache, num_tokens: int) -> list[int]:
     """The slots an eviction of num_tokens must free, in order, found the slow way: rescan the
-    whole tree for the least recently used unlocked leaf before every pick (ties: the older
-    node). Reads the tree's private root; nothing is kept between calls."""
+    whole tree for the least recently used unlocked leaf before every pick (ties: the lower
+    node_id). Reads the tree's private root; nothing is kept between calls."""
     stack, nodes = [cache._root], []
     while stack:
         nodes.append(stack.pop())
@@ -444,7 +444,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         held = self.held.pop(index % len(self.held))
         self.cache.dec_lock_ref(held.node)
 
-    @rule(num_tokens=st.integers(0, 8))
+    @rule(num_tokens=st.integers(0, 64))
     def evict(self, num_tokens):
         before = self.cache.evictable_size()
         num_freed_before = len(self.freed_by_cache)
@@ -492,7 +492,11 @@ class RadixCacheMachine(RuleBasedStateMachine):
         while self.held:
             self.cache.dec_lock_ref(self.held.pop().node)
         assert not self.pending
-        self.cache.evict(self.cache.total_size() + 1, self.on_evict)
+        everything = self.cache.total_size() + 1
+        expected = lru_eviction_oracle(self.cache, everything)
+        evicted: list[int] = []
+        self.cache.evict(everything, lambda s: (evicted.extend(s.tolist()), self.on_evict(s)))
+        assert evicted == expected
         assert self.cache.total_size() == 0 and len(self.cache.all_slots()) == 0
         assert self.cache.namespaces() == [] and not self.model.pages
 
