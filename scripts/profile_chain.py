@@ -9,8 +9,10 @@ they are the step's chain. Per replay this reports the chain's busy time, its id
 by the kernels around them ("(LoRA)" when a LoRA kernel ended inside the gap, so the chain was
 waiting for the side branch), and the summed time of each kernel family. Comparing a case's
 base and LoRA graphs splits the LoRA cost into slower chain kernels (the GEMMs sharing SMs with
-the side branch), waits for the branch, and launch gaps. Medians over the replays after the
-first two; JSON to $OUT."""
+the side branch), waits for the branch, and launch gaps. It also lists each kernel's launch
+resources (grid, block, registers per thread, shared memory), which say whether a side-branch
+program can share an SM with a GEMM's thread block. Medians over the replays after the first
+two; JSON to $OUT."""
 
 from __future__ import annotations
 
@@ -87,6 +89,19 @@ def chain_of(timeline: list[dict]) -> dict:
     return {"span": span, "chain_busy": busy, "gaps": gaps, "kernels": kernels}
 
 
+RESOURCE_ARGS = ("grid", "block", "registers per thread", "shared memory", "blocks per SM")
+
+
+def resources(timeline: list[dict]) -> dict[str, dict]:
+    """Launch resources of each distinct kernel of one replay (CUPTI's fields in the trace):
+    whether a side-branch kernel can share an SM with a GEMM's thread block depends on them."""
+    out = {}
+    for e in timeline:
+        args = e.get("args", {})
+        out.setdefault(e["name"][:90], {key: args.get(key) for key in RESOURCE_ARGS})
+    return out
+
+
 def summarize(timelines: list[list[dict]]) -> dict:
     chains = [chain_of(t) for t in timelines[2:]]
 
@@ -100,7 +115,8 @@ def summarize(timelines: list[list[dict]]) -> dict:
     return {"span_us": statistics.median(c["span"] for c in chains),
             "chain_busy_us": statistics.median(c["chain_busy"] for c in chains),
             "chain_gaps_us": statistics.median(sum(c["gaps"].values()) for c in chains),
-            "gaps_us": gaps, "kernels_us": median_of("kernels")}  # fmt: skip
+            "gaps_us": gaps, "kernels_us": median_of("kernels"),
+            "resources": resources(timelines[-1])}  # fmt: skip
 
 
 def print_summary(label: str, s: dict) -> None:
@@ -110,6 +126,8 @@ def print_summary(label: str, s: dict) -> None:
         print(f"    gap {gap:<60}{us:9.1f}")
     for kernel, us in list(s["kernels_us"].items())[:10]:
         print(f"    kernels {kernel:<56}{us:9.1f}")
+    for name, res in s["resources"].items():
+        print(f"    launch {name[:60]:<60} " + " ".join(f"{k}={v}" for k, v in res.items()))
 
 
 def main() -> None:
