@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -24,3 +25,16 @@ def time_us(fn: Callable[[], object], device: str) -> tuple[float, float | None]
     except RuntimeError:
         graph = None
     return eager, graph
+
+
+def replace_fields(base, text: str):
+    """"pdl=0,block_n=256" -> the dataclass instance `base` with those int fields changed (bool
+    fields as 0/1)."""
+    fields = {f.name: f.type for f in dataclasses.fields(base)}
+    changes: dict[str, object] = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise SystemExit(f"unknown field {key!r} of {type(base).__name__} ({list(fields)})")
+        changes[key] = bool(int(value)) if fields[key] in ("bool", bool) else int(value)
+    return dataclasses.replace(base, **changes)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_common import replace_fields
 
 from radixlora import Engine, SamplingParams, cuda_graph
 from radixlora.config import ModelConfig
@@ -178,14 +179,7 @@ def ttft_hit_vs_miss(engine: Engine, names: list[str], system_len: int, rng) -> 
 
 def parse_tuning(text: str) -> GroupedTuning:
     """"pdl=0,block_n=256" -> DEFAULT_TUNING with those fields (ints; bools as 0/1)."""
-    fields = {f.name: f.type for f in dataclasses.fields(GroupedTuning)}
-    changes = {}
-    for item in text.split(","):
-        key, _, value = item.partition("=")
-        if key not in fields:
-            raise SystemExit(f"--grouped-tuning: unknown field {key!r} (fields: {list(fields)})")
-        changes[key] = bool(int(value)) if fields[key] == "bool" else int(value)
-    return dataclasses.replace(DEFAULT_TUNING, **changes)
+    return replace_fields(DEFAULT_TUNING, text)
 
 
 def main() -> None:

@@ -6,6 +6,8 @@ and the base GEMMs with LoRA, the shrink after each GEMM or beside it on a side 
 
     python scripts/bench_sgmv.py            # H200: full shapes, bf16
     python scripts/bench_sgmv.py --smoke    # CPU: tiny shapes under TRITON_INTERPRET=1
+    python scripts/bench_sgmv.py --scenarios "distinct r16" --sweep expand_stages=2 --repeat 3
+        # only target a's layer: the defaults and a GroupedTuning variant, each timed 3 times
 
 Each variant is checked against TorchLoraBackend (fp32 math) before it is timed. Writes
 $OUT/bench_sgmv.json when OUT is set; prints a table last.
@@ -32,7 +34,7 @@ from types import SimpleNamespace  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from bench_common import time_us  # noqa: E402
+from bench_common import replace_fields, time_us  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `kernels` without installing
 from kernels.lora_ops import (  # noqa: E402
@@ -426,10 +428,39 @@ def environment(cfg: BenchConfig) -> dict:
     return env
 
 
+def bench_selected(cfg: BenchConfig, names: list[str], variants: list[str], repeat: int) -> None:
+    """Only the named scenarios: the grouped defaults, one segment per request and each
+    GroupedTuning variant ("k=v,..."), every one timed `repeat` times in turn; a table, and
+    $OUT/bench_sgmv.json when OUT is set."""
+    known = {sc.name: sc for sc in scenarios(cfg)}
+    if unknown := [n for n in names if n not in known]:
+        raise SystemExit(f"unknown scenario(s) {unknown}; choose from {list(known)}")
+    sweep = [replace_fields(DEFAULT_TUNING, v) for v in variants]
+    results = [r for name in names for _ in range(repeat)
+               for r in bench_scenario(cfg, known[name], sweep, (), baselines=False)]  # fmt: skip
+    if out_dir := os.environ.get("OUT"):
+        payload = {"env": environment(cfg), "hbm_bytes_per_s": HBM_BYTES_PER_S,
+                   "results": [{**asdict(r), "floor_us": r.floor_us} for r in results]}  # fmt: skip
+        Path(out_dir, "bench_sgmv.json").write_text(json.dumps(payload, indent=2))
+    print(format_table(results))
+    if any(math.isnan(r.eager_us) for r in results):
+        raise SystemExit(f"rel err > {MAX_REL_ERR}: a variant was not timed")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter)")
-    cfg = SMOKE if parser.parse_args().smoke else FULL
+    parser.add_argument("--scenarios", nargs="+", metavar="NAME",
+                        help="only these scenarios (no baselines, no base GEMMs)")
+    parser.add_argument("--sweep", nargs="*", default=[], metavar="FIELD=N,...",
+                        help="with --scenarios: GroupedTuning variants to time too")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="with --scenarios: time every variant this many times")
+    args = parser.parse_args()
+    cfg = SMOKE if args.smoke else FULL
+    if args.scenarios:
+        bench_selected(cfg, args.scenarios, args.sweep, max(1, args.repeat))
+        return
     results = [bench_base_gemms(cfg)]
     for i, sc in enumerate(scenarios(cfg)):
         zipf_many = sc.name.startswith("zipf") and sc.num_adapters == max(cfg.zipf_adapters)
