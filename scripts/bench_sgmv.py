@@ -457,9 +457,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1,
                         help="with --scenarios: time every variant this many times")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
+    if not args.scenarios and (args.sweep or args.repeat != 1):
+        parser.error("--sweep and --repeat need --scenarios")
     cfg = SMOKE if args.smoke else FULL
     if args.scenarios:
-        bench_selected(cfg, args.scenarios, args.sweep, max(1, args.repeat))
+        bench_selected(cfg, args.scenarios, args.sweep, args.repeat)
         return
     results = [bench_base_gemms(cfg)]
     for i, sc in enumerate(scenarios(cfg)):
