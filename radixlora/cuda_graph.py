@@ -16,9 +16,10 @@ set (padding and base-only requests belong to no group), so the rows live in the
 and the per-segment metadata carries none; graphs therefore need the Triton LoRA backend. On CUDA
 each projection's LoRA work that reads only x is captured on a side stream, a parallel branch of
 the graph beside the base GEMM (EngineConfig.lora_side_stream): the shrink, or in buckets of at
-most LORA_DEFER_MAX_TOKENS tokens the whole delta (on a high-priority stream), deferred to the
-kernel that reads the projection's output (LoraContext). The GEMMs of graphs of up to
-CUBLASLT_MAX_TOKENS tokens are captured through cublasLt."""
+most LORA_DEFER_MAX_TOKENS tokens the whole delta, deferred to the kernel that reads the
+projection's output (LoraContext). With EngineConfig.lora_fused_gemm, buckets of at most
+lora_gemm.MAX_TOKENS tokens instead run each projection and its deltas as one kernel. The GEMMs
+of graphs of up to CUBLASLT_MAX_TOKENS tokens are captured through cublasLt."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import torch
 
 from radixlora.attention import TritonAttentionMeta
 from radixlora.forward_batch import ForwardBatch
+from radixlora.kernels import lora_gemm
 from radixlora.kernels.lora_ops import HostGroups, LoraBatchMeta, LoraGroups
 from radixlora.kernels.scatter_words import scatter_words
 from radixlora.lora.adapter import MODULE_GROUPS
@@ -91,6 +93,9 @@ class StaticInputs:
         self.runner = runner
         # CudaGraphRunner: the side stream of the LoRA work, by whether the bucket defers
         self.lora_streams: dict[bool, torch.cuda.Stream] = {}
+        # buckets of at most lora_gemm.MAX_TOKENS tokens run each projection and its LoRA
+        # deltas as one kernel (EngineConfig.lora_fused_gemm)
+        self.lora_fused = False
         self.buckets = [b for b in BATCH_BUCKETS if b <= max_batch] or [1]
         self.extend_buckets = [b for b in self.buckets if b <= MAX_EXTEND_BATCH]
         self.row_buckets = sorted({r for r in ROW_BUCKETS if r < max_rows} | {max_rows})
@@ -221,10 +226,11 @@ class StaticInputs:
                 )
                 for g in MODULE_GROUPS
             }
-            defer = t <= LORA_DEFER_MAX_TOKENS
+            fused = self.lora_fused and t <= lora_gemm.MAX_TOKENS
+            defer = t <= LORA_DEFER_MAX_TOKENS and not fused
             lora = LoraContext(
                 self.runner.adapter_pool, self.runner.lora_backend, metas,
-                self.lora_streams.get(defer), defer,
+                self.lora_streams.get(defer), defer, fused,
             )  # fmt: skip
         return ForwardBatch(
             self.input_ids[:t],
@@ -262,13 +268,17 @@ class CudaGraphRunner(StaticInputs):
         max_context: int,
         max_rows: int,
         lora_side_stream: bool = True,
+        lora_fused: bool = False,
     ):
         super().__init__(runner, max_batch, max_context, max_rows)
+        self.lora_fused = lora_fused
         self.graphs: dict[GraphKey, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         if lora_side_stream:
-            # high priority where the side branch is the whole delta, so it finishes within
-            # its GEMM; normal beside the large buckets' compute-bound GEMMs (PERF.md, run 11)
+            # high priority where the side branch is the whole delta, normal beside the large
+            # buckets' GEMMs (run 11); a captured graph drops both (torch instantiates it
+            # without cudaGraphInstantiateFlagUseNodePriority) and with the flag they
+            # measured no faster (PERF.md, run 21)
             self.lora_streams = {True: high_priority_stream(runner.device),
                                  False: torch.cuda.Stream(runner.device)}  # fmt: skip
 

@@ -82,6 +82,7 @@ class ModelRunner:
                 model_cfg.max_position,
                 config.max_rank * config.max_stacked,
                 config.lora_side_stream,
+                config.lora_fused_gemm,
             )
         # tokens sampled by the last launched step: placeholders of the next step point here
         self.last_sampled = torch.zeros(1, dtype=torch.int64, device=self.device)

@@ -10,6 +10,7 @@ import torch
 
 from radixlora import Engine, SamplingParams, cuda_graph
 from radixlora.cuda_graph import StaticInputs
+from radixlora.kernels import lora_gemm
 from tests.conftest import assert_all_free
 
 
@@ -17,11 +18,17 @@ class EagerStaticInputs(StaticInputs):
     forward = StaticInputs.static_forward
 
 
-@pytest.mark.parametrize("defer_max_tokens", [cuda_graph.LORA_DEFER_MAX_TOKENS, 0])
-def test_static_buffers_match_eager(checkpoints, adapters, monkeypatch, defer_max_tokens):
-    """By default these small buckets defer the LoRA deltas to the consumer kernels; with the
-    limit at 0 every bucket adds them into the projection outputs instead."""
-    monkeypatch.setattr(cuda_graph, "LORA_DEFER_MAX_TOKENS", defer_max_tokens)
+@pytest.mark.parametrize("mode", ["fused", "deferred", "added"])
+def test_static_buffers_match_eager(checkpoints, adapters, monkeypatch, mode):
+    """Three ways of adding the LoRA deltas in graph buckets: every projection and its deltas
+    as one kernel (fused, the default on CUDA); the deltas deferred to the consumer kernels;
+    the deltas added into the projection outputs (defer limit 0)."""
+    if mode == "added":
+        monkeypatch.setattr(cuda_graph, "LORA_DEFER_MAX_TOKENS", 0)
+    fused_calls = []
+    real = lora_gemm.lora_gemm
+    monkeypatch.setattr(lora_gemm, "lora_gemm",
+                        lambda *a, **k: fused_calls.append(1) or real(*a, **k))  # fmt: skip
     dirs = {k: adapters["llama"][k] for k in "abd"}
     specs = [None, "a", [("b", 0.5), ("d", 1.0)], "d", None]
     prompts = [[7 + i] * (2 + 6 * i) for i in range(len(specs))]
@@ -31,7 +38,9 @@ def test_static_buffers_match_eager(checkpoints, adapters, monkeypatch, defer_ma
     eng = Engine(checkpoints["llama"], attention_backend="triton", lora_backend="triton",
                  max_batch_tokens=24, **kw)
     eng.runner.graphs = EagerStaticInputs(eng.runner, max_batch=8, max_context=512, max_rows=128)
+    eng.runner.graphs.lora_fused = mode == "fused"
     runs = [eng.generate(prompts, params, adapters=specs) for _ in range(2)]  # cold, cache hits
+    assert bool(fused_calls) == (mode == "fused")
     for got in runs:
         for a, b in zip(ref, got, strict=True):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids

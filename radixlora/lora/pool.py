@@ -279,7 +279,10 @@ class LoraContext:
     A deferred forward draws its deltas from one workspace zeroed once per forward (`begin`):
     one delta per group shared by all layers, whose rows of tokens with no adapter are never
     written and stay zero. (The shrink's v needs no zeroing: its in_dim splits store partial
-    sums that the expand adds up.)
+    sums that the expand adds up.) Fused (`fused`, small CUDA graph buckets), a projection the
+    backend has a one-kernel form for (`LoraBackend.fused_projection`: the GEMM, the shrink and
+    the expand in one launch) runs as that kernel and needs no side branch; the others take the
+    paths above.
 
     With a side stream (CUDA graph capture), the LoRA work that only reads x (the shrink, or
     the whole delta when deferred) runs on it beside the base GEMM; at decode sizes it is
@@ -301,12 +304,14 @@ class LoraContext:
         metas: dict[str, LoraBatchMeta | None],
         side_stream: torch.cuda.Stream | None = None,
         defer: bool = False,
+        fused: bool = False,
     ):
         self.pool = pool
         self.backend = backend
         self.metas = metas
         self.side_stream = side_stream
         self.defer = defer
+        self.fused = fused
         self._delta: dict[str, torch.Tensor] = {}  # deferred workspace, per group
 
     def begin(self, num_tokens: int, device) -> None:
@@ -329,12 +334,16 @@ class LoraContext:
         if meta is None:
             return linear(x), None
         a, b, out_offsets = self._pools(layer_id, group)
+        plain = isinstance(linear, torch.nn.Linear) and linear.bias is None
+        if self.fused and plain:
+            y = self.backend.fused_projection(x, linear.weight, a, b, out_offsets, meta)
+            if y is not None:
+                return y, None
         if self.defer:
             delta = self._delta[group]
             y, _ = self._beside_gemm(linear, x, lambda: self.backend.deferred_delta(
                 x, a, b, out_offsets, meta, delta))  # fmt: skip
             return y, delta
-        plain = isinstance(linear, torch.nn.Linear) and linear.bias is None
         if self.side_stream is None and meta.groups is None and plain:
             return self._delta_then_gemm(linear, x, a, b, out_offsets, meta), None
         y, v = self._beside_gemm(linear, x, lambda: self.backend.shrink(x, a, meta))
