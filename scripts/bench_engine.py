@@ -192,6 +192,9 @@ def main() -> None:
     only.add_argument("--only-be", action="store_true", help="only the small-batch steps (b, e)")
     p.add_argument("--no-lora-side-stream", dest="lora_side_stream", action="store_false",
                    help="LoRA work on the compute stream in the graphs, not beside the GEMMs")
+    p.add_argument("--lora-fused-gemm", action="store_true",
+                   help="graphs of <= 32 tokens run each projection and its LoRA deltas as one "
+                        "kernel (EngineConfig.lora_fused_gemm)")
     p.add_argument("--grouped-tuning", default="", metavar="K=V,...",
                    help="GroupedTuning fields of the non-deferred grouped kernels")
     p.add_argument("--lora-defer-max-tokens", type=int, metavar="N",
@@ -212,7 +215,8 @@ def main() -> None:
     results: dict = {}
     kw = dict(kv_pages=20_000 if args.smoke else 200_000, max_running=256 // scale,
               max_batch_tokens=8192, adapter_rows=2048 if not args.smoke else 1024, max_rank=64,
-              max_adapter_sets_per_batch=128, lora_side_stream=args.lora_side_stream)
+              max_adapter_sets_per_batch=128, lora_side_stream=args.lora_side_stream,
+              lora_fused_gemm=args.lora_fused_gemm)
     engine = make_engine(path, args, **kw)
     if args.grouped_tuning:
         engine.runner.lora_backend.tuning = parse_tuning(args.grouped_tuning)
