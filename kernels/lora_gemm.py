@@ -10,10 +10,12 @@ products of tokens with other groups' rows cost no time), stored into v with eac
 entries masked to its own group. The other programs are the GEMM's column tiles: they stream
 their weight rows, wait on a counter in global memory until the shrink programs are done, and
 add v @ B for their columns in the epilogue (one product over all row positions, thanks to the
-mask). The shrink programs have the lowest program ids, so they are scheduled first and the
-wait cannot deadlock; the interpreter runs programs in order, so there it never waits. The
-counters reset themselves (the last tile to finish zeroes them), so a graph replays the kernel
-with no fill.
+mask; so B's rows must be finite, as adapters are checked to be at load). The shrink
+programs have the lowest program ids, and the GPU dispatches a grid's blocks in id order (what
+GPUs do, not a CUDA promise: stream-K GEMMs rely on it too), so they run before any tile waits
+and the wait cannot deadlock; the interpreter runs programs in order, so there it never waits.
+The counters reset themselves (the last tile to finish zeroes them), so a graph replays the
+kernel with no fill.
 
 A Triton GEMM with this tile loop matched cuBLAS and cublasLt on the decode projections in a
 sweep of tile sizes (docs/PERF.md, run 21); the tilings here are its winners without split-K.
@@ -24,7 +26,6 @@ the chain of dependent metadata loads in each tile).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -155,7 +156,7 @@ def _add_v_b(acc, v_slice, b, offs_m, m_mask, offs_p, total_rows, stride_vt,
     groups, so one product covers every group."""
     v = tl.load(v_slice + offs_m[:, None] * stride_vt + offs_p[None, :],
                 mask=m_mask[:, None] & (offs_p < total_rows)[None, :], other=0.0,
-                cache_modifier=".cg")  # written by other programs of this grid: skip L1
+                cache_modifier=".cg")  # a hint only: the acquire and barrier order the reads
     if FP32_DOT:
         acc = tl.dot(v, b.to(tl.float32), acc, input_precision="ieee")
     else:  # v rounded to B's dtype, as in grouped_expand
@@ -212,7 +213,7 @@ def _shrink_tiles(x_ptr, a_ptr, v_ptr, num_groups_ptr, group_indptr_ptr, token_i
         p_mask = offs_p < total_rows
         rows = tl.load(row_ids_ptr + offs_p, mask=p_mask, other=0).to(tl.int64)
         scales = tl.load(row_scales_ptr + offs_p, mask=p_mask, other=0.0)
-        a_rows = a_ptr + slice_id * stride_as + rows[:, None] * stride_ar
+        a_rows = a_ptr + slice_id.to(tl.int64) * stride_as + rows[:, None] * stride_ar
         acc = _tile_product(x_ptr, a_rows, p_mask, offs_m, m_mask, in_features, BLOCK_M,
                             BLOCK_N, BLOCK_K, STAGES, FP32_DOT, True)  # fmt: skip
         row_group = tl.sum((row_ends[None, :] <= offs_p[:, None]).to(tl.int32), axis=1)
@@ -268,11 +269,20 @@ def supports(x, weight, a_pool, b_pool, out_offsets: Sequence[int]) -> bool:
     return _problem(x, weight, a_pool, b_pool, out_offsets) is None
 
 
-@functools.cache
+_SYNC_WORDS: dict[torch.device, torch.Tensor] = {}
+
+
 def _sync_words(device: torch.device) -> torch.Tensor:
     """The counters all launches on a device share: launches in one stream never overlap, and
-    each leaves them zero."""
-    return torch.zeros(SYNC_WORDS, dtype=torch.int32, device=device)
+    each leaves them zero. They must outlive every graph that uses them, so they are allocated
+    outside graph capture (the engine's warm-up launches come first)."""
+    words = _SYNC_WORDS.get(device)
+    if words is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("lora_gemm's first launch on a device must come before CUDA graph "
+                               "capture: its counters would live in the graph's memory pool")
+        words = _SYNC_WORDS[device] = torch.zeros(SYNC_WORDS, dtype=torch.int32, device=device)
+    return words
 
 
 def lora_gemm(
@@ -301,8 +311,9 @@ def lora_gemm(
         return y.to(x.dtype)
 
     fp32 accumulation with one rounding at the end; with 16-bit pools v is rounded to b_pool's
-    dtype before its product, as in grouped_expand. Launches on one stream must not overlap
-    (they share a device-wide pair of counters); no PDL.
+    dtype before its product, as in grouped_expand. Launches on one device must never run
+    concurrently (they share a device-wide pair of counters: the engine launches them on its
+    one compute stream), and never with programmatic dependent launch.
 
     Args:
         x: [T, in_dim] contiguous, T <= MAX_TOKENS; float16/bfloat16/float32.

@@ -20,9 +20,10 @@ class EagerStaticInputs(StaticInputs):
 
 @pytest.mark.parametrize("mode", ["fused", "deferred", "added"])
 def test_static_buffers_match_eager(checkpoints, adapters, monkeypatch, mode):
-    """Three ways of adding the LoRA deltas in graph buckets: every projection and its deltas
-    as one kernel (fused, the default on CUDA); the deltas deferred to the consumer kernels;
-    the deltas added into the projection outputs (defer limit 0)."""
+    """Three ways of adding the LoRA deltas in graph buckets: the deltas deferred to the
+    consumer kernels (the default); every projection and its deltas as one kernel (fused,
+    EngineConfig.lora_fused_gemm); the deltas added into the projection outputs (defer limit
+    0)."""
     if mode == "added":
         monkeypatch.setattr(cuda_graph, "LORA_DEFER_MAX_TOKENS", 0)
     fused_calls = []
