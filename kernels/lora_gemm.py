@@ -12,7 +12,7 @@ their weight rows, wait on a counter in global memory until the shrink programs 
 add v @ B for their columns in the epilogue (one product over all row positions, thanks to the
 mask; so B's rows must be finite, as adapters are checked to be at load). The shrink
 programs have the lowest program ids, and the GPU dispatches a grid's blocks in id order (what
-GPUs do, not a CUDA promise: stream-K GEMMs rely on it too), so they run before any tile waits
+GPUs do in practice, not a CUDA promise), so they run before any tile waits
 and the wait cannot deadlock; the interpreter runs programs in order, so there it never waits.
 The counters reset themselves (the last tile to finish zeroes them), so a graph replays the
 kernel with no fill.

@@ -258,9 +258,14 @@ def max_rel_err(backend: LoraBackend, projs, meta) -> float:
         ref = torch.zeros_like(y, dtype=torch.float32)
         backend.apply(p.x, y, p.a_pool, p.b_pool, p.out_offsets, meta)
         TorchLoraBackend().apply(p.x, ref, p.a_pool, p.b_pool, p.out_offsets, meta)
-        err = (y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)
-        worst = max(worst, err.item())
+        worst = max(worst, rel_err(y, ref))
     return worst
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest error of y against the fp32 reference, relative to the reference's largest
+    magnitude."""
+    return ((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
 
 
 def bench_variant(scenario, variant, backend, projs, meta, bytes_read, device) -> Result:
@@ -392,9 +397,8 @@ def fused_rel_err(projs, linears, meta) -> float:
     index = (g.num_groups, g.group_indptr, g.token_ids, g.row_indptr, g.row_ids, g.row_scales)
     for p, lin in zip(projs, linears, strict=True):
         args = (p.x, lin.weight, p.a_pool, p.b_pool, p.out_offsets, *index)
-        y, ref = lora_gemm.lora_gemm(*args), lora_gemm.lora_gemm_ref(*args).float()
-        err = (y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)
-        worst = max(worst, err.item())
+        ref = lora_gemm.lora_gemm_ref(*args).float()
+        worst = max(worst, rel_err(lora_gemm.lora_gemm(*args), ref))
     return worst
 
 
