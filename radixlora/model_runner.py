@@ -17,6 +17,7 @@ from radixlora.kernels.lora_ops import LoraBatchMeta, make_lora_backend
 from radixlora.kv_cache import KVPool
 from radixlora.lora.adapter import MODULE_GROUPS
 from radixlora.lora.pool import AdapterPool, LoraContext, LoraSegments
+from radixlora.lora.slots import AdapterSlots, stack_projections
 from radixlora.model.loader import load_model
 from radixlora.sampling import GREEDY, SampleOutput, SamplingBatch, sample, with_top_logprobs
 from radixlora.scheduler import BatchPlan
@@ -51,7 +52,13 @@ class ModelRunner:
         self.cfg = model_cfg
         self.device = torch.device(config.resolved_device())
         self.dtype = config.torch_dtype(model_cfg)
-        self.model = load_model(model_path, model_cfg, self.dtype, self.device, config.load_format)
+        stacked = {}
+        prepare = None
+        if config.lora_slots:
+            def prepare(model):
+                stacked.update(stack_projections(model, config.lora_slots, self.device))
+        self.model = load_model(model_path, model_cfg, self.dtype, self.device, config.load_format,
+                                prepare)  # fmt: skip
         num_slots = config.kv_pages * config.page_size
         self.kv_pool = KVPool(
             model_cfg.num_layers,
@@ -63,6 +70,8 @@ class ModelRunner:
         )
         self.adapter_pool = AdapterPool(model_cfg, config.adapter_rows, self.dtype, self.device,
                                         config.host_adapter_bytes)
+        self.adapter_slots = (AdapterSlots(stacked, self.adapter_pool, config.lora_slots)
+                              if stacked else None)  # fmt: skip
         self.attn_backend = make_attention_backend(
             config.attention_backend,
             self.kv_pool,
@@ -181,7 +190,10 @@ class ModelRunner:
         if self.graphs is None:
             return None
         rows = max((len(r) for rows, _ in (segments or {}).values() for r in rows), default=0)
-        return self.graphs.key_for(host["qo_lens"], rows, segments is not None)
+        slot_rows = None
+        if self.adapter_slots is not None and segments is not None:
+            slot_rows = self.adapter_slots.rows_needed(segments)
+        return self.graphs.key_for(host["qo_lens"], rows, segments is not None, slot_rows)
 
     def _forward_batch(self, host: dict, segments, resolve=None) -> ForwardBatch:
         names = ("input_ids", "positions", "out_cache_loc", "kv_indices", "logits_indices")

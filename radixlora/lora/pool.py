@@ -63,6 +63,7 @@ class AdapterPool:
         self.load_stream = torch.cuda.Stream(self.device) if cuda else None
         self._loaded = torch.cuda.Event() if cuda else None
         self._loads_pending = False
+        self.version = 0  # bumped by every write(): copies of pool rows (slots) compare it
         if cuda:  # the zero fill above must land before any load
             self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -79,6 +80,7 @@ class AdapterPool:
         one host-to-device copy of the adapter packed in pool layout, then one row scatter per
         group for all layers. On CUDA this is queued on the load stream (see wait_loads)."""
         packed = adapter if isinstance(adapter, PackedAdapter) else self.packed(adapter)
+        self.version += 1
         if self.load_stream is None:
             self._scatter(packed.data, rows)
             return
@@ -305,6 +307,7 @@ class LoraContext:
         side_stream: torch.cuda.Stream | None = None,
         defer: bool = False,
         fused: bool = False,
+        slots=None,
     ):
         self.pool = pool
         self.backend = backend
@@ -312,6 +315,7 @@ class LoraContext:
         self.side_stream = side_stream
         self.defer = defer
         self.fused = fused
+        self.slots = slots  # a SlotBatch: the shrink rides in the GEMM (radixlora.lora.slots)
         self._delta: dict[str, torch.Tensor] = {}  # deferred workspace, per group
 
     def begin(self, num_tokens: int, device) -> None:
@@ -330,6 +334,8 @@ class LoraContext:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(y, delta): linear(x) plus the batch's LoRA deltas of `group` in layer `layer_id`
         is y + delta (delta None: nothing to add)."""
+        if self.slots is not None:
+            return self.slots.project(x, layer_id, group), None
         meta = self.metas[group]
         if meta is None:
             return linear(x), None
