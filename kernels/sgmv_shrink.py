@@ -47,6 +47,7 @@ def _sgmv_shrink_kernel(
     max_rows,
     k_per_split,
     num_row_tiles,
+    n_slices,
     stride_xt,
     stride_xk,
     stride_as,
@@ -61,10 +62,13 @@ def _sgmv_shrink_kernel(
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    # the slices and splits of one token tile are neighbours in launch order, so the programs
+    # reading the same x tile run together and all but the first find it in L2
+    per_tile = SPLIT_K * n_slices
+    tile = tl.program_id(0) // per_tile
     seg = tl.program_id(1)
-    slice_id = tl.program_id(2) // SPLIT_K
-    split = tl.program_id(2) % SPLIT_K
+    slice_id = (tl.program_id(0) % per_tile) // SPLIT_K
+    split = tl.program_id(0) % SPLIT_K
     t0 = tl.load(seg_indptr_ptr + seg)
     t1 = tl.minimum(tl.load(seg_indptr_ptr + seg + 1), num_tokens)
     r0 = tl.load(row_indptr_ptr + seg)
@@ -262,10 +266,10 @@ def sgmv_shrink(
         split_k = _default_split_k(tiles * num_segments * n_slices, in_dim, x.device)
     split_k, k_per_split, block_k = _k_partition(in_dim, split_k)
 
-    grid = (tiles, num_segments, split_k * n_slices)
+    grid = (tiles * split_k * n_slices, num_segments)
     _sgmv_shrink_kernel[grid](
         x, a_pool, v, seg_indptr, row_indptr, row_ids, row_scales,
-        num_tokens, in_dim, max_rows, k_per_split, num_row_tiles,
+        num_tokens, in_dim, max_rows, k_per_split, num_row_tiles, n_slices,
         x.stride(0), x.stride(1),
         a_pool.stride(0), a_pool.stride(1), a_pool.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
