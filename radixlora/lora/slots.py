@@ -11,7 +11,8 @@ run 22). The copies happen only when the batch's sets (or the pool's contents) c
 The model's nn.Linear weights are views of the first n_out rows, so every other path (prefill,
 eager, larger graphs) reads the base weight as before. Opt-in (EngineConfig.lora_slots): the
 expand is still one launch per projection on the critical path, which today costs more than
-the side branch saves (folded into y's consumer kernels it cost them as much: run 22)."""
+the side branch saves (folded into y's consumer kernels it cost them as much: runs 22
+and 23)."""
 
 from __future__ import annotations
 
