@@ -13,6 +13,7 @@ import zmq
 
 from radixlora.config import ModelConfig
 from radixlora.errors import InvalidRequestError
+from radixlora.intake import fill_context, max_total_tokens
 from radixlora.server.args import ServerArgs
 from radixlora.server.chat import ChatTemplate
 from radixlora.server.detokenize import IncrementalDecoder, StopMatcher
@@ -56,8 +57,7 @@ class TokenizerService:
 
     def __init__(self, args: ServerArgs):
         self.model_cfg = ModelConfig.from_dir(args.model)
-        engine = args.engine_config()
-        self.max_total = min(self.model_cfg.max_position, (engine.kv_pages - 1) * engine.page_size)
+        self.max_total = max_total_tokens(self.model_cfg, args.engine_config())
         self.tokenizer = Tokenizer.from_dir(args.model)
         self.chat = ChatTemplate.from_dir(args.model)
         self.reqs: dict[str, ReqState] = {}
@@ -74,15 +74,8 @@ class TokenizerService:
             )
         params = req.params
         if req.fill_context:
-            room = self.max_total - len(ids)
-            if room < 1:
-                raise InvalidRequestError(
-                    f"the prompt ({len(ids)} tokens) leaves no room to generate "
-                    f"(at most {self.max_total} tokens in total)",
-                    param="messages" if req.messages is not None else "prompt",
-                    code="context_length_exceeded",
-                )
-            params = msgspec.structs.replace(params, max_tokens=room)
+            params = fill_context(params, len(ids), self.max_total,
+                                  "messages" if req.messages is not None else "prompt")
         return TokenizedReq(
             rid=req.rid, input_ids=ids_to_bytes(ids), params=params, adapters=req.adapters,
             logprob_start=req.logprob_start,
