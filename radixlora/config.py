@@ -169,13 +169,6 @@ class EngineConfig:
     enable_radix_cache: bool = True
     cuda_graph: bool = True  # decode steps replay captured graphs (CUDA only)
     lora_side_stream: bool = True  # in graphs, LoRA work runs beside the base GEMMs
-    # in graphs of <= 32 tokens, each projection and its LoRA deltas run as one Triton kernel
-    # (kernels/lora_gemm.py); off: slower than the side branch today (docs/PERF.md, run 21)
-    lora_fused_gemm: bool = False
-    # adapter slot rows per module group (0: off): decode graphs of <= 32 tokens whose adapter
-    # sets fit run each projection's shrink inside its GEMM (radixlora.lora.slots); off: its
-    # separate expand launches make it 2-6% slower than the side branch today (PERF.md, run 22)
-    lora_slots: int = 0
     overlap_schedule: bool = True  # plan step N+1 while step N runs on the device
     seed: int = 0
     load_format: str = "safetensors"  # or "dummy": random weights, for benchmarks

@@ -17,9 +17,8 @@ and the per-segment metadata carries none; graphs therefore need the Triton LoRA
 each projection's LoRA work that reads only x is captured on a side stream, a parallel branch of
 the graph beside the base GEMM (EngineConfig.lora_side_stream): the shrink, or in buckets of at
 most LORA_DEFER_MAX_TOKENS tokens the whole delta, deferred to the kernel that reads the
-projection's output (LoraContext). With EngineConfig.lora_fused_gemm, buckets of at most
-lora_gemm.MAX_TOKENS tokens instead run each projection and its deltas as one kernel. The GEMMs
-of graphs of up to CUBLASLT_MAX_TOKENS tokens are captured through cublasLt."""
+projection's output (LoraContext). The GEMMs of graphs of up to CUBLASLT_MAX_TOKENS tokens are
+captured through cublasLt."""
 
 from __future__ import annotations
 
@@ -32,12 +31,10 @@ import torch
 
 from radixlora.attention import TritonAttentionMeta
 from radixlora.forward_batch import ForwardBatch
-from radixlora.kernels import lora_gemm
 from radixlora.kernels.lora_ops import HostGroups, LoraBatchMeta, LoraGroups
 from radixlora.kernels.scatter_words import scatter_words
 from radixlora.lora.adapter import MODULE_GROUPS
 from radixlora.lora.pool import LoraContext, LoraSegments, high_priority_stream
-from radixlora.lora.slots import SlotBatch
 from radixlora.sampling import GREEDY, ROW_DTYPES, ROW_FIELDS, SamplingBatch, draw
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -78,7 +75,6 @@ class GraphKey:
     batch: int
     tokens: int
     rows: int  # LoRA row bucket of the grouped path (0: none)
-    slots: int = 0  # adapter-slot bucket of a slot graph (0: not one)
 
     @property
     def decode(self) -> bool:
@@ -93,14 +89,8 @@ class StaticInputs:
         if runner.lora_backend.name != "triton":
             raise ValueError("cuda_graph needs lora_backend triton (or auto on CUDA)")
         self.runner = runner
-        # decode buckets of at most LORA_DEFER_MAX_TOKENS whose sets fit run the shrink in the
-        # GEMM (EngineConfig.lora_slots; radixlora.lora.slots)
-        self.slots = runner.adapter_slots
         # CudaGraphRunner: the side stream of the LoRA work, by whether the bucket defers
         self.lora_streams: dict[bool, torch.cuda.Stream] = {}
-        # buckets of at most lora_gemm.MAX_TOKENS tokens run each projection and its LoRA
-        # deltas as one kernel (EngineConfig.lora_fused_gemm)
-        self.lora_fused = False
         self.buckets = [b for b in BATCH_BUCKETS if b <= max_batch] or [1]
         self.extend_buckets = [b for b in self.buckets if b <= MAX_EXTEND_BATCH]
         self.row_buckets = sorted({r for r in ROW_BUCKETS if r < max_rows} | {max_rows})
@@ -124,8 +114,6 @@ class StaticInputs:
                 **{f"row_ids.{g}": (rows, i32) for g in MODULE_GROUPS},
                 **{f"row_scales.{g}": (rows, torch.float32) for g in MODULE_GROUPS},
                 **{f"sample.{name}": (n, ROW_DTYPES[name]) for name in ROW_FIELDS},
-                **{f"slot_{part}.{g}": (n, i32) for part in ("start", "count")
-                   for g in (MODULE_GROUPS if self.slots else ())},
             },
             dev,
         )
@@ -139,33 +127,23 @@ class StaticInputs:
         self.row_ids = {g: views[f"row_ids.{g}"] for g in MODULE_GROUPS}
         self.row_scales = {g: views[f"row_scales.{g}"] for g in MODULE_GROUPS}
         self.sampling = {name: views[f"sample.{name}"] for name in ROW_FIELDS}
-        self.slot_rows = {g: (views[f"slot_start.{g}"], views[f"slot_count.{g}"])
-                          for g in (MODULE_GROUPS if self.slots else ())}  # fmt: skip
         for buffer in (self.logits_indices, self.qo_indptr, self.kv_indptr):
             buffer.copy_(torch.arange(len(buffer)))
         self.token_seg = torch.zeros(t, dtype=i32, device=dev)
         self.no_seg_rows = torch.zeros(n + 1, dtype=i32, device=dev)
         self.no_rows = torch.zeros(0, dtype=i32, device=dev)
 
-    def key_for(self, qo_lens: list[int], max_rows: int, has_lora: bool,
-                slot_rows: int | None = None) -> GraphKey | None:  # fmt: skip
-        """The graph a batch replays into, or None when it needs the eager path. slot_rows:
-        the slot rows the batch's sets take (AdapterSlots.rows_needed), if slots are on."""
+    def key_for(self, qo_lens: list[int], max_rows: int, has_lora: bool) -> GraphKey | None:
+        """The graph a batch replays into, or None when it needs the eager path."""
         batch, tokens = len(qo_lens), sum(qo_lens)
-        if batch > self.buckets[-1]:
-            return None
-        bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
-        if has_lora and tokens == batch and bucket <= LORA_DEFER_MAX_TOKENS and slot_rows:
-            slots = self.slots.bucket_for(slot_rows)
-            if slots is not None:
-                return GraphKey(bucket, bucket, 0, slots)
-        if max_rows > self.row_buckets[-1]:
+        if batch > self.buckets[-1] or max_rows > self.row_buckets[-1]:
             return None
         rows = (
             self.row_buckets[bisect.bisect_left(self.row_buckets, max(max_rows, 1))]
             if (has_lora)
             else 0
         )
+        bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
         if tokens == batch:
             return GraphKey(bucket, bucket, rows)
         if batch > self.extend_buckets[-1]:
@@ -209,8 +187,6 @@ class StaticInputs:
         }
         if lora_segments is not None and key.rows:
             parts.update(_group_parts(qo_lens, lora_segments))
-        if key.slots and lora_segments is not None:  # None: capture, on padding only
-            parts.update(self.slots.fill(lora_segments))
         parts.update(_sampling_parts(sampling, key.batch))
         self.inputs.send(parts)
         if resolve is not None:
@@ -222,11 +198,6 @@ class StaticInputs:
             self.qo_indptr[: b + 1], self.kv_indptr[: b + 1], self.kv_indices, t - b + 1, key.decode
         )
         lora = None
-        if key.slots:
-            groups = (self.num_groups, self.group_indptr[: t + 1], self.group_tokens[:t])
-            rows_of = {g: (start[:t], count[:t]) for g, (start, count) in self.slot_rows.items()}
-            slots = SlotBatch(self.slots, key.slots, groups, rows_of)
-            lora = LoraContext(self.runner.adapter_pool, self.runner.lora_backend, {}, slots=slots)
         if rows:
             n = t * rows + 1
             metas = {
@@ -250,11 +221,10 @@ class StaticInputs:
                 )
                 for g in MODULE_GROUPS
             }
-            fused = self.lora_fused and t <= lora_gemm.MAX_TOKENS
-            defer = t <= LORA_DEFER_MAX_TOKENS and not fused
+            defer = t <= LORA_DEFER_MAX_TOKENS
             lora = LoraContext(
                 self.runner.adapter_pool, self.runner.lora_backend, metas,
-                self.lora_streams.get(defer), defer, fused,
+                self.lora_streams.get(defer), defer,
             )  # fmt: skip
         return ForwardBatch(
             self.input_ids[:t],
@@ -292,10 +262,8 @@ class CudaGraphRunner(StaticInputs):
         max_context: int,
         max_rows: int,
         lora_side_stream: bool = True,
-        lora_fused: bool = False,
     ):
         super().__init__(runner, max_batch, max_context, max_rows)
-        self.lora_fused = lora_fused
         self.graphs: dict[GraphKey, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         if lora_side_stream:
@@ -322,13 +290,10 @@ class CudaGraphRunner(StaticInputs):
 
     def capture_decode(self) -> None:
         """Capture every decode graph now (extend graphs are captured on first use)."""
-        keys = [GraphKey(b, b, rows) for rows in self.row_buckets for b in reversed(self.buckets)]
-        if self.slots is not None:
-            small = [b for b in reversed(self.buckets) if b <= LORA_DEFER_MAX_TOKENS]
-            keys += [GraphKey(b, b, 0, slots) for slots in self.slots.buckets for b in small]
-        for key in keys:
-            if key not in self.graphs:
-                self._capture(key)
+        for rows in self.row_buckets:
+            for bucket in reversed(self.buckets):
+                if GraphKey(bucket, bucket, rows) not in self.graphs:
+                    self._capture(GraphKey(bucket, bucket, rows))
 
     def _capture(self, key: GraphKey) -> _Graph:
         self._reset_inputs(key)

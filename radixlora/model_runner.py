@@ -17,7 +17,6 @@ from radixlora.kernels.lora_ops import LoraBatchMeta, make_lora_backend
 from radixlora.kv_cache import KVPool
 from radixlora.lora.adapter import MODULE_GROUPS
 from radixlora.lora.pool import AdapterPool, LoraContext, LoraSegments
-from radixlora.lora.slots import AdapterSlots, stack_projections
 from radixlora.model.loader import load_model
 from radixlora.sampling import GREEDY, SampleOutput, SamplingBatch, sample, with_top_logprobs
 from radixlora.scheduler import BatchPlan
@@ -52,13 +51,7 @@ class ModelRunner:
         self.cfg = model_cfg
         self.device = torch.device(config.resolved_device())
         self.dtype = config.torch_dtype(model_cfg)
-        stacked = {}
-        prepare = None
-        if config.lora_slots:
-            def prepare(model):
-                stacked.update(stack_projections(model, config.lora_slots, self.device))
-        self.model = load_model(model_path, model_cfg, self.dtype, self.device, config.load_format,
-                                prepare)  # fmt: skip
+        self.model = load_model(model_path, model_cfg, self.dtype, self.device, config.load_format)
         num_slots = config.kv_pages * config.page_size
         self.kv_pool = KVPool(
             model_cfg.num_layers,
@@ -70,8 +63,6 @@ class ModelRunner:
         )
         self.adapter_pool = AdapterPool(model_cfg, config.adapter_rows, self.dtype, self.device,
                                         config.host_adapter_bytes)
-        self.adapter_slots = (AdapterSlots(stacked, self.adapter_pool, config.lora_slots)
-                              if stacked else None)  # fmt: skip
         self.attn_backend = make_attention_backend(
             config.attention_backend,
             self.kv_pool,
@@ -91,7 +82,6 @@ class ModelRunner:
                 model_cfg.max_position,
                 config.max_rank * config.max_stacked,
                 config.lora_side_stream,
-                config.lora_fused_gemm,
             )
         # tokens sampled by the last launched step: placeholders of the next step point here
         self.last_sampled = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -190,10 +180,7 @@ class ModelRunner:
         if self.graphs is None:
             return None
         rows = max((len(r) for rows, _ in (segments or {}).values() for r in rows), default=0)
-        slot_rows = None
-        if self.adapter_slots is not None and segments is not None:
-            slot_rows = self.adapter_slots.rows_needed(segments)
-        return self.graphs.key_for(host["qo_lens"], rows, segments is not None, slot_rows)
+        return self.graphs.key_for(host["qo_lens"], rows, segments is not None)
 
     def _forward_batch(self, host: dict, segments, resolve=None) -> ForwardBatch:
         names = ("input_ids", "positions", "out_cache_loc", "kv_indices", "logits_indices")
