@@ -295,19 +295,6 @@ class LoraBackend(ABC):
         delta.zero_()
         self.apply(x, delta, a_pool, b_pool, out_offsets, meta)
 
-    def fused_projection(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        a_pool: torch.Tensor,
-        b_pool: torch.Tensor,
-        out_offsets: Sequence[int],
-        meta: LoraBatchMeta,
-    ) -> torch.Tensor | None:
-        """x @ weight.T plus the deltas `apply` would add, in one kernel where this backend has
-        one for the operands (None: it has not; the caller runs the GEMM and the LoRA work)."""
-        return None
-
 
 class TorchLoraBackend(LoraBackend):
     """Batched pure torch (CPU path and reference): every row of the batch against every token,
@@ -350,12 +337,12 @@ class TritonLoraBackend(LoraBackend):
         """tuning: launch parameters of the grouped kernels; side_tuning: those of deferred
         deltas, which run beside a base GEMM (None: chosen by rank width)."""
         # Imported here so the torch backend works where triton is absent.
-        from . import lora_gemm, sgmv_grouped
+        from . import sgmv_grouped
         from .sgmv_expand import sgmv_expand
         from .sgmv_shrink import sgmv_shrink
 
         self._shrink, self._expand, self.split_k = sgmv_shrink, sgmv_expand, split_k
-        self._grouped, self._fused = sgmv_grouped, lora_gemm
+        self._grouped = sgmv_grouped
         self.tuning, self.side_tuning = tuning, side_tuning
 
     def shrink(self, x, a_pool, meta) -> torch.Tensor | None:
@@ -400,15 +387,6 @@ class TritonLoraBackend(LoraBackend):
                                          tuning=tuning)  # fmt: skip
         self._grouped.grouped_expand(v, b_pool, out_offsets, *index, delta, tuning=tuning,
                                      accumulate=False)  # fmt: skip
-
-    def fused_projection(self, x, weight, a_pool, b_pool, out_offsets, meta) -> torch.Tensor | None:
-        """Grouped batches of at most lora_gemm.MAX_TOKENS tokens whose shapes it tiles."""
-        g = meta.groups
-        if g is None or not self._fused.supports(x, weight, a_pool, b_pool, out_offsets):
-            return None
-        _check_tokens(meta, x)
-        return self._fused.lora_gemm(x, weight, a_pool, b_pool, out_offsets, *_group_index(g),
-                                     g.row_scales)  # fmt: skip
 
     def _tuning(self, meta: LoraBatchMeta):
         return self.tuning or self._grouped.tuning_for_rows(meta.max_rows)

@@ -115,15 +115,14 @@ def decode_step_ms(engine: Engine, batch: int, specs, prompt_len: int, new_token
     return 1e3 * statistics.median(decode)
 
 
-def graph_replay_ms(engine: Engine, rows: int, batch: int = 1, slots: int = 0) -> float:
-    """Device time of one decode graph alone (no host work), median of 50 replays; rows: its
-    LoRA row bucket, slots: its adapter-slot bucket (cuda_graph.GraphKey)."""
+def graph_replay_ms(engine: Engine, rows: int, batch: int = 1) -> float:
+    """Device time of one decode graph alone (no host work), median of 50 replays."""
     graphs = engine.runner.graphs
     if graphs is None:
         return float("nan")
     from radixlora.cuda_graph import GraphKey
 
-    entry = graphs.graphs.get(GraphKey(batch, batch, rows, slots))
+    entry = graphs.graphs.get(GraphKey(batch, batch, rows))
     if entry is None:
         return float("nan")
     times = []
@@ -193,12 +192,6 @@ def main() -> None:
     only.add_argument("--only-be", action="store_true", help="only the small-batch steps (b, e)")
     p.add_argument("--no-lora-side-stream", dest="lora_side_stream", action="store_false",
                    help="LoRA work on the compute stream in the graphs, not beside the GEMMs")
-    p.add_argument("--lora-fused-gemm", action="store_true",
-                   help="graphs of <= 32 tokens run each projection and its LoRA deltas as one "
-                        "kernel (EngineConfig.lora_fused_gemm)")
-    p.add_argument("--lora-slots", type=int, default=0, metavar="N",
-                   help="adapter slot rows: graphs of <= 32 tokens run the shrink inside the "
-                        "GEMM (EngineConfig.lora_slots)")
     p.add_argument("--grouped-tuning", default="", metavar="K=V,...",
                    help="GroupedTuning fields of the non-deferred grouped kernels")
     p.add_argument("--lora-defer-max-tokens", type=int, metavar="N",
@@ -219,8 +212,7 @@ def main() -> None:
     results: dict = {}
     kw = dict(kv_pages=20_000 if args.smoke else 200_000, max_running=256 // scale,
               max_batch_tokens=8192, adapter_rows=2048 if not args.smoke else 1024, max_rank=64,
-              max_adapter_sets_per_batch=128, lora_side_stream=args.lora_side_stream,
-              lora_fused_gemm=args.lora_fused_gemm, lora_slots=args.lora_slots)
+              max_adapter_sets_per_batch=128, lora_side_stream=args.lora_side_stream)
     engine = make_engine(path, args, **kw)
     if args.grouped_tuning:
         engine.runner.lora_backend.tuning = parse_tuning(args.grouped_tuning)
@@ -255,12 +247,7 @@ def bench_small_batches(engine: Engine, path: Path, args, kw: dict, scale: int, 
     engine.config = overlapped
     results["b_one_adapter_bs1_ms"] = decode_step_ms(engine, 1, ["one"], 128, 64 // scale, rng)
     results["b_graph_replay_bs1_ms"] = graph_replay_ms(engine, rows=0)
-    slots = engine.runner.adapter_slots
-    if slots is None:
-        results["b_graph_replay_bs1_adapter_ms"] = graph_replay_ms(engine, rows=32)
-    else:  # the rank-16 adapter's graph is a slot graph
-        results["b_graph_replay_bs1_adapter_ms"] = graph_replay_ms(engine, 0, 1,
-                                                                   slots.bucket_for(16))
+    results["b_graph_replay_bs1_adapter_ms"] = graph_replay_ms(engine, rows=32)
     results["e_no_adapter_bs32_ms"] = decode_step_ms(engine, 32, [None], 128, 64 // scale, rng)
     serial = make_engine(path, args, **{**kw, "kv_pages": 20_000, "lora_side_stream": False})
     serial.add_adapter(one)

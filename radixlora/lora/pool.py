@@ -63,7 +63,6 @@ class AdapterPool:
         self.load_stream = torch.cuda.Stream(self.device) if cuda else None
         self._loaded = torch.cuda.Event() if cuda else None
         self._loads_pending = False
-        self.version = 0  # bumped by every write(): copies of pool rows (slots) compare it
         if cuda:  # the zero fill above must land before any load
             self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -80,7 +79,6 @@ class AdapterPool:
         one host-to-device copy of the adapter packed in pool layout, then one row scatter per
         group for all layers. On CUDA this is queued on the load stream (see wait_loads)."""
         packed = adapter if isinstance(adapter, PackedAdapter) else self.packed(adapter)
-        self.version += 1
         if self.load_stream is None:
             self._scatter(packed.data, rows)
             return
@@ -281,10 +279,7 @@ class LoraContext:
     A deferred forward draws its deltas from one workspace zeroed once per forward (`begin`):
     one delta per group shared by all layers, whose rows of tokens with no adapter are never
     written and stay zero. (The shrink's v needs no zeroing: its in_dim splits store partial
-    sums that the expand adds up.) Fused (`fused`, small CUDA graph buckets), a projection the
-    backend has a one-kernel form for (`LoraBackend.fused_projection`: the GEMM, the shrink and
-    the expand in one launch) runs as that kernel and needs no side branch; the others take the
-    paths above.
+    sums that the expand adds up.)
 
     With a side stream (CUDA graph capture), the LoRA work that only reads x (the shrink, or
     the whole delta when deferred) runs on it beside the base GEMM; at decode sizes it is
@@ -306,16 +301,12 @@ class LoraContext:
         metas: dict[str, LoraBatchMeta | None],
         side_stream: torch.cuda.Stream | None = None,
         defer: bool = False,
-        fused: bool = False,
-        slots=None,
     ):
         self.pool = pool
         self.backend = backend
         self.metas = metas
         self.side_stream = side_stream
         self.defer = defer
-        self.fused = fused
-        self.slots = slots  # a SlotBatch: the shrink rides in the GEMM (radixlora.lora.slots)
         self._delta: dict[str, torch.Tensor] = {}  # deferred workspace, per group
 
     def begin(self, num_tokens: int, device) -> None:
@@ -334,22 +325,16 @@ class LoraContext:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(y, delta): linear(x) plus the batch's LoRA deltas of `group` in layer `layer_id`
         is y + delta (delta None: nothing to add)."""
-        if self.slots is not None:
-            return self.slots.project(x, layer_id, group), None
         meta = self.metas[group]
         if meta is None:
             return linear(x), None
         a, b, out_offsets = self._pools(layer_id, group)
-        plain = isinstance(linear, torch.nn.Linear) and linear.bias is None
-        if self.fused and plain:
-            y = self.backend.fused_projection(x, linear.weight, a, b, out_offsets, meta)
-            if y is not None:
-                return y, None
         if self.defer:
             delta = self._delta[group]
             y, _ = self._beside_gemm(linear, x, lambda: self.backend.deferred_delta(
                 x, a, b, out_offsets, meta, delta))  # fmt: skip
             return y, delta
+        plain = isinstance(linear, torch.nn.Linear) and linear.bias is None
         if self.side_stream is None and meta.groups is None and plain:
             return self._delta_then_gemm(linear, x, a, b, out_offsets, meta), None
         y, v = self._beside_gemm(linear, x, lambda: self.backend.shrink(x, a, meta))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,21 +51,12 @@ def base_version(path: Path, load_format: str = "safetensors") -> str:
 
 
 def load_model(
-    path: str | Path,
-    cfg: ModelConfig,
-    dtype: torch.dtype,
-    device,
-    load_format: str = "safetensors",
-    prepare: Callable[[LlamaForCausalLM], None] | None = None,
+    path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device, load_format: str = "safetensors"
 ) -> LlamaForCausalLM:
-    """prepare: called with the model while its parameters are still on the meta device; it
-    may give some of them storage of its own (adapter slots), which loading then fills."""
     path = Path(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg).to(dtype)
-    if prepare is not None:
-        prepare(model)
-    _materialize(model, device)
+    model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary.reset_parameters()
@@ -86,18 +76,6 @@ def load_model(
     if missing:
         raise ModelLoadError(f"checkpoint {path} lacks tensors: {sorted(missing)[:5]}")
     return model.eval()
-
-
-def _materialize(model: torch.nn.Module, device) -> None:
-    """Allocate (uninitialized) every parameter and buffer still on the meta device."""
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None and p.is_meta:
-                empty = torch.empty_like(p, device=device)
-                module._parameters[name] = torch.nn.Parameter(empty, requires_grad=p.requires_grad)
-        for name, b in module._buffers.items():
-            if b is not None and b.is_meta:
-                module._buffers[name] = torch.empty_like(b, device=device)
 
 
 def _load_tensor(cfg, params, loaded, name, tensor) -> None:
