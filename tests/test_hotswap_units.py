@@ -390,9 +390,9 @@ def test_base_fallback_says_so(model, tmp_path):
 
 
 def test_fallback_reaches_the_response(model, tmp_path):
+    from radixlora.server.bridge import Generation
     from radixlora.server.messages import GenerateReq, TokenBatch, TokenOut
     from radixlora.server.openai_api import FALLBACK_HEADER, fallback_response
-    from radixlora.server.runtime import Generation
     from radixlora.server.tokenizer_proc import TokenizerService
 
     tokenizer = TokenizerService(ServerArgs(model=str(model)))

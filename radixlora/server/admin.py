@@ -13,8 +13,8 @@ import msgspec
 from starlette.requests import Request
 
 from radixlora.server.args import ServerArgs
+from radixlora.server.bridge import ProcessBridge
 from radixlora.server.http import HttpError, json_response, read_json
-from radixlora.server.runtime import Runtime
 
 
 class LoadLoraRequest(msgspec.Struct, kw_only=True):
@@ -49,7 +49,7 @@ def confine(path: str, roots: list[str]) -> str:
 
 
 class AdminHandlers:
-    def __init__(self, args: ServerArgs, runtime: Runtime):
+    def __init__(self, args: ServerArgs, runtime: ProcessBridge):
         self.args = args
         self.runtime = runtime
         self.key = (args.admin_api_key or "").encode()

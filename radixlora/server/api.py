@@ -1,4 +1,4 @@
-"""The HTTP app (Starlette routes, orjson responses, OpenAI-shaped errors) over a Runtime."""
+"""The HTTP app (Starlette routes, orjson responses, OpenAI-shaped errors) over a ProcessBridge."""
 
 from __future__ import annotations
 
@@ -17,6 +17,13 @@ from starlette.routing import Route
 from radixlora.errors import InvalidRequestError
 from radixlora.server.admin import AdminHandlers
 from radixlora.server.args import ServerArgs
+from radixlora.server.bridge import (
+    DuplicateRequestId,
+    Health,
+    ProcessBridge,
+    ReqFailed,
+    ServiceUnavailable,
+)
 from radixlora.server.http import (
     ClientGone,
     HttpError,
@@ -27,13 +34,6 @@ from radixlora.server.http import (
 from radixlora.server.metrics import Metrics
 from radixlora.server.openai_api import OpenAIHandlers
 from radixlora.server.protocol import ChatRequest, CompletionRequest, GenerateRequest
-from radixlora.server.runtime import (
-    DuplicateRequestId,
-    Health,
-    ReqFailed,
-    Runtime,
-    ServiceUnavailable,
-)
 from radixlora.server.sglang_api import SglangHandlers
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def guarded(fn):
 
 
 class Api:
-    def __init__(self, args: ServerArgs, runtime: Runtime, metrics: Metrics, vocab_size: int,
+    def __init__(self, args: ServerArgs, runtime: ProcessBridge, metrics: Metrics, vocab_size: int,
                  pids: dict[str, int]):
         self.args = args
         self.runtime = runtime

@@ -15,6 +15,7 @@ import zmq
 
 from radixlora.errors import RadixLoraError
 from radixlora.sampling import SamplingParams
+from radixlora.server.bridge import Sample
 from radixlora.server.ipc import check_local
 from radixlora.server.messages import (
     AbortReq,
@@ -28,7 +29,6 @@ from radixlora.server.messages import (
     bytes_to_ids,
     ids_to_bytes,
 )
-from radixlora.server.runtime import Sample
 
 
 class RequestError(RadixLoraError):

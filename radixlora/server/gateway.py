@@ -11,6 +11,7 @@ import msgspec
 import zmq
 
 from radixlora.errors import InvalidRequestError
+from radixlora.server.bridge import DuplicateRequestId, ProcessBridge, ReqFailed, ServiceUnavailable
 from radixlora.server.ipc import check_local
 from radixlora.server.messages import (
     AbortReq,
@@ -20,13 +21,12 @@ from radixlora.server.messages import (
     ReqError,
 )
 from radixlora.server.protocol import adapter_label, stop_list
-from radixlora.server.runtime import DuplicateRequestId, ReqFailed, Runtime, ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
 
 class ClientGateway:
-    def __init__(self, runtime: Runtime, endpoint: str, vocab_size: int):
+    def __init__(self, runtime: ProcessBridge, endpoint: str, vocab_size: int):
         check_local(endpoint)
         self.runtime = runtime
         self.vocab_size = vocab_size

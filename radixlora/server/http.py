@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixlora.errors import InvalidRequestError
-from radixlora.server.runtime import ReqFailed
+from radixlora.server.bridge import ReqFailed
 
 _PATH = re.compile(r"at `\$\.?([^`\[]*)")
 

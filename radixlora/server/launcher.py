@@ -26,11 +26,11 @@ import zmq
 from radixlora.config import ModelConfig
 from radixlora.server.api import Api
 from radixlora.server.args import Endpoints, ServerArgs
+from radixlora.server.bridge import Health, ProcessBridge
 from radixlora.server.gateway import ClientGateway
 from radixlora.server.ipc import Inbox
 from radixlora.server.messages import LauncherInbox, Ready
 from radixlora.server.metrics import Metrics
-from radixlora.server.runtime import Health, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class Launcher:
         )
         self.exit_code = 0
         self.server: DrainingServer | None = None
-        self.runtime: Runtime | None = None
+        self.runtime: ProcessBridge | None = None
         self.restart_at: dict[str, float] = {}  # dead optional child -> when to restart it
 
     def run(self) -> int:
@@ -177,7 +177,7 @@ class Launcher:
         args = self.args
         vocab_size = ModelConfig.from_dir(args.model).vocab_size
         metrics = Metrics()
-        self.runtime = runtime = Runtime(args, metrics)
+        self.runtime = runtime = ProcessBridge(args, metrics)
         api = Api(args, runtime, metrics, vocab_size, children.pids)
         gateway = ClientGateway(runtime, args.endpoints.client, vocab_size)
         config = uvicorn.Config(api.app(), host=args.host, port=args.port, loop="none",

@@ -13,6 +13,7 @@ from starlette.requests import Request
 
 from radixlora.errors import InvalidRequestError
 from radixlora.sampling import MAX_TOP_LOGPROBS
+from radixlora.server.bridge import Generation, ProcessBridge, Sample
 from radixlora.server.http import (
     SSE_DONE,
     EventStream,
@@ -32,11 +33,10 @@ from radixlora.server.protocol import (
     completion_prompts,
     stop_list,
 )
-from radixlora.server.runtime import Generation, Runtime, Sample
 
 
 class SglangHandlers:
-    def __init__(self, runtime: Runtime, model_name: str, vocab_size: int):
+    def __init__(self, runtime: ProcessBridge, model_name: str, vocab_size: int):
         self.runtime = runtime
         self.model_name = model_name
         self.vocab_size = vocab_size

@@ -105,7 +105,7 @@ class Generation:
         return len(done) >= self.n
 
 
-class Runtime:
+class ProcessBridge:
     def __init__(self, args: ServerArgs, metrics=None):
         self.args = args
         self.metrics = metrics
