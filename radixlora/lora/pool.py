@@ -127,9 +127,10 @@ class AdapterPool:
             b = torch.zeros(layers, adapter.rank, self.b_all[group].shape[2])
             for (layer, module), (lora_a, lora_b) in adapter.weights.items():
                 if module in modules:
-                    slot, r = modules.index(module), lora_a.shape[0]
-                    lo, hi = self.out_offsets[group][slot], self.out_offsets[group][slot + 1]
-                    a[layer, slot, :r] = lora_a
+                    slice_idx, r = modules.index(module), lora_a.shape[0]
+                    offsets = self.out_offsets[group]
+                    lo, hi = offsets[slice_idx], offsets[slice_idx + 1]
+                    a[layer, slice_idx, :r] = lora_a
                     b[layer, :r, lo:hi] = lora_b.t()
             pieces += [a.flatten(), b.flatten()]
         return PackedAdapter(adapter.adapter_id, adapter.rank, torch.cat(pieces).to(self.dtype))
