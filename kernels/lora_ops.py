@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixlora.forward_batch import to_device
+from radixlora.device import to_device
 
 GROUPED_MAX_SEG_LEN = 16  # from_segments groups batches whose segments are all this short
 GROUP_TOKENS = 16  # tokens per group at most: a popular set's tokens split into several groups

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixlora.forward_batch import to_device
+from radixlora.device import to_device
 from radixlora.kv_cache import KVPool
 from radixlora.model.ops import add_delta_ref, rotary
 

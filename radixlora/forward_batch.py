@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -48,12 +47,3 @@ class ForwardBatch:
             return linear(x), None
         return self.lora.project(linear, x, layer_id, group)
 
-
-def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values as a device tensor without synchronising the stream (a pinned staging copy
-    that the caching host allocator keeps alive until the transfer is done), so a step can be
-    prepared while the previous one still runs on the GPU."""
-    src = torch.as_tensor(np.asarray(values), dtype=dtype)
-    if device.type != "cuda":
-        return src.to(device)
-    return src.pin_memory().to(device, non_blocking=True)

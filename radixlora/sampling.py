@@ -13,8 +13,8 @@ import msgspec
 import numpy as np
 import torch
 
+from radixlora.device import to_device
 from radixlora.errors import InvalidRequestError
-from radixlora.forward_batch import to_device
 from radixlora.kernels.sampling import sample_tokens, sample_tokens_ref
 
 MAX_TOP_LOGPROBS = 20
