@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import json
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import httpx
 
 from radixlora.errors import RadixLoraError
 from radixlora.server.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
@@ -53,6 +54,7 @@ class RuntimeEndpoint(Backend):
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.timeout_s = timeout_s
+        self._http = http_client(self.base_url, api_key, timeout_s)
         if isinstance(chat_template, str):
             chat_template = ChatTemplate(chat_template)
         self._template = chat_template
@@ -74,7 +76,11 @@ class RuntimeEndpoint(Backend):
 
     def get_model_info(self) -> dict:
         with self._open("GET", "/get_model_info") as resp:
-            return json.load(resp)
+            return json.loads(resp.read())
+
+    def close(self) -> None:
+        """Close the pooled connections to the server."""
+        self._http.close()
 
     # ---- Backend -------------------------------------------------------------------------------
 
@@ -125,12 +131,12 @@ class RuntimeEndpoint(Backend):
 
     def _post(self, path: str, body: dict):
         with self._open("POST", path, body) as resp:
-            return json.load(resp)
+            return json.loads(resp.read())
 
     def _events(self, path: str, body: dict) -> Iterator[dict]:
         with self._open("POST", path, body) as resp:
-            for raw in resp:
-                line = raw.decode().strip()
+            for raw in resp.iter_lines():
+                line = raw.strip()
                 if not line.startswith("data:"):
                     continue
                 payload = line[len("data:") :].strip()
@@ -138,16 +144,29 @@ class RuntimeEndpoint(Backend):
                     return
                 yield json.loads(payload)
 
-    def _open(self, method: str, path: str, body: dict | None = None):
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.base_url + path, data, headers, method=method)
-        try:
-            return urllib.request.urlopen(request, timeout=self.timeout_s)
-        except urllib.error.HTTPError as e:
-            raise http_error(e.code, e.read()) from None
+    @contextmanager
+    def _open(self, method: str, path: str, body: dict | None = None) -> Iterator[httpx.Response]:
+        """The server's answer to a request, its body not yet read; an error status raises."""
+        content = json.dumps(body).encode() if body is not None else None
+        with self._http.stream(method, path, content=content) as resp:
+            if not resp.is_success:
+                raise http_error(resp.status_code, resp.read())
+            yield resp
+
+
+def http_client(base_url: str, api_key: str | None, timeout_s: float) -> httpx.Client:
+    """A pooled client for many threads: JSON bodies, the Bearer key, `timeout_s` for connecting
+    and for each read or write, redirects followed."""
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return httpx.Client(
+        base_url=base_url,
+        headers=headers,
+        timeout=timeout_s,
+        follow_redirects=True,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
+    )
 
 
 def adapter_fields(adapters: AdapterSpec) -> dict:

@@ -25,8 +25,6 @@ import json
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,7 +38,7 @@ from radixlora.cli import adapter_pairs, add_engine_flags, engine_overrides
 from radixlora.engine import Engine
 from radixlora.errors import AdapterError, InvalidRequestError
 from radixlora.frontend.backend import GenResult
-from radixlora.frontend.endpoint import http_error
+from radixlora.frontend.endpoint import http_client, http_error
 from radixlora.frontend.runtime import Runtime
 from radixlora.sampling import SamplingParams
 from radixlora.server.protocol import (
@@ -278,7 +276,8 @@ def open_client(engine_or_url, model_name: str | None = None) -> Iterator[Client
     """The Client for an Engine, a running Runtime or a URL; a Runtime started here for an
     Engine is shut down at exit (the Engine stays usable)."""
     if isinstance(engine_or_url, str):
-        yield HttpClient(engine_or_url)
+        with contextlib.closing(HttpClient(engine_or_url)) as client:
+            yield client
         return
     if isinstance(engine_or_url, Runtime):
         yield EngineClient(engine_or_url, model_name)
@@ -461,23 +460,19 @@ class HttpClient:
     """POSTs each body to the server; a 4xx answer is the line's error, anything else raises."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 600.0):
-        self.base_url = base_url.rstrip("/")
-        self.api_key = api_key
-        self.timeout_s = timeout_s
+        self.http = http_client(base_url.rstrip("/"), api_key, timeout_s)
 
     def __call__(self, url: str, body: dict) -> dict:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.base_url + url, json.dumps(body).encode(), headers)
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
-                return json.load(resp)
-        except urllib.error.HTTPError as e:
-            error = http_error(e.code, e.read())
-            if 400 <= e.code < 500:
-                raise LineError(error.message, error.code or "invalid_request") from None
-            raise error from None
+        resp = self.http.post(url, content=json.dumps(body).encode())
+        if resp.is_success:
+            return resp.json()
+        error = http_error(resp.status_code, resp.content)
+        if 400 <= resp.status_code < 500:
+            raise LineError(error.message, error.code or "invalid_request")
+        raise error
+
+    def close(self) -> None:
+        self.http.close()
 
 
 # ---- command line ------------------------------------------------------------------------------

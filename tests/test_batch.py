@@ -8,8 +8,8 @@ import json
 import subprocess
 import sys
 import time
-import urllib.error
 
+import httpx
 import pytest
 
 from radixlora import Engine, SamplingParams
@@ -218,7 +218,7 @@ def test_unreachable_server_stops_the_run_without_records(tmp_path):
     }
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("{bad json\n" + json.dumps(line) + "\n")
-    with pytest.raises(urllib.error.URLError):
+    with pytest.raises(httpx.ConnectError):
         run_batch(src, out, "http://127.0.0.1:9", progress=False)
     assert completed_ids(out) == {"line-1"}  # the bad line's record; x is retried on resume
 
