@@ -17,6 +17,11 @@ class Tokenizer:
         return cls(HFTokenizer.from_file(str(file))) if file.is_file() else None
 
     @property
+    def hf(self) -> HFTokenizer:
+        """The wrapped `tokenizers.Tokenizer`."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

@@ -6,36 +6,63 @@ known not to be one, so streamed chunks concatenate to exactly the final text.""
 
 from __future__ import annotations
 
+from tokenizers.decoders import DecodeStream
+
 from radixlora.tokenizer import Tokenizer
 
-REPLACEMENT = "\ufffd"
+INVALID_PREFIX = "Invalid prefix encountered"
 
 
 class IncrementalDecoder:
-    """decode(ids) computed chunk by chunk: each push returns the new final characters."""
+    """decode(ids) computed chunk by chunk with tokenizers' DecodeStream: each push returns the
+    new final characters, flush the ones held back at the end (an incomplete character)."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tok = tokenizer
-        self.ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
+        self.stream = DecodeStream(skip_special_tokens=True)
+        self.released: list[int] = []  # the ids whose text the last released chunk completed
+        self.pending: list[int] = []  # the ids after them, their text not final yet
 
     def push(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        prefix_text = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
-        full_text = self.tok.decode(self.ids[self.prefix_offset :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT):
-            return ""
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
-        return full_text[len(prefix_text) :]
+        return "".join(self._step(token_id) for token_id in new_ids)
 
     def flush(self) -> str:
-        """The characters still held back (an incomplete character at the very end)."""
-        prefix_text = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
-        full_text = self.tok.decode(self.ids[self.prefix_offset :])
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return full_text[len(prefix_text) :]
+        """The characters still held back; the decoder is done after it."""
+        if not self.pending:
+            return ""
+        prefix = self.tok.decode(self.released)
+        full = self.tok.decode(self.released + self.pending)
+        self.released, self.pending = self.released + self.pending, []
+        return full[len(prefix) :]
+
+    def _step(self, token_id: int) -> str:
+        self.pending.append(token_id)
+        try:
+            text = self.stream.step(self.tok.hf, token_id)
+        except Exception as e:  # tokenizers raises a bare Exception
+            if not str(e).startswith(INVALID_PREFIX):
+                raise
+            text = self._restart()
+        if text is None:
+            return ""
+        self.released, self.pending = self.pending, []
+        return text
+
+    def _restart(self) -> str:
+        """A decoder whose text for more tokens does not extend its text for fewer (byte
+        fallback around invalid UTF-8): the released text stays, the characters beyond its
+        length are released, and a fresh stream continues from the pending ids."""
+        prefix = self.tok.decode(self.released)
+        full = self.tok.decode(self.released + self.pending)
+        self.stream = DecodeStream(skip_special_tokens=True)
+        try:
+            for token_id in self.pending:
+                self.stream.step(self.tok.hf, token_id)
+        except Exception as e:
+            if not str(e).startswith(INVALID_PREFIX):
+                raise
+            self.stream = DecodeStream(skip_special_tokens=True)
+        return full[len(prefix) :]
 
 
 class StopMatcher:
