@@ -1,5 +1,9 @@
-"""The served adapters by name, and resolution of a request's adapter spec into a canonical
-AdapterSet. Shared by the offline Engine and the scheduler process."""
+"""The served adapters by name, and resolution of a request's adapter choice into a canonical
+AdapterSet. Shared by the offline Engine and the scheduler process.
+
+A choice arrives as AdapterChoice values (HTTP bodies, the ZeroMQ client and Python specs are
+all parsed into them at the edge) and is resolved once, at intake, into an AdapterSet: the
+request's adapter identity, from which the cache namespace and the pool rows derive."""
 
 from __future__ import annotations
 
@@ -7,12 +11,52 @@ import dataclasses
 import math
 from pathlib import Path
 
+import msgspec
+
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterNotFoundError, InvalidRequestError
 from radixlora.lora.adapter import LoraAdapter, load_adapter
 from radixlora.request import AdapterSet
 
 MAX_ADAPTER_NAME = 128
+
+
+class AdapterChoice(msgspec.Struct, array_like=True):
+    """One adapter of a request's choice, by served name, not yet resolved."""
+
+    name: str
+    weight: float = 1.0
+
+
+def parse_spec(spec) -> list[AdapterChoice] | None:
+    """A Python adapter spec (None, a name, or a list of names / (name, weight) pairs) as
+    AdapterChoices; None is the base model."""
+    if spec is None:
+        return None
+    pairs = [spec] if isinstance(spec, (str, AdapterChoice)) else list(spec)
+    return [p if isinstance(p, AdapterChoice) else _choice(p) for p in pairs]
+
+
+def _choice(pair) -> AdapterChoice:
+    if isinstance(pair, str):
+        return AdapterChoice(pair)
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)):
+        raise InvalidRequestError(
+            f"an adapter entry must be a name or (name, weight), got {pair!r}", param="adapters"
+        )
+    return AdapterChoice(pair[0], _weight(pair[1]))
+
+
+def _weight(weight) -> float:
+    if (
+        isinstance(weight, bool)
+        or not isinstance(weight, (int, float))
+        or not math.isfinite(weight)
+    ):
+        raise InvalidRequestError(
+            f"adapter weight must be a finite number, got {weight!r}", param="adapters"
+        )
+    return float(weight)
 
 
 class AdapterRegistry:
@@ -65,27 +109,26 @@ class AdapterRegistry:
     def is_named(self, adapter_id: str) -> bool:
         return any(a.adapter_id == adapter_id for a in self.by_name.values())
 
-    def resolve(self, spec) -> AdapterSet:
-        """None, a name, or a list of names / (name, weight) pairs -> canonical AdapterSet."""
-        if spec is None:
+    def resolve(self, choices: list[AdapterChoice] | None) -> AdapterSet:
+        """The canonical AdapterSet of a choice (None or [] is the base model)."""
+        if not choices:
             return AdapterSet()
-        pairs = [spec] if isinstance(spec, str) else list(spec)
-        if len(pairs) > self.max_stacked:
+        if len(choices) > self.max_stacked:
             raise InvalidRequestError(
-                f"{len(pairs)} adapters requested; at most {self.max_stacked} can be stacked in "
-                "one request",
+                f"{len(choices)} adapters requested; at most {self.max_stacked} can be stacked "
+                "in one request",
                 param="adapters",
                 code="too_many_adapters",
             )
         resolved, seen = [], set()
-        for pair in pairs:
-            name, weight = (pair, 1.0) if isinstance(pair, str) else _pair(pair)
-            if name not in self.by_name:
-                raise AdapterNotFoundError(name)
-            if name in seen:
-                raise InvalidRequestError(f"adapter {name!r} is named twice", param="adapters")
-            seen.add(name)
-            resolved.append((self.by_name[name], weight))
+        for choice in choices:
+            if choice.name not in self.by_name:
+                raise AdapterNotFoundError(choice.name)
+            if choice.name in seen:
+                raise InvalidRequestError(f"adapter {choice.name!r} is named twice",
+                                          param="adapters")
+            seen.add(choice.name)
+            resolved.append((self.by_name[choice.name], _weight(choice.weight)))
         return AdapterSet.of(resolved)
 
 
@@ -98,20 +141,3 @@ def check_adapter_name(name) -> None:
         raise InvalidRequestError(
             f"adapter name {name!r} may not contain / \\ : or NUL", param="name"
         )
-
-
-def _pair(pair) -> tuple[str, float]:
-    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)):
-        raise InvalidRequestError(
-            f"an adapter entry must be a name or (name, weight), got {pair!r}", param="adapters"
-        )
-    weight = pair[1]
-    if (
-        isinstance(weight, bool)
-        or not isinstance(weight, (int, float))
-        or not math.isfinite(weight)
-    ):
-        raise InvalidRequestError(
-            f"adapter weight must be a finite number, got {weight!r}", param="adapters"
-        )
-    return pair[0], float(weight)

@@ -7,29 +7,26 @@ outs = engine.generate(["Hello"], SamplingParams(max_tokens=16), adapters=[("sql
 from __future__ import annotations
 
 import dataclasses
-import random
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from radixlora.adapters import AdapterRegistry
+from radixlora.adapters import AdapterRegistry, parse_spec
 from radixlora.config import EngineConfig, ModelConfig
 from radixlora.errors import InvalidRequestError, RadixLoraError
+from radixlora.executor import InFlight, StepExecutor
+from radixlora.intake import Intake, check_prompt_ids
 from radixlora.lora.adapter import LoraAdapter
 from radixlora.model.loader import base_version
 from radixlora.model_runner import ModelRunner
-from radixlora.request import (
-    AdapterSet,
-    Req,
-    ReqStatus,
-    build_requests,
-    cache_namespace,
-    check_logprob_start,
-)
+from radixlora.request import AdapterSet, Req, ReqStatus, uses_adapter
 from radixlora.sampling import SamplingParams
 from radixlora.scheduler import Scheduler
+from radixlora.step_loop import StepLoop
+from radixlora.step_plan import AdapterLoad
 from radixlora.tokenizer import Tokenizer
 
 
@@ -70,8 +67,14 @@ class Engine:
         self.registry = AdapterRegistry(
             self.model_cfg, self.config.max_rank, self.config.max_stacked, self.config.adapter_rows
         )
-        self._rng = random.Random(self.config.seed)
-        self._in_flight = deque()  # (plan, launched step) not folded in yet, oldest first
+        self.intake = Intake(self.model_cfg, self.base_version, self.registry, self.scheduler,
+                             self.config.seed)
+        self.loop = StepLoop(self.scheduler, self.config.overlap_schedule)
+        # every adapter version a name or a live request still holds, for the executor's loads
+        self._versions: weakref.WeakValueDictionary[str, LoraAdapter] = (
+            weakref.WeakValueDictionary())
+        self.executor = StepExecutor(self.runner, self._version)
+        self._launched: deque[InFlight] = deque()  # launched, not folded in yet, oldest first
         self._next_rid = 0
         for name, path in (adapters or {}).items():
             self.load_adapter(name, path)
@@ -85,6 +88,7 @@ class Engine:
     def load_adapter(self, name: str, path: str | Path) -> LoraAdapter:
         """Validate and register an adapter (re-using a name publishes a new version)."""
         adapter, replaced = self.registry.load(name, path)
+        self._versions[adapter.adapter_id] = adapter
         if replaced is not None:
             self._forget(replaced)
         return adapter
@@ -92,6 +96,7 @@ class Engine:
     def add_adapter(self, adapter: LoraAdapter) -> LoraAdapter:
         """Register an already validated adapter under adapter.name."""
         adapter, replaced = self.registry.add(adapter)
+        self._versions[adapter.adapter_id] = adapter
         if replaced is not None:
             self._forget(replaced)
         return adapter
@@ -106,12 +111,16 @@ class Engine:
             return
         tree = self.scheduler.tree
         if tree is not None:
-            tree.drop_namespaces(lambda ns: _uses(ns, adapter.adapter_id), self.scheduler.kv.free)
+            tree.drop_namespaces(lambda ns: uses_adapter(ns, adapter.adapter_id),
+                                 self.scheduler.kv.free)
         self.scheduler.residency.evict(adapter.adapter_id)
+
+    def _version(self, load: AdapterLoad) -> LoraAdapter:
+        return self._versions[load.adapter_id]
 
     def resolve_adapters(self, spec) -> AdapterSet:
         """None, a name, or a list of names / (name, weight) pairs -> canonical AdapterSet."""
-        return self.registry.resolve(spec)
+        return self.registry.resolve(parse_spec(spec))
 
     # ---- generation --------------------------------------------------------------------------
 
@@ -134,9 +143,6 @@ class Engine:
         ]
         for group in groups:
             for req in group:
-                self.scheduler.check_admissible(req)
-        for group in groups:
-            for req in group:
                 self.scheduler.add(req)
         while self.scheduler.has_work():
             self.step()
@@ -150,8 +156,6 @@ class Engine:
         with step() and read it with output_of(). With logprob_start, each request also gets
         the logprob of every prompt token from that position on (req.input_logprobs)."""
         reqs = self.make_requests(prompt, params, adapters, cache_salt, logprob_start)
-        for req in reqs:
-            self.scheduler.check_admissible(req)
         for req in reqs:
             self.scheduler.add(req)
         return reqs
@@ -177,45 +181,30 @@ class Engine:
         """Run one scheduler step; returns the requests that finished in it. With overlap
         scheduling the step planned now is launched before the previous one's results are
         folded in, so the host plans while the device computes."""
-        plan = self.scheduler.schedule()
-        if plan is None and not self._in_flight:
+        plan = self.loop.next_plan()
+        if plan is None and not self._launched:
             raise RadixLoraError("scheduler made no progress with requests pending")
         if plan is not None:
-            self._in_flight.append((plan, self.runner.launch(plan)))
+            self._launched.append(self.executor.launch(plan))
         keep = 1 if plan is not None and self.config.overlap_schedule else 0
         finished = []
-        while len(self._in_flight) > keep:
-            finished += self._fold(*self._in_flight.popleft())
+        while len(self._launched) > keep:
+            finished += self._fold(self.executor.finish(self._launched.popleft()))
         return finished
 
-    def _fold(self, plan, launched) -> list[Req]:
-        out = self.runner.finish(launched)
-        return self.scheduler.process_results(
-            plan, out.token_ids, out.logprobs, out.top_logprobs, out.input_logprobs
-        )
+    def _fold(self, result) -> list[Req]:
+        folded = self.loop.fold(result)
+        if folded.error is not None or folded.failed_adapters:
+            raise RadixLoraError(f"step {result.step} did not run: "
+                                 f"{folded.error or folded.failed_adapters}")
+        return folded.finished
 
     def make_requests(
         self, prompt, params: SamplingParams, spec, cache_salt, logprob_start: int | None = None
     ) -> list[Req]:
-        params.validate(self.model_cfg.vocab_size)
-        ids = self._prompt_ids(prompt)
-        check_logprob_start(logprob_start, len(ids))
-        adapter_set = self.resolve_adapters(spec)
-        namespace = cache_namespace(self.base_version, adapter_set, cache_salt)
-        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self._next_rid += 1
-        reqs = build_requests(
-            f"req-{self._next_rid}",
-            ids,
-            params,
-            adapter_set,
-            namespace,
-            base_seed,
-            frozenset(self.model_cfg.eos_token_ids),
-            share_prompt=self.scheduler.tree is not None,
-        )
-        for req in reqs:
-            req.logprob_start = logprob_start
+        reqs, _ = self.intake.requests(f"req-{self._next_rid}", self._prompt_ids(prompt),
+                                       params, parse_spec(spec), logprob_start, cache_salt)
         return reqs
 
     def _prompt_ids(self, prompt) -> np.ndarray:
@@ -225,16 +214,7 @@ class Engine:
                     "this model has no tokenizer.json; send token ids", param="prompt"
                 )
             prompt = self.tokenizer.encode(prompt)
-        ids = np.asarray(prompt, dtype=np.int64)
-        if ids.ndim != 1:
-            raise InvalidRequestError(
-                "a prompt must be a string or a flat list of token ids", param="prompt"
-            )
-        if len(ids) and (ids.min() < 0 or ids.max() >= self.model_cfg.vocab_size):
-            raise InvalidRequestError(
-                f"token ids must be in [0, {self.model_cfg.vocab_size})", param="prompt"
-            )
-        return ids.astype(np.int32)
+        return check_prompt_ids(prompt, self.model_cfg.vocab_size)
 
     def output_of(self, group: list[Req]) -> RequestOutput:
         first = group[0]
@@ -258,11 +238,6 @@ class Engine:
                 )
             )
         return out
-
-
-def _uses(namespace: tuple, adapter_id: str) -> bool:
-    adapters = dict(namespace).get("adapters", ())
-    return any(aid == adapter_id for aid, _ in adapters)
 
 
 def _as_prompt_list(prompts) -> list:

@@ -1,14 +1,27 @@
-"""Request intake shared by the offline Engine, the tokenizer and scheduler processes and the
-batch-file runner: the context rule that turns an omitted max_tokens into what the context
-leaves after the prompt."""
+"""Request intake, one path for the offline Engine, the scheduler and tokenizer processes and
+the batch-file runner: prompt ids checked, the adapter choice resolved once into an AdapterSet,
+the context rule applied, and the Reqs built (n per prompt) with their cache namespace and
+sampling seeds."""
 
 from __future__ import annotations
 
-import msgspec
+import random
 
+import msgspec
+import numpy as np
+
+from radixlora.adapters import AdapterChoice, AdapterRegistry
 from radixlora.config import EngineConfig, ModelConfig
-from radixlora.errors import InvalidRequestError
+from radixlora.errors import AdapterNotFoundError, InvalidRequestError
+from radixlora.request import (
+    AdapterSet,
+    Req,
+    build_requests,
+    cache_namespace,
+    check_logprob_start,
+)
 from radixlora.sampling import SamplingParams
+from radixlora.scheduler import Scheduler
 
 
 def max_total_tokens(model_cfg: ModelConfig, config: EngineConfig) -> int:
@@ -29,3 +42,59 @@ def fill_context(params: SamplingParams, prompt_len: int, max_total: int,
             code="context_length_exceeded",
         )
     return msgspec.structs.replace(params, max_tokens=room)
+
+
+def check_prompt_ids(ids, vocab_size: int) -> np.ndarray:
+    """A flat prompt of token ids in [0, vocab_size), as int32."""
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or (len(ids) and not np.issubdtype(ids.dtype, np.integer)):
+        raise InvalidRequestError(
+            "a prompt must be a string or a flat list of token ids", param="prompt"
+        )
+    if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise InvalidRequestError(f"token ids must be in [0, {vocab_size})", param="prompt")
+    return ids.astype(np.int32)
+
+
+class Intake:
+    """Turns a validated prompt and a request's choices into the Reqs the scheduler queues.
+
+    With fallback_to_base, a choice naming an adapter that is not served is served by the base
+    model (the server's --adapter-failure-policy base) and `fallback` says why."""
+
+    def __init__(self, model_cfg: ModelConfig, base_version: str, adapters: AdapterRegistry,
+                 scheduler: Scheduler, seed: int, fallback_to_base: bool = False):
+        self.model_cfg = model_cfg
+        self.base_version = base_version
+        self.adapters = adapters
+        self.scheduler = scheduler
+        self.rng = random.Random(seed)
+        self.fallback_to_base = fallback_to_base
+        self.eos_ids = frozenset(model_cfg.eos_token_ids)
+
+    def requests(self, rid: str, ids: np.ndarray, params: SamplingParams,
+                 choices: list[AdapterChoice] | None, logprob_start: int | None = None,
+                 cache_salt: str | None = None) -> tuple[list[Req], str]:
+        """The params.n requests of one prompt, checked admissible, and why the request is
+        served base-only ("" when it is not)."""
+        params.validate(self.model_cfg.vocab_size)
+        check_logprob_start(logprob_start, len(ids))
+        adapter_set, fallback = self.resolve(choices)
+        base_seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
+        reqs = build_requests(
+            rid, ids, params, adapter_set,
+            cache_namespace(self.base_version, adapter_set, cache_salt), base_seed,
+            self.eos_ids, share_prompt=self.scheduler.tree is not None,
+        )
+        for req in reqs:
+            req.logprob_start = logprob_start
+            self.scheduler.check_admissible(req)
+        return reqs, fallback
+
+    def resolve(self, choices: list[AdapterChoice] | None) -> tuple[AdapterSet, str]:
+        try:
+            return self.adapters.resolve(choices), ""
+        except AdapterNotFoundError as e:
+            if not self.fallback_to_base:
+                raise
+            return AdapterSet(), f"adapter {e.name!r} is not available; served by the base model"

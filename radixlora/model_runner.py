@@ -1,5 +1,5 @@
-"""The model runner owns every device tensor (weights, KV pool, adapter pool) and executes the
-scheduler's batch plans: load adapter rows, build the forward batch once, run, sample."""
+"""The model runner owns every device tensor (weights, KV pool, adapter pool) and executes step
+plans: load adapter rows, build the forward batch once, run, sample."""
 
 from __future__ import annotations
 
@@ -12,14 +12,16 @@ import torch
 from radixlora.attention import AttentionInputs, TritonAttentionBackend, make_attention_backend
 from radixlora.config import EngineConfig, ModelConfig
 from radixlora.cuda_graph import CudaGraphRunner
-from radixlora.forward_batch import ForwardBatch, to_device
+from radixlora.device import to_device
+from radixlora.forward_batch import ForwardBatch
 from radixlora.kernels.lora_ops import LoraBatchMeta, make_lora_backend
 from radixlora.kv_cache import KVPool
 from radixlora.lora.adapter import MODULE_GROUPS
+from radixlora.lora.host_cache import PackedAdapter
 from radixlora.lora.pool import AdapterPool, LoraContext, LoraSegments
 from radixlora.model.loader import load_model
 from radixlora.sampling import GREEDY, SampleOutput, SamplingBatch, sample, with_top_logprobs
-from radixlora.scheduler import BatchPlan
+from radixlora.step_plan import PlanItem, StepPlan, bytes_to_ids
 
 
 @dataclass
@@ -86,13 +88,12 @@ class ModelRunner:
         # tokens sampled by the last launched step: placeholders of the next step point here
         self.last_sampled = torch.zeros(1, dtype=torch.int64, device=self.device)
 
-    def execute(self, plan: BatchPlan) -> StepOutput:
-        return self.finish(self.launch(plan))
-
-    def launch(self, plan: BatchPlan) -> LaunchedStep:
-        """Queue a step on the device (on the CPU it runs to the end) without waiting for it;
+    def launch(self, plan: StepPlan,
+               loads: list[tuple[PackedAdapter, np.ndarray]] = ()) -> LaunchedStep:  # fmt: skip
+        """Queue a step on the device (on the CPU it runs to the end) without waiting for it,
+        after writing `loads` (the plan's adapter loads, weights resolved) into the pool;
         placeholder ids (< 0) in the plan are the tokens the previously launched step samples."""
-        self.adapter_pool.write_all(plan.adapter_loads)
+        self.adapter_pool.write_all(loads)
         self.adapter_pool.wait_loads()
         host = _host_inputs(plan)
         segments = _lora_segments(plan)
@@ -110,7 +111,7 @@ class ModelRunner:
             step.top_ids, step.top_logprobs = out.top_ids, out.top_logprobs
         return self._copy_to_host(step)
 
-    def _graph_step(self, key, plan: BatchPlan, host: dict, segments,
+    def _graph_step(self, key, plan: StepPlan, host: dict, segments,
                     resolve) -> SampleOutput | None:  # fmt: skip
         """Replay a graph; it samples every request's row (greedy where the item samples
         nothing), so only top logprobs are left to compute here."""
@@ -124,7 +125,7 @@ class ModelRunner:
         return with_top_logprobs(SampleOutput(out.tokens, out.logprobs), out.logits, out.lse,
                                  rows.num_top_logprobs)  # fmt: skip
 
-    def _eager_step(self, plan: BatchPlan, host: dict, segments, resolve, scored,
+    def _eager_step(self, plan: StepPlan, host: dict, segments, resolve, scored,
                     step: LaunchedStep) -> SampleOutput | None:  # fmt: skip
         """Run the model eagerly, then score prompt tokens (into step) and sample."""
         if scored is not None:
@@ -212,46 +213,46 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _sampling_batch(items) -> SamplingBatch:
+    def _sampling_batch(items: list[PlanItem]) -> SamplingBatch:
         """One row per item; items that sample nothing get a greedy row."""
         return SamplingBatch.build(
-            [i.req.params if i.sample else GREEDY for i in items],
-            [i.req.seed if i.sample else 0 for i in items],
+            [i.params if i.sample else GREEDY for i in items],
+            [i.seed if i.sample else 0 for i in items],
             [i.out_index if i.sample else 0 for i in items],
         )
 
 
-def _host_inputs(plan: BatchPlan) -> dict:
+def _host_inputs(plan: StepPlan) -> dict:
     """Flat host arrays of one batch (one segment per request, in plan order)."""
     items = plan.items
-    qo_lens = [len(i.extend_ids) for i in items]
-    kv_lens = np.array([i.start + n for i, n in zip(items, qo_lens)], np.int64)
+    extend = [bytes_to_ids(i.extend_ids) for i in items]
+    slots = [bytes_to_ids(i.kv_slots) for i in items]
+    qo_lens = [len(e) for e in extend]
+    kv_lens = np.array([len(s) for s in slots], np.int64)
     ends = np.cumsum(qo_lens)
     return {
         "qo_lens": qo_lens,
         "kv_lens": kv_lens,
-        "input_ids": np.concatenate([i.extend_ids for i in items]),
+        "input_ids": np.concatenate(extend),
         "positions": np.concatenate([np.arange(i.start, k) for i, k in zip(items, kv_lens)]),
-        "out_cache_loc": np.concatenate(
-            [i.req.kv_slots[i.start : k] for i, k in zip(items, kv_lens)]
-        ),
-        "kv_indices": np.concatenate([i.req.kv_slots[:k] for i, k in zip(items, kv_lens)]),
+        "out_cache_loc": np.concatenate([s[i.start :] for i, s in zip(items, slots)]),
+        "kv_indices": np.concatenate(slots),
         "logits_indices": np.array([e - 1 for i, e in zip(items, ends) if i.sample], np.int64),
     }
 
 
-def _scored_rows(plan: BatchPlan) -> tuple[np.ndarray, np.ndarray, list[int]] | None:
+def _scored_rows(plan: StepPlan) -> tuple[np.ndarray, np.ndarray, list[int]] | None:
     """(batch rows whose logits are scored, the prompt token each scores, count per item);
     None when no item of the plan scores prompt tokens."""
     if all(i.score_ids is None for i in plan.items):
         return None
     rows, targets, counts, offset = [], [], [], 0
     for item in plan.items:
-        ids = item.score_ids if item.score_ids is not None else np.zeros(0, np.int32)
+        ids = bytes_to_ids(item.score_ids or b"")
         rows.append(offset + item.score_from - item.start + np.arange(len(ids)))
         targets.append(ids.astype(np.int64))
         counts.append(len(ids))
-        offset += len(item.extend_ids)
+        offset += len(item.extend_ids) // 4
     return np.concatenate(rows), np.concatenate(targets), counts
 
 
@@ -261,16 +262,19 @@ def _prompt_logprobs(logits: torch.Tensor, scored, device) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).gather(1, ids[:, None])[:, 0]
 
 
-def _lora_segments(plan: BatchPlan) -> LoraSegments | None:
+def _lora_segments(plan: StepPlan) -> LoraSegments | None:
     """group -> (rows per request, scales per request) and each request's adapter-set id;
     None when no request has an adapter."""
-    keys = [i.req.adapter_set.key for i in plan.items]
-    if all(not plan.lora_rows[k] for k in keys):
+    sets = [plan.adapter_sets[i.adapter_set] for i in plan.items]
+    if not any(sets):
         return None
-    set_ids: dict[tuple, int] = {}
-    request_sets = [set_ids.setdefault(k, len(set_ids)) if plan.lora_rows[k] else -1 for k in keys]
+    dense: dict[int, int] = {}  # set index of the plan -> 0, 1, ... in order of first use
+    request_sets = np.array(
+        [dense.setdefault(i.adapter_set, len(dense)) if s else -1
+         for i, s in zip(plan.items, sets)], np.int64)  # fmt: skip
     segments = {}
     for group in MODULE_GROUPS:
-        pairs = [plan.lora_rows[k].get(group, ([], [])) for k in keys]
-        segments[group] = ([p[0] for p in pairs], [p[1] for p in pairs])
-    return LoraSegments(segments, np.array(request_sets, np.int64))
+        rows = [s.get(group) for s in sets]
+        segments[group] = ([r.rows if r else [] for r in rows],
+                           [r.scales if r else [] for r in rows])
+    return LoraSegments(segments, request_sets)

@@ -45,6 +45,11 @@ def cache_namespace(base_version: str, adapter_set: AdapterSet, cache_salt: str 
     return (("base", base_version), ("adapters", adapter_set.key), ("salt", cache_salt or ""))
 
 
+def uses_adapter(namespace: tuple, adapter_id: str) -> bool:
+    """Whether a cache namespace belongs to an adapter set holding this adapter version."""
+    return any(aid == adapter_id for aid, _ in dict(namespace).get("adapters", ()))
+
+
 def build_requests(
     rid: str,
     prompt_ids: np.ndarray,

@@ -26,6 +26,7 @@ from radixlora.lora.adapter import LoraAdapter
 from radixlora.lora.pool import AdapterResidency
 from radixlora.radix_cache import RadixCache
 from radixlora.request import Req, ReqStatus
+from radixlora.step_plan import AdapterLoad, GroupRows, PlanItem, StepPlan, ids_to_bytes
 from radixlora.token_bucket import TokenBucket
 
 AGING_STEPS = 64
@@ -49,8 +50,9 @@ class ScheduledReq:
 
 @dataclass
 class BatchPlan:
+    """One step as the scheduler keeps it (live Reqs); the worker gets its StepPlan."""
+
     items: list[ScheduledReq]
-    # (adapter, pool rows); the worker process rebuilds plans with PackedAdapters instead
     adapter_loads: list[tuple[LoraAdapter, np.ndarray]] = field(default_factory=list)
     # per adapter set key: group -> (rows, scales)
     lora_rows: dict[tuple, dict[str, tuple[list[int], list[float]]]] = field(default_factory=dict)
@@ -58,6 +60,35 @@ class BatchPlan:
     @property
     def num_tokens(self) -> int:
         return sum(len(item.extend_ids) for item in self.items)
+
+    def to_step_plan(self, step: int) -> StepPlan:
+        index = {key: i for i, key in enumerate(self.lora_rows)}
+        items = [
+            PlanItem(
+                extend_ids=ids_to_bytes(item.extend_ids),
+                start=item.start,
+                kv_slots=ids_to_bytes(item.req.kv_slots[: item.start + len(item.extend_ids)]),
+                sample=item.sample,
+                params=item.req.params,
+                seed=item.req.seed,
+                out_index=item.out_index,
+                adapter_set=index[item.req.adapter_set.key],
+                score_from=item.score_from,
+                score_ids=None if item.score_ids is None else ids_to_bytes(item.score_ids),
+            )
+            for item in self.items
+        ]
+        loads = [
+            AdapterLoad(adapter_id=a.adapter_id, name=a.name, path=a.path,
+                        rows=ids_to_bytes(rows))
+            for a, rows in self.adapter_loads
+        ]
+        adapter_sets = [
+            {g: GroupRows([int(r) for r in rows], [float(s) for s in scales])
+             for g, (rows, scales) in groups.items()}
+            for groups in self.lora_rows.values()
+        ]
+        return StepPlan(step=step, items=items, adapter_loads=loads, adapter_sets=adapter_sets)
 
 
 class Scheduler:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from radixlora import Engine, SamplingParams
+from radixlora.step_plan import bytes_to_ids
 from tests.conftest import assert_all_free
 
 SPECS = ["a", None, "b", [("a", 1.0), ("c", -0.5)], "c", None, "a", "b"]
@@ -28,9 +29,10 @@ def make(checkpoints, adapters, overlap: bool, **kw) -> Engine:
     engine.placeholders = 0
     launch = engine.runner.launch
 
-    def counting_launch(plan):
-        engine.placeholders += sum(int((i.extend_ids < 0).sum()) for i in plan.items)
-        return launch(plan)
+    def counting_launch(plan, loads=()):
+        engine.placeholders += sum(int((bytes_to_ids(i.extend_ids) < 0).sum())
+                                   for i in plan.items)
+        return launch(plan, loads)
 
     engine.runner.launch = counting_launch
     return engine
@@ -141,11 +143,12 @@ def test_discarded_plan_recomputes(checkpoints, adapters):
     sched = engine.scheduler
     for _ in range(3):
         engine.step()
-    lost, _ = engine._in_flight.popleft()
+    engine._launched.popleft()
+    _, lost, _ = engine.loop.in_flight.popleft()
     engine.runner.failed()
-    successor = sched.schedule()
-    assert any((item.extend_ids < 0).any() for item in successor.items)
-    engine._in_flight.append((successor, engine.runner.launch(successor)))
+    successor = engine.loop.next_plan()
+    assert any((bytes_to_ids(item.extend_ids) < 0).any() for item in successor.items)
+    engine._launched.append(engine.executor.launch(successor))
     sched.discard(lost)
     while sched.has_work():
         engine.step()

@@ -3,7 +3,7 @@
 Invariants: a name resolves to exactly one version (content hash) at a time; a version no name
 points to is retired, and stays resident for the requests already admitted on it until none
 is left (nor a step in flight that loads it), then its radix-tree namespaces are dropped, its
-pool rows freed (as Engine._forget does offline) and its snapshots deleted."""
+pool rows freed (as the offline Engine does) and its snapshots deleted."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from radixlora.adapters import AdapterRegistry
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
 from radixlora.lora.adapter import LoraAdapter
+from radixlora.request import uses_adapter
 from radixlora.scheduler import Scheduler
 from radixlora.server.adapter_store import AdapterStore, FilesChanged
 from radixlora.server.messages import AdapterEvent, AdminReply, AdminReq
@@ -145,7 +146,3 @@ class AdapterLifecycle:
                 f"{residency.rows.num_rows} rows", param="lora_name", code="pin_limit")
         self.pinned_names.add(name)
         residency.pin(adapter.adapter_id)
-
-
-def uses_adapter(namespace: tuple, adapter_id: str) -> bool:
-    return any(aid == adapter_id for aid, _ in dict(namespace).get("adapters", ()))

@@ -6,7 +6,7 @@ Channels (sender -> receiver: messages):
   api -> tokenizer:        GenerateReq, AbortReq
   tokenizer -> scheduler:  TokenizedReq, AbortReq
   api -> scheduler:        InfoQuery
-  scheduler -> worker:     PlanMsg
+  scheduler -> worker:     StepPlan (radixlora/step_plan.py)
   worker -> scheduler:     StepResult
   scheduler -> tokenizer:  TokenBatch, ReqError
   tokenizer -> api:        OutputBatch, ReqError
@@ -21,21 +21,14 @@ from __future__ import annotations
 import logging
 
 import msgspec
-import numpy as np
 
+from radixlora.adapters import AdapterChoice as AdapterChoice
 from radixlora.sampling import SamplingParams
+from radixlora.step_plan import StepPlan, StepResult
+from radixlora.step_plan import bytes_to_ids as bytes_to_ids
+from radixlora.step_plan import ids_to_bytes as ids_to_bytes
 
 log = logging.getLogger(__name__)
-
-
-def ids_to_bytes(ids) -> bytes:
-    return np.asarray(ids, dtype="<i4").tobytes()
-
-
-def bytes_to_ids(raw: bytes) -> np.ndarray:
-    if len(raw) % 4:
-        raise ValueError(f"an int32 array needs a multiple of 4 bytes, got {len(raw)}")
-    return np.frombuffer(raw, dtype="<i4").astype(np.int32)
 
 
 class Message(msgspec.Struct, tag=True, kw_only=True):
@@ -48,11 +41,6 @@ class Message(msgspec.Struct, tag=True, kw_only=True):
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str
-
-
-class AdapterChoice(msgspec.Struct, array_like=True):
-    name: str
-    weight: float = 1.0
 
 
 class GenerateReq(Message):
@@ -87,57 +75,6 @@ class TokenizedReq(Message):
     params: SamplingParams
     adapters: list[AdapterChoice] | None = None
     logprob_start: int | None = None
-
-
-# ---- scheduler <-> worker --------------------------------------------------------------------
-
-
-class PlanItem(msgspec.Struct, array_like=True):
-    rid: str
-    extend_ids: bytes  # int32: tokens whose KV this step computes; -1 - i: the i-th token
-    # sampled by the previous step (not known when this one was planned)
-    start: int  # position of extend_ids[0]
-    kv_slots: bytes  # int32: the request's KV slots for positions [0, start + len(extend_ids))
-    sample: bool
-    params: SamplingParams
-    seed: int
-    out_index: int  # index of the output token sampled
-    lora_key: int  # index into PlanMsg.lora_rows
-    score_from: int = 0  # positions score_from, ... of this chunk predict the prompt's score_ids
-    score_ids: bytes | None = None  # int32
-
-
-class AdapterLoad(msgspec.Struct, array_like=True):
-    adapter_id: str  # content hash; the worker checks the files it reads still hash to it
-    name: str
-    path: str
-    rows: bytes  # int32 pool rows
-
-
-class GroupRows(msgspec.Struct, array_like=True):
-    rows: list[int]
-    scales: list[float]
-
-
-class PlanMsg(Message):
-    step: int
-    items: list[PlanItem]
-    adapter_loads: list[AdapterLoad] = []
-    lora_rows: list[dict[str, GroupRows]] = []  # per adapter set: module group -> rows
-
-
-class StepResult(Message):
-    step: int
-    token_ids: bytes = b""  # int32, one per sampled item in plan order
-    logprobs: list[float] = []
-    top_ids: list[list[int]] | None = None
-    top_logprobs: list[list[float]] | None = None
-    failed_adapters: dict[str, str] = {}  # adapter id -> reason; the step did not run
-    error: str | None = None  # the step did not run
-    load_seconds: list[float] = []  # one per adapter load of the step
-    input_logprobs: list[list[float]] | None = None  # per plan item: scored prompt tokens
-    host_adapters: int = 0  # the worker's host tier after the step
-    host_bytes: int = 0
 
 
 # ---- scheduler -> tokenizer -> api -----------------------------------------------------------
@@ -271,7 +208,7 @@ class Ready(Message):
 ApiInbox = OutputBatch | ReqError | InfoReply | SchedulerStats | AdminReply
 TokenizerInbox = GenerateReq | AbortReq | TokenBatch | ReqError
 SchedulerInbox = TokenizedReq | AbortReq | InfoQuery | StepResult | AdminReq
-WorkerInbox = PlanMsg
+WorkerInbox = StepPlan
 LauncherInbox = Ready
 
 

@@ -1,16 +1,14 @@
 """The scheduler process: owns the Scheduler (waiting queue, KV pages, radix tree, adapter
-residency) and turns each BatchPlan into a PlanMsg for the worker. With overlap scheduling (the
-default) step N+1 is planned and sent while the worker runs step N, its decode inputs being
-placeholders for step N's tokens; step N's results are folded in while step N+1 runs. Without
-it, each step's results are folded in before the next step is planned."""
+residency) and drives the StepLoop against the worker: each step's StepPlan goes to the worker
+over ZeroMQ and its StepResult comes back. With overlap scheduling (the default) step N+1 is
+planned and sent while the worker runs step N, its decode inputs being placeholders for step
+N's tokens; step N's results are folded in while step N+1 runs."""
 
 from __future__ import annotations
 
 import logging
 import math
-import random
 import time
-from collections import deque
 from pathlib import Path
 
 import zmq
@@ -18,16 +16,10 @@ import zmq
 from radixlora.adapters import AdapterRegistry
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
+from radixlora.intake import Intake
 from radixlora.lora.pool import AdapterPool
 from radixlora.model.loader import base_version
-from radixlora.request import (
-    AdapterSet,
-    Req,
-    ReqStatus,
-    build_requests,
-    cache_namespace,
-    check_logprob_start,
-)
+from radixlora.request import Req, ReqStatus
 from radixlora.scheduler import BatchPlan, Scheduler
 from radixlora.server.adapter_lifecycle import AdapterLifecycle
 from radixlora.server.adapter_store import AdapterStore
@@ -36,14 +28,10 @@ from radixlora.server.ipc import Inbox, Outbox, check_local, child_main, send_re
 from radixlora.server.messages import (
     AbortReq,
     AdapterEvent,
-    AdapterLoad,
     AdminReq,
     Codec,
-    GroupRows,
     InfoQuery,
     InfoReply,
-    PlanItem,
-    PlanMsg,
     ReqError,
     SchedulerInbox,
     SchedulerStats,
@@ -54,6 +42,8 @@ from radixlora.server.messages import (
     bytes_to_ids,
     ids_to_bytes,
 )
+from radixlora.step_loop import StepLoop
+from radixlora.step_plan import StepPlan
 from radixlora.token_bucket import TokenBucket
 
 log = logging.getLogger(__name__)
@@ -68,7 +58,6 @@ class SchedulerService:
     def __init__(self, args: ServerArgs):
         self.config = args.engine_config()
         self.model_cfg = ModelConfig.from_dir(args.model)
-        self.base_version = base_version(Path(args.model))
         self.scheduler = Scheduler(self.config, max_context=self.model_cfg.max_position)
         if args.max_swaps_per_s > 0:
             self.scheduler.swap_bucket = TokenBucket(args.max_swaps_per_s,
@@ -80,20 +69,18 @@ class SchedulerService:
                                                    self.config.torch_dtype(self.model_cfg))
         for name, path in args.adapters.items():
             self.adapters.load(name, path)
-        self.policy = args.adapter_failure_policy
         store = AdapterStore(Path(args.state_dir) / "adapters") if args.state_dir else None
         self.lifecycle = AdapterLifecycle(self.adapters, self.scheduler, store, self.model_cfg,
                                           self.config.max_rank, self._in_use)
+        self.intake = Intake(self.model_cfg, base_version(Path(args.model)), self.adapters,
+                             self.scheduler, self.config.seed,
+                             fallback_to_base=args.adapter_failure_policy == "base")
+        self.loop = StepLoop(self.scheduler, self.config.overlap_schedule)
         self.num_loads = 0
         self.load_seconds: list[float] = []
-        self.rng = random.Random(self.config.seed)
         self.fallbacks: dict[str, str] = {}  # rid -> why it is served base-only
         self.reqs: dict[str, list[Req]] = {}
         self.owner: dict[Req, tuple[str, int]] = {}
-        self.in_flight: deque[tuple[PlanMsg, BatchPlan, float]] = deque()  # oldest first
-        self.max_in_flight = 2 if self.config.overlap_schedule else 1
-        self.num_steps = 0
-        self.num_overlapped = 0  # steps planned while the previous one was still running
         self.host_tier = (0, 0)  # (adapters, bytes) in the worker's host tier, last reported
 
     # ---- intake ------------------------------------------------------------------------------
@@ -103,46 +90,20 @@ class SchedulerService:
             return ReqError(rid=msg.rid, message=f"request id {msg.rid!r} is already in use",
                             param="rid", code="duplicate_request_id", status=409)
         try:
-            group = self._make_reqs(msg)
-            for req in group:
-                self.scheduler.check_admissible(req)
+            group, fallback = self.intake.requests(msg.rid, bytes_to_ids(msg.input_ids),
+                                                   msg.params, msg.adapters, msg.logprob_start)
         except InvalidRequestError as e:
             return ReqError(rid=msg.rid, message=e.message, code=e.code, param=e.param)
         except AdapterError as e:
             status = 404 if isinstance(e, AdapterNotFoundError) else 400
             return ReqError(rid=msg.rid, message=str(e), code=e.code, param="model", status=status)
+        if fallback:
+            self.fallbacks[msg.rid] = fallback
         self.reqs[msg.rid] = group
         for index, req in enumerate(group):
             self.owner[req] = (msg.rid, index)
             self.scheduler.add(req)
         return None
-
-    def _make_reqs(self, msg: TokenizedReq) -> list[Req]:
-        params = msg.params
-        params.validate(self.model_cfg.vocab_size)
-        choices = [(c.name, c.weight) for c in msg.adapters] if msg.adapters else None
-        adapter_set, fallback = self._resolve(choices)
-        namespace = cache_namespace(self.base_version, adapter_set, None)
-        base_seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
-        ids = bytes_to_ids(msg.input_ids)
-        check_logprob_start(msg.logprob_start, len(ids))
-        reqs = build_requests(msg.rid, ids, params, adapter_set,
-                              namespace, base_seed, frozenset(self.model_cfg.eos_token_ids),
-                              share_prompt=self.scheduler.tree is not None)
-        for req in reqs:
-            req.logprob_start = msg.logprob_start
-        if fallback:
-            self.fallbacks[msg.rid] = fallback
-        return reqs
-
-    def _resolve(self, choices) -> tuple[AdapterSet, str]:
-        """The adapter set, or with policy "base" and an unknown adapter, base-only and why."""
-        try:
-            return self.adapters.resolve(choices), ""
-        except AdapterNotFoundError as e:
-            if self.policy != "base":
-                raise
-            return AdapterSet(), f"adapter {e.name!r} is not available; served by the base model"
 
     def abort(self, msg: AbortReq) -> None:
         group = self.reqs.get(msg.rid)
@@ -166,55 +127,31 @@ class SchedulerService:
 
     def _in_use(self, adapter_id: str) -> bool:
         loading = any(load.adapter_id == adapter_id
-                      for msg, _, _ in self.in_flight for load in msg.adapter_loads)
+                      for plan, _, _ in self.loop.in_flight for load in plan.adapter_loads)
         return loading or any(a.adapter_id == adapter_id for group in self.reqs.values()
                               for a in group[0].adapter_set.adapters)
 
     # ---- steps -------------------------------------------------------------------------------
 
-    def can_plan(self) -> bool:
-        sched = self.scheduler
-        return len(self.in_flight) < self.max_in_flight and bool(sched.waiting or sched.running)
-
-    def next_plan(self) -> PlanMsg | None:
-        """Plan the next step if the pipeline has room."""
-        if not self.can_plan():
-            return None
-        plan = self.scheduler.schedule()
-        if plan is None:
-            return None
-        self.num_steps += 1
-        self.num_overlapped += bool(self.in_flight)
-        msg = plan_to_msg(plan, self.num_steps)
-        self.in_flight.append((msg, plan, time.monotonic()))
-        return msg
-
-    def oldest_step_age(self) -> float:
-        return time.monotonic() - self.in_flight[0][2] if self.in_flight else 0.0
+    def next_plan(self) -> StepPlan | None:
+        return self.loop.next_plan()
 
     def on_result(self, result: StepResult) -> tuple[TokenBatch | None, list[ReqError]]:
-        if not self.in_flight or result.step != self.in_flight[0][0].step:
+        folded = self.loop.fold(result)
+        if folded is None:
             log.warning("dropped a result for step %d, which is not the oldest in flight",
                         result.step)
             return None, []
-        _, plan, _ = self.in_flight.popleft()
         if self.lifecycle.retired:
             self.lifecycle.sweep()
-        if result.error is not None or result.failed_adapters:
-            self.scheduler.discard(plan)
-            if result.error is not None:
-                return None, self._fail_step(plan, result.error)
-            return None, self._fail_adapters(result.failed_adapters)
-        top = None
-        if result.top_ids is not None:
-            top = [list(zip(i, lp)) for i, lp in zip(result.top_ids, result.top_logprobs)]
-        self.num_loads += len(plan.adapter_loads)
+        if folded.error is not None:
+            return None, self._fail_step(folded.plan, folded.error)
+        if folded.failed_adapters:
+            return None, self._fail_adapters(folded.failed_adapters)
+        self.num_loads += len(folded.plan.adapter_loads)
         self.host_tier = (result.host_adapters, result.host_bytes)
         self.load_seconds += result.load_seconds
-        tokens = bytes_to_ids(result.token_ids).tolist()
-        sampled = [item.req for item in plan.items if item.sample and self.scheduler.is_live(item)]
-        self.scheduler.process_results(plan, tokens, result.logprobs, top, result.input_logprobs)
-        outputs = [out for req in sampled if (out := self._token_out(req))]
+        outputs = [out for req in folded.sampled if (out := self._token_out(req))]
         return (TokenBatch(outputs=outputs) if outputs else None), []
 
     def _token_out(self, req: Req) -> TokenOut | None:
@@ -312,8 +249,8 @@ class SchedulerService:
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "open_requests": len(self.reqs),
-            "steps": self.num_steps,
-            "overlapped_steps": self.num_overlapped,
+            "steps": self.loop.num_steps,
+            "overlapped_steps": self.loop.num_overlapped,
             "retractions": sched.num_retractions,
             "adapter_rows_total": residency.rows.num_rows,
             "adapter_rows_free": residency.rows.num_free(),
@@ -328,37 +265,6 @@ class SchedulerService:
                 for n, a in self.adapters.by_name.items()
             ],
         }
-
-
-def plan_to_msg(plan: BatchPlan, step: int) -> PlanMsg:
-    keys = list(plan.lora_rows)
-    index = {key: i for i, key in enumerate(keys)}
-    items = [
-        PlanItem(
-            rid=item.req.rid,
-            extend_ids=ids_to_bytes(item.extend_ids),
-            start=item.start,
-            kv_slots=ids_to_bytes(item.req.kv_slots[: item.start + len(item.extend_ids)]),
-            sample=item.sample,
-            params=item.req.params,
-            seed=item.req.seed,
-            out_index=item.out_index,
-            lora_key=index[item.req.adapter_set.key],
-            score_from=item.score_from,
-            score_ids=None if item.score_ids is None else ids_to_bytes(item.score_ids),
-        )
-        for item in plan.items
-    ]
-    loads = [
-        AdapterLoad(adapter_id=a.adapter_id, name=a.name, path=a.path, rows=ids_to_bytes(rows))
-        for a, rows in plan.adapter_loads
-    ]
-    lora_rows = [
-        {g: GroupRows([int(r) for r in rows], [float(s) for s in scales])
-         for g, (rows, scales) in plan.lora_rows[key].items()}
-        for key in keys
-    ]
-    return PlanMsg(step=step, items=items, adapter_loads=loads, lora_rows=lora_rows)
 
 
 class SchedulerLoop:
@@ -380,7 +286,7 @@ class SchedulerLoop:
     def run(self) -> None:
         stalled = False  # nothing could be planned: wait for a result, a request or the timer
         while True:
-            busy = self.service.can_plan() and not stalled
+            busy = self.service.loop.can_plan() and not stalled
             ready = dict(self.poller.poll(0 if busy else IDLE_POLL_MS))
             if self.events is not None and self.events in ready:
                 self.take_events()
@@ -397,11 +303,11 @@ class SchedulerLoop:
     def check_worker_alive(self) -> None:
         """A step that never returns means a hung worker: exit, so the launcher reports it and
         shuts the service down instead of leaving every request waiting forever."""
-        service = self.service
-        waited = service.oldest_step_age()
+        loop = self.service.loop
+        waited = loop.oldest_step_age()
         if waited > self.args.step_timeout_s:
             log.error("worker step %d has run %.1f s (limit %.1f s): the worker is hung",
-                      service.in_flight[0][0].step, waited, self.args.step_timeout_s)
+                      loop.in_flight[0][0].step, waited, self.args.step_timeout_s)
             raise SystemExit(3)
 
     def take_events(self) -> None:

@@ -13,7 +13,7 @@ import zmq
 
 from radixlora.config import ModelConfig
 from radixlora.errors import InvalidRequestError
-from radixlora.intake import fill_context, max_total_tokens
+from radixlora.intake import check_prompt_ids, fill_context, max_total_tokens
 from radixlora.server.args import ServerArgs
 from radixlora.server.chat import ChatTemplate
 from radixlora.server.detokenize import IncrementalDecoder, StopMatcher
@@ -65,13 +65,9 @@ class TokenizerService:
     # ---- prompts -----------------------------------------------------------------------------
 
     def tokenize(self, req: GenerateReq) -> TokenizedReq:
-        ids = self._prompt_ids(req)
+        ids = check_prompt_ids(self._prompt_ids(req), self.model_cfg.vocab_size)
         if len(ids) == 0:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        if ids.min() < 0 or ids.max() >= self.model_cfg.vocab_size:
-            raise InvalidRequestError(
-                f"token ids must be in [0, {self.model_cfg.vocab_size})", param="prompt"
-            )
         params = req.params
         if req.fill_context:
             params = fill_context(params, len(ids), self.max_total,

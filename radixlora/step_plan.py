@@ -1,0 +1,80 @@
+"""What the worker executes, and what it answers: the one step-plan type of the runtime. The
+offline Engine and the scheduler process build it the same way (BatchPlan.to_step_plan) and hand
+it to a StepExecutor, in process or over ZeroMQ; token id arrays travel as raw little-endian
+int32 bytes, so a plan encodes to msgpack without copies of its arrays into lists."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from radixlora.sampling import SamplingParams
+
+
+def ids_to_bytes(ids) -> bytes:
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def bytes_to_ids(raw: bytes) -> np.ndarray:
+    if len(raw) % 4:
+        raise ValueError(f"an int32 array needs a multiple of 4 bytes, got {len(raw)}")
+    return np.frombuffer(raw, dtype="<i4").astype(np.int32)
+
+
+class PlanItem(msgspec.Struct, array_like=True):
+    """One request's share of a step."""
+
+    extend_ids: bytes  # int32: tokens whose KV this step computes; -1 - i: the i-th token
+    # sampled by the previous step (not known when this one was planned)
+    start: int  # position of extend_ids[0]
+    kv_slots: bytes  # int32: the request's KV slots for positions [0, start + len(extend_ids))
+    sample: bool  # this step completes the request's fill, so it samples a token
+    params: SamplingParams
+    seed: int
+    out_index: int  # index in the request's output of the token sampled (its noise step)
+    adapter_set: int  # index into StepPlan.adapter_sets
+    score_from: int = 0  # positions score_from, ... of this chunk predict the prompt's score_ids
+    score_ids: bytes | None = None  # int32
+
+
+class AdapterLoad(msgspec.Struct, array_like=True):
+    """Write an adapter version into pool rows before the step runs."""
+
+    adapter_id: str  # content hash; weights read from disk must still hash to it
+    name: str
+    path: str
+    rows: bytes  # int32 pool rows, one per rank row
+
+
+class GroupRows(msgspec.Struct, array_like=True):
+    """An adapter set's pool rows in one module group and the weight of each row."""
+
+    rows: list[int]
+    scales: list[float]
+
+
+class StepPlan(msgspec.Struct, tag=True, kw_only=True):
+    step: int
+    items: list[PlanItem]
+    adapter_loads: list[AdapterLoad] = []
+    # per adapter set of the step: module group -> its rows; {} is the base model
+    adapter_sets: list[dict[str, GroupRows]] = []
+
+
+class StepResult(msgspec.Struct, tag=True, kw_only=True):
+    step: int
+    token_ids: bytes = b""  # int32, one per sampled item in plan order
+    logprobs: list[float] = []
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+    failed_adapters: dict[str, str] = {}  # adapter id -> reason; the step did not run
+    error: str | None = None  # the step did not run
+    load_seconds: list[float] = []  # one per adapter load of the step
+    input_logprobs: list[list[float]] | None = None  # per plan item: scored prompt tokens
+    host_adapters: int = 0  # the executor's host tier after the step
+    host_bytes: int = 0
+
+    def top(self) -> list[list[tuple[int, float]]] | None:
+        if self.top_ids is None:
+            return None
+        return [list(zip(i, lp)) for i, lp in zip(self.top_ids, self.top_logprobs)]
