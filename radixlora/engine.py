@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import numpy as np
 from radixlora.adapters import AdapterRegistry, parse_spec
 from radixlora.config import EngineConfig, ModelConfig
 from radixlora.errors import InvalidRequestError, RadixLoraError
-from radixlora.executor import InFlight, StepExecutor
+from radixlora.executor import StepExecutor
 from radixlora.intake import Intake, check_prompt_ids
 from radixlora.lora.adapter import LoraAdapter
 from radixlora.model.loader import base_version
@@ -74,7 +73,6 @@ class Engine:
         self._versions: weakref.WeakValueDictionary[str, LoraAdapter] = (
             weakref.WeakValueDictionary())
         self.executor = StepExecutor(self.runner, self._version)
-        self._launched: deque[InFlight] = deque()  # launched, not folded in yet, oldest first
         self._next_rid = 0
         for name, path in (adapters or {}).items():
             self.load_adapter(name, path)
@@ -182,15 +180,12 @@ class Engine:
         scheduling the step planned now is launched before the previous one's results are
         folded in, so the host plans while the device computes."""
         plan = self.loop.next_plan()
-        if plan is None and not self._launched:
+        if plan is None and not self.executor.in_flight:
             raise RadixLoraError("scheduler made no progress with requests pending")
         if plan is not None:
-            self._launched.append(self.executor.launch(plan))
+            self.executor.submit(plan)
         keep = 1 if plan is not None and self.config.overlap_schedule else 0
-        finished = []
-        while len(self._launched) > keep:
-            finished += self._fold(self.executor.finish(self._launched.popleft()))
-        return finished
+        return [req for result in self.executor.collect(keep) for req in self._fold(result)]
 
     def _fold(self, result) -> list[Req]:
         folded = self.loop.fold(result)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -39,12 +40,28 @@ class InFlight:
 
 
 class StepExecutor:
+    """Steps are launched as they are submitted, each behind the one still running on the
+    device, and their results collected in submission order."""
+
     def __init__(self, runner: ModelRunner, source: AdapterSource):
         self.runner = runner
         self.source = source
+        self.in_flight: deque[InFlight] = deque()  # oldest first
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.finish(self.launch(plan))
+
+    def submit(self, plan: StepPlan) -> None:
+        self.in_flight.append(self.launch(plan))
+
+    def collect(self, keep: int, done_too: bool = False) -> list[StepResult]:
+        """Results of the oldest steps, in order: of all but the newest `keep` steps, and with
+        done_too of any further step that has already completed."""
+        results = []
+        while self.in_flight and (len(self.in_flight) > keep
+                                  or done_too and self.in_flight[0].ready()):
+            results.append(self.finish(self.in_flight.popleft()))
+        return results
 
     def launch(self, plan: StepPlan) -> InFlight:
         """Queue a step on the device; a step that cannot run is answered at once."""

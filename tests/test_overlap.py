@@ -143,12 +143,12 @@ def test_discarded_plan_recomputes(checkpoints, adapters):
     sched = engine.scheduler
     for _ in range(3):
         engine.step()
-    engine._launched.popleft()
+    engine.executor.in_flight.popleft()
     _, lost, _ = engine.loop.in_flight.popleft()
     engine.runner.failed()
     successor = engine.loop.next_plan()
     assert any((bytes_to_ids(item.extend_ids) < 0).any() for item in successor.items)
-    engine._launched.append(engine.executor.launch(successor))
+    engine.executor.submit(successor)
     sched.discard(lost)
     while sched.has_work():
         engine.step()

@@ -5,13 +5,12 @@ packed in the adapter pool's host tier (--host-adapter-bytes) for later loads.""
 
 from __future__ import annotations
 
-from collections import deque
 from pathlib import Path
 
 import zmq
 
 from radixlora.config import ModelConfig
-from radixlora.executor import InFlight, StepExecutor
+from radixlora.executor import StepExecutor
 from radixlora.lora.adapter import LoraAdapter, load_adapter
 from radixlora.model_runner import ModelRunner
 from radixlora.server.args import ServerArgs
@@ -43,14 +42,13 @@ def serve(executor: StepExecutor, inbox: Inbox, to_scheduler: Outbox) -> None:
     """Launch each plan as soon as it arrives, behind the step still running on the device,
     and answer steps in order as they complete: the scheduler plans step N+1 (with placeholders
     for step N's tokens) while step N runs, so the device never waits for the host."""
-    in_flight: deque[InFlight] = deque()
     while True:
-        if not in_flight:
-            in_flight.append(executor.launch(inbox.recv()))
+        if not executor.in_flight:
+            executor.submit(inbox.recv())
         for plan in inbox.recv_nowait():
-            in_flight.append(executor.launch(plan))
-        if in_flight[0].ready() or len(in_flight) > 1:
-            to_scheduler.send(executor.finish(in_flight.popleft()))
+            executor.submit(plan)
+        for result in executor.collect(keep=1, done_too=True):
+            to_scheduler.send(result)
 
 
 if __name__ == "__main__":
