@@ -4,8 +4,6 @@ services driven through msgpack-encoded messages, which must reproduce the offli
 
 from __future__ import annotations
 
-from collections import deque
-
 import msgspec
 import numpy as np
 import pytest
@@ -20,7 +18,6 @@ from radixlora.server.messages import (
     AbortReq,
     AdapterChoice,
     Codec,
-    PlanMsg,
     SchedulerInbox,
     StepResult,
     TokenizedReq,
@@ -30,7 +27,7 @@ from radixlora.server.messages import (
 )
 from radixlora.server.scheduler_proc import SchedulerService
 from radixlora.server.tokenizer_proc import TokenizerService
-from radixlora.server.worker_proc import WorkerService
+from radixlora.server.worker_proc import make_executor
 from radixlora.tokenizer import Tokenizer
 from tests.server_harness import build_checkpoints
 
@@ -122,7 +119,7 @@ def test_codec_roundtrip_and_wrong_inbox():
 # ---- scheduler + worker services over encoded messages -----------------------------------------
 
 
-def _drive(scheduler: SchedulerService, worker: WorkerService, reqs, abort_after=None):
+def _drive(scheduler: SchedulerService, worker, reqs, abort_after=None):
     """Run to completion as the processes do (the next step planned and launched before the
     previous one's results are folded in), every message crossing msgpack as over a socket."""
     to_worker, to_sched = Codec(WorkerInbox), Codec(SchedulerInbox)
@@ -130,13 +127,12 @@ def _drive(scheduler: SchedulerService, worker: WorkerService, reqs, abort_after
         assert scheduler.add(to_sched.decode(to_sched.encode(req))) is None
     tokens: dict[tuple[str, int], list[int]] = {}
     steps = 0
-    in_flight = deque()
     while True:
         while (plan := scheduler.next_plan()) is not None:
-            in_flight.append(worker.launch(to_worker.decode(to_worker.encode(plan))))
-        if not in_flight:
+            worker.submit(to_worker.decode(to_worker.encode(plan)))
+        if not worker.in_flight:
             break
-        result = worker.finish(in_flight.popleft())
+        (result,) = worker.collect(keep=len(worker.in_flight) - 1)
         batch, errors = scheduler.on_result(to_sched.decode(to_sched.encode(result)))
         assert not errors
         for out in batch.outputs if batch else []:
@@ -152,7 +148,7 @@ def test_services_reproduce_the_engine(checkpoints):
     engine_kw = dict(kv_pages=40, max_running=8, adapter_rows=32)  # small: forces retraction
     args = ServerArgs(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
                       engine=engine_kw)
-    scheduler, worker = SchedulerService(args), WorkerService(args)
+    scheduler, worker = SchedulerService(args), make_executor(args)
     engine = Engine(model, adapters=adapters, **engine_kw)
     specs = [None, "support", "legal", [("support", 1.0), ("legal", 0.5)]]
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=3, n=2, ignore_eos=True)
@@ -177,7 +173,7 @@ def test_abort_mid_decode_frees_everything(checkpoints):
     model, adapters = checkpoints
     args = ServerArgs(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
                       engine={"kv_pages": 64})
-    scheduler, worker = SchedulerService(args), WorkerService(args)
+    scheduler, worker = SchedulerService(args), make_executor(args)
     params = SamplingParams(max_tokens=40, ignore_eos=True, n=3)
     req = TokenizedReq(rid="x", input_ids=ids_to_bytes([5, 6, 7]), params=params,
                        adapters=[AdapterChoice("legal")])
@@ -193,7 +189,6 @@ def test_stale_step_results_are_dropped(checkpoints):
     model, _ = checkpoints
     scheduler = SchedulerService(ServerArgs(model=str(model), engine={"kv_pages": 32}))
     assert scheduler.on_result(StepResult(step=99)) == (None, [])
-    assert isinstance(PlanMsg(step=1, items=[]), PlanMsg)
 
 
 def test_tokenizer_service_applies_stop_strings(checkpoints):
