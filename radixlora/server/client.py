@@ -13,13 +13,13 @@ from collections.abc import Iterator
 import msgspec
 import zmq
 
+from radixlora.adapters import parse_spec
 from radixlora.errors import RadixLoraError
 from radixlora.sampling import SamplingParams
 from radixlora.server.bridge import Sample
 from radixlora.server.ipc import check_local
 from radixlora.server.messages import (
     AbortReq,
-    AdapterChoice,
     ChatMessage,
     Codec,
     GenerateReq,
@@ -98,8 +98,6 @@ class RuntimeClient:
 def _request(rid, prompt, params, adapters, stop, messages) -> GenerateReq:
     text, ids = (prompt, None) if isinstance(prompt, str) or prompt is None else (
         None, ids_to_bytes(prompt))
-    if isinstance(adapters, str):
-        adapters = [(adapters, 1.0)]
     return GenerateReq(
         rid=rid,
         params=params,
@@ -107,6 +105,6 @@ def _request(rid, prompt, params, adapters, stop, messages) -> GenerateReq:
         input_ids=ids,
         messages=[ChatMessage(role=m["role"], content=m["content"]) for m in messages]
         if messages is not None else None,
-        adapters=[AdapterChoice(n, w) for n, w in adapters] if adapters else None,
+        adapters=parse_spec(adapters) or None,
         stop=list(stop or []),
     )
