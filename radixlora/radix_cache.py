@@ -1,4 +1,4 @@
-"""Adapter-aware radix prefix cache: (namespace, tokens) -> KV slot ids (MISSION M2).
+"""Adapter-aware radix prefix cache: (namespace, tokens) -> KV slot ids, one subtree per namespace.
 
 The root's children are one node per namespace (base version + canonical adapter set + salt),
 held in a dict keyed by the namespace object itself. Python compares the full keys whenever two

@@ -1,5 +1,5 @@
 """Every bad adapter raises a clear AdapterError naming it and the reason; the engine keeps
-serving the others (RELIABILITY.md items 1-10, issue 2 item 5)."""
+serving the others (bad files, configs, ranks, shapes and names; bad requests; the stack cap)."""
 
 from __future__ import annotations
 
