@@ -1,13 +1,18 @@
-"""Chat templates: the checkpoint's `chat_template` from tokenizer_config.json, rendered with a
-sandboxed jinja2 environment as transformers does. A checkpoint without one (the tiny demo model)
-gets DEFAULT_CHAT_TEMPLATE: `<|role|>\\ncontent\\n` per message, then `<|assistant|>\\n`."""
+"""Chat templates: the checkpoint's template (chat_template.jinja, or tokenizer_config.json's
+`chat_template`), rendered as Hugging Face transformers renders them (`apply_chat_template`): a
+sandboxed jinja2 environment with trim_blocks, lstrip_blocks and loop controls, the helpers
+`raise_exception` and `strftime_now`, a `tojson` filter that does not escape HTML, and the
+tokenizer's special tokens as variables. A checkpoint without one (the tiny demo model) gets
+DEFAULT_CHAT_TEMPLATE: `<|role|>\\ncontent\\n` per message, then `<|assistant|>\\n`."""
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from radixlora.errors import InvalidRequestError
@@ -17,46 +22,87 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
+# tokenizer_config.json entries a template sees as variables (transformers' special tokens)
+SPECIAL_TOKENS = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+)
 
-def _raise(message: str):
+
+def raise_exception(message: str):
     raise TemplateError(message)
 
 
-def _token_text(value) -> str:
+def strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """json.dumps, unescaped (jinja2's own tojson escapes <, >, & and ' for HTML)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+ENV = _environment()
+
+
+def _token_text(value) -> str | None:
     if isinstance(value, dict):
         return str(value.get("content", ""))
-    return value or ""
+    return value
 
 
 class ChatTemplate:
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "",
+                 special_tokens: dict[str, str] | None = None):
+        """`special_tokens`: more template variables by name (unk_token, pad_token, ...)."""
         self.source = source
-        self.template = env.from_string(source)
+        self.template = ENV.from_string(source)
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.special_tokens = {
+            **(special_tokens or {}), "bos_token": bos_token, "eos_token": eos_token
+        }
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ChatTemplate:
-        file = Path(path) / "tokenizer_config.json"
+        """The template of a checkpoint directory: its chat_template.jinja (which transformers
+        prefers), else tokenizer_config.json's chat_template, else DEFAULT_CHAT_TEMPLATE."""
+        file, jinja = Path(path) / "tokenizer_config.json", Path(path) / "chat_template.jinja"
         config = json.loads(file.read_text()) if file.is_file() else {}
-        source = config.get("chat_template") or DEFAULT_CHAT_TEMPLATE
+        source = jinja.read_text() if jinja.is_file() else config.get("chat_template")
+        source = source or DEFAULT_CHAT_TEMPLATE
         if isinstance(source, list):  # named templates: [{"name": ..., "template": ...}]
             named = {t.get("name"): t.get("template") for t in source}
             source = named.get("default") or next(iter(named.values()))
-        return cls(
-            source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
-        )
+        tokens = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS}
+        tokens = {k: v for k, v in tokens.items() if v is not None}
+        return cls(source, tokens.pop("bos_token", ""), tokens.pop("eos_token", ""), tokens)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None, **variables) -> str:
+        """The conversation as the model's prompt text; `tools` (JSON schemas) and `variables`
+        reach the template as in transformers' apply_chat_template. A template that rejects the
+        messages (raise_exception, or a sandbox violation) raises InvalidRequestError."""
         try:
-            return self.template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-            )
+            return self.template.render({
+                **self.special_tokens,
+                **variables,
+                "messages": messages,
+                "tools": tools,
+                "documents": None,
+                "add_generation_prompt": add_generation_prompt,
+            })
         except TemplateError as e:
             raise InvalidRequestError(
                 f"the chat template rejected the messages: {e}", param="messages"
