@@ -2,8 +2,8 @@
 
 The root's children are one node per namespace (base version + canonical adapter set + salt),
 held in a dict keyed by the namespace object itself. Python compares the full keys whenever two
-hashes collide, so two namespaces share nodes only when they compare equal (ARCHITECTURE
-"Cache keys"). Below each namespace node is a compressed radix tree over token ids whose values
+hashes collide, so two namespaces share nodes only when they compare equal (docs/architecture.md,
+"Cache key"). Below each namespace node is a compressed radix tree over token ids whose values
 are KV slot ids, one per token. The cache owns slot ids only, never tensors: it hands slots back
 to the caller's `free_fn`.
 
