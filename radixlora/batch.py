@@ -24,7 +24,6 @@ import contextlib
 import json
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,6 +39,7 @@ from radixlora.errors import AdapterError, InvalidRequestError
 from radixlora.frontend.backend import GenResult
 from radixlora.frontend.endpoint import http_client, http_error
 from radixlora.frontend.runtime import Runtime
+from radixlora.intake import fill_context, max_total_tokens
 from radixlora.sampling import SamplingParams
 from radixlora.server.protocol import (
     ChatRequest,
@@ -50,6 +50,14 @@ from radixlora.server.protocol import (
     completion_params,
     completion_prompts,
     stop_list,
+)
+from radixlora.server.responses import (
+    chat_choice,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+    response_head,
+    usage,
 )
 
 URLS = ("/v1/completions", "/v1/chat/completions")
@@ -291,16 +299,14 @@ def open_client(engine_or_url, model_name: str | None = None) -> Iterator[Client
 
 class EngineClient:
     """Serves /v1/completions and /v1/chat/completions bodies on a Runtime, with the server's
-    validation (radixlora.server.protocol) and response shapes."""
+    validation (radixlora.server.protocol) and response bodies (radixlora.server.responses)."""
 
     def __init__(self, runtime: Runtime, model_name: str | None = None):
         self.runtime = runtime
         engine = runtime.engine
         self.model_name = model_name or engine.model_path.resolve().name
         self.vocab_size = engine.model_cfg.vocab_size
-        self.max_total = min(
-            engine.model_cfg.max_position, (engine.config.kv_pages - 1) * engine.config.page_size
-        )
+        self.max_total = max_total_tokens(engine.model_cfg, engine.config)
 
     def __call__(self, url: str, body: dict) -> dict:
         try:
@@ -321,19 +327,17 @@ class EngineClient:
         stops = stop_list(req.stop)
         prompts = [self._ids(p) for p in completion_prompts(req.prompt)]
         futures = [
-            self.runtime.submit(
-                ids, self._fill(params, ids, req.max_tokens is None), adapters, stops
-            )
+            self.runtime.submit(ids, self._params(params, ids, req.max_tokens), adapters, stops)
             for ids in prompts
         ]
         results = [f.result() for f in futures]
         choices = [
-            {
-                "index": p * req.n + i,
-                "text": r.text,
-                "logprobs": self._completion_logprobs(r) if req.logprobs is not None else None,
-                "finish_reason": r.finish_reason,
-            }
+            completion_choice(
+                p * req.n + i,
+                r.text,
+                self._completion_logprobs(r) if req.logprobs is not None else None,
+                r.finish_reason,
+            )
             for p, samples in enumerate(results)
             for i, r in enumerate(samples)
         ]
@@ -346,20 +350,16 @@ class EngineClient:
         messages = [{"role": m.role, "content": m.content} for m in chat_messages(req.messages)]
         text = self.runtime.chat_template.render(messages)
         ids = self.runtime.engine.tokenizer.encode(text, add_special_tokens=False)
-        max_tokens = (
-            req.max_tokens if req.max_completion_tokens is None else (req.max_completion_tokens)
-        )
+        max_tokens = req.max_tokens if req.max_completion_tokens is None else (
+            req.max_completion_tokens)
         future = self.runtime.submit(
-            ids, self._fill(params, ids, max_tokens is None), adapters, stop_list(req.stop)
+            ids, self._params(params, ids, max_tokens), adapters, stop_list(req.stop)
         )
         samples = future.result()
         choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": r.text},
-                "logprobs": self._chat_logprobs(r) if req.logprobs else None,
-                "finish_reason": r.finish_reason,
-            }
+            chat_choice(
+                i, r.text, self._chat_logprobs(r) if req.logprobs else None, r.finish_reason
+            )
             for i, r in enumerate(samples)
         ]
         return _body("chatcmpl", "chat.completion", req.model, choices, [samples])
@@ -378,53 +378,25 @@ class EngineClient:
             )
         return tok.encode(prompt)
 
-    def _fill(self, params: SamplingParams, ids: list[int], fill: bool) -> SamplingParams:
+    def _params(self, params: SamplingParams, ids: list[int], max_tokens: int | None):
         """max_tokens omitted: what the context leaves after the prompt (as the server does)."""
-        if not fill:
-            return params
-        room = self.max_total - len(ids)
-        if room < 1:
-            raise InvalidRequestError(
-                f"the prompt ({len(ids)} tokens) leaves no room to generate",
-                param="prompt",
-                code="context_length_exceeded",
-            )
-        return msgspec.structs.replace(params, max_tokens=room)
+        return params if max_tokens is not None else fill_context(params, len(ids), self.max_total)
 
     def _token_text(self, token_id: int) -> str:
         return self.runtime.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def _texts_and_top(self, r: GenResult) -> tuple[list[str], list[list[tuple[str, float]]]]:
+        texts = [self._token_text(t) for t in r.token_ids]
+        top = [[(self._token_text(t), lp) for t, lp in row] for row in r.top_logprobs]
+        return texts, top
+
     def _completion_logprobs(self, r: GenResult) -> dict:
-        tokens = [self._token_text(t) for t in r.token_ids]
-        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        top = [{self._token_text(t): lp for t, lp in row} for row in r.top_logprobs]
-        return {
-            "tokens": tokens,
-            "token_logprobs": r.logprobs,
-            "top_logprobs": top or None,
-            "text_offset": offsets,
-        }
+        texts, top = self._texts_and_top(r)
+        return completion_logprobs(texts, r.logprobs, top)
 
     def _chat_logprobs(self, r: GenResult) -> dict:
-        tops = r.top_logprobs or [[] for _ in r.token_ids]
-        return {
-            "content": [
-                {
-                    "token": self._token_text(t),
-                    "logprob": lp,
-                    "bytes": list(self._token_text(t).encode()),
-                    "top_logprobs": [
-                        {
-                            "token": self._token_text(i),
-                            "logprob": tlp,
-                            "bytes": list(self._token_text(i).encode()),
-                        }
-                        for i, tlp in top
-                    ],
-                }
-                for t, lp, top in zip(r.token_ids, r.logprobs, tops)
-            ]
-        }
+        texts, top = self._texts_and_top(r)
+        return chat_logprobs(texts, r.logprobs, top)
 
 
 def _no_stream(stream: bool) -> None:
@@ -435,21 +407,14 @@ def _no_stream(stream: bool) -> None:
 def _body(
     prefix: str, kind: str, model: str, choices: list[dict], results: list[list[GenResult]]
 ) -> dict:
-    prompt = sum(samples[0].prompt_tokens for samples in results)
-    completion = sum(r.completion_tokens for samples in results for r in samples)
-    cached = sum(samples[0].cached_tokens for samples in results)
     return {
-        "id": f"{prefix}-{uuid.uuid4().hex}",
-        "object": kind,
-        "created": int(time.time()),
-        "model": model,
+        **response_head(prefix, kind, model),
         "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        },
+        "usage": usage(
+            sum(samples[0].prompt_tokens for samples in results),
+            sum(r.completion_tokens for samples in results for r in samples),
+            sum(samples[0].cached_tokens for samples in results),
+        ),
     }
 
 

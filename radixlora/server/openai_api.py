@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
@@ -29,6 +27,14 @@ from radixlora.server.protocol import (
     completion_prompts,
     stop_list,
 )
+from radixlora.server.responses import (
+    chat_choice,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+    response_head,
+    usage,
+)
 
 
 class OpenAIHandlers:
@@ -53,26 +59,24 @@ class OpenAIHandlers:
         return reqs, adapter_label(choices)
 
     async def completions(self, request: Request, req: CompletionRequest):
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        reqs, label = self.completion_reqs(req, rid)
+        head = response_head("cmpl", "text_completion", req.model)
+        reqs, label = self.completion_reqs(req, head["id"])
         gens = self.runtime.submit(reqs, label)
-        head = {"id": rid, "object": "text_completion", "created": int(time.time()),
-                "model": req.model}
         if req.stream:
             return await self._stream(request, gens, self._completion_chunks(gens, head, req))
         await until_disconnect(request, self.runtime.collect(gens))
         n = req.n
         choices = [
-            {
-                "index": p * n + s.index,
-                "text": s.text,
-                "logprobs": completion_logprobs(s) if req.logprobs is not None else None,
-                "finish_reason": s.finish_reason,
-            }
+            completion_choice(
+                p * n + s.index,
+                s.text,
+                _completion_logprobs(s) if req.logprobs is not None else None,
+                s.finish_reason,
+            )
             for p, gen in enumerate(gens)
             for s in sorted(gen.samples.values(), key=lambda s: s.index)
         ]
-        return fallback_response({**head, "choices": choices, "usage": usage(gens)}, gens)
+        return fallback_response({**head, "choices": choices, "usage": _usage(gens)}, gens)
 
     async def _completion_chunks(self, gens, head, req) -> AsyncIterator[bytes]:
         offsets: dict[int, int] = {}
@@ -80,13 +84,12 @@ class OpenAIHandlers:
             index = p * req.n + out.index
             logprobs = None
             if req.logprobs is not None:
-                logprobs = completion_logprobs(_as_sample(out), offsets.get(index, 0))
+                logprobs = _completion_logprobs(_as_sample(out), offsets.get(index, 0))
             offsets[index] = offsets.get(index, 0) + len(out.text)
-            choice = {"index": index, "text": out.text, "logprobs": logprobs,
-                      "finish_reason": out.finish_reason}
+            choice = completion_choice(index, out.text, logprobs, out.finish_reason)
             yield sse({**head, **fallback_fields(gens), "choices": [choice]})
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield sse({**head, "choices": [], "usage": usage(gens)})
+            yield sse({**head, "choices": [], "usage": _usage(gens)})
         yield SSE_DONE
 
     # ---- /v1/chat/completions ----------------------------------------------------------------
@@ -104,25 +107,20 @@ class OpenAIHandlers:
         return gen, adapter_label(choices)
 
     async def chat(self, request: Request, req: ChatRequest):
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen_req, label = self.chat_req(req, rid)
+        head = response_head("chatcmpl", "chat.completion", req.model)
+        gen_req, label = self.chat_req(req, head["id"])
         gens = self.runtime.submit([gen_req], label)
-        head = {"id": rid, "object": "chat.completion", "created": int(time.time()),
-                "model": req.model}
         if req.stream:
             head["object"] = "chat.completion.chunk"
             return await self._stream(request, gens, self._chat_chunks(gens, head, req))
         await until_disconnect(request, self.runtime.collect(gens))
         choices = [
-            {
-                "index": s.index,
-                "message": {"role": "assistant", "content": s.text},
-                "logprobs": chat_logprobs(s) if req.logprobs else None,
-                "finish_reason": s.finish_reason,
-            }
+            chat_choice(
+                s.index, s.text, _chat_logprobs(s) if req.logprobs else None, s.finish_reason
+            )
             for s in sorted(gens[0].samples.values(), key=lambda s: s.index)
         ]
-        return fallback_response({**head, "choices": choices, "usage": usage(gens)}, gens)
+        return fallback_response({**head, "choices": choices, "usage": _usage(gens)}, gens)
 
     async def _chat_chunks(self, gens, head, req) -> AsyncIterator[bytes]:
         started: set[int] = set()
@@ -133,12 +131,12 @@ class OpenAIHandlers:
                          "logprobs": None, "finish_reason": None}
                 yield sse({**head, "choices": [first]})
             delta = {"content": out.text} if out.text else {}
-            logprobs = chat_logprobs(_as_sample(out)) if req.logprobs else None
+            logprobs = _chat_logprobs(_as_sample(out)) if req.logprobs else None
             choice = {"index": out.index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": out.finish_reason}
             yield sse({**head, **fallback_fields(gens), "choices": [choice]})
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield sse({**head, "choices": [], "usage": usage(gens)})
+            yield sse({**head, "choices": [], "usage": _usage(gens)})
         yield SSE_DONE
 
     # ---- shared ------------------------------------------------------------------------------
@@ -174,42 +172,20 @@ def _as_sample(out: SampleOutput) -> Sample:
     return sample
 
 
-def usage(gens: list[Generation]) -> dict:
-    prompt = sum(g.prompt_tokens for g in gens)
+def _usage(gens: list[Generation]) -> dict:
     completion = sum(len(s.token_ids) for g in gens for s in g.samples.values())
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(g.cached_tokens for g in gens)},
-    }
+    return usage(
+        sum(g.prompt_tokens for g in gens), completion, sum(g.cached_tokens for g in gens)
+    )
 
 
-def completion_logprobs(s: Sample, offset: int = 0) -> dict:
-    offsets = []
-    for text in s.token_texts:
-        offsets.append(offset)
-        offset += len(text)
-    return {
-        "tokens": s.token_texts,
-        "token_logprobs": s.logprobs,
-        "top_logprobs": [{t: lp for _, lp, t in row} for row in s.top] if s.top else None,
-        "text_offset": offsets,
-    }
+def _top(s: Sample) -> list[list[tuple[str, float]]]:
+    return [[(text, lp) for _, lp, text in row] for row in s.top]
 
 
-def chat_logprobs(s: Sample) -> dict:
-    tops = s.top or [[] for _ in s.token_texts]
-    return {
-        "content": [
-            {
-                "token": text,
-                "logprob": lp,
-                "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {"token": t, "logprob": tlp, "bytes": list(t.encode())} for _, tlp, t in top
-                ],
-            }
-            for text, lp, top in zip(s.token_texts, s.logprobs, tops)
-        ]
-    }
+def _completion_logprobs(s: Sample, offset: int = 0) -> dict:
+    return completion_logprobs(s.token_texts, s.logprobs, _top(s), offset)
+
+
+def _chat_logprobs(s: Sample) -> dict:
+    return chat_logprobs(s.token_texts, s.logprobs, _top(s))
