@@ -101,7 +101,7 @@ def test_admission_is_sorted_and_paced(model, versions, tmp_path):
 
 
 def _write_bad(model, root: Path, versions) -> dict[str, str]:
-    """RELIABILITY items 2-9 (and a bad name, item 10), each with the reason label expected."""
+    """One adapter per way validation must catch, each with the reason label expected."""
     good = versions["v1"]
     cases = {}
 
