@@ -21,7 +21,7 @@ from disk happens once per version and is measured by scripts/bench_adapter_load
 warm-up round runs first (kernel compilation, CUDA graph capture).
 
     python scripts/bench_adapter_swap.py          # on the H200; JSON to $OUT or --json PATH
-    python scripts/bench_adapter_swap.py --tiny   # radixlora/tiny.py's model shape on the CPU
+    python scripts/bench_adapter_swap.py --tiny   # scripts/checkpoints.py TINY_CONFIG on the CPU
 
 Timing: wall clock around engine.step(). With overlap scheduling a step launches the next plan
 (its adapter loads queued on the pool's load stream, which the forward waits on) and then waits
@@ -43,12 +43,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import ALL7, LLAMA3_8B, make_engine, model_dir, random_adapter  # noqa: E402
+from checkpoints import TINY_CONFIG  # noqa: E402
 
 from radixlora import Engine, SamplingParams  # noqa: E402
 from radixlora.config import EngineConfig, ModelConfig  # noqa: E402
 from radixlora.lora.adapter import LoraAdapter  # noqa: E402
 from radixlora.request import Req  # noqa: E402
-from radixlora.tiny import CONFIG as TINY_CONFIG  # noqa: E402
 
 RANK = 16
 SWAPS = 50

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from checkpoints import build_tiny_adapter, build_tiny_model
 
 from radixlora import Engine, SamplingParams
-from radixlora.tiny import build_tiny_adapter, build_tiny_model
 
 
 def parse_args() -> argparse.Namespace:

@@ -17,9 +17,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from checkpoints import build_tiny_adapter, build_tiny_model
+
 from radixlora import Engine, SamplingParams
 from radixlora.kernels.sampling import sample_tokens_ref
-from radixlora.tiny import build_tiny_adapter, build_tiny_model
 
 
 def checked_graphs(engine: Engine, counts: dict[str, int]) -> None:

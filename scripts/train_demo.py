@@ -24,11 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from checkpoints import SPECIALS, TARGETS, build_tokenizer, hf_config  # noqa: E402
+
 from radixlora.demo.tasks import TASKS, format_prompt, sample_inputs  # noqa: E402
 
-SPECIALS = ("<pad>", "<s>", "</s>")
 PAD, BOS, EOS = 0, 1, 2
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'user' %}"
     "input: {{ message['content'] }}\noutput:\n"
@@ -97,22 +97,6 @@ def tokenizer_corpus(inputs: list[str]) -> list[str]:
     return texts
 
 
-def build_tokenizer(texts: list[str], vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIALS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    return tok
-
-
 def tokenizer_config() -> dict:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -126,9 +110,8 @@ def tokenizer_config() -> dict:
 
 
 def model_config(vocab_size: int, cfg: TrainConfig):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
+    return hf_config(
+        "llama",
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -253,7 +236,7 @@ def train_adapter(model_dir: Path, out: Path, tok, task: str, inputs, cfg: Train
     base = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     spec = ADAPTERS[task]
     lora = LoraConfig(
-        r=spec.rank, lora_alpha=2 * spec.rank, lora_dropout=0.0, target_modules=TARGETS
+        r=spec.rank, lora_alpha=2 * spec.rank, lora_dropout=0.0, target_modules=list(TARGETS)
     )
     model = get_peft_model(base, lora)
     examples = encode_pairs(tok, task_pairs(task, inputs))

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from radixlora.engine import Engine
-from radixlora.tiny import build_tiny_adapter, build_tiny_model
+from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 
 MODEL_NAME = "tiny"
 ENGINE_FLAGS = ["--kv-pages", "600", "--max-running", "16", "--adapter-rows", "64"]

@@ -17,8 +17,8 @@ from tokenizers import decoders, models, normalizers
 
 from radixlora.demo import DEMO_MODEL_DIR
 from radixlora.server.detokenize import IncrementalDecoder, StopMatcher
-from radixlora.tiny import build_tokenizer
 from radixlora.tokenizer import Tokenizer
+from scripts.checkpoints import TINY_CORPUS, build_tokenizer
 
 
 def byte_fallback_tokenizer() -> HFTokenizer:
@@ -46,7 +46,7 @@ def byte_fallback_tokenizer() -> HFTokenizer:
 
 TOKENIZERS = {
     "demo": lambda: Tokenizer.from_dir(DEMO_MODEL_DIR),
-    "tiny": lambda: Tokenizer(build_tokenizer(256)),
+    "tiny": lambda: Tokenizer(build_tokenizer(TINY_CORPUS * 4, 256)),
 }
 
 

@@ -82,7 +82,7 @@ def test_half_precision_runs_close_to_fp32(checkpoints, adapters, dtype):
 
 
 def test_text_prompts_with_tokenizer(tmp_path):
-    from radixlora.tiny import build_tiny_adapter, build_tiny_model
+    from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 
     model = build_tiny_model(tmp_path / "m")
     eng = Engine(model, adapters={"x": build_tiny_adapter(model, tmp_path / "x", 8, seed=3)})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from radixlora import Engine, SamplingParams
-from radixlora.tiny import build_tiny_adapter, build_tiny_model
+from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 from tests.oracle import logprobs, peft_model
 
 

@@ -24,7 +24,7 @@ from radixlora.frontend.chat import role_affixes
 from radixlora.frontend.runtime import cut_at_stop
 from radixlora.request import cache_namespace
 from radixlora.server.chat import ChatTemplate
-from radixlora.tiny import build_tiny_adapter, build_tiny_model
+from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -27,7 +27,7 @@ from radixlora.frontend import (
     user,
 )
 from radixlora.frontend.ir import GenParams
-from radixlora.tiny import build_tiny_adapter, build_tiny_model
+from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -20,7 +20,7 @@ import pytest
 from radixlora import Engine, SamplingParams
 from radixlora.config import ModelConfig
 from radixlora.lora.adapter import load_adapter
-from radixlora.tiny import build_tiny_adapter, build_tiny_model
+from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 from tests.server_harness import (
     ServerProcess,
     alive,

@@ -1,0 +1,218 @@
+"""Small checkpoints for tests, benchmarks and the demo's training: Hugging Face config fields,
+a byte-level BPE tokenizer, random base models and random PEFT LoRA adapters.
+
+`build_tiny_model` and `build_tiny_adapter` write the files with safetensors alone;
+`build_hf_model` and `build_peft_adapter` go through transformers and PEFT (imported when
+called). Tests import this module as `scripts.checkpoints`, scripts as `checkpoints`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIALS = ("<pad>", "<s>", "</s>")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+SMALL_SHAPE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+def model_config(arch: str = "llama", **fields) -> dict:
+    """The config.json fields of a small `arch` model: SMALL_SHAPE, then `fields`."""
+    return {"model_type": arch, "architectures": [ARCHITECTURES[arch]], **SMALL_SHAPE, **fields}
+
+
+def hf_config(arch: str = "llama", **fields):
+    """model_config(arch, **fields) as a transformers config."""
+    import transformers
+
+    fields = model_config(arch, **fields)
+    return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def build_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer trained on `texts`, SPECIALS first (ids 0, 1, 2)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+# ---- safetensors only: a tiny random Llama with a tokenizer, and PEFT-format adapters --------
+
+TINY_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Multi-LoRA serving keeps one base model resident and many adapters beside it.",
+    "A radix cache shares prefix KV between requests of the same adapter set.",
+    "Legal, medical, code and support adapters answer in their own voice.",
+]
+TINY_CONFIG = model_config(
+    "llama",
+    vocab_size=512,
+    intermediate_size=160,
+    head_dim=16,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="float32",
+)
+
+
+def _shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    return {
+        "q_proj": (q, h),
+        "k_proj": (kv, h),
+        "v_proj": (kv, h),
+        "o_proj": (h, q),
+        "gate_proj": (i, h),
+        "up_proj": (i, h),
+        "down_proj": (h, i),
+    }
+
+
+def build_tiny_model(path: str | Path, seed: int = 0) -> Path:
+    """A random TINY_CONFIG Llama with a tokenizer.json, in Hugging Face format."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    cfg = dict(TINY_CONFIG)
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(
+            cfg["vocab_size"], cfg["hidden_size"], generator=g
+        ),
+        "model.norm.weight": torch.ones(cfg["hidden_size"]),
+        "lm_head.weight": 0.1 * torch.randn(cfg["vocab_size"], cfg["hidden_size"], generator=g),
+    }
+    for layer in range(cfg["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}"
+        for name, shape in _shapes(cfg).items():
+            block = "self_attn" if name[0] in "qkvo" else "mlp"
+            tensors[f"{prefix}.{block}.{name}.weight"] = 0.1 * torch.randn(*shape, generator=g)
+        tensors[f"{prefix}.input_layernorm.weight"] = torch.ones(cfg["hidden_size"])
+        tensors[f"{prefix}.post_attention_layernorm.weight"] = torch.ones(cfg["hidden_size"])
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    build_tokenizer(TINY_CORPUS * 4, cfg["vocab_size"]).save(str(path / "tokenizer.json"))
+    return path
+
+
+def build_tiny_adapter(model_path: str | Path, path: str | Path, rank: int, seed: int) -> Path:
+    """A random rank-`rank` LoRA on every TARGETS module of a build_tiny_model checkpoint, in
+    PEFT format (non-zero lora_B)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for name, (out_dim, in_dim) in _shapes(cfg).items():
+            block = "self_attn" if name[0] in "qkvo" else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{block}.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_dim, generator=g) / in_dim**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out_dim, rank, generator=g)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": list(TARGETS),
+        "bias": "none",
+        "use_rslora": False,
+        "base_model_name_or_path": str(model_path),
+    }
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+# ---- transformers + PEFT: llama / qwen2 / mistral checkpoints and PEFT-made adapters ---------
+
+HF_VOCAB = 256
+
+
+def hf_test_config(arch: str):
+    """The tests' small `arch` config: llama with llama3 rope scaling, qwen2 with tied
+    embeddings, mistral with a sliding window."""
+    common = dict(
+        vocab_size=HF_VOCAB,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        eos_token_id=1,
+        bos_token_id=0,
+    )
+    if arch == "llama":
+        return hf_config(
+            arch,
+            **common,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "rope_theta": 50000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    if arch == "qwen2":
+        return hf_config(arch, **common, tie_word_embeddings=True)
+    return hf_config(arch, **common, sliding_window=24, tie_word_embeddings=False)
+
+
+def build_hf_model(path: Path, arch: str, sharded: bool = False, seed: int = 0) -> Path:
+    """A random hf_test_config(arch) model saved by transformers (sharded: many small files)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cls = getattr(transformers, ARCHITECTURES[arch])
+    model = cls(hf_test_config(arch)).float()
+    if arch == "qwen2":  # q/k/v biases start at zero; make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.1)
+    model.save_pretrained(path, max_shard_size="60KB" if sharded else "5GB")
+    return path
+
+
+def build_peft_adapter(base_path: Path, path: Path, seed: int, **lora_kwargs) -> Path:
+    """A random LoRA made and saved by PEFT (LoraConfig(**lora_kwargs), every TARGETS module
+    unless given), with a non-zero lora_B: PEFT's default zero B would hide every bug."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    lora_kwargs.setdefault("target_modules", list(TARGETS))
+    model = get_peft_model(base, LoraConfig(init_lora_weights=False, **lora_kwargs))
+    with torch.no_grad():  # init gives lora_B ~ U(-1/sqrt(r), 1/sqrt(r)); keep deltas modest
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.5)
+    model.save_pretrained(path)
+    assert json.loads((path / "adapter_config.json").read_text()).get("r") is not None
+    return path
