@@ -15,14 +15,13 @@ Runs are resumable: custom_ids already in the output file are skipped (a half-wr
 left by a killed run is dropped first). Requests run on the in-process Engine (through
 frontend.Runtime, so many lines share each batch) or against a server URL. Failures that are
 not the line's fault (the server unreachable or answering 5xx, the engine failing) stop the run
-instead of being written, so that a resumed run retries them."""
+instead of being written, so that a resumed run retries them. The command line is
+radixlora.cli.batch."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -33,7 +32,6 @@ from pathlib import Path
 import msgspec
 from tqdm.auto import tqdm
 
-from radixlora.cli import adapter_pairs, add_engine_flags, engine_overrides
 from radixlora.engine import Engine
 from radixlora.errors import AdapterError, InvalidRequestError
 from radixlora.frontend.backend import GenResult
@@ -438,77 +436,3 @@ class HttpClient:
 
     def close(self) -> None:
         self.http.close()
-
-
-# ---- command line ------------------------------------------------------------------------------
-
-
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The command's flags (shared by `radixlora batch` and `python -m radixlora.batch`)."""
-    p.add_argument("--input", required=True, help="JSONL requests (OpenAI batch format)")
-    p.add_argument("--output", required=True, help="JSONL results (appended; resumable)")
-    p.add_argument(
-        "--model",
-        default=None,
-        help="HF checkpoint directory (default: the bundled demo model and adapters)",
-    )
-    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH")
-    p.add_argument("--url", default=None, help="send the requests to this server instead")
-    p.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the base model's name in requests (default: the model directory name)",
-    )
-    p.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY)
-    p.add_argument("--no-progress", action="store_true")
-    add_engine_flags(p)
-
-
-def _engine(args: argparse.Namespace) -> Engine:
-    adapters = adapter_pairs(args.adapter)
-    model = args.model
-    if model is None:  # the bundled demo, as `radixlora serve` without --model
-        from radixlora.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR
-
-        model = DEMO_MODEL_DIR
-        if args.served_model_name is None:
-            args.served_model_name = "radixlora-demo"
-        for name, path in DEMO_ADAPTERS.items():
-            adapters.setdefault(name, str(path))
-    overrides = engine_overrides(args)
-    return Engine(model, adapters=adapters, **overrides)
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    """Run the command for parsed flags; the exit status."""
-    if args.url and (args.model or args.adapter):
-        raise SystemExit("give either --url or --model/--adapter, not both")
-    target = args.url or _engine(args)
-    summary = run_batch(
-        args.input,
-        args.output,
-        target,
-        progress=not args.no_progress,
-        concurrency=args.concurrency,
-        model_name=args.served_model_name,
-    )
-    print(
-        f"{summary.succeeded} succeeded, {summary.failed} failed, {summary.skipped} already "
-        f"done; results in {args.output}",
-        file=sys.stderr,
-    )
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="radixlora batch", description="Run a JSONL file of OpenAI batch requests (resumable)."
-    )
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

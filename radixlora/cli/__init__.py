@@ -1,13 +1,16 @@
 """Command line: `radixlora serve` (the multi-process HTTP/ZeroMQ server; with no --model, the
 bundled demo), `radixlora demo` (the demo through the offline Engine) and `radixlora batch` (a
-JSONL file of OpenAI batch requests, radixlora.batch)."""
+JSONL file of OpenAI batch requests: radixlora.cli.batch). The flags the commands that build an
+Engine share are in radixlora.cli.flags."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
+from radixlora.cli.flags import add_engine_flags, engine_overrides, model_and_adapters
 from radixlora.engine import Engine
 from radixlora.sampling import SamplingParams
 
@@ -26,20 +29,6 @@ def demo(args: argparse.Namespace) -> None:
         print(f"  [{out.adapters:>14}] {out.outputs[0].text.strip()}")
 
 
-ENGINE_FLAGS = ("kv_pages", "page_size", "adapter_rows", "host_adapter_bytes", "max_rank",
-                "max_stacked", "max_running", "max_batch_tokens", "device", "dtype")
-
-
-def adapter_pairs(values: list[str]) -> dict[str, str]:
-    pairs = {}
-    for value in values:
-        name, sep, path = value.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"--adapter expects NAME=PATH, got {value!r}")
-        pairs[name] = path
-    return pairs
-
-
 def _check_dir(directory: str | None) -> str | None:
     if directory is not None and not Path(directory).is_dir():
         raise SystemExit(f"--adapter-dir {directory} is not a directory")
@@ -49,14 +38,7 @@ def _check_dir(directory: str | None) -> str | None:
 def serve(args: argparse.Namespace) -> None:
     from radixlora.server.launcher import serve as run_server
 
-    adapters = adapter_pairs(args.adapter)
-    model, served_name = args.model, args.served_model_name
-    if model is None:  # the bundled demo: a small trained model and one adapter per task
-        from radixlora.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR
-
-        model, served_name = DEMO_MODEL_DIR, served_name or "radixlora-demo"
-        for name, path in DEMO_ADAPTERS.items():
-            adapters.setdefault(name, str(path))
+    model, adapters, served_name = model_and_adapters(args)
     try:
         server_args = _server_args(args, model, adapters, served_name)
     except ValueError as e:
@@ -126,32 +108,12 @@ def _serve_parser(sub) -> None:
     p.set_defaults(func=serve)
 
 
-def engine_overrides(args: argparse.Namespace) -> dict:
-    flags = (*ENGINE_FLAGS, "overlap_schedule")
-    return {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
-
-
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """--kv-pages, --max-running, ...: EngineConfig overrides (default: the config's)."""
-    for flag in ENGINE_FLAGS:
-        kind = str if flag in ("device", "dtype") else int
-        p.add_argument("--" + flag.replace("_", "-"), type=kind, default=None)
-    p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_false",
-                   default=None, help="fold each step's results in before planning the next")
-
-
-def batch(args: argparse.Namespace) -> None:
-    from radixlora.batch import run_from_args
-
-    raise SystemExit(run_from_args(args))
-
-
 def _batch_parser(sub) -> None:
-    from radixlora.batch import add_arguments
+    from radixlora.cli import batch
 
     p = sub.add_parser("batch", help="run a JSONL file of OpenAI batch requests (resumable)")
-    add_arguments(p)
-    p.set_defaults(func=batch)
+    batch.add_arguments(p)
+    p.set_defaults(func=lambda args: sys.exit(batch.run_from_args(args)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,7 +127,3 @@ def main(argv: list[str] | None = None) -> None:
     _batch_parser(sub)
     args = parser.parse_args(argv)
     args.func(args)
-
-
-if __name__ == "__main__":
-    main()

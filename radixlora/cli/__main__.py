@@ -1,0 +1,3 @@
+from radixlora.cli import main
+
+main()
