@@ -1,6 +1,6 @@
 """The batch command: a 200-line OpenAI batch file with mixed adapters, stacks and 3 bad lines,
-killed mid-run (`python -m radixlora.batch`) and resumed in-process, ends with exactly one result
-per line, each equal to the direct Engine request."""
+killed mid-run (`python -m radixlora.cli.batch`) and resumed in-process, ends with exactly one
+result per line, each equal to the direct Engine request."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from radixlora import Engine, SamplingParams
-from radixlora.batch import completed_ids, main, parse_line, run_batch
+from radixlora.batch import completed_ids, parse_line, run_batch
+from radixlora.cli.batch import main
 from radixlora.server.chat import ChatTemplate
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 
@@ -96,7 +97,7 @@ def start_cli(checkpoints, src, out) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
-        "radixlora.batch",
+        "radixlora.cli.batch",
         "--input",
         str(src),
         "--output",
