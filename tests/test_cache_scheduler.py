@@ -10,7 +10,8 @@ import torch
 
 from radixlora import Engine, InvalidRequestError, SamplingParams
 from radixlora.scheduler import AGING_STEPS
-from tests.conftest import assert_all_free, build_adapter
+from scripts.checkpoints import build_peft_adapter
+from tests.conftest import assert_all_free
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
 
@@ -90,7 +91,7 @@ def test_republished_adapter_misses_and_matches_fresh_engine(checkpoints, adapte
     old = eng.generate(prompt, GREEDY, adapters="x")[0]
     assert eng.generate(prompt, GREEDY, adapters="x")[0].cached_tokens == 24
     shutil.rmtree(live)
-    build_adapter(checkpoints["llama"], live, seed=99, r=8, lora_alpha=16)
+    build_peft_adapter(checkpoints["llama"], live, seed=99, r=8, lora_alpha=16)
     eng.load_adapter("x", live)
     new = eng.generate(prompt, GREEDY, adapters="x")[0]
     assert new.cached_tokens == 0
@@ -108,7 +109,7 @@ class CollidingNamespace(tuple):
 
 
 def test_hash_colliding_namespaces_never_share(checkpoints, adapters, monkeypatch):
-    import radixlora.engine as engine_module
+    import radixlora.intake as engine_module
 
     real = engine_module.cache_namespace
     monkeypatch.setattr(engine_module, "cache_namespace",

@@ -30,9 +30,9 @@ from radixlora.server.messages import (
 )
 from radixlora.server.registry_proc import DirWatch, RegistryCore
 from radixlora.server.scheduler_proc import SchedulerService
-from radixlora.server.worker_proc import WorkerService
-from radixlora.tiny import build_tiny_adapter, build_tiny_model
+from radixlora.server.worker_proc import make_executor
 from radixlora.token_bucket import TokenBucket
+from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 from tests.test_server_units import _drive
 
 ENGINE = dict(kv_pages=200, max_running=8, adapter_rows=32)
@@ -255,7 +255,7 @@ def _req(rid: str, name: str | None, prompt=(3, 4, 5, 6)) -> TokenizedReq:
 
 def _services(model, tmp_path, **kw):
     args = ServerArgs(model=str(model), engine=ENGINE, state_dir=str(tmp_path), **kw)
-    return SchedulerService(args), WorkerService(args)
+    return SchedulerService(args), make_executor(args)
 
 
 def _event(seq, kind, name, adapter=None):
@@ -413,19 +413,19 @@ def test_fallback_reaches_the_response(model, tmp_path):
 
 
 def test_worker_host_tier_is_one_bounded_lru_of_packed_adapters(model, versions, tmp_path):
-    from radixlora.server.messages import AdapterLoad
+    from radixlora.step_plan import AdapterLoad
 
     cfg = ModelConfig.from_dir(model)
     adapters = {v: load_adapter(v, p, cfg, 64) for v, p in versions.items()}
-    probe = WorkerService(ServerArgs(model=str(model), engine=ENGINE)).runner.adapter_pool
+    probe = make_executor(ServerArgs(model=str(model), engine=ENGINE)).runner.adapter_pool
     size = probe.pack(adapters["v1"]).nbytes  # all three have rank 4
-    worker = WorkerService(ServerArgs(model=str(model),
+    worker = make_executor(ServerArgs(model=str(model),
                                       engine={**ENGINE, "host_adapter_bytes": 2 * size}))
     host = worker.runner.adapter_pool.host
 
     def load(v, adapter_id=None):
         a = adapters[v]
-        return worker._host_adapter(AdapterLoad(adapter_id or a.adapter_id, v, a.path,
+        return worker._packed(AdapterLoad(adapter_id or a.adapter_id, v, a.path,
                                                 ids_to_bytes([0])))
 
     for v in ("v1", "v2", "v1", "v3"):  # v1 used again: v2 is the least recent

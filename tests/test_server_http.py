@@ -17,7 +17,7 @@ import zmq
 
 from radixlora import SamplingParams
 from radixlora.server.client import RequestError, RuntimeClient
-from radixlora.tiny import build_tiny_adapter
+from scripts.checkpoints import build_tiny_adapter
 from tests.server_harness import (
     MODEL_NAME,
     assert_all_kv_free,
@@ -434,7 +434,7 @@ def test_garbage_on_every_socket_is_ignored(server, client):
     endpoints = server.info()["zmq_endpoints"]
     ctx = zmq.Context()
     payloads = [b"", b"\x00", b"\xff" * 64, b"not msgpack at all",
-                msgspec.msgpack.encode({"type": "PlanMsg", "step": "x"}),
+                msgspec.msgpack.encode({"type": "StepPlan", "step": "x"}),
                 msgspec.msgpack.encode({"type": "StepResult", "step": 10**9}),
                 msgspec.msgpack.encode([1, 2, 3]), bytes(range(256)) * 40]
     try:
