@@ -93,3 +93,18 @@ def test_every_page_has_a_snippet_and_the_readme_table_six_rows():
     assert all(blocks(page) for page in ["README.md", "docs/frontend.md", "docs/batch.md",
                                           "docs/demo.md", "docs/server.md"])
     assert len(readme_table_outputs()) == 6
+
+
+def test_architecture_names_every_module():
+    """docs/architecture.md's module table lists exactly the runtime's Python files."""
+    text = (ROOT / "docs/architecture.md").read_text()
+    table = text[text.index("| module |"):].split("\n\n")[0].splitlines()[2:]
+    listed = set()
+    for row in table:
+        names = re.findall(r"`([^`]+\.py)`", row.split(" | ")[0])
+        folder = names[0].rpartition("/")[0]
+        listed |= {name if "/" in name else f"{folder}/{name}" for name in names}
+    files = {str(p.relative_to(ROOT)) for pattern in ("radixlora/*.py", "radixlora/*/*.py",
+                                                       "kernels/*.py", "frontend/*.py")
+             for p in ROOT.glob(pattern)}
+    assert listed == files, {"not listed": files - listed, "gone": listed - files}
