@@ -208,7 +208,7 @@ def decode_attention(
         sliding_window: if set, only the last sliding_window keys are seen.
         num_splits: splits of each request's KV range; `default_num_splits` if None. With one
             split the split kernel writes o itself and no merge runs.
-        tuning: launch parameters (the defaults are the H200's best, docs/PERF.md).
+        tuning: launch parameters (the defaults are the H200's best in bench_attention.py).
 
     Any head_dim works (blocks are padded to a power of 2 >= 16); accumulation is fp32.
     """

@@ -1,7 +1,6 @@
 """Rotary embedding fused with the KV-cache store: one launch rotates q in place and writes
 rotary(k) and v into the pool slots of the batch's new tokens. Unfused, a layer runs the rotary
-kernel and then two index_put copies (k, v); at decode sizes each is a latency-bound launch
-(docs/PERF.md, the decode profile)."""
+kernel and then two index_put copies (k, v); at decode sizes each is a latency-bound launch."""
 
 from __future__ import annotations
 

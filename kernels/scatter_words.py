@@ -1,7 +1,7 @@
 """Scatter of packed 32-bit words into a word array: a CUDA graph's step inputs (token ids,
 positions, KV slots, attention and LoRA metadata) arrive packed in one host-to-device copy, and
 one launch puts each part into the static buffer it belongs to, instead of 7 copies per step
-(22 with LoRA): 25-30 us less per step on the H200 (docs/PERF.md, run 14)."""
+(22 with LoRA)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ indices (a gather: activations are not reordered); each program takes (group, ti
 and loops over the group's tokens BLOCK_M at a time, so a set's rows are read once per group
 per step and the grid depends on neither group lengths nor batch order (one graph serves every
 adapter mix). The metadata splits a popular set's tokens into groups of at most 16
-(kernels.lora_ops.GROUP_TOKENS): one program looping over 50 tokens serialises (measured, see
-docs/PERF.md run 7).
+(kernels.lora_ops.GROUP_TOKENS): one program looping over 50 tokens serialises.
 
 Programs are persistent: a fixed number of programs strides over the num_groups * tiles work
 items, num_groups being read on the device, so groups a CUDA-graph bucket holds but a step does
@@ -43,7 +42,7 @@ MAX_MERGED_ROWS = 64  # merge_slices: columns of a merged shrink tile (slices x 
 @dataclass(frozen=True)
 class GroupedTuning:
     """Launch parameters of the grouped kernels (defaults from the H200 sweeps of
-    scripts/bench_sgmv.py, docs/PERF.md runs 7 and 12)."""
+    scripts/bench_sgmv.py)."""
 
     k_chunk: int = 1024  # shrink: in_dim per split (split_k = cdiv(in_dim, k_chunk))
     block_k: int = 128
@@ -64,18 +63,18 @@ class GroupedTuning:
     pdl: bool = True
     # shrink: one work item covers every slice of a fused projection (q/k/v, gate/up) as one
     # tile of up to MAX_MERGED_ROWS columns, so a program has n_slices times the bytes in
-    # flight (docs/PERF.md run 18: target a 82.1 -> 79.5 us; decode graphs unchanged)
+    # flight
     merge_slices: bool = True
 
 
 DEFAULT_TUNING = GroupedTuning()
-WIDE_ROWS_TUNING = GroupedTuning(k_chunk=2048)  # run 8: 13% faster at 80 rows than k_chunk=1024
+WIDE_ROWS_TUNING = GroupedTuning(k_chunk=2048)  # faster than k_chunk=1024 at 80 rows
 WIDE_ROWS = 32
 
 
 # A deferred delta's kernels run beside a base GEMM on a side stream (LoraContext, graphs of
-# <= 32 tokens). There, early-launched PDL programs hold SM slots the GEMM needs: the run-11
-# settings (docs/PERF.md run 12), with fewer, wider and longer-stepping shrink programs (run 14).
+# <= 32 tokens). There, early-launched PDL programs hold SM slots the GEMM needs, so they run
+# without PDL, with fewer, wider and longer-stepping shrink programs.
 BESIDE_GEMM = {"pdl": False, "shrink_warps": 8, "block_k": 256, "block_n": 256, "col_chunk": 256,
                "expand_stages": 1, "min_items_per_sm": 1}  # fmt: skip
 

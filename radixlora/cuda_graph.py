@@ -45,8 +45,7 @@ ROW_BUCKETS = (0, 32, 128, 512)
 # every projection output: a win where launches dominate, a loss where bytes do.
 LORA_DEFER_MAX_TOKENS = 32
 # Graphs of at most this many tokens capture their GEMMs through cublasLt, whose heuristics pick
-# faster kernels at those sizes on the H200; larger graphs keep torch's default, cuBLAS
-# (docs/PERF.md, run 19).
+# faster kernels at those sizes on the H200; larger graphs keep torch's default, cuBLAS.
 CUBLASLT_MAX_TOKENS = 32
 
 
@@ -268,9 +267,8 @@ class CudaGraphRunner(StaticInputs):
         self.pool = torch.cuda.graph_pool_handle()
         if lora_side_stream:
             # high priority where the side branch is the whole delta, normal beside the large
-            # buckets' GEMMs (run 11); a captured graph drops both (torch instantiates it
-            # without cudaGraphInstantiateFlagUseNodePriority) and with the flag they
-            # measured no faster (PERF.md, run 21)
+            # buckets' GEMMs; a captured graph drops both (torch instantiates it without
+            # cudaGraphInstantiateFlagUseNodePriority)
             self.lora_streams = {True: high_priority_stream(runner.device),
                                  False: torch.cuda.Stream(runner.device)}  # fmt: skip
 
@@ -335,7 +333,7 @@ _NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np
 class PackedInputs:
     """Static buffers that are views of one int32 word array, so that a step's inputs reach the
     device in one host-to-device copy (packed with a table of where each part goes) and one
-    scatter kernel, not one copy per buffer (docs/PERF.md, run 14)."""
+    scatter kernel, not one copy per buffer."""
 
     ALIGN = 4  # words: every view starts 16-byte aligned, whatever its dtype
 

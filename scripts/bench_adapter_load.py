@@ -1,7 +1,7 @@
 """Adapter load latency into the paged device pool, Llama-3-8B shape (bf16 pool), ranks 8/16/64
 on all 7 projections: from disk (safetensors read + validate + pool write), from host memory
 (the pool write alone: what a cached adapter costs today), and the pinned-memory copy of the
-same bytes as the achievable floor. Issue 6's benchmark, first part.
+same bytes as the achievable floor.
 
     python scripts/bench_adapter_load.py            # on the H200; JSON to $OUT if set
     python scripts/bench_adapter_load.py --smoke    # tiny shapes on the CPU"""

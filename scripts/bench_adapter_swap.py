@@ -1,4 +1,4 @@
-"""Adapter swaps under traffic (issue 6 benchmark, second part), through the offline Engine on a
+"""Adapter swaps under traffic, through the offline Engine on a
 Llama-3-8B-shaped model with dummy bf16 weights and random rank-16 adapters on all 7
 projections, with no swap cap (the Engine has none):
 

@@ -1,5 +1,5 @@
 """End-to-end engine benchmarks on a Llama-3-8B-shaped model with random bf16 weights
-(load_format="dummy") and random in-memory adapters. Issue 5 targets b, c1, c2, c3, d, e.
+(load_format="dummy") and random in-memory adapters: targets b, c1, c2, c3, d, e of docs/PERF.md.
 
     python scripts/bench_engine.py              # on the H200; prints a table, JSON to $OUT
     python scripts/bench_engine.py --smoke      # tiny shapes on the CPU, checks the script runs

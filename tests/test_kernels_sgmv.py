@@ -221,7 +221,7 @@ def test_expand_overwrite_stores_deltas_and_zeros(name):
 
 @pytest.mark.parametrize("block_t,block_n", [(16, 16), (32, 64)])
 def test_expand_launch_settings_do_not_change_the_result(block_t, block_n):
-    """Tiles of other sizes than the launcher's choice (profile_prefill.py sweeps them)."""
+    """Tiles of other sizes than the launcher's choice give the same result."""
     pool, x, y0, segs = build_case("no_adapter_mix", 2)
     meta = LoraBatchMeta.from_segments(*segs, device="cpu")
     v = torch.randn(2, x.shape[0], meta.max_rows)
