@@ -225,18 +225,20 @@ class ModelRunner:
 def _host_inputs(plan: StepPlan) -> dict:
     """Flat host arrays of one batch (one segment per request, in plan order)."""
     items = plan.items
-    extend = [bytes_to_ids(i.extend_ids) for i in items]
-    slots = [bytes_to_ids(i.kv_slots) for i in items]
-    qo_lens = [len(e) for e in extend]
-    kv_lens = np.array([len(s) for s in slots], np.int64)
+    qo_lens = [i.extend_len for i in items]
+    kv_lens = np.array([i.start + i.extend_len for i in items], np.int64)
+    kv_slots = bytes_to_ids(plan.kv_slots)
+    kv_ends = np.cumsum(kv_lens)
     ends = np.cumsum(qo_lens)
     return {
         "qo_lens": qo_lens,
         "kv_lens": kv_lens,
-        "input_ids": np.concatenate(extend),
+        "input_ids": bytes_to_ids(plan.input_ids),
         "positions": np.concatenate([np.arange(i.start, k) for i, k in zip(items, kv_lens)]),
-        "out_cache_loc": np.concatenate([s[i.start :] for i, s in zip(items, slots)]),
-        "kv_indices": np.concatenate(slots),
+        "out_cache_loc": np.concatenate(
+            [kv_slots[e - i.extend_len : e] for i, e in zip(items, kv_ends)]
+        ),
+        "kv_indices": kv_slots,
         "logits_indices": np.array([e - 1 for i, e in zip(items, ends) if i.sample], np.int64),
     }
 
@@ -252,7 +254,7 @@ def _scored_rows(plan: StepPlan) -> tuple[np.ndarray, np.ndarray, list[int]] | N
         rows.append(offset + item.score_from - item.start + np.arange(len(ids)))
         targets.append(ids.astype(np.int64))
         counts.append(len(ids))
-        offset += len(item.extend_ids) // 4
+        offset += item.extend_len
     return np.concatenate(rows), np.concatenate(targets), counts
 
 

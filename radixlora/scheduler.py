@@ -54,8 +54,7 @@ class BatchPlan:
 
     items: list[ScheduledReq]
     adapter_loads: list[tuple[LoraAdapter, np.ndarray]] = field(default_factory=list)
-    # per adapter set key: group -> (rows, scales)
-    lora_rows: dict[tuple, dict[str, tuple[list[int], list[float]]]] = field(default_factory=dict)
+    lora_rows: dict[tuple, dict[str, GroupRows]] = field(default_factory=dict)  # by set key
 
     @property
     def num_tokens(self) -> int:
@@ -65,9 +64,8 @@ class BatchPlan:
         index = {key: i for i, key in enumerate(self.lora_rows)}
         items = [
             PlanItem(
-                extend_ids=ids_to_bytes(item.extend_ids),
+                extend_len=len(item.extend_ids),
                 start=item.start,
-                kv_slots=ids_to_bytes(item.req.kv_slots[: item.start + len(item.extend_ids)]),
                 sample=item.sample,
                 params=item.req.params,
                 seed=item.req.seed,
@@ -78,17 +76,17 @@ class BatchPlan:
             )
             for item in self.items
         ]
+        input_ids = np.concatenate([item.extend_ids for item in self.items])
+        kv_slots = np.concatenate(
+            [item.req.kv_slots[: item.start + len(item.extend_ids)] for item in self.items])
         loads = [
             AdapterLoad(adapter_id=a.adapter_id, name=a.name, path=a.path,
                         rows=ids_to_bytes(rows))
             for a, rows in self.adapter_loads
         ]
-        adapter_sets = [
-            {g: GroupRows([int(r) for r in rows], [float(s) for s in scales])
-             for g, (rows, scales) in groups.items()}
-            for groups in self.lora_rows.values()
-        ]
-        return StepPlan(step=step, items=items, adapter_loads=loads, adapter_sets=adapter_sets)
+        return StepPlan(step=step, items=items, input_ids=ids_to_bytes(input_ids),
+                        kv_slots=ids_to_bytes(kv_slots), adapter_loads=loads,
+                        adapter_sets=list(self.lora_rows.values()))
 
 
 class Scheduler:
@@ -285,14 +283,14 @@ class Scheduler:
                 item.score_from, item.score_ids = first, req.prompt_ids[first + 1 : end + 1]
         return item
 
-    def _lora_rows(self, req: Req) -> dict[str, tuple[list[int], list[float]]]:
-        rows: dict[str, tuple[list[int], list[float]]] = {}
+    def _lora_rows(self, req: Req) -> dict[str, GroupRows]:
+        rows: dict[str, GroupRows] = {}
         for adapter, weight in req.adapter_set.entries:
             group_rows = self.residency.group_rows(adapter.adapter_id)
             for group, rank in adapter.group_ranks.items():
-                ids, scales = rows.setdefault(group, ([], []))
-                ids += group_rows[group]
-                scales += [weight] * rank
+                entry = rows.setdefault(group, GroupRows([], []))
+                entry.rows += group_rows[group]
+                entry.scales += [weight] * rank
         return rows
 
     # ---- KV ----------------------------------------------------------------------------------

@@ -22,12 +22,11 @@ def bytes_to_ids(raw: bytes) -> np.ndarray:
 
 
 class PlanItem(msgspec.Struct, array_like=True):
-    """One request's share of a step."""
+    """One request's share of a step: its tokens are the next extend_len ids of
+    StepPlan.input_ids, its KV slots the next start + extend_len of StepPlan.kv_slots."""
 
-    extend_ids: bytes  # int32: tokens whose KV this step computes; -1 - i: the i-th token
-    # sampled by the previous step (not known when this one was planned)
-    start: int  # position of extend_ids[0]
-    kv_slots: bytes  # int32: the request's KV slots for positions [0, start + len(extend_ids))
+    extend_len: int  # tokens whose KV this step computes
+    start: int  # position of the first of them
     sample: bool  # this step completes the request's fill, so it samples a token
     params: SamplingParams
     seed: int
@@ -56,6 +55,10 @@ class GroupRows(msgspec.Struct, array_like=True):
 class StepPlan(msgspec.Struct, tag=True, kw_only=True):
     step: int
     items: list[PlanItem]
+    # int32, every item's extend ids in plan order; -1 - i: the i-th token sampled by the
+    # previous step (not known when this one was planned)
+    input_ids: bytes = b""
+    kv_slots: bytes = b""  # int32, every item's KV slots of positions [0, start + extend_len)
     adapter_loads: list[AdapterLoad] = []
     # per adapter set of the step: module group -> its rows; {} is the base model
     adapter_sets: list[dict[str, GroupRows]] = []
