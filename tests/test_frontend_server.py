@@ -9,8 +9,8 @@ import json
 import pytest
 
 from radixlora import SamplingParams
-from radixlora.batch import run_batch
 from radixlora.frontend import RuntimeEndpoint, function, gen, select
+from radixlora.run_batch import run_batch
 from tests.server_harness import (
     MODEL_NAME,
     build_checkpoints,

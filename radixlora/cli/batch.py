@@ -1,14 +1,14 @@
 """`radixlora batch` (also `python -m radixlora.cli.batch`): a JSONL file of OpenAI batch requests
-run on the in-process Engine or against a server (radixlora.batch), resumable."""
+run on the in-process Engine or against a server (radixlora.run_batch), resumable."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from radixlora.batch import DEFAULT_CONCURRENCY, run_batch
 from radixlora.cli.flags import add_engine_flags, engine_overrides, model_and_adapters
 from radixlora.engine import Engine
+from radixlora.run_batch import DEFAULT_CONCURRENCY, run_batch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

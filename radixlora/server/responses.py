@@ -1,6 +1,6 @@
 """OpenAI response bodies of /v1/completions and /v1/chat/completions, built from plain values:
 one set of builders for the HTTP server (radixlora.server.openai_api) and the batch runner
-(radixlora.batch). A `top` row is one generated token's alternatives, (token text, logprob)."""
+(radixlora.run_batch). A `top` row is one generated token's alternatives, (token text, logprob)."""
 
 from __future__ import annotations
 
