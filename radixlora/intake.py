@@ -46,7 +46,10 @@ def fill_context(params: SamplingParams, prompt_len: int, max_total: int,
 
 def check_prompt_ids(ids, vocab_size: int) -> np.ndarray:
     """A flat prompt of token ids in [0, vocab_size), as int32."""
-    ids = np.asarray(ids)
+    try:
+        ids = np.asarray(ids)
+    except (ValueError, TypeError):
+        ids = np.zeros((0, 0))
     if ids.ndim != 1 or (len(ids) and not np.issubdtype(ids.dtype, np.integer)):
         raise InvalidRequestError(
             "a prompt must be a string or a flat list of token ids", param="prompt"
