@@ -19,6 +19,7 @@ from radixlora.lora.adapter import LoraAdapter, load_adapter
 from radixlora.request import AdapterSet
 
 MAX_ADAPTER_NAME = 128
+MAX_ADAPTER_WEIGHT = 100.0  # |weight| of one adapter in a stack: larger only overflows activations
 
 
 class AdapterChoice(msgspec.Struct, array_like=True):
@@ -48,13 +49,16 @@ def _choice(pair) -> AdapterChoice:
 
 
 def _weight(weight) -> float:
+    """The one bound on stack weights, for every edge (HTTP, ZeroMQ, Python)."""
     if (
         isinstance(weight, bool)
         or not isinstance(weight, (int, float))
         or not math.isfinite(weight)
+        or abs(weight) > MAX_ADAPTER_WEIGHT
     ):
         raise InvalidRequestError(
-            f"adapter weight must be a finite number, got {weight!r}", param="adapters"
+            f"adapter weight must be a finite number in [-{MAX_ADAPTER_WEIGHT:g}, "
+            f"{MAX_ADAPTER_WEIGHT:g}], got {weight!r}", param="adapters"
         )
     return float(weight)
 
@@ -62,11 +66,13 @@ def _weight(weight) -> float:
 class AdapterRegistry:
     """With keep_weights=False (the scheduler process, which needs only ids and ranks; the
     worker reads the weights itself) registered adapters are kept without their tensors, so
-    thousands of them cost kilobytes each."""
+    thousands of them cost kilobytes each. `reserved` names (the base model's served name) are
+    never an adapter's. Several names may share one content hash: aliases of one identity."""
 
     def __init__(self, model_cfg: ModelConfig, max_rank: int, max_stacked: int, pool_rows: int,
-                 keep_weights: bool = True):
+                 keep_weights: bool = True, reserved: frozenset[str] = frozenset()):
         self.model_cfg = model_cfg
+        self.reserved = reserved
         self.max_rank = max_rank
         self.max_stacked = max_stacked
         self.pool_rows = pool_rows
@@ -76,10 +82,14 @@ class AdapterRegistry:
     def load(self, name: str, path: str | Path) -> tuple[LoraAdapter, LoraAdapter | None]:
         """Validate and register (re-using a name publishes a new version); returns the adapter
         and the version it replaced, if any."""
-        check_adapter_name(name)
+        self.check_name(name)
         return self.add(load_adapter(name, path, self.model_cfg, self.max_rank))
 
+    def check_name(self, name) -> None:
+        check_adapter_name(name, self.reserved)
+
     def add(self, adapter: LoraAdapter) -> tuple[LoraAdapter, LoraAdapter | None]:
+        self.check_name(adapter.name)
         if adapter.rank > self.pool_rows:
             raise InvalidRequestError(
                 f"adapter {adapter.name!r} of rank {adapter.rank} exceeds the adapter pool "
@@ -132,7 +142,7 @@ class AdapterRegistry:
         return AdapterSet.of(resolved)
 
 
-def check_adapter_name(name) -> None:
+def check_adapter_name(name, reserved: frozenset[str] = frozenset()) -> None:
     if not isinstance(name, str) or not name or len(name) > MAX_ADAPTER_NAME:
         raise InvalidRequestError(
             f"adapter names must be 1-{MAX_ADAPTER_NAME} characters", param="name"
@@ -140,4 +150,8 @@ def check_adapter_name(name) -> None:
     if any(c in name for c in "/\\:\0") or name in (".", ".."):
         raise InvalidRequestError(
             f"adapter name {name!r} may not contain / \\ : or NUL", param="name"
+        )
+    if name in reserved:
+        raise InvalidRequestError(
+            f"adapter name {name!r} is the served model's name; choose another", param="name"
         )

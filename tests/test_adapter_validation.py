@@ -61,8 +61,8 @@ def bad_adapters(good: Path, tmp: Path):
             _write(c("config_not_json"), "adapter_config.json", b"{nope"),
             "not valid JSON",
         ),
-        "r_zero": (edit_config(c("r_zero"), r=0), "positive integer"),
-        "r_negative": (edit_config(c("r_negative"), r=-4), "positive integer"),
+        "r_zero": (edit_config(c("r_zero"), r=0), "at `$.r`"),
+        "r_negative": (edit_config(c("r_negative"), r=-4), "at `$.r`"),
         "r_too_big": (_rank64(c("r_too_big")), "exceeds the server's max rank"),
         "wrong_module": (
             edit_tensors(

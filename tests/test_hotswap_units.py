@@ -1,5 +1,5 @@
 """Hot-swap pieces without sockets or subprocesses: the token bucket, the registry's decisions
-(validation, content hash, duplicates, admission order and pace, restart), admin path
+(validation, content hash, aliases, admission order and pace, restart), admin path
 confinement, and the scheduler + worker services across re-publication, unload, the swap cap
 and the base fallback, compared with the offline Engine and checked for leaked refs and rows."""
 
@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from radixlora import Engine, SamplingParams
@@ -162,28 +163,26 @@ def test_bad_adapters_are_rejected_with_reasons(model, versions, tmp_path):
     assert all(e.message for e in events if e.kind == "rejected")
 
 
-def test_duplicates_updates_removals_and_restart(model, versions, tmp_path):
+def test_aliases_updates_removals_and_restart(model, versions, tmp_path):
     root, state = tmp_path / "dir", tmp_path / "state"
     root.mkdir()
     _copy(versions["v1"], root / "a")
     core, events = _core(model, root, state)
     core.on_changed(["a"])
     core.admit(0.0)
-    _copy(versions["v1"], root / "b")  # same content, other name
+    _copy(versions["v1"], root / "b")  # same content, other name: an alias of a's version
     core.on_changed(["b"])
     core.admit(0.0)
-    assert [(e.kind, e.name, e.reason) for e in events] == [
-        ("added", "a", ""), ("skipped", "b", "duplicate_content")]
+    assert [(e.kind, e.name) for e in events] == [("added", "a"), ("added", "b")]
+    assert (events[1].adapter_id, events[1].path) == (events[0].adapter_id, events[0].path)
     shutil.copy(versions["v2"] / "adapter_model.safetensors", root / "a")
     core.on_changed(["a"])
     core.admit(0.0)
-    # "a" moved on to v2, so "b" (v1) is unique now and published on its own
-    assert [(e.kind, e.name) for e in events[-2:]] == [("updated", "a"), ("added", "b")]
-    assert events[-2].adapter_id != events[0].adapter_id == events[-1].adapter_id
-    assert Path(events[-2].path).parent == state / "adapters"  # an immutable snapshot
-    assert events[-1].path != events[0].path  # one snapshot per publication
+    assert [(e.kind, e.name) for e in events[2:]] == [("updated", "a")]
+    assert events[-1].adapter_id != events[0].adapter_id == core.active["b"].adapter_id
+    assert Path(events[-1].path).parent == state / "adapters"  # an immutable snapshot
     published = {e.path for e in events if e.kind in ("added", "updated")}
-    assert set(map(str, (state / "adapters").iterdir())) == published  # skips wrote none
+    assert set(map(str, (state / "adapters").iterdir())) == published  # the alias wrote none
     shutil.rmtree(root / "a")
     core.on_changed(["a"])
     assert (events[-1].kind, events[-1].name) == ("removed", "a")
@@ -467,7 +466,7 @@ def test_unreadable_adapter_is_rejected_not_fatal(model, versions, tmp_path, mon
     root.mkdir()
     _copy(versions["v1"], root / "gone")
 
-    def vanished(name, path):
+    def vanished(name, path, roots=()):
         raise FileNotFoundError(f"{path} vanished")
 
     monkeypatch.setattr(adapter_store, "read_adapter_files", vanished)
@@ -475,3 +474,90 @@ def test_unreadable_adapter_is_rejected_not_fatal(model, versions, tmp_path, mon
     core.on_changed(["gone"])
     core.admit(0.0)
     assert [(e.kind, e.reason) for e in events] == [("rejected", "unreadable")]
+
+
+def _fifo_weights(path: Path) -> None:
+    (path / "adapter_model.safetensors").unlink()
+    os.mkfifo(path / "adapter_model.safetensors")
+
+
+def _int_weights(path: Path) -> None:
+    tensors = load_file(path / "adapter_model.safetensors")
+    save_file({k: v.to(torch.int32) for k, v in tensors.items()},
+              str(path / "adapter_model.safetensors"))
+
+
+def test_content_rules_reject_and_the_registry_goes_on(model, versions, tmp_path, monkeypatch):
+    """Special files, integer tensors, the base's name and an unexpected exception are each a
+    rejected event; the adapters after them are published."""
+    from radixlora.server import adapter_store
+
+    root = tmp_path / "dir"
+    root.mkdir()
+    for name in ("a_fifo", "b_int", "base", "c_boom", "d_string_alpha", "z_good"):
+        _copy(versions["v1"], root / name)
+    _fifo_weights(root / "a_fifo")
+    _int_weights(root / "b_int")
+    cfg = json.loads((root / "d_string_alpha" / "adapter_config.json").read_text())
+    (root / "d_string_alpha" / "adapter_config.json").write_text(
+        json.dumps({**cfg, "lora_alpha": "16"}))
+    real = adapter_store.adapter_from_bytes
+
+    def boom(name, *args):
+        if name == "c_boom":
+            raise TypeError("unexpected")
+        return real(name, *args)
+
+    monkeypatch.setattr(adapter_store, "adapter_from_bytes", boom)
+    events: list[AdapterEvent] = []
+    core = RegistryCore(root, tmp_path / "state", ModelConfig.from_dir(model), 64, 32,
+                        TokenBucket(0.0, 1), events.append, reserved=frozenset({"base"}))
+    core.on_changed(core.names_on_disk())
+    core.admit(0.0)
+    assert [(e.kind, e.name, e.reason) for e in events] == [
+        ("rejected", "a_fifo", "special_file"), ("rejected", "b_int", "non_float_weights"),
+        ("rejected", "base", "bad_name"), ("rejected", "c_boom", "invalid_adapter"),
+        ("rejected", "d_string_alpha", "bad_config"), ("added", "z_good", "")]
+    assert "`$.lora_alpha`" in events[4].message
+
+
+def test_admin_loads_confine_every_file_and_alias_content(model, versions, tmp_path):
+    """With allowed roots, a file symlink leaving them is a 403; a bad config, an int tensor
+    and the base's name are 400s naming why; the same content under two names is one
+    identity and one pool copy, both names generating the same tokens."""
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    sched, worker = _services(model, tmp_path / "state", served_model_name="base",
+                              allowed_adapter_roots=[str(allowed)])
+    escape = allowed / "escape"
+    escape.mkdir()
+    shutil.copy(versions["v1"] / "adapter_config.json", escape)
+    os.symlink(versions["v1"] / "adapter_model.safetensors",
+               escape / "adapter_model.safetensors")
+    alpha = _copy(versions["v1"], allowed / "alpha")
+    cfg = json.loads((alpha / "adapter_config.json").read_text())
+    (alpha / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": "16"}))
+    _int_weights(_copy(versions["v1"], allowed / "ints"))
+
+    def load(name, path):
+        return sched.lifecycle.admin(AdminReq(qid=1, op="load", name=name, path=str(path)))
+
+    assert (load("e", escape).status, load("e", escape).code) == (403, "path_not_allowed")
+    reply = load("alpha", alpha)
+    assert reply.status == 400 and "`$.lora_alpha`" in reply.message
+    assert load("ints", allowed / "ints").status == 400
+    _copy(versions["v2"], allowed / "v2")
+    assert "served model" in load("base", allowed / "v2").message
+    for name in ("one", "two"):
+        _copy(versions["v2"], allowed / name)
+        assert load(name, allowed / name).status == 200
+    assert set(sched.adapters.by_name) == {"one", "two"}
+    one, two = (sched.adapters.by_name[n] for n in ("one", "two"))
+    assert one.adapter_id == two.adapter_id
+    got = _drive(sched, worker, [_req("r1", "one"), _req("r2", "two")])
+    assert got[("r1", 0)] == got[("r2", 0)]
+    assert list(sched.scheduler.residency.resident) == [one.adapter_id]
+    assert sched.lifecycle.admin(AdminReq(qid=2, op="unload", name="one")).status == 200
+    assert not sched.lifecycle.retired  # "two" still names it
+    assert _drive(sched, worker, [_req("r3", "two")])[("r3", 0)] == got[("r1", 0)]
+    _assert_nothing_held(sched)

@@ -5,12 +5,16 @@ Every failure is an AdapterError naming the adapter and the reason; nothing is e
 from __future__ import annotations
 
 import hashlib
-import json
 import math
+import os
 import re
+import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
 
+import msgspec
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
@@ -31,6 +35,33 @@ _KEY = re.compile(
     r"\.lora_(A|B)(?:\.[^.]+)?\.weight$"
 )
 MAX_ADAPTER_BYTES = 8 << 30
+MAX_CONFIG_BYTES = 1 << 20
+MAX_ALPHA = 1e6
+MAX_PATTERN_CHARS = 256
+
+Rank = Annotated[int, msgspec.Meta(ge=1)]
+Alpha = Annotated[float, msgspec.Meta(ge=-MAX_ALPHA, le=MAX_ALPHA)]
+PositiveAlpha = Annotated[float, msgspec.Meta(gt=0, le=MAX_ALPHA)]
+Layer = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class LoraConfig(msgspec.Struct, kw_only=True):
+    """The fields of a PEFT adapter_config.json that radixlora reads, typed and ranged; the many
+    other keys PEFT writes are ignored."""
+
+    peft_type: str = "LORA"
+    r: Rank = 8
+    lora_alpha: Alpha = 8
+    target_modules: str | list[str] | None = None
+    rank_pattern: dict[str, Rank] = {}
+    alpha_pattern: dict[str, PositiveAlpha] = {}
+    use_rslora: bool = False
+    layers_to_transform: Layer | list[Layer] | None = None
+    bias: Literal["none", "all", "lora_only"] = "none"
+    use_dora: bool | None = False
+    modules_to_save: list[str] | None = None
+    fan_in_fan_out: bool | None = False
+    trainable_token_indices: list[int] | dict[str, list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -77,15 +108,17 @@ def adapter_from_bytes(
     return LoraAdapter(name, str(path), digest, max(group_ranks.values()), group_ranks, weights)
 
 
-def read_adapter_files(name: str, path: Path) -> tuple[bytes, bytes]:
-    """(adapter_config.json, adapter_model.safetensors) bytes, or an AdapterError."""
+def read_adapter_files(name: str, path: Path,
+                       roots: Sequence[str | Path] = ()) -> tuple[bytes, bytes]:
+    """(adapter_config.json, adapter_model.safetensors) bytes, or an AdapterError. Each file
+    must be a regular file within its size cap and, with `roots`, resolve inside one of them."""
     if not path.is_dir():
         raise AdapterError(name, f"directory {path} does not exist")
     config_path = path / "adapter_config.json"
     tensor_path = path / "adapter_model.safetensors"
-    if not config_path.is_file():
+    if not os.path.lexists(config_path):
         raise AdapterError(name, f"no adapter_config.json in {path}")
-    if not tensor_path.is_file():
+    if not os.path.lexists(tensor_path):
         if (path / "adapter_model.bin").exists():
             raise AdapterError(
                 name,
@@ -93,22 +126,59 @@ def read_adapter_files(name: str, path: Path) -> tuple[bytes, bytes]:
                 "unpickles: convert it to adapter_model.safetensors",
             )
         raise AdapterError(name, f"no adapter_model.safetensors in {path}")
-    if tensor_path.stat().st_size > MAX_ADAPTER_BYTES:
-        raise AdapterError(name, "adapter_model.safetensors is larger than 8 GiB")
-    return config_path.read_bytes(), tensor_path.read_bytes()
+    return (_read_file(name, config_path, MAX_CONFIG_BYTES, roots),
+            _read_file(name, tensor_path, MAX_ADAPTER_BYTES, roots))
 
 
-def _parse_config(name: str, raw: bytes) -> dict:
+def _read_file(name: str, path: Path, max_bytes: int, roots: Sequence[str | Path]) -> bytes:
+    """The bytes of one regular file of at most max_bytes. The file is opened by its real path
+    without following links and non-blocking (a FIFO swapped in cannot block the read), and
+    what was opened is checked again, so a file replaced between the checks is refused."""
+    real = os.path.realpath(path)
+    if roots and not _inside(real, roots):
+        raise AdapterError(name, f"{path.name} resolves outside the allowed adapter roots",
+                           code="path_not_allowed")
     try:
-        config = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise AdapterError(name, f"adapter_config.json is not valid JSON: {e}") from e
-    if not isinstance(config, dict):
-        raise AdapterError(name, "adapter_config.json must hold a JSON object")
-    if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(
-            name, f"peft_type {config.get('peft_type')!r} is not supported (LORA only)"
-        )
+        before = os.stat(real)
+        _check_regular(name, path.name, before, max_bytes)
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            opened = os.fstat(f.fileno())
+            _check_regular(name, path.name, opened, max_bytes)
+            if (opened.st_dev, opened.st_ino) != (before.st_dev, before.st_ino):
+                raise AdapterError(name, f"{path.name} was replaced while it was read")
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise AdapterError(name, f"{path.name} is unreadable: {e.strerror}",
+                           code="unreadable_adapter") from e
+    if len(data) > max_bytes:
+        raise AdapterError(name, f"{path.name} is larger than {_size(max_bytes)}")
+    return data
+
+
+def _check_regular(name: str, file: str, st: os.stat_result, max_bytes: int) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise AdapterError(name, f"{file} is not a regular file")
+    if st.st_size > max_bytes:
+        raise AdapterError(name, f"{file} is larger than {_size(max_bytes)}")
+
+
+def _inside(real: str, roots: Sequence[str | Path]) -> bool:
+    for root in roots:
+        real_root = os.path.realpath(root)
+        if real == real_root or real.startswith(real_root.rstrip(os.sep) + os.sep):
+            return True
+    return False
+
+
+def _size(n: int) -> str:
+    return f"{n >> 30} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"
+
+
+def _parse_config(name: str, raw: bytes) -> LoraConfig:
+    config = _decode_config(name, raw)
+    if config.peft_type != "LORA":
+        raise AdapterError(name, f"peft_type {config.peft_type!r} is not supported (LORA only)")
     unsupported = {
         "use_dora": "DoRA adapters",
         "modules_to_save": "modules_to_save",
@@ -116,15 +186,50 @@ def _parse_config(name: str, raw: bytes) -> dict:
         "trainable_token_indices": "trainable tokens",
     }
     for key, what in unsupported.items():
-        if config.get(key):
+        if getattr(config, key):
             raise AdapterError(name, f"{what} are not supported", code="unsupported_adapter")
-    if config.get("bias", "none") != "none":
+    if config.bias != "none":
         raise AdapterError(
             name,
-            f"bias={config['bias']!r} is not supported (only 'none')",
+            f"bias={config.bias!r} is not supported (only 'none')",
             code="unsupported_adapter",
         )
+    _check_patterns(name, "rank_pattern", config.rank_pattern)
+    _check_patterns(name, "alpha_pattern", config.alpha_pattern)
     return config
+
+
+def _decode_config(name: str, raw: bytes) -> LoraConfig:
+    """The typed config; a wrong type or range names its field (`$.r`, `$.rank_pattern...`)."""
+    try:
+        return msgspec.json.decode(raw, type=LoraConfig)
+    except msgspec.ValidationError as e:
+        if str(e).startswith("Expected `object`, got"):
+            raise AdapterError(name, "adapter_config.json must hold a JSON object") from e
+        raise AdapterError(name, f"adapter_config.json: invalid field: {e}",
+                           code="invalid_adapter_config") from e
+    except msgspec.DecodeError as e:
+        raise AdapterError(name, f"adapter_config.json is not valid JSON: {e}") from e
+    except RecursionError as e:
+        raise AdapterError(name, "adapter_config.json is not valid JSON: nested too deeply") from e
+
+
+def _check_patterns(name: str, field: str, patterns: dict) -> None:
+    for pattern in patterns:
+        if len(pattern) > MAX_PATTERN_CHARS:
+            raise AdapterError(name, f"adapter_config.json: {field} key {pattern[:32]!r}... is "
+                               f"longer than {MAX_PATTERN_CHARS} characters",
+                               code="invalid_adapter_config")
+        try:
+            _pattern_regex(pattern)
+        except (re.error, RecursionError, OverflowError) as e:
+            raise AdapterError(name, f"adapter_config.json: {field} key {pattern!r} is not a "
+                               f"valid regular expression: {e}",
+                               code="invalid_adapter_config") from e
+
+
+def _pattern_regex(pattern: str) -> re.Pattern:
+    return re.compile(rf"(.*\.)?({pattern})$")
 
 
 def _parse_tensors(name: str, raw: bytes) -> dict[str, torch.Tensor]:
@@ -145,7 +250,7 @@ def _build_weights(name, config, tensors, model: ModelConfig, max_rank):
             raise AdapterError(name, f"{key} is outside layers_to_transform")
         rank, alpha = _rank_alpha(config, key)
         _check_shapes(name, key, a, b, rank, model.module_shape(module), max_rank)
-        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        scale = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
         a, b = a.float(), b.float() * scale
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(name, f"{key} holds NaN or infinite values")
@@ -187,23 +292,23 @@ def _pair_tensors(name, tensors, model: ModelConfig):
     return {k: (v["A"], v["B"]) for k, v in halves.items()}
 
 
-def _layers_to_transform(config: dict) -> set[int] | None:
-    layers = config.get("layers_to_transform")
+def _layers_to_transform(config: LoraConfig) -> set[int] | None:
+    layers = config.layers_to_transform
     if layers is None:
         return None
     return {layers} if isinstance(layers, int) else set(layers)
 
 
-def _rank_alpha(config: dict, key: str) -> tuple[int, float]:
+def _rank_alpha(config: LoraConfig, key: str) -> tuple[int, float]:
     """PEFT's rule: the first pattern key matching the end of the module path wins."""
-    rank = _pattern_value(config.get("rank_pattern") or {}, key, config.get("r", 8))
-    alpha = _pattern_value(config.get("alpha_pattern") or {}, key, config.get("lora_alpha", 8))
+    rank = _pattern_value(config.rank_pattern, key, config.r)
+    alpha = _pattern_value(config.alpha_pattern, key, config.lora_alpha)
     return rank, alpha
 
 
 def _pattern_value(patterns: dict, key: str, default):
     for pattern, value in patterns.items():
-        if re.match(rf"(.*\.)?({pattern})$", key):
+        if _pattern_regex(pattern).match(key):
             return value
     return default
 
@@ -214,6 +319,9 @@ def _check_shapes(name, key, a, b, rank, shape, max_rank) -> None:
         raise AdapterError(name, f"{key}: rank r={rank!r} must be a positive integer")
     if rank > max_rank:
         raise AdapterError(name, f"{key}: rank {rank} exceeds the server's max rank {max_rank}")
+    if not (a.is_floating_point() and b.is_floating_point()):
+        raise AdapterError(name, f"{key}: LoRA weights must be floating point, got "
+                                 f"{a.dtype} and {b.dtype}", code="unsupported_adapter")
     if a.dim() != 2 or b.dim() != 2:
         raise AdapterError(name, f"{key}: LoRA weights must be 2-D")
     if tuple(a.shape) != (rank, in_dim) or tuple(b.shape) != (out_dim, rank):

@@ -3,17 +3,20 @@
 Invariants: a name resolves to exactly one version (content hash) at a time; a version no name
 points to is retired, and stays resident for the requests already admitted on it until none
 is left (nor a step in flight that loads it), then its radix-tree namespaces are dropped, its
-pool rows freed (as the offline Engine does) and its snapshots deleted."""
+pool rows freed (as the offline Engine does) and its snapshots deleted. Several names may point
+to one version (aliases: same content); it is retired when the last of them goes. No exception
+from one adapter's event or admin call leaves its handler."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from radixlora.adapters import AdapterRegistry
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
-from radixlora.lora.adapter import LoraAdapter
+from radixlora.lora.adapter import LoraAdapter, read_adapter_files
 from radixlora.request import uses_adapter
 from radixlora.scheduler import Scheduler
 from radixlora.server.adapter_store import AdapterStore, FilesChanged
@@ -27,8 +30,9 @@ PINNED_SHARE = 0.5  # pinned adapters may hold at most this share of the pool's 
 class AdapterLifecycle:
     def __init__(self, registry: AdapterRegistry, scheduler: Scheduler,
                  store: AdapterStore | None, model_cfg: ModelConfig, max_rank: int,
-                 in_use: Callable[[str], bool]):
+                 in_use: Callable[[str], bool], allowed_roots: Sequence[str] = ()):
         self.registry = registry
+        self.allowed_roots = tuple(allowed_roots)  # every file an admin load reads is inside
         self.scheduler = scheduler
         self.store = store
         self.model_cfg = model_cfg
@@ -53,6 +57,9 @@ class AdapterLifecycle:
         except (AdapterError, InvalidRequestError) as e:
             log.error("adapter event %d (%s %r) not applied: %s", event.seq, event.kind,
                       event.name, e)
+        except Exception:  # noqa: BLE001 - one adapter's content never stops the scheduler
+            log.exception("adapter event %d (%s %r) not applied", event.seq, event.kind,
+                          event.name)
 
     def register(self, name: str, path: str, adapter_id: str = "") -> LoraAdapter:
         """Register a version (a re-used name is a new identity with its own cache namespace);
@@ -110,9 +117,14 @@ class AdapterLifecycle:
         except FilesChanged as e:
             return AdminReply(qid=req.qid, status=409, message=str(e), code="adapter_changing")
         except AdapterError as e:
-            return AdminReply(qid=req.qid, status=400, message=str(e), code=e.code)
+            status = 403 if e.code == "path_not_allowed" else 400
+            return AdminReply(qid=req.qid, status=status, message=str(e), code=e.code)
         except InvalidRequestError as e:
             return AdminReply(qid=req.qid, status=400, message=e.message, code=e.code)
+        except Exception as e:  # noqa: BLE001 - one adapter's content never stops the scheduler
+            log.exception("admin %s %r failed", req.op, req.name)
+            return AdminReply(qid=req.qid, status=500, message=f"adapter {req.name!r}: "
+                              f"{type(e).__name__}: {e}", code="internal_error")
         return AdminReply(qid=req.qid, info={"lora_name": req.name, **info})
 
     def _admin(self, req: AdminReq) -> dict:
@@ -126,8 +138,14 @@ class AdapterLifecycle:
         raise InvalidRequestError(f"unknown admin operation {req.op!r}", param="op")
 
     def _load(self, name: str, path: str) -> LoraAdapter:
+        """An admin load: the name is checked first, and every file must resolve inside the
+        allowed roots (the api confined only the directory)."""
+        self.registry.check_name(name)
         if self.store is not None:
-            path = self.store.snapshot(name, path, self.model_cfg, self.max_rank).path
+            path = self.store.snapshot(name, path, self.model_cfg, self.max_rank,
+                                       roots=self.allowed_roots).path
+        elif self.allowed_roots:
+            read_adapter_files(name, Path(path), self.allowed_roots)
         return self.register(name, path)
 
     def _pin(self, name: str, pin: bool) -> None:

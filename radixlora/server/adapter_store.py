@@ -12,6 +12,7 @@ import os
 import secrets
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,12 +58,12 @@ class AdapterStore:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def read(self, name: str, src: str | Path, model: ModelConfig, max_rank: int,
-             stable: bool = True) -> Validated:
-        """Read and validate `src`; AdapterError if invalid, FilesChanged if (with stable) its
-        files changed while they were read."""
+             stable: bool = True, roots: Sequence[str | Path] = ()) -> Validated:
+        """Read and validate `src` (each file resolving inside `roots`, if any); AdapterError if
+        invalid, FilesChanged if (with stable) its files changed while they were read."""
         src = Path(src)
         before = file_signature(src)
-        config_bytes, tensor_bytes = read_adapter_files(name, src)
+        config_bytes, tensor_bytes = read_adapter_files(name, src, roots)
         if stable and file_signature(src) != before:
             raise FilesChanged(name)
         adapter = adapter_from_bytes(name, src, config_bytes, tensor_bytes, model, max_rank)
@@ -79,9 +80,9 @@ class AdapterStore:
         return dataclasses.replace(validated.adapter, path=str(final))
 
     def snapshot(self, name: str, src: str | Path, model: ModelConfig, max_rank: int,
-                 stable: bool = True) -> LoraAdapter:
+                 stable: bool = True, roots: Sequence[str | Path] = ()) -> LoraAdapter:
         """Read, validate and snapshot `src`."""
-        return self.save(self.read(name, src, model, max_rank, stable))
+        return self.save(self.read(name, src, model, max_rank, stable, roots))
 
     def owns(self, path: str | Path) -> bool:
         return Path(path).parent == self.root
