@@ -4,6 +4,8 @@ serving the others (bad files, configs, ranks, shapes and names; bad requests; t
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -18,6 +20,9 @@ from radixlora import (
     InvalidRequestError,
     SamplingParams,
 )
+from radixlora.adapters import MAX_ADAPTER_WEIGHT, AdapterRegistry
+from radixlora.config import ModelConfig
+from radixlora.lora.adapter import read_adapter_files
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -212,3 +217,136 @@ def test_stack_cap_is_configurable(checkpoints, adapters):
     with pytest.raises(InvalidRequestError, match="at most 2"):
         eng.generate([1, 2], GREEDY, adapters=[("a", 1.0), ("b", 1.0), ("c", 1.0)])
     assert eng.generate([1, 2], GREEDY, adapters=[("a", 1.0), ("b", 1.0)])[0].outputs[0].token_ids
+
+
+WRONG_CONFIGS = {  # field -> a value of the wrong type or range, named in the error as `$.field`
+    "r": "8",
+    "lora_alpha": "16",
+    "target_modules": 5,
+    "rank_pattern": ["q_proj"],
+    "alpha_pattern": {"q_proj": "x"},
+    "use_rslora": "yes",
+    "layers_to_transform": {"0": 1},
+    "bias": 3,
+    "peft_type": 1,
+}
+
+
+@pytest.mark.parametrize("field", sorted(WRONG_CONFIGS))
+def test_wrong_config_types_name_the_field(engine, adapters, tmp_path, field):
+    path = edit_config(clone(adapters["llama"]["a"], tmp_path / "x"),
+                       **{field: WRONG_CONFIGS[field]})
+    with pytest.raises(AdapterError, match=re.escape(f"`$.{field}")):
+        engine.load_adapter("x", path)
+
+
+@pytest.mark.parametrize("changes,reason", [
+    (dict(lora_alpha=1e300), "`$.lora_alpha`"),
+    (dict(r=2**70), "exceeds the server's max rank"),
+    (dict(rank_pattern={"q_proj": 0}), "`$.rank_pattern"),
+    (dict(alpha_pattern={"q_proj": -1}), "`$.alpha_pattern"),
+    (dict(rank_pattern={"q_proj[": 4}), "not a valid regular expression"),
+    (dict(alpha_pattern={"(?P<": 4}), "not a valid regular expression"),
+    (dict(rank_pattern={"q" * 300: 4}), "longer than"),
+    (dict(layers_to_transform=[-1]), "`$.layers_to_transform"),
+])
+def test_config_ranges_and_patterns(engine, adapters, tmp_path, changes, reason):
+    path = edit_config(clone(adapters["llama"]["a"], tmp_path / "x"), **changes)
+    with pytest.raises(AdapterError, match=re.escape(reason)):
+        engine.load_adapter("x", path)
+
+
+def test_deep_big_and_non_object_configs(engine, adapters, tmp_path):
+    good = adapters["llama"]["a"]
+    cfg = json.loads((good / "adapter_config.json").read_text())
+    deep = json.dumps(cfg)[:-1].encode() + b', "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for name, data, reason in (
+        ("deep", deep, "nested too deeply"),
+        ("huge", b" " * (2 << 20) + json.dumps(cfg).encode(), "larger than 1 MiB"),
+        ("list", b"[1, 2]", "must hold a JSON object"),
+    ):
+        path = _write(clone(good, tmp_path / name), "adapter_config.json", data)
+        with pytest.raises(AdapterError, match=reason):
+            engine.load_adapter(name, path)
+
+
+def test_peft_extras_and_every_accepted_form_still_load(engine, adapters, tmp_path):
+    good = adapters["llama"]["a"]
+    path = edit_config(clone(good, tmp_path / "x"), lora_alpha=16.5, target_modules="q_proj",
+                       use_dora=False, modules_to_save=None, fan_in_fan_out=False,
+                       trainable_token_indices=None, layers_to_transform=None,
+                       unknown_future_key={"deep": [1, {"x": None}]}, task_type="CAUSAL_LM")
+    engine.load_adapter("extras", path)
+    assert "extras" in engine.adapters
+    engine.unload_adapter("extras")
+
+
+def _special(path: Path, make) -> Path:
+    (path / "adapter_model.safetensors").unlink()
+    make(path / "adapter_model.safetensors")
+    return path
+
+
+def test_special_files_are_refused_without_blocking(engine, adapters, tmp_path):
+    good = adapters["llama"]["a"]
+    fifo = _special(clone(good, tmp_path / "fifo"), os.mkfifo)
+    link_fifo = clone(good, tmp_path / "link_fifo")
+    (link_fifo / "adapter_model.safetensors").unlink()
+    os.symlink(fifo / "adapter_model.safetensors", link_fifo / "adapter_model.safetensors")
+    device = _special(clone(good, tmp_path / "device"), lambda p: os.symlink("/dev/zero", p))
+    dangling = _special(clone(good, tmp_path / "dangling"),
+                        lambda p: os.symlink(tmp_path / "nowhere", p))
+    config_dir = clone(good, tmp_path / "config_dir")
+    (config_dir / "adapter_config.json").unlink()
+    (config_dir / "adapter_config.json").mkdir()
+    for path in (fifo, link_fifo, device, dangling, config_dir):
+        with pytest.raises(AdapterError, match="not a regular file|unreadable"):
+            engine.load_adapter(path.name, path)
+
+
+def test_file_symlinks_must_resolve_inside_the_roots(adapters, checkpoints, tmp_path):
+    good = adapters["llama"]["a"]
+    root = tmp_path / "root"
+    inside = clone(good, root / "inside")
+    escape = clone(good, root / "escape")
+    (escape / "adapter_model.safetensors").unlink()
+    os.symlink(good / "adapter_model.safetensors", escape / "adapter_model.safetensors")
+    linked_in = clone(good, root / "linked_in")
+    (linked_in / "adapter_config.json").unlink()
+    os.symlink(inside / "adapter_config.json", linked_in / "adapter_config.json")
+    assert read_adapter_files("inside", inside, [root])
+    assert read_adapter_files("linked_in", linked_in, [root])
+    assert read_adapter_files("escape", escape)  # no roots: links are followed
+    with pytest.raises(AdapterError, match="outside the allowed adapter roots") as info:
+        read_adapter_files("escape", escape, [root])
+    assert info.value.code == "path_not_allowed"
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.bool, torch.uint8])
+def test_non_float_tensors_are_refused(engine, adapters, tmp_path, dtype):
+    path = edit_tensors(clone(adapters["llama"]["a"], tmp_path / "x"),
+                        lambda t: {k: v.to(dtype) for k, v in t.items()})
+    with pytest.raises(AdapterError, match="floating point"):
+        engine.load_adapter("x", path)
+
+
+def test_half_precision_tensors_are_accepted(engine, adapters, tmp_path):
+    path = edit_tensors(clone(adapters["llama"]["a"], tmp_path / "half"),
+                        lambda t: {k: v.to(torch.bfloat16) for k, v in t.items()})
+    engine.load_adapter("half", path)
+    engine.unload_adapter("half")
+
+
+def test_stack_weights_are_bounded(engine):
+    for weight in (1e38, -101, MAX_ADAPTER_WEIGHT * 1.01):
+        with pytest.raises(InvalidRequestError, match="finite number in"):
+            engine.generate([1, 2], GREEDY, adapters=[("a", weight)])
+    assert engine.generate([1, 2], GREEDY, adapters=[("a", -MAX_ADAPTER_WEIGHT)])
+
+
+def test_base_served_name_is_reserved(checkpoints, adapters):
+    registry = AdapterRegistry(ModelConfig.from_dir(checkpoints["llama"]), 32, 8, 64,
+                               reserved=frozenset({"llama"}))
+    with pytest.raises(InvalidRequestError, match="served model's name"):
+        registry.load("llama", adapters["llama"]["a"])
+    assert registry.load("llama-a", adapters["llama"]["a"])[0].name == "llama-a"

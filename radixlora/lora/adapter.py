@@ -204,7 +204,7 @@ def _decode_config(name: str, raw: bytes) -> LoraConfig:
     try:
         return msgspec.json.decode(raw, type=LoraConfig)
     except msgspec.ValidationError as e:
-        if str(e).startswith("Expected `object`, got"):
+        if " - at `$" not in str(e):  # the document itself, not one of its fields
             raise AdapterError(name, "adapter_config.json must hold a JSON object") from e
         raise AdapterError(name, f"adapter_config.json: invalid field: {e}",
                            code="invalid_adapter_config") from e
