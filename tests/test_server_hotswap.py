@@ -1,7 +1,7 @@
 """Hot-swap against a live `radixlora serve --adapter-dir`: adapters renamed into place, replaced,
 rewritten and deleted while requests flow (none fails, each answer equals the offline Engine
 for one published version), a burst admitted in name order at the bucket's pace, half-written,
-duplicate and bad adapters, the admin endpoints' guards, and a SIGKILLed registry."""
+aliased (same content) and bad adapters, the admin endpoints' guards, and a SIGKILLed registry."""
 
 from __future__ import annotations
 
@@ -223,27 +223,35 @@ def test_half_written_adapter_is_never_loaded(server, env):
     assert all(e["adapter_id"] == final_id for e in _events(server, kind="added", name="half"))
 
 
-def test_duplicate_content_is_skipped_and_counted(server, env):
+def test_same_content_under_two_names_is_an_alias(server, env, want):
     _drop(env["versions"]["v1"], env["watched"] / "original")
     _wait(lambda: "original" in _models(server), what="original")
     _drop(env["versions"]["v1"], env["watched"] / "copy")
-    skipped = _wait(lambda: _events(server, kind="skipped", name="copy"), what="skip")
-    assert skipped[0]["reason"] == "duplicate_content"
-    assert "copy" not in _models(server)
-    metrics = server.http.get("/metrics").text
-    assert 'radixlora_adapter_skips_total{skip_reason="duplicate_content"} 1.0' in metrics
+    _wait(lambda: "copy" in _models(server), what="copy")
+    models = _models(server)
+    assert models["copy"] == models["original"]
+    (original,) = _events(server, kind="added", name="original")
+    (copy,) = _events(server, kind="added", name="copy")
+    assert copy["path"] == original["path"]  # one snapshot, one identity
+    for name in ("original", "copy"):
+        assert _complete(server.http, name).json()["choices"][0]["text"] == want["v1"]
+    shutil.rmtree(env["watched"] / "original")
+    _wait(lambda: "original" not in _models(server), what="original removed")
+    assert _complete(server.http, "copy").json()["choices"][0]["text"] == want["v1"]
 
 
 def test_bad_adapters_are_rejected_and_others_keep_serving(server, env):
     bad = env["src"] / "bad"
     cases = {"bad_json": "bad_config_json", "r_zero": "bad_rank",
              "truncated": "corrupted_weights", "pickled": "pickle_only",
-             "no_config": "missing_config"}
+             "no_config": "missing_config", "string_alpha": "bad_config"}
     for name in cases:
         shutil.copytree(env["versions"]["v3"], bad / name)
     (bad / "bad_json" / "adapter_config.json").write_text("{")
     cfg = json.loads((bad / "r_zero" / "adapter_config.json").read_text())
     (bad / "r_zero" / "adapter_config.json").write_text(json.dumps({**cfg, "r": 0}))
+    (bad / "string_alpha" / "adapter_config.json").write_text(
+        json.dumps({**cfg, "lora_alpha": "16"}))
     tensors = bad / "truncated" / "adapter_model.safetensors"
     tensors.write_bytes(tensors.read_bytes()[:100])
     (bad / "pickled" / "adapter_model.safetensors").rename(bad / "pickled" / "adapter_model.bin")
