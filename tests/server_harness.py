@@ -18,6 +18,9 @@ from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 
 MODEL_NAME = "tiny"
 ENGINE_FLAGS = ["--kv-pages", "600", "--max-running", "16", "--adapter-rows", "64"]
+# /get_server_info needs the admin key, so test servers run with admin on. The key is in this
+# process's environment as in an operator's shell (docs snippets read it there).
+ADMIN_KEY = os.environ.setdefault("RADIXLORA_ADMIN_API_KEY", "harness-admin-key")
 
 
 def build_checkpoints(root: Path) -> tuple[Path, dict[str, Path]]:
@@ -37,12 +40,17 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, model: Path | None, adapters: dict[str, Path], log_path: Path,
-                 *extra: str):
-        """model None: `radixlora serve` without --model (the bundled demo)."""
+                 *extra: str, admin: bool = True):
+        """model None: `radixlora serve` without --model (the bundled demo); admin: add
+        --enable-admin (the key: --admin-api-key in extra, else ADMIN_KEY)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "radixlora.cli", "serve", "--port", str(self.port),
                "--log-level", "warning", *ENGINE_FLAGS, *extra]
+        if admin and "--enable-admin" not in extra:
+            cmd.append("--enable-admin")
+        self.admin_key = (extra[extra.index("--admin-api-key") + 1]
+                          if "--admin-api-key" in extra else ADMIN_KEY)
         if model is not None:
             cmd += ["--model", str(model)]
         for name, path in adapters.items():
@@ -71,7 +79,8 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")[-5000:]
 
     def info(self) -> dict:
-        return self.http.get("/get_server_info").json()
+        headers = {"authorization": f"Bearer {self.admin_key}"}
+        return self.http.get("/get_server_info", headers=headers).json()
 
     def child_pids(self) -> list[int]:
         return [pid for name, pid in self.info()["pids"].items() if name != "api"]
@@ -120,9 +129,10 @@ def assert_all_kv_free(sched: dict) -> None:
 
 
 @contextlib.contextmanager
-def running_server(model: Path | None, adapters: dict[str, Path], log_path: Path, *extra: str):
+def running_server(model: Path | None, adapters: dict[str, Path], log_path: Path, *extra: str,
+                   admin: bool = True):
     """A ready server for the duration of the block; it must then drain and exit 0."""
-    proc = ServerProcess(model, adapters, log_path, *extra)
+    proc = ServerProcess(model, adapters, log_path, *extra, admin=admin)
     try:
         proc.wait_ready()
         yield proc

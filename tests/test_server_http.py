@@ -395,12 +395,17 @@ def test_request_ids(server):
         next(lines)
         again = server.http.post("/generate", json={**slow, "stream": False})
         assert again.status_code == 409 and again.json()["error"]["param"] == "rid"
-        assert server.http.post("/abort_request", json={"rid": "dup-1"}).status_code == 200
+        assert _abort(server, "dup-1").status_code == 200
         last = [line for line in lines if line.startswith("data: {")][-1]
         assert msgspec.json.decode(last[6:])["meta_info"]["finish_reason"]["type"] == "abort"
-    unknown = server.http.post("/abort_request", json={"rid": "never-seen"})
+    unknown = _abort(server, "never-seen")
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "rid"
     assert_all_kv_free(server.wait_idle())
+
+
+def _abort(server, rid: str):
+    headers = {"authorization": f"Bearer {server.admin_key}"}  # no --api-key: admin only
+    return server.http.post("/abort_request", json={"rid": rid}, headers=headers)
 
 
 # ---- disconnects and garbage -------------------------------------------------------------------

@@ -5,7 +5,6 @@ plus /v1/pin_lora_adapter and /v1/unpin_lora_adapter {"lora_name"}. A lora_path 
 
 from __future__ import annotations
 
-import hmac
 import os
 from pathlib import Path
 
@@ -14,18 +13,19 @@ from starlette.requests import Request
 
 from radixlora.server.args import ServerArgs
 from radixlora.server.bridge import ProcessBridge
-from radixlora.server.http import HttpError, json_response, read_json
+from radixlora.server.http import Access, HttpError, json_response, read_json
+from radixlora.server.protocol import Int32
 
 
 class LoadLoraRequest(msgspec.Struct, kw_only=True):
     lora_name: str
     lora_path: str
-    lora_int_id: int | None = None  # accepted for vLLM compatibility, unused
+    lora_int_id: Int32 | None = None  # accepted for vLLM compatibility, unused
 
 
 class LoraNameRequest(msgspec.Struct, kw_only=True):
     lora_name: str
-    lora_int_id: int | None = None
+    lora_int_id: Int32 | None = None
 
 
 def confine(path: str, roots: list[str]) -> str:
@@ -49,21 +49,13 @@ def confine(path: str, roots: list[str]) -> str:
 
 
 class AdminHandlers:
-    def __init__(self, args: ServerArgs, runtime: ProcessBridge):
+    def __init__(self, args: ServerArgs, runtime: ProcessBridge, access: Access):
         self.args = args
         self.runtime = runtime
-        self.key = (args.admin_api_key or "").encode()
+        self.access = access
 
     def check_access(self, request: Request) -> None:
-        if not self.args.enable_admin:
-            raise HttpError(404, "admin endpoints are disabled (start with --enable-admin)",
-                            "not_found")
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 self.key):
-            raise HttpError(401, "a valid admin API key is required (Authorization: Bearer)",
-                            "invalid_api_key")
+        self.access.admin(request)
 
     async def load(self, request: Request):
         self.check_access(request)

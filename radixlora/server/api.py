@@ -10,6 +10,7 @@ import time
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -25,15 +26,23 @@ from radixlora.server.bridge import (
     ServiceUnavailable,
 )
 from radixlora.server.http import (
+    ADMIN,
+    Access,
     ClientGone,
     HttpError,
     error_response,
+    http_exception,
     json_response,
     read_json,
 )
 from radixlora.server.metrics import Metrics
 from radixlora.server.openai_api import OpenAIHandlers
-from radixlora.server.protocol import ChatRequest, CompletionRequest, GenerateRequest
+from radixlora.server.protocol import (
+    AbortRequest,
+    ChatRequest,
+    CompletionRequest,
+    GenerateRequest,
+)
 from radixlora.server.sglang_api import SglangHandlers
 
 log = logging.getLogger(__name__)
@@ -78,7 +87,8 @@ class Api:
         self.started = time.time()
         self.openai = OpenAIHandlers(runtime, args.model_name, vocab_size)
         self.sglang = SglangHandlers(runtime, args.model_name, vocab_size)
-        self.admin = AdminHandlers(args, runtime)
+        self.access = Access(args.api_key, args.admin_api_key, args.enable_admin)
+        self.admin = AdminHandlers(args, runtime, self.access)
 
     def error(self, status: int, message: str, code: str, param: str | None = None) -> Response:
         self.metrics.on_error(code)
@@ -102,7 +112,8 @@ class Api:
             Route("/v1/pin_lora_adapter", self.pin_lora, methods=["POST"]),
             Route("/v1/unpin_lora_adapter", self.unpin_lora, methods=["POST"]),
         ]
-        return Starlette(routes=routes)
+        handlers = {HTTPException: http_exception}
+        return Starlette(routes=routes, exception_handlers=handlers)
 
     # ---- endpoints ---------------------------------------------------------------------------
 
@@ -121,6 +132,7 @@ class Api:
 
     @guarded
     async def models(self, request: Request) -> Response:
+        self.access.identity(request)
         info = await self.runtime.query_info()
         base = self.args.model_name
         created = int(self.started)
@@ -135,23 +147,28 @@ class Api:
 
     @guarded
     async def completions(self, request: Request) -> Response:
+        owner = self.access.identity(request)
         self.runtime.check_accepting()
         req = await read_json(request, CompletionRequest, self.args.max_body_bytes)
-        return await self.openai.completions(request, req)
+        return await self.openai.completions(request, req, owner)
 
     @guarded
     async def chat(self, request: Request) -> Response:
+        owner = self.access.identity(request)
         self.runtime.check_accepting()
         req = await read_json(request, ChatRequest, self.args.max_body_bytes)
-        return await self.openai.chat(request, req)
+        return await self.openai.chat(request, req, owner)
 
     @guarded
     async def generate(self, request: Request) -> Response:
+        owner = self.access.identity(request)
         self.runtime.check_accepting()
         req = await read_json(request, GenerateRequest, self.args.max_body_bytes)
-        return await self.sglang.generate(request, req)
+        return await self.sglang.generate(request, req, owner)
 
+    @guarded
     async def model_info(self, request: Request) -> Response:
+        self.access.identity(request)
         return json_response({
             "model_path": self.args.model,
             "tokenizer_path": self.args.model,
@@ -161,6 +178,7 @@ class Api:
 
     @guarded
     async def server_info(self, request: Request) -> Response:
+        self.access.admin(request)
         scheduler = await self.runtime.query_info()
         return json_response({
             "version": "0.1.0",
@@ -181,16 +199,18 @@ class Api:
 
     @guarded
     async def flush_cache(self, request: Request) -> Response:
+        self.access.admin(request)
         info = await self.runtime.query_info(flush_cache=True)
         return json_response({"kv_free_tokens": info["kv_free_tokens"]})
 
     @guarded
     async def abort_request(self, request: Request) -> Response:
-        body = await read_json(request, dict, self.args.max_body_bytes)
-        rid = body.get("rid")
-        if not isinstance(rid, str) or not rid:
+        caller = self.access.aborter(request)
+        body = await read_json(request, AbortRequest, self.args.max_body_bytes)
+        rid = body.rid
+        if not rid:
             raise InvalidRequestError("rid must be a non-empty string", param="rid")
-        if not self.runtime.cancel(rid):
+        if not self.runtime.cancel(rid, None if caller == ADMIN else caller):
             raise HttpError(404, f"no request with id {rid!r} is in flight", "unknown_request_id",
                             "rid")
         return json_response({"aborted": rid})

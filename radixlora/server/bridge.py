@@ -39,6 +39,7 @@ from radixlora.server.messages import (
 log = logging.getLogger(__name__)
 
 INFO_TIMEOUT_S = 10.0
+EXPIRE_GRACE_S = 2.0  # after a drain timeout, time for handlers to answer their 503s
 
 
 class Health(enum.Enum):
@@ -94,6 +95,7 @@ class Generation:
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     fallback: str | None = None  # served base-only (policy "base"), and why
+    owner: str = ""  # who submitted it (a hash of its API key): only they may abort it
 
     @property
     def n(self) -> int:
@@ -127,6 +129,7 @@ class ProcessBridge:
         self.event_sub = self._subscribe(endpoints.registry) if args.adapter_dir else None
         self.event_codec = Codec(AdapterEvent)
         self.recent_events: collections.deque[AdapterEvent] = collections.deque(maxlen=256)
+        self.closed = False
 
     def _bind_inbox(self, endpoint: str) -> zmq.asyncio.Socket:
         check_local(endpoint)
@@ -162,7 +165,7 @@ class ProcessBridge:
         raise ServiceUnavailable(self.dead_reason or f"the server is {self.health.value}")
 
     def submit(
-        self, reqs: list[GenerateReq], adapter_label: str
+        self, reqs: list[GenerateReq], adapter_label: str, owner: str = ""
     ) -> list[Generation]:
         """Submit the prompts of one client request; their events share one queue."""
         self.check_accepting()
@@ -171,7 +174,7 @@ class ProcessBridge:
             if rid in self.generations or rids.count(rid) > 1:
                 raise DuplicateRequestId(rid)
         queue: asyncio.Queue = asyncio.Queue()
-        gens = [Generation(req, adapter_label, queue) for req in reqs]
+        gens = [Generation(req, adapter_label, queue, owner=owner) for req in reqs]
         for gen in gens:
             self.generations[gen.req.rid] = gen
             self.to_tokenizer.send(self.encoder.encode(gen.req))
@@ -183,16 +186,18 @@ class ProcessBridge:
         gen = self.generations.pop(rid, None)
         if gen is None:
             return False
-        self.to_tokenizer.send(self.encoder.encode(AbortReq(rid=rid)))
+        if not self.closed:  # a handler cancelled at exit, after close()
+            self.to_tokenizer.send(self.encoder.encode(AbortReq(rid=rid)))
         if self.metrics is not None:
             self.metrics.on_abort(gen)
         return True
 
-    def cancel(self, rid: str) -> bool:
-        """Abort on behalf of another caller (/abort_request): the request's own client gets
-        its samples back with finish_reason "abort"."""
+    def cancel(self, rid: str, owner: str | None = None) -> bool:
+        """Abort on behalf of another caller (/abort_request; `owner` None: any request, else
+        only that owner's): the request's own client gets its samples back with
+        finish_reason "abort"."""
         gen = self.generations.get(rid)
-        if gen is None:
+        if gen is None or owner not in (None, gen.owner):
             return False
         self.abort(rid)
         for index in range(gen.n):
@@ -327,12 +332,23 @@ class ProcessBridge:
         """A child died: fail everything in flight at once."""
         self.health = Health.DEAD
         self.dead_reason = reason
+        self._fail_all(reason, "server_error")
+
+    async def expire(self, grace_s: float = EXPIRE_GRACE_S) -> None:
+        """The drain timed out: every request still in flight fails with a 503 (an error event
+        on a stream); wait up to grace_s for their handlers to answer."""
+        log.warning("drain timeout: failing %d requests still in flight", len(self.generations))
+        self._fail_all("the server is shutting down (drain timeout)", "drain_timeout")
+        deadline = time.monotonic() + grace_s
+        while self.generations and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    def _fail_all(self, reason: str, code: str) -> None:
         for gen in list(self.generations.values()):
-            gen.queue.put_nowait(
-                ReqError(rid=gen.req.rid, message=reason, code="server_error", status=503)
-            )
+            gen.queue.put_nowait(ReqError(rid=gen.req.rid, message=reason, code=code, status=503))
 
     def close(self) -> None:
+        self.closed = True
         self.ctx.destroy(linger=0)
         self.sync_ctx.destroy(linger=0)
 

@@ -58,10 +58,10 @@ class OpenAIHandlers:
             ))
         return reqs, adapter_label(choices)
 
-    async def completions(self, request: Request, req: CompletionRequest):
+    async def completions(self, request: Request, req: CompletionRequest, owner: str):
         head = response_head("cmpl", "text_completion", req.model)
         reqs, label = self.completion_reqs(req, head["id"])
-        gens = self.runtime.submit(reqs, label)
+        gens = self.runtime.submit(reqs, label, owner)
         if req.stream:
             return await self._stream(request, gens, self._completion_chunks(gens, head, req))
         await until_disconnect(request, self.runtime.collect(gens))
@@ -106,10 +106,10 @@ class OpenAIHandlers:
         )
         return gen, adapter_label(choices)
 
-    async def chat(self, request: Request, req: ChatRequest):
+    async def chat(self, request: Request, req: ChatRequest, owner: str):
         head = response_head("chatcmpl", "chat.completion", req.model)
         gen_req, label = self.chat_req(req, head["id"])
-        gens = self.runtime.submit([gen_req], label)
+        gens = self.runtime.submit([gen_req], label, owner)
         if req.stream:
             head["object"] = "chat.completion.chunk"
             return await self._stream(request, gens, self._chat_chunks(gens, head, req))

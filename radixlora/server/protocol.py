@@ -5,6 +5,7 @@ tokenizer/scheduler with an InvalidRequestError naming the field."""
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 import msgspec
 
@@ -17,6 +18,12 @@ MAX_STOP_CHARS = 256
 MAX_PROMPTS = 64
 MAX_INT = 2**31 - 1
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+# Every integer is range-checked while decoding, before anything converts it to a fixed-width
+# type (int32 token arrays, int64 sampler rows): out of range is a 400 naming the field.
+Int32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=MAX_INT)]
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -34,28 +41,28 @@ class _Sampling(msgspec.Struct, kw_only=True):
     model: str
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
-    n: int = 1
+    n: Int32 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     adapters: list[AdapterRef] | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int32 | None = 16
+    logprobs: Int32 | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: Int32 | None = None
     suffix: str | None = None
 
 
@@ -72,26 +79,26 @@ class ChatMessageIn(msgspec.Struct, kw_only=True):
 
 class ChatRequest(_Sampling, kw_only=True):
     messages: list[ChatMessageIn]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int32 | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
     tools: list | None = None
     response_format: dict | None = None
 
 
 class SglSamplingParams(msgspec.Struct, kw_only=True):
-    max_new_tokens: int = 128
+    max_new_tokens: Int32 = 128
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: Int32 = -1
     min_p: float = 0.0
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = 1
+    stop_token_ids: list[TokenId] | None = None
+    n: Int32 = 1
     ignore_eos: bool = False
-    sampling_seed: int | None = None
-    seed: int | None = None
+    sampling_seed: Int64 | None = None
+    seed: Int64 | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -108,9 +115,13 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     adapters: list[AdapterRef] | None = None  # radixlora: a weighted stack for every prompt
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
+    top_logprobs_num: Int32 = 0
+    logprob_start_len: Int32 = -1
     rid: str | list[str] | None = None
+
+
+class AbortRequest(msgspec.Struct, kw_only=True):
+    rid: str
 
 
 # ---- shared checks ---------------------------------------------------------------------------
@@ -235,30 +246,38 @@ def chat_params(req: ChatRequest, vocab_size: int) -> SamplingParams:
     return _common(req, vocab_size, max_tokens, logprobs)
 
 
-def completion_prompts(prompt: str | list) -> list[str | list[int]]:
-    """A string, a list of strings, a list of token ids, or a list of token id lists."""
+def completion_prompts(prompt: str | list, param: str = "prompt") -> list[str | list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of token id lists; token
+    ids must fit int32 (the vocabulary check comes later, in the tokenizer)."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise InvalidRequestError("the prompt is empty", param="prompt")
-    if all(_is_token(t) for t in prompt):
-        return [list(prompt)]
+        raise InvalidRequestError("the prompt is empty", param=param)
+    if all(_is_int(t) for t in prompt):
+        return [_token_ids(prompt, param)]
     if all(isinstance(p, str) for p in prompt) or all(
-        isinstance(p, list) and all(_is_token(t) for t in p) for p in prompt
+        isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt
     ):
         if len(prompt) > MAX_PROMPTS:
             raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts per request",
-                                      param="prompt")
-        return list(prompt)
+                                      param=param)
+        return [p if isinstance(p, str) else _token_ids(p, param) for p in prompt]
     raise InvalidRequestError(
-        "prompt must be a string, a list of strings, a list of token ids or a list of token id "
-        "lists",
-        param="prompt",
+        f"{param} must be a string, a list of strings, a list of token ids or a list of token "
+        "id lists",
+        param=param,
     )
 
 
-def _is_token(t) -> bool:
+def _is_int(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _token_ids(ids: list[int], param: str) -> list[int]:
+    if any(not 0 <= t <= MAX_INT for t in ids):
+        raise InvalidRequestError(f"token ids in {param} must be between 0 and {MAX_INT}",
+                                  param=param)
+    return ids
 
 
 def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:

@@ -92,10 +92,10 @@ class SglangHandlers:
             logprobs=req.top_logprobs_num if req.return_logprob else None,
         )
 
-    async def generate(self, request: Request, req: GenerateRequest):
+    async def generate(self, request: Request, req: GenerateRequest, owner: str):
         reqs, batched = self.generate_reqs(req)
         labels = {adapter_label(r.adapters) for r in reqs}
-        gens = self.runtime.submit(reqs, labels.pop() if len(labels) == 1 else "mixed")
+        gens = self.runtime.submit(reqs, labels.pop() if len(labels) == 1 else "mixed", owner)
         start = time.monotonic()
         if req.stream:
             chunks = self._chunks(gens, req, start)
@@ -127,7 +127,7 @@ def _prompts(req: GenerateRequest) -> tuple[list, bool]:
         if isinstance(req.text, str):
             return [req.text], False
         return completion_prompts(req.text), True
-    prompts = completion_prompts(req.input_ids)
+    prompts = completion_prompts(req.input_ids, "input_ids")
     return prompts, bool(req.input_ids) and isinstance(req.input_ids[0], list)
 
 
