@@ -187,10 +187,6 @@ def build_params(vocab_size: int, **fields) -> SamplingParams:
     checked as 1 and resolved after tokenization (GenerateReq.fill_context)."""
     fields = {k: v for k, v in fields.items() if v is not None}
     fields.setdefault("max_tokens", 1)
-    for name in ("max_tokens", "top_k"):
-        value = fields.get(name)
-        if isinstance(value, int) and abs(value) > MAX_INT:
-            raise InvalidRequestError(f"{name} must be at most {MAX_INT}", param=name)
     params = SamplingParams(**fields)
     params.validate(vocab_size)
     return params
