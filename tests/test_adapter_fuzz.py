@@ -38,7 +38,8 @@ NUMBERS = st.one_of(
     st.sampled_from([0, 1, 4, 8, -1, 1e308, -1e308, 2**63, 0.5]),
 )
 REGEX_KEYS = st.one_of(
-    st.sampled_from(["q_proj", "[", "(?P<", "*", "a{99999999999}", "(a+)+", ".*", "\\", ""]),
+    st.sampled_from(["q_proj", "[", "(?P<", "*", "a{99999999999}", "(a+)+", "(.*)*x", ".*", "\\",
+                     ""]),
     st.text(max_size=12),
 )
 SCALARS = st.one_of(st.none(), st.booleans(), NUMBERS, st.text(max_size=8))

@@ -248,6 +248,10 @@ def test_wrong_config_types_name_the_field(engine, adapters, tmp_path, field):
     (dict(rank_pattern={"q_proj[": 4}), "not a valid regular expression"),
     (dict(alpha_pattern={"(?P<": 4}), "not a valid regular expression"),
     (dict(rank_pattern={"q" * 300: 4}), "longer than"),
+    (dict(rank_pattern={"(.*)*x": 4}), "inside a repetition"),
+    (dict(alpha_pattern={"(ab|cd)+": 4}), "inside a repetition"),
+    (dict(rank_pattern={".*.*.*.*.*x": 4}), "more than 4 repetitions"),
+    (dict(rank_pattern={f"x{i}": 4 for i in range(600)}), "more than 512 keys"),
     (dict(layers_to_transform=[-1]), "`$.layers_to_transform"),
 ])
 def test_config_ranges_and_patterns(engine, adapters, tmp_path, changes, reason):

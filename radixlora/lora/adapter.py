@@ -4,10 +4,13 @@ Every failure is an AdapterError naming the adapter and the reason; nothing is e
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
 import re
+import re._constants as sre_constants
+import re._parser as sre_parse
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +41,9 @@ MAX_ADAPTER_BYTES = 8 << 30
 MAX_CONFIG_BYTES = 1 << 20
 MAX_ALPHA = 1e6
 MAX_PATTERN_CHARS = 256
+MAX_PATTERN_REPEATS = 4
+MAX_PATTERNS = 512  # keys of rank_pattern or alpha_pattern
+_REPEATS = (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT, sre_constants.POSSESSIVE_REPEAT)
 
 Rank = Annotated[int, msgspec.Meta(ge=1)]
 Alpha = Annotated[float, msgspec.Meta(ge=-MAX_ALPHA, le=MAX_ALPHA)]
@@ -215,6 +221,9 @@ def _decode_config(name: str, raw: bytes) -> LoraConfig:
 
 
 def _check_patterns(name: str, field: str, patterns: dict) -> None:
+    if len(patterns) > MAX_PATTERNS:
+        raise AdapterError(name, f"adapter_config.json: {field} has more than {MAX_PATTERNS} "
+                           "keys", code="invalid_adapter_config")
     for pattern in patterns:
         if len(pattern) > MAX_PATTERN_CHARS:
             raise AdapterError(name, f"adapter_config.json: {field} key {pattern[:32]!r}... is "
@@ -222,14 +231,41 @@ def _check_patterns(name: str, field: str, patterns: dict) -> None:
                                code="invalid_adapter_config")
         try:
             _pattern_regex(pattern)
+            _check_backtracking(sre_parse.parse(pattern))
         except (re.error, RecursionError, OverflowError) as e:
             raise AdapterError(name, f"adapter_config.json: {field} key {pattern!r} is not a "
                                f"valid regular expression: {e}",
                                code="invalid_adapter_config") from e
 
 
+@functools.lru_cache(maxsize=2 * MAX_PATTERNS)
 def _pattern_regex(pattern: str) -> re.Pattern:
     return re.compile(rf"(.*\.)?({pattern})$")
+
+
+def _check_backtracking(sub, in_repeat: bool = False) -> int:
+    """The number of repetitions in a parsed pattern; re.error for a repetition or alternation
+    inside a repetition, or too many repetitions: Python's re has no time limit, and such a
+    pattern can backtrack for hours on one module path."""
+    count = 0
+    for op, av in sub:
+        repeat = op in _REPEATS and av[1] > 1
+        if in_repeat and (repeat or op is sre_constants.BRANCH):
+            raise re.error("a repetition or alternation inside a repetition is not allowed")
+        count += repeat
+        for child in _subpatterns(av):
+            count += _check_backtracking(child, in_repeat or repeat)
+    if count > MAX_PATTERN_REPEATS:
+        raise re.error(f"more than {MAX_PATTERN_REPEATS} repetitions")
+    return count
+
+
+def _subpatterns(av):
+    if isinstance(av, sre_parse.SubPattern):
+        yield av
+    elif isinstance(av, (tuple, list)):
+        for item in av:
+            yield from _subpatterns(item)
 
 
 def _parse_tensors(name: str, raw: bytes) -> dict[str, torch.Tensor]:
