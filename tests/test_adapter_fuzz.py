@@ -2,8 +2,9 @@
 huge and negative numbers, bad regular-expression keys, deep nesting): `load_adapter` either
 accepts the adapter or raises AdapterError, nothing else. And one live `radixlora serve` with
 --adapter-dir and admin: bad configs, a FIFO, a file symlink leaving the allowed root, integer
-tensors and the base model's name are OpenAI-shaped 4xx or rejected events, the server and the
-registry stay up, and the same content under several names serves identical outputs."""
+tensors, the base model's name and stack weights out of bounds are OpenAI-shaped 4xx or rejected
+events, the server and the registry stay up, and the same content under several names serves
+identical outputs."""
 
 from __future__ import annotations
 
@@ -200,3 +201,8 @@ def test_hostile_adapters_against_a_live_server(tiny, tmp_path):
         assert list(models).count(BASE) == 1
         assert len({_complete(server, n) for n in names}) == 1
         assert _complete(server, "c_good") != _complete(server, "d_copy")
+        for weight in (1e38, -101.0):
+            resp = server.http.post("/v1/completions", json={
+                "model": BASE, "prompt": PROMPT, "max_tokens": 2,
+                "adapters": [{"name": "c_good", "weight": weight}]})
+            _assert_openai_error(resp, 400, "finite number in [-100, 100]")
