@@ -36,6 +36,7 @@ DEMO_SPEC = json.loads((DEMO_MODEL_DIR / "tokenizer.json").read_text())
 DEMO_TOKENIZER = Tokenizer.from_dir(DEMO_MODEL_DIR)
 DEMO_PIECES = [DEMO_TOKENIZER.decode([i]) for i in range(DEMO_TOKENIZER.vocab_size)]
 BIG_PROMPT_BYTES = 3 * 1024 * 1024
+NORMAL_REQUEST_S = 5  # a normal request alone: well under 1 s; behind the big prompts: 15 s
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +230,7 @@ def test_huge_prompts_do_not_delay_normal_requests(tmp_path):
         chat = {"model": "radixlora-demo", "max_tokens": 4,
                 "messages": [{"role": "user", "content": "z" * BIG_PROMPT_BYTES}]}
         normal = {"model": "radixlora-demo", "prompt": "hello", "max_tokens": 4}
+        assert post(url, normal)[1].status_code == 200  # warm-up: first-request costs
         latencies = []
         with ThreadPoolExecutor(4) as pool:
             bigs = [pool.submit(post, url, huge) for _ in range(2)]
@@ -239,7 +241,7 @@ def test_huge_prompts_do_not_delay_normal_requests(tmp_path):
                 assert response.status_code == 200, response.text
                 latencies.append(seconds)
             big_results = [f.result()[1] for f in bigs]
-        assert max(latencies) < 3, latencies
+        assert max(latencies) < NORMAL_REQUEST_S, latencies
         for big in big_results:
             assert big.status_code == 400
             assert big.json()["error"]["code"] == "context_length_exceeded"
