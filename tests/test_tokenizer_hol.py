@@ -172,6 +172,13 @@ def test_short_prompts_are_answered_while_a_long_one_tokenizes(pooled):
     assert "long" in service.reqs and not service.pending
 
 
+def test_a_long_prompt_over_the_cap_is_rejected_before_the_pool(pooled):
+    service, gate = pooled
+    to_sched, [error] = service.on_generate(generate("big", "x" * (service.max_prompt_bytes + 1)))
+    assert to_sched == [] and error.code == "context_length_exceeded"
+    assert not service.pending and gate.sent == []
+
+
 def test_pool_and_loop_give_the_same_tokens(pooled, service):
     pool_service, gate = pooled
     pool_service.on_generate(generate("a", LONG))
