@@ -279,6 +279,7 @@ def test_peft_extras_and_every_accepted_form_still_load(engine, adapters, tmp_pa
     path = edit_config(clone(good, tmp_path / "x"), lora_alpha=16.5, target_modules="q_proj",
                        use_dora=False, modules_to_save=None, fan_in_fan_out=False,
                        trainable_token_indices=None, layers_to_transform=None,
+                       rank_pattern=None, alpha_pattern=None, use_rslora=None,
                        unknown_future_key={"deep": [1, {"x": None}]}, task_type="CAUSAL_LM")
     engine.load_adapter("extras", path)
     assert "extras" in engine.adapters

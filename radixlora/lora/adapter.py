@@ -59,9 +59,9 @@ class LoraConfig(msgspec.Struct, kw_only=True):
     r: Rank = 8
     lora_alpha: Alpha = 8
     target_modules: str | list[str] | None = None
-    rank_pattern: dict[str, Rank] = {}
-    alpha_pattern: dict[str, PositiveAlpha] = {}
-    use_rslora: bool = False
+    rank_pattern: dict[str, Rank] | None = None
+    alpha_pattern: dict[str, PositiveAlpha] | None = None
+    use_rslora: bool | None = False
     layers_to_transform: Layer | list[Layer] | None = None
     bias: Literal["none", "all", "lora_only"] = "none"
     use_dora: bool | None = False
@@ -200,8 +200,8 @@ def _parse_config(name: str, raw: bytes) -> LoraConfig:
             f"bias={config.bias!r} is not supported (only 'none')",
             code="unsupported_adapter",
         )
-    _check_patterns(name, "rank_pattern", config.rank_pattern)
-    _check_patterns(name, "alpha_pattern", config.alpha_pattern)
+    _check_patterns(name, "rank_pattern", config.rank_pattern or {})
+    _check_patterns(name, "alpha_pattern", config.alpha_pattern or {})
     return config
 
 
@@ -337,8 +337,8 @@ def _layers_to_transform(config: LoraConfig) -> set[int] | None:
 
 def _rank_alpha(config: LoraConfig, key: str) -> tuple[int, float]:
     """PEFT's rule: the first pattern key matching the end of the module path wins."""
-    rank = _pattern_value(config.rank_pattern, key, config.r)
-    alpha = _pattern_value(config.alpha_pattern, key, config.lora_alpha)
+    rank = _pattern_value(config.rank_pattern or {}, key, config.r)
+    alpha = _pattern_value(config.alpha_pattern or {}, key, config.lora_alpha)
     return rank, alpha
 
 
