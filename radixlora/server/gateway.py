@@ -5,6 +5,7 @@ the same validation and request tracking as HTTP."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 import msgspec
@@ -14,6 +15,7 @@ from radixlora.errors import InvalidRequestError
 from radixlora.server.bridge import DuplicateRequestId, ProcessBridge, ReqFailed, ServiceUnavailable
 from radixlora.server.ipc import check_local
 from radixlora.server.messages import (
+    MAX_MESSAGE_BYTES,
     AbortReq,
     Codec,
     GenerateReq,
@@ -32,6 +34,7 @@ class ClientGateway:
         self.vocab_size = vocab_size
         self.sock = runtime.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.sock.bind(endpoint)
         self.codec = Codec(GenerateReq | AbortReq)
         self.encoder = msgspec.msgpack.Encoder()
@@ -44,7 +47,7 @@ class ClientGateway:
                 log.warning("dropped a client message of %d frames (expected 2)", len(frames))
                 continue
             identity, raw = frames
-            msg = self.codec.decode(raw)
+            msg = self.codec.decode(raw, functools.partial(self._send, identity))
             if isinstance(msg, GenerateReq):
                 task = asyncio.create_task(self._generate(identity, msg))
                 self.tasks.add(task)
@@ -57,6 +60,10 @@ class ClientGateway:
             await self._run(identity, req)
         except (ReqFailed, InvalidRequestError, ServiceUnavailable, DuplicateRequestId) as e:
             self._send(identity, _as_error(req.rid, e))
+        except Exception:  # noqa: BLE001 - one request never stops the gateway
+            log.exception("ZeroMQ request %s failed", req.rid)
+            self._send(identity, ReqError(rid=req.rid, message="internal error",
+                                          code="internal_error", status=500))
 
     async def _run(self, identity: bytes, req: GenerateReq) -> None:
         req.params.validate(self.vocab_size)

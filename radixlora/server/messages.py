@@ -13,12 +13,20 @@ Channels (sender -> receiver: messages):
   scheduler -> api:        InfoReply, SchedulerStats, AdminReply
   api -> scheduler:        AdminReq
   registry -> scheduler, api (PUB/SUB): AdapterEvent
-  child -> launcher:       Ready
+  child -> launcher:       Ready, then a Heartbeat about every second
+
+Every message is validated where it is received: msgspec.Meta constraints on the fields
+(bounded int32 arrays, non-negative counts, enums as Literals) when it is decoded, then the
+message's validate() (what Meta cannot express: int32 arrays a multiple of 4 bytes, one prompt
+form). A message failing either is dropped with a log line, or answered with a ReqError where
+it carries a request id (Codec.decode's `reject`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -30,9 +38,32 @@ from radixlora.step_plan import ids_to_bytes as ids_to_bytes
 
 log = logging.getLogger(__name__)
 
+MAX_IDS = 1 << 24  # int32 values in one array of one message
+MAX_MESSAGE_BYTES = 4 * MAX_IDS + (1 << 20)  # the largest message the client endpoint takes
+Int32Array = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_IDS)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+HttpStatus = Annotated[int, msgspec.Meta(ge=100, le=599)]
+ProcName = Literal["tokenizer", "scheduler", "worker", "registry"]
+
+
+class InvalidMessage(ValueError):
+    def __init__(self, param: str, reason: str):
+        super().__init__(f"{param}: {reason}")
+        self.param = param
+        self.reason = reason
+
+
+def check_int32(raw: bytes | None, param: str) -> None:
+    if raw is not None and len(raw) % 4:
+        raise InvalidMessage(param, f"an int32 array needs a multiple of 4 bytes, "
+                                    f"got {len(raw)}")
+
 
 class Message(msgspec.Struct, tag=True, kw_only=True):
     """Base of every message; the class name is its tag."""
+
+    def validate(self) -> None:
+        """What the field types cannot express; raises InvalidMessage."""
 
 
 # ---- api -> tokenizer ------------------------------------------------------------------------
@@ -52,18 +83,24 @@ class GenerateReq(Message):
     fill_context: bool = False
     prompt_only: bool = False  # tokenize and answer with no tokens (SGLang max_new_tokens=0)
     prompt: str | None = None
-    input_ids: bytes | None = None
+    input_ids: Int32Array | None = None
     messages: list[ChatMessage] | None = None
     adapters: list[AdapterChoice] | None = None
     stop: list[str] = []
     token_texts: bool = False  # attach per-token strings (for logprobs)
-    logprob_start: int | None = None  # return the logprobs of prompt tokens from here on
+    logprob_start: Count | None = None  # return the logprobs of prompt tokens from here on
     score_only: bool = False  # max_new_tokens 0 with prompt logprobs: drop the sampled token
+
+    def validate(self) -> None:
+        check_int32(self.input_ids, "input_ids")
+        forms = [f for f in ("prompt", "input_ids", "messages") if getattr(self, f) is not None]
+        if len(forms) > 1:
+            raise InvalidMessage(forms[1], f"give one of prompt, input_ids, messages, not {forms}")
 
 
 class AbortReq(Message):
     rid: str
-    index: int | None = None  # one sample of an n > 1 request, or all of them
+    index: Count | None = None  # one sample of an n > 1 request, or all of them
 
 
 # ---- tokenizer -> scheduler ------------------------------------------------------------------
@@ -71,10 +108,13 @@ class AbortReq(Message):
 
 class TokenizedReq(Message):
     rid: str
-    input_ids: bytes
+    input_ids: Int32Array
     params: SamplingParams
     adapters: list[AdapterChoice] | None = None
-    logprob_start: int | None = None
+    logprob_start: Count | None = None
+
+    def validate(self) -> None:
+        check_int32(self.input_ids, "input_ids")
 
 
 # ---- scheduler -> tokenizer -> api -----------------------------------------------------------
@@ -82,20 +122,25 @@ class TokenizedReq(Message):
 
 class TokenOut(msgspec.Struct, array_like=True):
     rid: str
-    index: int
-    token_ids: bytes  # int32, new tokens since the last TokenOut of this sample
+    index: Count
+    token_ids: Int32Array  # new tokens since the last TokenOut of this sample
     logprobs: list[float]
     top: list[list[tuple[int, float]]] | None
     finish_reason: str | None
-    prompt_tokens: int
-    cached_tokens: int
+    prompt_tokens: Count
+    cached_tokens: Count
     fallback: str | None = None  # why the request is served base-only (policy "base")
     input_logprobs: list[float] = []  # prompt tokens from logprob_start on (first TokenOut)
-    input_ids: bytes = b""  # int32: the prompt tokens input_logprobs score
+    input_ids: Int32Array = b""  # the prompt tokens input_logprobs score
 
 
 class TokenBatch(Message):
     outputs: list[TokenOut]
+
+    def validate(self) -> None:
+        for out in self.outputs:
+            check_int32(out.token_ids, "token_ids")
+            check_int32(out.input_ids, "input_ids")
 
 
 class ReqError(Message):
@@ -103,37 +148,42 @@ class ReqError(Message):
     message: str
     code: str = "invalid_request"
     param: str | None = None
-    status: int = 400
+    status: HttpStatus = 400
 
 
 class SampleOutput(msgspec.Struct, array_like=True):
     """New output of one sample: text and tokens since the previous SampleOutput."""
 
     rid: str
-    index: int
+    index: Count
     text: str
-    token_ids: bytes
+    token_ids: Int32Array
     logprobs: list[float]
     token_texts: list[str] | None
     top: list[list[tuple[int, float, str]]] | None
     finish_reason: str | None
     matched_stop: str | int | None
-    prompt_tokens: int
-    cached_tokens: int
+    prompt_tokens: Count
+    cached_tokens: Count
     fallback: str | None = None
     input_logprobs: list[float] = []
-    input_ids: bytes = b""  # int32 prompt tokens that input_logprobs score
+    input_ids: Int32Array = b""  # prompt tokens that input_logprobs score
 
 
 class OutputBatch(Message):
     outputs: list[SampleOutput]
+
+    def validate(self) -> None:
+        for out in self.outputs:
+            check_int32(out.token_ids, "token_ids")
+            check_int32(out.input_ids, "input_ids")
 
 
 # ---- control ---------------------------------------------------------------------------------
 
 
 class InfoQuery(Message):
-    qid: int
+    qid: Count
     flush_cache: bool = False
 
 
@@ -145,26 +195,26 @@ class AdapterInfo(msgspec.Struct, kw_only=True):
 
 
 class InfoReply(Message):
-    qid: int
+    qid: Count
     info: dict
 
 
 class SchedulerStats(Message):
-    kv_capacity: int
-    kv_used: int
-    kv_cached: int
-    running: int
-    waiting: int
-    prompt_tokens: int
-    cached_tokens: int
-    adapter_loads: int = 0  # cumulative loads into the device pool
-    adapter_evictions: int = 0  # cumulative
+    kv_capacity: Count
+    kv_used: Count
+    kv_cached: Count
+    running: Count
+    waiting: Count
+    prompt_tokens: Count
+    cached_tokens: Count
+    adapter_loads: Count = 0  # cumulative loads into the device pool
+    adapter_evictions: Count = 0  # cumulative
     adapter_load_seconds: list[float] = []  # worker load latencies since the last stats
-    resident_adapters: int = 0
-    resident_bytes: int = 0  # device pool bytes of the resident adapters' rows
-    host_adapters: int = 0  # adapters in the worker's pinned host tier
-    host_bytes: int = 0
-    swaps_waiting: int = 0  # requests held back by the swap cap at the last step
+    resident_adapters: Count = 0
+    resident_bytes: Count = 0  # device pool bytes of the resident adapters' rows
+    host_adapters: Count = 0  # adapters in the worker's pinned host tier
+    host_bytes: Count = 0
+    swaps_waiting: Count = 0  # requests held back by the swap cap at the last step
 
 
 class AdapterEvent(Message):
@@ -172,8 +222,8 @@ class AdapterEvent(Message):
     survives registry restarts; kind "hello" (a registry that just started and found its
     subscribers) carries the last seq and changes nothing."""
 
-    seq: int
-    kind: str  # added | updated | removed | rejected | skipped | hello
+    seq: Count
+    kind: Literal["added", "updated", "removed", "rejected", "skipped", "hello"]
     name: str = ""
     adapter_id: str = ""  # content hash (added, updated, removed, skipped)
     path: str = ""  # the immutable content-addressed snapshot (added, updated)
@@ -185,31 +235,86 @@ class AdapterEvent(Message):
 class AdminReq(Message):
     """load / unload / pin / unpin of one adapter name (POST /v1/*_lora_adapter)."""
 
-    qid: int
-    op: str
+    qid: Count
+    op: Literal["load", "unload", "pin", "unpin"]
     name: str
     path: str = ""
 
 
 class AdminReply(Message):
-    qid: int
-    status: int = 200
+    qid: Count
+    status: HttpStatus = 200
     message: str = ""
     code: str = ""
     info: dict = {}
 
 
 class Ready(Message):
-    proc: str
-    pid: int
+    proc: ProcName
+    pid: Count
     info: dict = {}
+
+
+class Heartbeat(Message):
+    """A child's main loop is turning: sent about every second from that loop (never from a
+    side thread), so a process stopped or stuck in one message falls silent. `progress` is a
+    counter of its work (steps, messages, events) for the launcher's log line."""
+
+    proc: ProcName
+    pid: Count
+    progress: Count = 0
 
 
 ApiInbox = OutputBatch | ReqError | InfoReply | SchedulerStats | AdminReply
 TokenizerInbox = GenerateReq | AbortReq | TokenBatch | ReqError
 SchedulerInbox = TokenizedReq | AbortReq | InfoQuery | StepResult | AdminReq
 WorkerInbox = StepPlan
-LauncherInbox = Ready
+LauncherInbox = Ready | Heartbeat
+
+
+def validate_plan(plan: StepPlan) -> None:
+    """A StepPlan's arrays and indices agree with each other (the worker adds the ranges it
+    knows: vocabulary, KV slots)."""
+    if plan.step < 0:
+        raise InvalidMessage("step", f"must be >= 0, got {plan.step}")
+    check_int32(plan.input_ids, "input_ids")
+    check_int32(plan.kv_slots, "kv_slots")
+    extend = slots = 0
+    for item in plan.items:
+        if min(item.extend_len, item.start, item.out_index, item.score_from) < 0:
+            raise InvalidMessage("items", "negative length, position or index")
+        if not 0 <= item.adapter_set < max(1, len(plan.adapter_sets)):
+            raise InvalidMessage("items", f"adapter set {item.adapter_set} out of range")
+        check_int32(item.score_ids, "score_ids")
+        extend += item.extend_len
+        slots += item.start + item.extend_len
+    if 4 * extend != len(plan.input_ids) or 4 * slots != len(plan.kv_slots):
+        raise InvalidMessage("items", "extend lengths and positions disagree with the arrays")
+    for load in plan.adapter_loads:
+        check_int32(load.rows, "adapter_loads.rows")
+    for groups in plan.adapter_sets:
+        if any(len(g.rows) != len(g.scales) or min(g.rows, default=0) < 0
+               for g in groups.values()):
+            raise InvalidMessage("adapter_sets", "rows and scales disagree or a row is negative")
+
+
+def validate_result(result: StepResult) -> None:
+    if result.step < 0:
+        raise InvalidMessage("step", f"must be >= 0, got {result.step}")
+    check_int32(result.token_ids, "token_ids")
+    if len(result.logprobs) > len(result.token_ids) // 4:
+        raise InvalidMessage("logprobs", "more logprobs than sampled tokens")
+
+
+def validate(msg) -> None:
+    """Raise InvalidMessage unless msg is consistent (its fields' types and Meta are already
+    enforced by the decoder)."""
+    if isinstance(msg, StepPlan):
+        validate_plan(msg)
+    elif isinstance(msg, StepResult):
+        validate_result(msg)
+    else:
+        msg.validate()
 
 
 class Codec:
@@ -222,10 +327,37 @@ class Codec:
     def encode(self, msg: Message) -> bytes:
         return self.encoder.encode(msg)
 
-    def decode(self, raw: bytes):
-        """The message, or None (logged) for bytes that are not a valid message."""
+    def decode(self, raw: bytes, reject: Callable[[ReqError], None] | None = None):
+        """The message, or None (logged) for bytes that are not a valid message. A message
+        that decodes but fails validation is answered through `reject` with a ReqError when
+        it carries a request id, else dropped."""
         try:
-            return self.decoder.decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            msg = self.decoder.decode(raw)
+        except msgspec.ValidationError as e:  # well-formed msgpack, not a valid message
             log.warning("dropped %d bytes that are not a valid message: %s", len(raw), e)
+            rid = _rid_of(raw)
+            if reject is not None and rid is not None:
+                reject(ReqError(rid=rid, message=f"invalid message: {e}"))
             return None
+        except msgspec.DecodeError as e:
+            log.warning("dropped %d bytes that are not msgpack: %s", len(raw), e)
+            return None
+        try:
+            validate(msg)
+        except InvalidMessage as e:
+            log.warning("dropped an invalid %s: %s", type(msg).__name__, e)
+            rid = getattr(msg, "rid", None)
+            if reject is not None and isinstance(rid, str):
+                reject(ReqError(rid=rid, message=f"invalid message: {e}", param=e.param))
+            return None
+        return msg
+
+
+def _rid_of(raw: bytes) -> str | None:
+    """The request id of well-formed msgpack that is not a valid message, if it has one."""
+    try:
+        fields = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    rid = fields.get("rid") if isinstance(fields, dict) else None
+    return rid if isinstance(rid, str) else None
