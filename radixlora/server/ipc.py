@@ -1,5 +1,7 @@
 """ZeroMQ plumbing shared by the processes: an inbox (PULL, bound) that drops bytes which are
-not a valid message, outboxes (PUSH, connected), and the start-up of a child process."""
+not a valid message, outboxes (PUSH, connected), the start-up of a child process (its ServerArgs
+read from an inherited pipe, its stdin: never from the command line, which any local user can
+read) and its heartbeat to the launcher."""
 
 from __future__ import annotations
 
@@ -16,12 +18,13 @@ import zmq
 
 from radixlora.errors import RadixLoraError
 from radixlora.server.args import ServerArgs
-from radixlora.server.messages import Codec, Message, Ready
+from radixlora.server.messages import Codec, Heartbeat, Message, Ready, ReqError
 
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 PARENT_POLL_S = 1.0
+HEARTBEAT_S = 1.0
 
 
 def check_local(endpoint: str) -> None:
@@ -34,12 +37,14 @@ def check_local(endpoint: str) -> None:
 class Inbox:
     """A bound PULL socket decoding one inbox union; garbage is logged and skipped."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, inbox_type):
+    def __init__(self, ctx: zmq.Context, endpoint: str, inbox_type, reject=None):
+        """reject(ReqError): answers a request-carrying message that fails validation."""
         check_local(endpoint)
         self.sock = ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
         self.codec = Codec(inbox_type)
+        self.reject = reject
 
     def poll(self, timeout_ms: int) -> bool:
         return bool(self.sock.poll(timeout_ms))
@@ -47,7 +52,7 @@ class Inbox:
     def recv(self):
         """Blocking receive of the next valid message."""
         while True:
-            msg = self.codec.decode(self.sock.recv())
+            msg = self.codec.decode(self.sock.recv(), self.reject)
             if msg is not None:
                 return msg
 
@@ -59,9 +64,13 @@ class Inbox:
                 raw = self.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return out
-            msg = self.codec.decode(raw)
+            msg = self.codec.decode(raw, self.reject)
             if msg is not None:
                 out.append(msg)
+
+    def recv_within(self, timeout_ms: int) -> list:
+        """Every valid message that arrives within timeout_ms (at least one, unless none)."""
+        return self.recv_nowait() if self.poll(timeout_ms) else []
 
 
 class Outbox:
@@ -103,9 +112,18 @@ def die_with_parent(parent_pid: int) -> None:
         threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def read_args() -> ServerArgs:
+    """ServerArgs from stdin, a pipe only the launcher writes; stdin is then /dev/null."""
+    raw = sys.stdin.buffer.read()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    return ServerArgs.from_json(raw)
+
+
 def child_main(proc: str, run) -> None:
-    """Entry point of a child: `python -m radixlora.server.X ARGS_JSON`."""
-    args = ServerArgs.from_json(sys.argv[1])
+    """Entry point of a child: `python -m radixlora.server.X`, ServerArgs as JSON on stdin."""
+    args = read_args()
     setup_logging(args.log_level, proc)
     die_with_parent(args.launcher_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when children stop
@@ -129,3 +147,45 @@ def send_ready(ctx: zmq.Context, args: ServerArgs, proc: str, info: dict | None 
     out = Outbox(ctx, args.endpoints.launcher)
     out.send(Ready(proc=proc, pid=os.getpid(), info=info or {}))
     out.sock.close(linger=1000)
+
+
+class Heartbeats:
+    """A child's heartbeat to the launcher: beat() from the main loop as often as it likes,
+    sent at most every HEARTBEAT_S; never blocks (a launcher that stopped reading loses
+    beats, not the child's loop)."""
+
+    def __init__(self, ctx: zmq.Context, args: ServerArgs, proc: str):
+        self.out = Outbox(ctx, args.endpoints.launcher)
+        self.out.sock.setsockopt(zmq.SNDHWM, 4)
+        self.out.sock.setsockopt(zmq.LINGER, 0)
+        self.proc = proc
+        self.pid = os.getpid()
+        self.interval = min(HEARTBEAT_S, args.watchdog_timeout_s / 4)
+        self.next_at = 0.0
+
+    def beat(self, progress: int = 0) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            return
+        self.next_at = now + self.interval
+        msg = Heartbeat(proc=self.proc, pid=self.pid, progress=progress)
+        try:
+            self.out.sock.send(self.out.encoder.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("heartbeat not sent: the launcher is not reading")
+
+
+def log_failure(proc: str, msg) -> None:
+    """One message's handler raised: the process goes on (the message is lost)."""
+    rid = getattr(msg, "rid", None)
+    log.exception("%s: handling %s%s failed; the message is dropped", proc, type(msg).__name__,
+                  f" of request {rid}" if rid is not None else "")
+
+
+def failure_error(msg) -> ReqError | None:
+    """The ReqError to answer when a request-carrying message's handler failed."""
+    rid = getattr(msg, "rid", None)
+    if not isinstance(rid, str):
+        return None
+    return ReqError(rid=rid, message="internal error while handling the request",
+                    code="internal_error", status=500)

@@ -1,9 +1,11 @@
 """`radixlora serve`: start the tokenizer, scheduler and worker processes, wait until each has
 acknowledged, then serve HTTP from this process (which is also the api process). A child that
-dies turns /health to 503 and makes the launcher exit non-zero after stopping the others;
-SIGTERM/SIGINT drain: new requests get 503, in-flight ones finish, exit 0. The registry process
-(with --adapter-dir) is not needed to serve: if it dies, /health says "degraded" (HTTP 200) and
-the launcher restarts it."""
+dies, or sends no heartbeat for --watchdog-timeout (it is then killed), turns /health to 503
+and makes the launcher exit non-zero after stopping the others; SIGTERM/SIGINT drain: new
+requests get 503, in-flight ones finish, exit 0. The registry process (with --adapter-dir) is
+not needed to serve: if it dies or falls silent, /health says "degraded" (HTTP 200) and the
+launcher restarts it. The private temporary directory is named after the launcher's pid, so a
+later launcher removes it if this one was killed before it could."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,7 +32,7 @@ from radixlora.server.args import Endpoints, ServerArgs
 from radixlora.server.bridge import Health, ProcessBridge
 from radixlora.server.gateway import ClientGateway
 from radixlora.server.ipc import Inbox
-from radixlora.server.messages import LauncherInbox, Ready
+from radixlora.server.messages import Heartbeat, LauncherInbox, Ready
 from radixlora.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,8 @@ RESTART_DELAY_S = (0.5, 30.0)  # first and largest delay before restarting an op
 RESTART_RESET_S = 60.0  # a child up this long starts again from the first delay
 DEAD_GRACE_S = 1.0
 STOP_TIMEOUT_S = 5.0
+WORKDIR_PREFIX = "radixlora-"
+WORKDIR_NAME = re.compile(r"radixlora-(\d+)-\w+")  # radixlora-<launcher pid>-<random>
 
 
 class StartupError(Exception):
@@ -48,7 +53,10 @@ class StartupError(Exception):
 
 
 class Children:
-    """The child processes; each runs `python -m radixlora.server.<name>_proc ARGS_JSON`."""
+    """The child processes; each runs `python -m radixlora.server.<name>_proc` and reads its
+    ServerArgs as JSON from its stdin (a command line is readable by any local user; the args
+    hold the keys). Each must send a heartbeat at least every watchdog_timeout_s once it is
+    ready (before that, ready_timeout_s)."""
 
     def __init__(self, args: ServerArgs):
         self.args = args
@@ -57,14 +65,47 @@ class Children:
         self.pids: dict[str, int] = {}  # kept up to date (the api shows it)
         self.started: dict[str, float] = {}
         self.restart_delay: dict[str, float] = {}
+        self.deadline: dict[str, float] = {}  # no heartbeat by then: the child is dead
+        self.progress: dict[str, int] = {}
+        self.silent: dict[str, str] = {}  # child killed for its silence -> why
         for name in self.names:
             self.spawn(name)
 
     def spawn(self, name: str) -> None:
-        cmd = [sys.executable, "-m", f"radixlora.server.{name}_proc", self.args.to_json()]
-        self.procs[name] = subprocess.Popen(cmd, start_new_session=True)
-        self.pids[name] = self.procs[name].pid
+        cmd = [sys.executable, "-m", f"radixlora.server.{name}_proc"]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True,
+                                env=child_env())
+        with contextlib.suppress(BrokenPipeError):  # died at once: the watch reports it
+            proc.stdin.write(self.args.to_json().encode())
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.close()
+        self.procs[name] = proc
+        self.pids[name] = proc.pid
         self.started[name] = time.monotonic()
+        self.deadline[name] = self.started[name] + self.args.ready_timeout_s
+        self.progress.pop(name, None)
+        self.silent.pop(name, None)
+
+    def on_beat(self, msg: Ready | Heartbeat) -> None:
+        """A Ready or Heartbeat from the current process of that name (not a replaced one)."""
+        if self.pids.get(msg.proc) != msg.pid:
+            return
+        self.deadline[msg.proc] = time.monotonic() + self.args.watchdog_timeout_s
+        if isinstance(msg, Heartbeat):
+            self.progress[msg.proc] = msg.progress
+
+    def kill_silent(self, names) -> None:
+        """Kill every running child past its heartbeat deadline (stopped or stuck: SIGKILL is
+        the one signal a stopped process cannot ignore); exit_reason then says why."""
+        now = time.monotonic()
+        for name in names:
+            proc = self.procs[name]
+            if proc.poll() is None and now > self.deadline[name] and name not in self.silent:
+                self.silent[name] = (
+                    f"the {name} process (pid {proc.pid}) sent no heartbeat for "
+                    f"{self.args.watchdog_timeout_s:g} s (progress {self.progress.get(name, 0)})"
+                    f" and was killed")
+                proc.kill()
 
     def next_restart_delay(self, name: str) -> float:
         """Exponential backoff for a child that keeps dying; reset once it stayed up."""
@@ -80,7 +121,8 @@ class Children:
         code = proc.poll()
         if code is None:
             return None
-        return f"the {name} process (pid {proc.pid}) exited with code {code}"
+        exited = f"the {name} process (pid {proc.pid}) exited with code {code}"
+        return self.silent.get(name, exited)
 
     def first_dead(self, names=CHILDREN) -> str | None:
         for name in names:
@@ -102,6 +144,49 @@ class Children:
                 proc.wait()
 
 
+def child_env() -> dict[str, str]:
+    """The launcher's environment without the keys: the children get them in ServerArgs."""
+    return {k: v for k, v in os.environ.items()
+            if not (k.startswith("RADIXLORA_") and "KEY" in k)}
+
+
+def make_workdir() -> str:
+    """The private 0700 temporary directory, named after this launcher's pid; first removes
+    those of this user's launchers that are gone (killed before they could clean up)."""
+    remove_stale_workdirs(tempfile.gettempdir())
+    workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-")
+    os.chmod(workdir, 0o700)
+    return workdir
+
+
+def remove_stale_workdirs(tmp: str) -> list[str]:
+    """Remove radixlora-<pid>-* directories of this user whose pid is no live process."""
+    removed = []
+    with contextlib.suppress(OSError), os.scandir(tmp) as entries:
+        for entry in entries:
+            match = WORKDIR_NAME.fullmatch(entry.name)
+            if match is None or not entry.is_dir(follow_symlinks=False):
+                continue
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            if pid_alive(int(match.group(1))):
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+            log.info("removed %s, left behind by launcher pid %s", entry.path, match.group(1))
+            removed.append(entry.path)
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
 def wait_ready(inbox: Inbox, children: Children, timeout_s: float) -> dict[str, Ready]:
     ready: dict[str, Ready] = {}
     deadline = time.monotonic() + timeout_s
@@ -114,8 +199,10 @@ def wait_ready(inbox: Inbox, children: Children, timeout_s: float) -> dict[str, 
             raise StartupError(f"no ready acknowledgement from {missing} in {timeout_s:.0f} s")
         if inbox.poll(100):
             for msg in inbox.recv_nowait():
-                ready[msg.proc] = msg
-                log.info("%s process ready (pid %d)", msg.proc, msg.pid)
+                children.on_beat(msg)
+                if isinstance(msg, Ready):
+                    ready[msg.proc] = msg
+                    log.info("%s process ready (pid %d)", msg.proc, msg.pid)
     return ready
 
 
@@ -140,8 +227,7 @@ class DrainingServer(uvicorn.Server):
 
 class Launcher:
     def __init__(self, args: ServerArgs):
-        self.workdir = tempfile.mkdtemp(prefix="radixlora-")
-        os.chmod(self.workdir, 0o700)
+        self.workdir = make_workdir()
         client = (f"tcp://127.0.0.1:{args.zmq_client_port}"
                   if args.zmq_client_port is not None else None)
         state_dir = os.path.join(self.workdir, "state")
@@ -157,18 +243,21 @@ class Launcher:
 
     def run(self) -> int:
         ctx = zmq.Context()
-        inbox = Inbox(ctx, self.args.endpoints.launcher, LauncherInbox)
-        children = Children(self.args)
+        children = None
+        previous = signal.signal(signal.SIGTERM, stop_starting)
         try:
-            ready = wait_ready(inbox, children, self.args.ready_timeout_s)
-            inbox.sock.close()
+            self.inbox = Inbox(ctx, self.args.endpoints.launcher, LauncherInbox)
+            children = Children(self.args)
+            ready = wait_ready(self.inbox, children, self.args.ready_timeout_s)
+            signal.signal(signal.SIGTERM, previous)
             return uvloop.run(self.serve(children, ready))
         except StartupError as e:
             log.error("start-up failed: %s", e)
             return 1
         finally:
             log.info("stopping the child processes")
-            children.stop()
+            if children is not None:
+                children.stop()
             ctx.destroy(linger=0)
             shutil.rmtree(self.workdir, ignore_errors=True)
             log.info("stopped")
@@ -206,6 +295,9 @@ class Launcher:
     async def watch(self, children: Children) -> None:
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
+            for msg in self.inbox.recv_nowait():
+                children.on_beat(msg)
+            children.kill_silent(children.names)
             dead = children.first_dead()
             if dead is not None:
                 break
@@ -250,8 +342,12 @@ class Launcher:
         while self.runtime.generations and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.runtime.generations:
-            log.warning("drain timeout: %d requests still in flight", len(self.runtime.generations))
+            await self.runtime.expire()
         self.server.should_exit = True
+
+
+def stop_starting(*_) -> None:
+    raise StartupError("stopped by SIGTERM while starting")
 
 
 def serve(args: ServerArgs) -> int:

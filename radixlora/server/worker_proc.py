@@ -5,18 +5,23 @@ packed in the adapter pool's host tier (--host-adapter-bytes) for later loads.""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import zmq
 
 from radixlora.config import ModelConfig
-from radixlora.executor import StepExecutor
+from radixlora.executor import InFlight, StepExecutor
 from radixlora.lora.adapter import LoraAdapter, load_adapter
 from radixlora.model_runner import ModelRunner
 from radixlora.server.args import ServerArgs
-from radixlora.server.ipc import Inbox, Outbox, child_main, send_ready
-from radixlora.server.messages import WorkerInbox
-from radixlora.step_plan import AdapterLoad
+from radixlora.server.ipc import Heartbeats, Inbox, Outbox, child_main, send_ready
+from radixlora.server.messages import InvalidMessage, WorkerInbox
+from radixlora.step_plan import AdapterLoad, StepPlan, StepResult, bytes_to_ids
+
+log = logging.getLogger(__name__)
+
+BEAT_POLL_MS = 250  # an idle worker's loop comes round this often to beat
 
 
 def make_executor(args: ServerArgs) -> StepExecutor:
@@ -34,21 +39,53 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
     executor = make_executor(args)
     inbox = Inbox(ctx, args.endpoints.worker, WorkerInbox)
     to_scheduler = Outbox(ctx, args.endpoints.scheduler)
+    heart = Heartbeats(ctx, args, "worker")
     send_ready(ctx, args, "worker", {"device": str(executor.runner.device)})
-    serve(executor, inbox, to_scheduler)
+    serve(executor, inbox, to_scheduler, heart, args.engine_config().max_running)
 
 
-def serve(executor: StepExecutor, inbox: Inbox, to_scheduler: Outbox) -> None:
+def serve(executor: StepExecutor, inbox: Inbox, to_scheduler: Outbox, heart: Heartbeats,
+          max_running: int) -> None:
     """Launch each plan as soon as it arrives, behind the step still running on the device,
     and answer steps in order as they complete: the scheduler plans step N+1 (with placeholders
-    for step N's tokens) while step N runs, so the device never waits for the host."""
+    for step N's tokens) while step N runs, so the device never waits for the host. The loop
+    beats between steps with the number of steps answered, so a step that never ends silences
+    the worker."""
+    answered = 0
     while True:
-        if not executor.in_flight:
-            executor.submit(inbox.recv())
-        for plan in inbox.recv_nowait():
-            executor.submit(plan)
+        heart.beat(answered)
+        plans = inbox.recv_nowait() if executor.in_flight else inbox.recv_within(BEAT_POLL_MS)
+        for plan in plans:
+            submit(executor, plan, max_running)
         for result in executor.collect(keep=1, done_too=True):
             to_scheduler.send(result)
+            answered += 1
+
+
+def submit(executor: StepExecutor, plan: StepPlan, max_running: int) -> None:
+    """Queue a plan; one that is out of range or fails to launch is answered with an error in
+    its turn, and the worker goes on."""
+    try:
+        check_ranges(plan, executor.runner, max_running)
+        executor.submit(plan)
+    except Exception as e:  # noqa: BLE001 - one plan never stops the worker
+        log.exception("step %d cannot run", plan.step)
+        executor.runner.failed()
+        error = StepResult(step=plan.step, error=f"{type(e).__name__}: {e}")
+        executor.in_flight.append(InFlight(plan.step, result=error))
+
+
+def check_ranges(plan: StepPlan, runner: ModelRunner, max_running: int) -> None:
+    """Token ids in [-max_running, vocab) (negative: placeholders for the previous step's
+    tokens) and KV slots inside the pool: what only the worker knows."""
+    ids = bytes_to_ids(plan.input_ids)
+    if len(ids) and (ids.min() < -max_running or ids.max() >= runner.cfg.vocab_size):
+        raise InvalidMessage("input_ids", f"token ids must be in [{-max_running}, "
+                                          f"{runner.cfg.vocab_size})")
+    slots = bytes_to_ids(plan.kv_slots)
+    num_slots = runner.kv_pool.k_cache[0].shape[0]
+    if len(slots) and (slots.min() < 0 or slots.max() >= num_slots):
+        raise InvalidMessage("kv_slots", f"KV slots must be in [0, {num_slots})")
 
 
 if __name__ == "__main__":
