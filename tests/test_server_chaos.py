@@ -82,6 +82,7 @@ def server(checkpoints, tmpdir_env, stale_dirs, tmp_path_factory):
     finally:
         proc.stop()
         assert_tree_gone(proc)
+        assert not list(tmpdir_env.glob(f"radixlora-{proc.proc.pid}-*"))  # removed at exit
 
 
 def start_server(checkpoints, tmp_path) -> ServerProcess:
