@@ -22,8 +22,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixlora.sampling import SamplingParams
+from radixlora.server.args import ServerArgs
 from radixlora.server.client import RuntimeClient
-from radixlora.server.messages import Codec, OutputBatch, ReqError
+from radixlora.server.messages import (
+    AdminReq,
+    Codec,
+    OutputBatch,
+    ReqError,
+    SchedulerInbox,
+    TokenizedReq,
+    WorkerInbox,
+    bytes_to_ids,
+    ids_to_bytes,
+)
+from radixlora.server.scheduler_proc import SchedulerService
+from radixlora.server.worker_proc import make_executor, submit
+from radixlora.step_plan import StepPlan
 from tests.server_harness import MODEL_NAME, ServerProcess, alive, build_checkpoints, free_port
 
 WATCHDOG_S = 3.0
@@ -134,6 +148,38 @@ def wait_for(condition, timeout_s: float) -> float:
         assert time.monotonic() - start < timeout_s, "timed out"
         time.sleep(0.05)
     return time.monotonic() - start
+
+
+# ---- without a server: inboxes and the worker ---------------------------------------------------
+
+
+def test_inbox_answers_or_drops_invalid_messages():
+    rejected: list[ReqError] = []
+    odd = TokenizedReq(rid="r", input_ids=b"\x01\x02\x03", params=SamplingParams())
+    assert Codec(SchedulerInbox).decode(msgspec.msgpack.encode(odd), rejected.append) is None
+    assert [(e.rid, e.status, e.param) for e in rejected] == [("r", 400, "input_ids")]
+    admin = msgspec.msgpack.encode(AdminReq(qid=1, op="load", name="a"))
+    assert Codec(SchedulerInbox).decode(admin.replace(b"load", b"drop")) is None
+    short = StepPlan(step=0, items=[], input_ids=b"\0\0\0\0")  # ids no item accounts for
+    assert Codec(WorkerInbox).decode(msgspec.msgpack.encode(short)) is None
+
+
+def test_worker_answers_out_of_range_plans_in_turn(checkpoints):
+    model, _ = checkpoints
+    args = ServerArgs(model=str(model), engine={"kv_pages": 32})
+    scheduler, worker = SchedulerService(args), make_executor(args)
+    req = TokenizedReq(rid="r", input_ids=ids_to_bytes([3, 4, 5]),
+                       params=SamplingParams(max_tokens=2))
+    assert scheduler.add(req) is None
+    plan = scheduler.next_plan()
+    vocab = worker.runner.cfg.vocab_size
+    slots = bytes_to_ids(plan.kv_slots).tolist()
+    submit(worker, msgspec.structs.replace(plan, input_ids=ids_to_bytes([vocab, 4, 5])))
+    submit(worker, msgspec.structs.replace(plan, kv_slots=ids_to_bytes(slots[:-1] + [1 << 30])))
+    submit(worker, plan)
+    results = worker.collect(keep=0)
+    assert [r.error is not None for r in results] == [True, True, False]
+    assert len(bytes_to_ids(results[2].token_ids)) == 1
 
 
 # ---- one server: keys, stale directories, ZeroMQ fuzz, the registry ----------------------------

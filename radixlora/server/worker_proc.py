@@ -41,11 +41,10 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
     to_scheduler = Outbox(ctx, args.endpoints.scheduler)
     heart = Heartbeats(ctx, args, "worker")
     send_ready(ctx, args, "worker", {"device": str(executor.runner.device)})
-    serve(executor, inbox, to_scheduler, heart, args.engine_config().max_running)
+    serve(executor, inbox, to_scheduler, heart)
 
 
-def serve(executor: StepExecutor, inbox: Inbox, to_scheduler: Outbox, heart: Heartbeats,
-          max_running: int) -> None:
+def serve(executor: StepExecutor, inbox: Inbox, to_scheduler: Outbox, heart: Heartbeats) -> None:
     """Launch each plan as soon as it arrives, behind the step still running on the device,
     and answer steps in order as they complete: the scheduler plans step N+1 (with placeholders
     for step N's tokens) while step N runs, so the device never waits for the host. The loop
@@ -56,32 +55,40 @@ def serve(executor: StepExecutor, inbox: Inbox, to_scheduler: Outbox, heart: Hea
         heart.beat(answered)
         plans = inbox.recv_nowait() if executor.in_flight else inbox.recv_within(BEAT_POLL_MS)
         for plan in plans:
-            submit(executor, plan, max_running)
+            submit(executor, plan)
         for result in executor.collect(keep=1, done_too=True):
             to_scheduler.send(result)
             answered += 1
 
 
-def submit(executor: StepExecutor, plan: StepPlan, max_running: int) -> None:
+def submit(executor: StepExecutor, plan: StepPlan) -> None:
     """Queue a plan; one that is out of range or fails to launch is answered with an error in
     its turn, and the worker goes on."""
     try:
-        check_ranges(plan, executor.runner, max_running)
+        check_ranges(plan, executor.runner)
         executor.submit(plan)
+    except InvalidMessage as e:
+        log.error("step %d cannot run: %s", plan.step, e)
+        fail_in_turn(executor, plan, e)
     except Exception as e:  # noqa: BLE001 - one plan never stops the worker
         log.exception("step %d cannot run", plan.step)
-        executor.runner.failed()
-        error = StepResult(step=plan.step, error=f"{type(e).__name__}: {e}")
-        executor.in_flight.append(InFlight(plan.step, result=error))
+        fail_in_turn(executor, plan, e)
 
 
-def check_ranges(plan: StepPlan, runner: ModelRunner, max_running: int) -> None:
-    """Token ids in [-max_running, vocab) (negative: placeholders for the previous step's
-    tokens) and KV slots inside the pool: what only the worker knows."""
+def fail_in_turn(executor: StepExecutor, plan: StepPlan, e: Exception) -> None:
+    """Answer the plan with an error once the steps before it are answered."""
+    executor.runner.failed()
+    error = StepResult(step=plan.step, error=f"{type(e).__name__}: {e}")
+    executor.in_flight.append(InFlight(plan.step, result=error))
+
+
+def check_ranges(plan: StepPlan, runner: ModelRunner) -> None:
+    """Token ids below the vocabulary size (negative ones are placeholders for the previous
+    step's tokens, clamped by the runner) and KV slots inside the pool: what only the worker
+    knows. An id or slot out of range would fault the device, ending every later step."""
     ids = bytes_to_ids(plan.input_ids)
-    if len(ids) and (ids.min() < -max_running or ids.max() >= runner.cfg.vocab_size):
-        raise InvalidMessage("input_ids", f"token ids must be in [{-max_running}, "
-                                          f"{runner.cfg.vocab_size})")
+    if len(ids) and ids.max() >= runner.cfg.vocab_size:
+        raise InvalidMessage("input_ids", f"token ids must be below {runner.cfg.vocab_size}")
     slots = bytes_to_ids(plan.kv_slots)
     num_slots = runner.kv_pool.k_cache[0].shape[0]
     if len(slots) and (slots.min() < 0 or slots.max() >= num_slots):
