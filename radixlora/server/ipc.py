@@ -155,9 +155,12 @@ class Heartbeats:
     beats, not the child's loop)."""
 
     def __init__(self, ctx: zmq.Context, args: ServerArgs, proc: str):
-        self.out = Outbox(ctx, args.endpoints.launcher)
-        self.out.sock.setsockopt(zmq.SNDHWM, 4)
-        self.out.sock.setsockopt(zmq.LINGER, 0)
+        check_local(args.endpoints.launcher)
+        self.sock = ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.SNDHWM, 4)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(args.endpoints.launcher)
+        self.encoder = msgspec.msgpack.Encoder()
         self.proc = proc
         self.pid = os.getpid()
         self.interval = min(HEARTBEAT_S, args.watchdog_timeout_s / 4)
@@ -170,7 +173,7 @@ class Heartbeats:
         self.next_at = now + self.interval
         msg = Heartbeat(proc=self.proc, pid=self.pid, progress=progress)
         try:
-            self.out.sock.send(self.out.encoder.encode(msg), zmq.NOBLOCK)
+            self.sock.send(self.encoder.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             log.debug("heartbeat not sent: the launcher is not reading")
 
