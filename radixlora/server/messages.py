@@ -25,6 +25,7 @@ it carries a request id (Codec.decode's `reject`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Annotated, Literal
 
@@ -38,6 +39,8 @@ from radixlora.step_plan import ids_to_bytes as ids_to_bytes
 
 log = logging.getLogger(__name__)
 
+DROP_LOG_BURST = 20
+DROP_LOG_WINDOW_S = 10.0
 MAX_IDS = 1 << 24  # int32 values in one array of one message
 MAX_MESSAGE_BYTES = 4 * MAX_IDS + (1 << 20)  # the largest message the client endpoint takes
 Int32Array = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_IDS)]
@@ -323,6 +326,7 @@ class Codec:
     def __init__(self, inbox_type):
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(inbox_type)
+        self.drops = DropLog()
 
     def encode(self, msg: Message) -> bytes:
         return self.encoder.encode(msg)
@@ -334,23 +338,46 @@ class Codec:
         try:
             msg = self.decoder.decode(raw)
         except msgspec.ValidationError as e:  # well-formed msgpack, not a valid message
-            log.warning("dropped %d bytes that are not a valid message: %s", len(raw), e)
+            self.drops.log(f"dropped {len(raw)} bytes that are not a valid message: {e}")
             rid = _rid_of(raw)
             if reject is not None and rid is not None:
                 reject(ReqError(rid=rid, message=f"invalid message: {e}"))
             return None
         except msgspec.DecodeError as e:
-            log.warning("dropped %d bytes that are not msgpack: %s", len(raw), e)
+            self.drops.log(f"dropped {len(raw)} bytes that are not msgpack: {e}")
             return None
         try:
             validate(msg)
         except InvalidMessage as e:
-            log.warning("dropped an invalid %s: %s", type(msg).__name__, e)
+            self.drops.log(f"dropped an invalid {type(msg).__name__}: {e}")
             rid = getattr(msg, "rid", None)
             if reject is not None and isinstance(rid, str):
                 reject(ReqError(rid=rid, message=f"invalid message: {e}", param=e.param))
             return None
         return msg
+
+
+class DropLog:
+    """Warnings about dropped messages, at most DROP_LOG_BURST per DROP_LOG_WINDOW_S; the rest
+    are counted and the count is logged with the next warning, so a flood cannot fill the log."""
+
+    def __init__(self):
+        self.window_start = 0.0
+        self.logged = 0
+        self.suppressed = 0
+
+    def log(self, line: str) -> None:
+        now = time.monotonic()
+        if now - self.window_start >= DROP_LOG_WINDOW_S:
+            self.window_start, self.logged = now, 0
+        if self.logged >= DROP_LOG_BURST:
+            self.suppressed += 1
+            return
+        self.logged += 1
+        if self.suppressed:
+            line += f" ({self.suppressed} more dropped without a log line)"
+            self.suppressed = 0
+        log.warning("%s", line)
 
 
 def _rid_of(raw: bytes) -> str | None:
