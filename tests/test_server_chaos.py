@@ -228,7 +228,8 @@ structs = st.fixed_dictionaries({
     "params": st.fixed_dictionaries({"max_tokens": st.integers(-2, 3),
                                      "n": st.integers(-1, 3)}),
 }).map(lambda f: generate_req(**f))
-anything = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8)
+anything = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
+                        | st.text(max_size=8)
                         | st.binary(max_size=8),
                         lambda inner: st.lists(inner, max_size=4)
                         | st.dictionaries(st.text(max_size=6), inner, max_size=4),
