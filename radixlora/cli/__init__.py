@@ -60,6 +60,7 @@ def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], serv
         engine=engine,
         drain_timeout_s=args.drain_timeout,
         step_timeout_s=args.step_timeout,
+        watchdog_timeout_s=args.watchdog_timeout,
         log_level=args.log_level,
         adapter_dir=_check_dir(args.adapter_dir),
         adapter_rate=args.adapter_rate,
@@ -69,6 +70,7 @@ def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], serv
         adapter_failure_policy=args.adapter_failure_policy,
         enable_admin=args.enable_admin,
         admin_api_key=args.admin_api_key or os.environ.get("RADIXLORA_ADMIN_API_KEY"),
+        api_key=args.api_key or os.environ.get("RADIXLORA_API_KEY", ""),
         allowed_adapter_roots=args.allowed_adapter_root,
     )
 
@@ -93,6 +95,9 @@ def _serve_parser(sub) -> None:
                    help="enable POST /v1/{load,unload,pin,unpin}_lora_adapter")
     p.add_argument("--admin-api-key", default=None,
                    help="Bearer key of the admin endpoints (or RADIXLORA_ADMIN_API_KEY)")
+    p.add_argument("--api-key", default=None,
+                   help="clients must send Authorization: Bearer KEY on every endpoint but "
+                        "/health and /metrics (or RADIXLORA_API_KEY)")
     p.add_argument("--allowed-adapter-root", action="append", default=[],
                    help="directory the admin endpoints may load adapters from (repeatable)")
     p.add_argument("--served-model-name", default=None)
@@ -103,6 +108,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--step-timeout", type=float, default=600.0,
                    help="seconds one worker step may take before the worker counts as hung")
+    p.add_argument("--watchdog-timeout", type=float, default=30.0,
+                   help="seconds a child process may go without a heartbeat before it counts "
+                        "as dead (503s, exit; the registry is restarted)")
     p.add_argument("--log-level", default="info")
     add_engine_flags(p)
     p.set_defaults(func=serve)

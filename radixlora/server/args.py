@@ -1,5 +1,6 @@
 """ServerArgs: everything `radixlora serve` was asked for, frozen, handed to every child process
-as JSON (its only start-up input besides the environment)."""
+as JSON on its stdin (its only start-up input besides the environment; never on a command line,
+since it holds the keys)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     engine: dict[str, object] = {}  # EngineConfig overrides
     drain_timeout_s: float = 30.0
     step_timeout_s: float = 600.0  # a worker step running longer is a hung worker
+    watchdog_timeout_s: float = 30.0  # a child silent this long (no heartbeat) is dead
     ready_timeout_s: float = 300.0
     max_body_bytes: int = 8 << 20
     log_level: str = "info"
@@ -65,6 +67,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     adapter_failure_policy: str = "reject"  # or "base": serve base-only, say so
     enable_admin: bool = False
     admin_api_key: str | None = None
+    api_key: str = ""  # --api-key: Bearer key of every endpoint but /health and /metrics
     allowed_adapter_roots: list[str] = []
 
     def __post_init__(self):
@@ -72,6 +75,8 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("adapter_failure_policy must be 'reject' or 'base'")
         if self.enable_admin and not self.admin_api_key:
             raise ValueError("--enable-admin needs --admin-api-key")
+        if not self.watchdog_timeout_s > 0:
+            raise ValueError("--watchdog-timeout must be > 0")
 
     @property
     def model_name(self) -> str:

@@ -5,12 +5,15 @@ What is published, in this order for each changed sub-directory (sorted by name)
   1. the directory must have been quiet (no file event anywhere in --adapter-dir) for
      --adapter-quiet-s, and its files' (size, mtime) must not change while it is read;
   2. it is validated (load_adapter) and identified by its content hash;
-  3. content already published under another name is skipped (skip_reason=duplicate_content),
-     content equal to the name's current version is skipped (unchanged);
+  3. content equal to the name's current version is skipped (unchanged); content already
+     published under another name is an alias: published under this name too, pointing to
+     that name's snapshot (one identity, one pool copy, one cache namespace);
   4. it waits for a token of the admission bucket (--adapter-rate per second, --adapter-burst),
-     is copied into a new immutable snapshot, and published (added / updated).
+     is copied into a new immutable snapshot (an alias re-uses its twin's), and published
+     (added / updated).
 A deleted sub-directory is published as removed at once; an invalid one as rejected with a
-reason label, its previous valid version (if any) staying active. Names starting with "." are
+reason label, its previous valid version (if any) staying active; whatever an adapter's
+content, examining it never raises. Names starting with "." are
 ignored: writers stage an adapter in `.NAME.tmp/` and rename it to `NAME/` (atomic on one file
 system), which never exposes a partial adapter. The published set and the sequence number are
 saved in STATE_DIR, so a restarted registry publishes only what changed while it was down."""
@@ -36,7 +39,7 @@ from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, InvalidRequestError
 from radixlora.server.adapter_store import AdapterStore, FilesChanged, Validated
 from radixlora.server.args import ServerArgs
-from radixlora.server.ipc import check_local, child_main, send_ready
+from radixlora.server.ipc import Heartbeats, check_local, child_main, send_ready
 from radixlora.server.messages import AdapterEvent
 from radixlora.token_bucket import TokenBucket
 
@@ -48,6 +51,18 @@ SUBSCRIBERS = 2  # the scheduler and the api
 SUBSCRIBE_TIMEOUT_S = 60.0
 
 REJECT_REASONS = (  # (substring of the AdapterError, label), first match wins
+    ("at `$.r`", "bad_rank"),
+    ("at `$.rank_pattern", "bad_rank"),
+    ("invalid field", "bad_config"),
+    ("regular expression", "bad_config"),
+    ("longer than", "bad_config"),
+    ("has more than", "bad_config"),
+    ("not a regular file", "special_file"),
+    ("larger than", "too_large"),
+    ("unreadable", "unreadable"),
+    ("outside the allowed", "path_not_allowed"),
+    ("served model", "bad_name"),
+    ("floating point", "non_float_weights"),
     ("does not exist", "missing_directory"),
     ("no adapter_config.json", "missing_config"),
     ("not valid JSON", "bad_config_json"),
@@ -135,8 +150,10 @@ class RegistryCore:
     """The registry's decisions without sockets or threads: names in, AdapterEvents out."""
 
     def __init__(self, root: Path, state_dir: Path, model_cfg: ModelConfig, max_rank: int,
-                 pool_rows: int, bucket: TokenBucket, publish: Callable[[AdapterEvent], None]):
+                 pool_rows: int, bucket: TokenBucket, publish: Callable[[AdapterEvent], None],
+                 reserved: frozenset[str] = frozenset()):
         self.root = root
+        self.reserved = reserved
         self.store = AdapterStore(state_dir / "adapters")
         self.state_path = state_dir / "registry_state.json"
         self.model_cfg = model_cfg
@@ -146,7 +163,6 @@ class RegistryCore:
         self.publish = publish
         self.state = self._load_state()
         self.pending: set[str] = set()
-        self.duplicates: dict[str, str] = {}  # skipped name -> the adapter id it duplicates
         self.retry: list[str] = []  # names whose files changed while read
         self.counts: collections.Counter = collections.Counter()
 
@@ -173,18 +189,12 @@ class RegistryCore:
                 self.pending.add(name)
             else:
                 self.pending.discard(name)
-                self.duplicates.pop(name, None)
                 if name in self.active:
                     self._remove(name)
 
     def _remove(self, name: str) -> None:
         adapter_id = self.active.pop(name).adapter_id
         self._emit("removed", name, adapter_id=adapter_id)
-        self._retry_duplicates_of(adapter_id)
-
-    def _retry_duplicates_of(self, adapter_id: str) -> None:
-        """A skipped duplicate of content no longer published may be published on its own."""
-        self.pending.update(n for n, a in self.duplicates.items() if a == adapter_id)
 
     def admit(self, now: float) -> None:
         """Examine pending names in sorted order while the bucket has a token."""
@@ -195,9 +205,18 @@ class RegistryCore:
                 self.bucket.take(now)
 
     def examine(self, name: str) -> bool:
-        """Validate one sub-directory and publish what it became; True if it was admitted."""
+        """Validate one sub-directory and publish what it became; True if it was admitted.
+        Never raises: bad content is a rejected event, and the next name is examined."""
         try:
-            check_adapter_name(name)
+            return self._examine(name)
+        except Exception as e:  # noqa: BLE001 - one adapter's content never stops the registry
+            log.exception("adapter %r could not be examined", name)
+            self._reject(name, "invalid_adapter", f"adapter {name!r}: {type(e).__name__}: {e}")
+            return False
+
+    def _examine(self, name: str) -> bool:
+        try:
+            check_adapter_name(name, self.reserved)
             validated = self.store.read(name, self.root / name, self.model_cfg, self.max_rank)
             rank = validated.adapter.rank
             if rank > self.pool_rows:
@@ -218,39 +237,32 @@ class RegistryCore:
         return self._publish_version(name, validated)
 
     def _publish_version(self, name: str, validated: Validated) -> bool:
-        """Publish a validated version unless it is unchanged or another name's content; only
-        a published version is snapshotted."""
+        """Publish a validated version unless it is unchanged; content another name already
+        serves shares that name's snapshot (an alias), other content gets a new one."""
         adapter_id = validated.adapter.adapter_id
         current = self.active.get(name)
         if current is not None and current.adapter_id == adapter_id:
             log.debug("adapter %r unchanged", name)
             self.counts[("skipped", "unchanged")] += 1
             return False
-        twin = next((n for n, p in self.active.items() if p.adapter_id == adapter_id), None)
-        if twin is not None:
-            self.duplicates[name] = adapter_id
-            self._skip(name, adapter_id, "duplicate_content", f"same content as {twin!r}")
-            return False
-        self.duplicates.pop(name, None)
         kind = "updated" if current is not None else "added"
-        try:
-            path = self.store.save(validated).path
-        except OSError as e:
-            self._reject(name, "snapshot_failed", f"adapter {name!r}: no snapshot: {e}")
-            return False
+        twin = next((p for p in self.active.values()
+                     if p.adapter_id == adapter_id and Path(p.path).is_dir()), None)
+        if twin is not None:
+            path = twin.path
+        else:
+            try:
+                path = self.store.save(validated).path
+            except OSError as e:
+                self._reject(name, "snapshot_failed", f"adapter {name!r}: no snapshot: {e}")
+                return False
         self.active[name] = Published(adapter_id, path)
         self._emit(kind, name, adapter_id=adapter_id, path=path)
-        if current is not None:
-            self._retry_duplicates_of(current.adapter_id)
         return True
 
     def _reject(self, name: str, reason: str, message: str) -> None:
         log.warning("rejected adapter %r (%s): %s", name, reason, message)
         self._emit("rejected", name, reason=reason, message=message)
-
-    def _skip(self, name: str, adapter_id: str, reason: str, message: str) -> None:
-        log.info("skipped adapter %r (%s): %s", name, reason, message)
-        self._emit("skipped", name, adapter_id=adapter_id, reason=reason, message=message)
 
     def _emit(self, kind: str, name: str, **fields) -> None:
         self.state.seq += 1
@@ -260,11 +272,12 @@ class RegistryCore:
         self._save_state()
 
 
-def wait_subscribers(pub: zmq.Socket, count: int, timeout_s: float) -> None:
+def wait_subscribers(pub: zmq.Socket, count: int, timeout_s: float, heart: Heartbeats) -> None:
     """XPUB sees each SUB's subscription: publish nothing before both listen (slow joiner)."""
     seen = 0
     deadline = time.monotonic() + timeout_s
     while seen < count and time.monotonic() < deadline:
+        heart.beat()
         if pub.poll(100) and pub.recv()[:1] == b"\x01":
             seen += 1
     if seen < count:
@@ -282,7 +295,8 @@ def make_core(args: ServerArgs, publish) -> RegistryCore:
     root = Path(args.adapter_dir).resolve()
     bucket = TokenBucket(args.adapter_rate, args.adapter_burst)
     return RegistryCore(root, Path(args.state_dir), ModelConfig.from_dir(args.model),
-                        config.max_rank, config.adapter_rows, bucket, publish)
+                        config.max_rank, config.adapter_rows, bucket, publish,
+                        reserved=frozenset({args.model_name}))
 
 
 def run(args: ServerArgs, ctx: zmq.Context) -> None:
@@ -300,26 +314,36 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
     observer.schedule(_Handler(watch), str(core.root), recursive=True)
     observer.start()
     watch.mark(set(core.names_on_disk()) | set(core.active))
+    heart = Heartbeats(ctx, args, "registry")
     send_ready(ctx, args, "registry", {"adapter_dir": str(core.root)})
-    wait_subscribers(pub, SUBSCRIBERS, SUBSCRIBE_TIMEOUT_S)
+    wait_subscribers(pub, SUBSCRIBERS, SUBSCRIBE_TIMEOUT_S, heart)
     pub.send(encoder.encode(AdapterEvent(seq=core.state.seq, kind="hello")))
     log.info("watching %s (%d adapters published so far)", core.root, len(core.active))
     try:
-        loop(core, watch, pub, args.adapter_quiet_s)
+        loop(core, watch, pub, args.adapter_quiet_s, heart)
     finally:
         observer.stop()
 
 
-def loop(core: RegistryCore, watch: DirWatch, pub: zmq.Socket, quiet_s: float) -> None:
+def loop(core: RegistryCore, watch: DirWatch, pub: zmq.Socket, quiet_s: float,
+         heart: Heartbeats) -> None:
     while True:
         time.sleep(TICK_S)
+        heart.beat(core.state.seq)
         drain_subscriptions(pub)
-        now = time.monotonic()
-        if core.retry:
-            watch.mark(core.retry)
-            core.retry.clear()
-        core.on_changed(watch.take_ready(now, quiet_s))
-        core.admit(now)
+        try:
+            tick(core, watch, quiet_s)
+        except Exception:  # noqa: BLE001 - the names being examined are dropped, not retried
+            log.exception("registry: examining changed adapters failed; watching on")
+
+
+def tick(core: RegistryCore, watch: DirWatch, quiet_s: float) -> None:
+    now = time.monotonic()
+    if core.retry:
+        watch.mark(core.retry)
+        core.retry.clear()
+    core.on_changed(watch.take_ready(now, quiet_s))
+    core.admit(now)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import zmq
 from radixlora.adapters import AdapterRegistry
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
-from radixlora.intake import Intake
+from radixlora.intake import Intake, check_prompt_ids
 from radixlora.lora.pool import AdapterPool
 from radixlora.model.loader import base_version
 from radixlora.request import Req, ReqStatus
@@ -24,10 +24,20 @@ from radixlora.scheduler import BatchPlan, Scheduler
 from radixlora.server.adapter_lifecycle import AdapterLifecycle
 from radixlora.server.adapter_store import AdapterStore
 from radixlora.server.args import ServerArgs
-from radixlora.server.ipc import Inbox, Outbox, check_local, child_main, send_ready
+from radixlora.server.ipc import (
+    Heartbeats,
+    Inbox,
+    Outbox,
+    check_local,
+    child_main,
+    failure_error,
+    log_failure,
+    send_ready,
+)
 from radixlora.server.messages import (
     AbortReq,
     AdapterEvent,
+    AdminReply,
     AdminReq,
     Codec,
     InfoQuery,
@@ -64,14 +74,15 @@ class SchedulerService:
                                                      max(1, math.ceil(args.max_swaps_per_s)))
         self.adapters = AdapterRegistry(self.model_cfg, self.config.max_rank,
                                         self.config.max_stacked, self.config.adapter_rows,
-                                        keep_weights=False)
+                                        keep_weights=False, reserved=frozenset({args.model_name}))
         self.row_bytes = AdapterPool.bytes_per_row(self.model_cfg,
                                                    self.config.torch_dtype(self.model_cfg))
         for name, path in args.adapters.items():
             self.adapters.load(name, path)
         store = AdapterStore(Path(args.state_dir) / "adapters") if args.state_dir else None
         self.lifecycle = AdapterLifecycle(self.adapters, self.scheduler, store, self.model_cfg,
-                                          self.config.max_rank, self._in_use)
+                                          self.config.max_rank, self._in_use,
+                                          allowed_roots=args.allowed_adapter_roots)
         self.intake = Intake(self.model_cfg, base_version(Path(args.model)), self.adapters,
                              self.scheduler, self.config.seed,
                              fallback_to_base=args.adapter_failure_policy == "base")
@@ -271,10 +282,12 @@ class SchedulerLoop:
     def __init__(self, args: ServerArgs, ctx: zmq.Context, service: SchedulerService):
         self.args = args
         self.service = service
-        self.inbox = Inbox(ctx, args.endpoints.scheduler, SchedulerInbox)
         self.to_worker = Outbox(ctx, args.endpoints.worker)
         self.to_tokenizer = Outbox(ctx, args.endpoints.tokenizer)
         self.to_api = Outbox(ctx, args.endpoints.api)
+        self.inbox = Inbox(ctx, args.endpoints.scheduler, SchedulerInbox,
+                           reject=self.to_tokenizer.send)
+        self.heart = Heartbeats(ctx, args, "scheduler")
         self.events = subscribe(ctx, args.endpoints.registry) if args.adapter_dir else None
         self.event_codec = Codec(AdapterEvent)
         self.poller = zmq.Poller()
@@ -299,6 +312,7 @@ class SchedulerLoop:
             stalled = plan is None
             self.maybe_send_stats()
             self.check_worker_alive()
+            self.heart.beat(self.service.loop.num_steps)
 
     def check_worker_alive(self) -> None:
         """A step that never returns means a hung worker: exit, so the launcher reports it and
@@ -317,13 +331,29 @@ class SchedulerLoop:
             except zmq.Again:
                 return
             event = self.event_codec.decode(raw)
-            if event is not None:
+            if event is None:
+                continue
+            try:
                 self.service.lifecycle.on_event(event)
+            except Exception:  # noqa: BLE001 - one adapter event never stops the scheduler
+                log_failure("scheduler", event)
 
     def handle(self, msg) -> None:
+        """dispatch(), with a failure answered (a request) or logged, never raised."""
+        try:
+            self.dispatch(msg)
+        except Exception:  # noqa: BLE001 - one message never stops the process
+            log_failure("scheduler", msg)
+            if isinstance(msg, TokenizedReq):
+                self.to_tokenizer.send(failure_error(msg))
+            elif isinstance(msg, AdminReq):
+                self.to_api.send(AdminReply(qid=msg.qid, status=500, code="internal_error",
+                                            message=f"{msg.op} of {msg.name!r} failed"))
+
+    def dispatch(self, msg) -> None:
         service = self.service
         if isinstance(msg, TokenizedReq):
-            error = service.add(msg)
+            error = self.check_ids(msg) or service.add(msg)
             if error is not None:
                 self.to_tokenizer.send(error)
         elif isinstance(msg, AbortReq):
@@ -336,6 +366,14 @@ class SchedulerLoop:
             self.to_api.send(InfoReply(qid=msg.qid, info=service.info(msg.flush_cache)))
         elif isinstance(msg, AdminReq):
             self.to_api.send(service.lifecycle.admin(msg))
+
+    def check_ids(self, msg: TokenizedReq) -> ReqError | None:
+        """The prompt's ids are in the vocabulary (the worker would fail the whole step)."""
+        try:
+            check_prompt_ids(bytes_to_ids(msg.input_ids), self.service.model_cfg.vocab_size)
+        except InvalidRequestError as e:
+            return ReqError(rid=msg.rid, message=e.message, code=e.code, param=e.param)
+        return None
 
     def maybe_send_stats(self) -> None:
         now = time.monotonic()
