@@ -5,6 +5,9 @@ string match aborts the sample at the scheduler so its KV is freed at once."""
 from __future__ import annotations
 
 import logging
+import queue
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -17,7 +20,15 @@ from radixlora.intake import check_prompt_ids, fill_context, max_total_tokens
 from radixlora.server.args import ServerArgs
 from radixlora.server.chat import ChatTemplate
 from radixlora.server.detokenize import IncrementalDecoder, StopMatcher
-from radixlora.server.ipc import Inbox, Outbox, child_main, send_ready
+from radixlora.server.ipc import (
+    Heartbeats,
+    Inbox,
+    Outbox,
+    child_main,
+    failure_error,
+    log_failure,
+    send_ready,
+)
 from radixlora.server.messages import (
     AbortReq,
     GenerateReq,
@@ -31,9 +42,13 @@ from radixlora.server.messages import (
     bytes_to_ids,
     ids_to_bytes,
 )
-from radixlora.tokenizer import Tokenizer
+from radixlora.tokenizer import MAX_CHAR_BYTES, Tokenizer
 
 log = logging.getLogger(__name__)
+
+INLINE_PROMPT_CHARS = 16 * 1024  # longer prompts tokenize on the pool's threads
+TOKENIZE_THREADS = 2
+BEAT_POLL_MS = 250  # the loop comes round at least this often to beat
 
 
 @dataclass
@@ -53,7 +68,9 @@ class ReqState:
 
 
 class TokenizerService:
-    """Pure logic of the process (no sockets): handle() returns (to_scheduler, to_api)."""
+    """Pure logic of the process (no sockets): the handlers return (to_scheduler, to_api).
+    After start_pool(), prompts longer than INLINE_PROMPT_CHARS are tokenized on the pool's
+    threads, which send their results themselves."""
 
     def __init__(self, args: ServerArgs):
         self.model_cfg = ModelConfig.from_dir(args.model)
@@ -61,6 +78,23 @@ class TokenizerService:
         self.tokenizer = Tokenizer.from_dir(args.model)
         self.chat = ChatTemplate.from_dir(args.model)
         self.reqs: dict[str, ReqState] = {}
+        bound = self.tokenizer.max_bytes_per_token if self.tokenizer is not None else None
+        self.max_prompt_bytes = None if bound is None else self.max_total * bound
+        # Guards reqs and pending. A pool thread sends its result while holding it, so an abort
+        # either finds its request pending or follows its TokenizedReq to the scheduler.
+        self.lock = threading.RLock()
+        self.pending: dict[str, list[AbortReq]] = {}  # in the pool: the aborts held for it
+        self.jobs: queue.SimpleQueue[GenerateReq] | None = None
+        self.send: Callable[[list, list], None] | None = None
+
+    def start_pool(self, send: Callable[[list, list], None],
+                   threads: int = TOKENIZE_THREADS) -> None:
+        """Tokenize long prompts on `threads` daemon threads; each sends its results through
+        send(to_scheduler, to_api), which must be safe to call from any thread."""
+        self.send = send
+        self.jobs = queue.SimpleQueue()
+        for i in range(threads):
+            threading.Thread(target=self._work, name=f"tokenize-{i}", daemon=True).start()
 
     # ---- prompts -----------------------------------------------------------------------------
 
@@ -87,18 +121,82 @@ class TokenizerService:
         if req.messages is not None:
             messages = [msgspec.structs.asdict(m) for m in req.messages]
             text = self.chat.render(messages)
-            return np.asarray(self.tokenizer.encode(text, add_special_tokens=False), np.int32)
-        return np.asarray(self.tokenizer.encode(req.prompt or ""), np.int32)
+            self.check_bytes(text, "messages")
+            ids = self.tokenizer.encode_unlocked(text, add_special_tokens=False)
+        else:
+            text = req.prompt or ""
+            self.check_bytes(text, "prompt")
+            ids = self.tokenizer.encode_unlocked(text)
+        return np.asarray(ids, np.int32)
+
+    def check_bytes(self, text: str, param: str) -> None:
+        """Reject a text too long to fit in the context whatever its tokens, untokenized."""
+        if self.max_prompt_bytes is None or len(text) * MAX_CHAR_BYTES <= self.max_prompt_bytes:
+            return
+        size = len(text.encode())
+        if size > self.max_prompt_bytes:
+            raise InvalidRequestError(
+                f"the prompt ({size} bytes) cannot fit in the context of {self.max_total} "
+                f"tokens (a token stands for at most {self.tokenizer.max_bytes_per_token} bytes)",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def on_generate(self, req: GenerateReq):
         try:
-            tokenized = self.tokenize(req)
+            if req.prompt is not None:
+                self.check_bytes(req.prompt, "prompt")
         except InvalidRequestError as e:
-            return [], [ReqError(rid=req.rid, message=e.message, code=e.code, param=e.param)]
+            return [], [_req_error(req.rid, e)]
+        if self.jobs is None or _prompt_chars(req) <= INLINE_PROMPT_CHARS:
+            return self._answer(req, self._outcome(req))
+        with self.lock:
+            self.pending[req.rid] = []
+        self.jobs.put(req)
+        return [], []
+
+    def _outcome(self, req: GenerateReq) -> TokenizedReq | ReqError:
+        try:
+            return self.tokenize(req)
+        except InvalidRequestError as e:
+            return _req_error(req.rid, e)
+
+    def _answer(self, req: GenerateReq, outcome: TokenizedReq | ReqError):
+        if isinstance(outcome, ReqError):
+            return [], [outcome]
         if req.prompt_only:
-            return [], [self._empty_outputs(req, len(tokenized.input_ids) // 4)]
-        self.reqs[req.rid] = ReqState(req.params.n, req.stop, req.token_texts)
-        return [tokenized], []
+            return [], [self._empty_outputs(req, len(outcome.input_ids) // 4)]
+        with self.lock:
+            self.reqs[req.rid] = ReqState(req.params.n, req.stop, req.token_texts)
+        return [outcome], []
+
+    def _work(self) -> None:
+        while True:
+            req = self.jobs.get()
+            try:
+                outcome = self._outcome(req)
+            except Exception:  # noqa: BLE001 - one prompt never stops the pool
+                log.exception("tokenizing request %s failed", req.rid)
+                outcome = ReqError(rid=req.rid, message="internal error while tokenizing",
+                                   code="internal_error", status=500)
+            try:
+                self._deliver(req, outcome)
+            except Exception:  # noqa: BLE001 - sockets closed at exit
+                log.exception("sending the tokens of request %s failed", req.rid)
+
+    def _deliver(self, req: GenerateReq, outcome: TokenizedReq | ReqError) -> None:
+        """Send a pool result, or nothing if the request was aborted meanwhile (the scheduler
+        never heard of it); aborts of single samples follow their TokenizedReq."""
+        with self.lock:
+            held = self.pending.pop(req.rid)
+            if any(abort.index is None for abort in held):
+                return
+            to_sched, to_api = self._answer(req, outcome)
+            if to_sched:
+                for abort in held:
+                    self._abort(abort)
+                to_sched += held
+            self.send(to_sched, to_api)
 
     @staticmethod
     def _empty_outputs(req: GenerateReq, prompt_tokens: int) -> OutputBatch:
@@ -113,6 +211,10 @@ class TokenizerService:
     # ---- outputs -----------------------------------------------------------------------------
 
     def on_tokens(self, batch: TokenBatch):
+        with self.lock:
+            return self._on_tokens(batch)
+
+    def _on_tokens(self, batch: TokenBatch):
         aborts, outputs = [], []
         for out in batch.outputs:
             state = self.reqs.get(out.rid)
@@ -176,7 +278,18 @@ class TokenizerService:
         if len(state.done) >= state.n:
             del self.reqs[rid]
 
-    def on_abort(self, abort: AbortReq) -> None:
+    def on_abort(self, abort: AbortReq) -> list[AbortReq]:
+        """The aborts to forward to the scheduler: none for a request still being tokenized
+        (the abort is held and applied when tokenization ends)."""
+        with self.lock:
+            held = self.pending.get(abort.rid)
+            if held is not None:
+                held.append(abort)
+                return []
+            self._abort(abort)
+            return [abort]
+
+    def _abort(self, abort: AbortReq) -> None:
         state = self.reqs.get(abort.rid)
         if state is None:
             return
@@ -186,32 +299,85 @@ class TokenizerService:
             self._finish_sample(abort.rid, state, abort.index)
 
     def on_error(self, err: ReqError) -> None:
-        self.reqs.pop(err.rid, None)
+        with self.lock:
+            self.reqs.pop(err.rid, None)
 
 
-def run(args: ServerArgs, ctx: zmq.Context) -> None:
-    service = TokenizerService(args)
-    inbox = Inbox(ctx, args.endpoints.tokenizer, TokenizerInbox)
-    to_scheduler = Outbox(ctx, args.endpoints.scheduler)
-    to_api = Outbox(ctx, args.endpoints.api)
-    send_ready(ctx, args, "tokenizer")
-    while True:
-        msg = inbox.recv()
-        to_sched, to_client = dispatch(service, msg)
+def _req_error(rid: str, e: InvalidRequestError) -> ReqError:
+    return ReqError(rid=rid, message=e.message, code=e.code, param=e.param)
+
+
+def _prompt_chars(req: GenerateReq) -> int:
+    if req.prompt is not None:
+        return len(req.prompt)
+    if req.messages is not None:
+        return sum(len(m.role) + len(m.content) for m in req.messages)
+    return 0
+
+
+class LockedOutbox(Outbox):
+    """An Outbox shared by the loop and the tokenizing threads: one send at a time."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str):
+        super().__init__(ctx, endpoint)
+        self.lock = threading.Lock()
+
+    def send(self, msg) -> None:
+        with self.lock:
+            super().send(msg)
+
+
+def sender(to_scheduler: Outbox, to_api: Outbox) -> Callable[[list, list], None]:
+    def send(to_sched: list, to_client: list) -> None:
         for m in to_sched:
             to_scheduler.send(m)
         for m in to_client:
             to_api.send(m)
 
+    return send
+
+
+def run(args: ServerArgs, ctx: zmq.Context) -> None:
+    service = TokenizerService(args)
+    to_scheduler = LockedOutbox(ctx, args.endpoints.scheduler)
+    to_api = LockedOutbox(ctx, args.endpoints.api)
+    service.start_pool(sender(to_scheduler, to_api))
+    inbox = Inbox(ctx, args.endpoints.tokenizer, TokenizerInbox, reject=to_api.send)
+    heart = Heartbeats(ctx, args, "tokenizer")
+    send_ready(ctx, args, "tokenizer")
+    handled = 0
+    while True:
+        heart.beat(handled)
+        for msg in inbox.recv_within(BEAT_POLL_MS):
+            handled += 1
+            to_sched, to_client = handle(service, msg)
+            for m in to_sched:
+                to_scheduler.send(m)
+            for m in to_client:
+                to_api.send(m)
+
+
+def handle(service: TokenizerService, msg) -> tuple[list, list]:
+    """dispatch(), with a failure answered (a request) or logged, never raised."""
+    try:
+        return dispatch(service, msg)
+    except Exception:  # noqa: BLE001 - one message never stops the process
+        log_failure("tokenizer", msg)
+        error = failure_error(msg) if isinstance(msg, GenerateReq) else None
+        return [], [error] if error is not None else []
+
 
 def dispatch(service: TokenizerService, msg) -> tuple[list, list]:
     if isinstance(msg, GenerateReq):
+        try:
+            msg.params.validate(service.model_cfg.vocab_size)
+        except InvalidRequestError as e:
+            return [], [ReqError(rid=msg.rid, message=e.message, code=e.code, param=e.param)]
         return service.on_generate(msg)
     if isinstance(msg, TokenBatch):
         return service.on_tokens(msg)
     if isinstance(msg, AbortReq):
-        service.on_abort(msg)
-        return [msg], []
+        return service.on_abort(msg), []
     if isinstance(msg, ReqError):
         service.on_error(msg)
         return [], [msg]
