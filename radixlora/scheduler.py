@@ -1,7 +1,7 @@
 """The scheduler: decides every step's batch and owns all bookkeeping (waiting queue, KV pages,
 radix tree, adapter residency); it never touches device tensors. The offline Engine and the
-scheduler process drive the same class: schedule() -> BatchPlan, the model runner executes it,
-process_results() folds the sampled tokens back in.
+scheduler process drive the same class through the StepLoop: schedule() -> BatchPlan, whose
+StepPlan an executor runs, then process_results() folds the sampled tokens back in.
 
 Overlap: step N+1 may be planned before step N's results are in. Planning commits optimistically
 (KV positions are reserved and kv_len advanced when planned); a token step N samples is "pending"
