@@ -66,19 +66,21 @@ class StepExecutor:
     def launch(self, plan: StepPlan) -> InFlight:
         """Queue a step on the device; a step that cannot run is answered at once."""
         started = time.perf_counter()
-        loads, failed = self._resolve_loads(plan.adapter_loads)
-        if failed:
-            self.runner.failed()
-            return InFlight(plan.step, result=StepResult(step=plan.step, failed_adapters=failed))
-        load_s = (time.perf_counter() - started) / len(loads) if loads else 0.0
         try:
+            loads, failed = self._resolve_loads(plan.adapter_loads)
+            load_s = (time.perf_counter() - started) / len(loads) if loads else 0.0
+            if failed:
+                return self.unrun(StepResult(step=plan.step, failed_adapters=failed))
             launched = self.runner.launch(plan, loads)
         except Exception as e:
             log.exception("step %d failed", plan.step)
-            self.runner.failed()  # the next step has no tokens to read
-            return InFlight(plan.step,
-                            result=StepResult(step=plan.step, error=f"{type(e).__name__}: {e}"))
+            return self.unrun(StepResult(step=plan.step, error=f"{type(e).__name__}: {e}"))
         return InFlight(plan.step, launched, load_seconds=[load_s] * len(loads))
+
+    def unrun(self, result: StepResult) -> InFlight:
+        """A step answered without running: the next step's placeholders have no tokens."""
+        self.runner.failed()
+        return InFlight(result.step, result=result)
 
     def finish(self, step: InFlight) -> StepResult:
         if step.result is not None:

@@ -8,16 +8,17 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import zmq
 
 from radixlora.config import ModelConfig
-from radixlora.executor import InFlight, StepExecutor
+from radixlora.executor import StepExecutor
 from radixlora.lora.adapter import LoraAdapter, load_adapter
 from radixlora.model_runner import ModelRunner
 from radixlora.server.args import ServerArgs
 from radixlora.server.ipc import Heartbeats, Inbox, Outbox, child_main, send_ready
 from radixlora.server.messages import InvalidMessage, WorkerInbox
-from radixlora.step_plan import AdapterLoad, StepPlan, StepResult, bytes_to_ids
+from radixlora.step_plan import AdapterLoad, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -62,34 +63,26 @@ def serve(executor: StepExecutor, inbox: Inbox, to_scheduler: Outbox, heart: Hea
 
 
 def submit(executor: StepExecutor, plan: StepPlan) -> None:
-    """Queue a plan; one that is out of range or fails to launch is answered with an error in
-    its turn, and the worker goes on."""
+    """Queue a plan; one that is out of range is answered with an error in its turn (a launch
+    that fails is answered so by the executor), and the worker goes on."""
     try:
         check_ranges(plan, executor.runner)
-        executor.submit(plan)
     except InvalidMessage as e:
         log.error("step %d cannot run: %s", plan.step, e)
-        fail_in_turn(executor, plan, e)
-    except Exception as e:  # noqa: BLE001 - one plan never stops the worker
-        log.exception("step %d cannot run", plan.step)
-        fail_in_turn(executor, plan, e)
-
-
-def fail_in_turn(executor: StepExecutor, plan: StepPlan, e: Exception) -> None:
-    """Answer the plan with an error once the steps before it are answered."""
-    executor.runner.failed()
-    error = StepResult(step=plan.step, error=f"{type(e).__name__}: {e}")
-    executor.in_flight.append(InFlight(plan.step, result=error))
+        error = StepResult(step=plan.step, error=f"{type(e).__name__}: {e}")
+        executor.in_flight.append(executor.unrun(error))
+        return
+    executor.submit(plan)
 
 
 def check_ranges(plan: StepPlan, runner: ModelRunner) -> None:
     """Token ids below the vocabulary size (negative ones are placeholders for the previous
     step's tokens, clamped by the runner) and KV slots inside the pool: what only the worker
     knows. An id or slot out of range would fault the device, ending every later step."""
-    ids = bytes_to_ids(plan.input_ids)
+    ids = np.frombuffer(plan.input_ids, "<i4")  # views: validated to whole int32 words
     if len(ids) and ids.max() >= runner.cfg.vocab_size:
         raise InvalidMessage("input_ids", f"token ids must be below {runner.cfg.vocab_size}")
-    slots = bytes_to_ids(plan.kv_slots)
+    slots = np.frombuffer(plan.kv_slots, "<i4")
     num_slots = runner.kv_pool.k_cache[0].shape[0]
     if len(slots) and (slots.min() < 0 or slots.max() >= num_slots):
         raise InvalidMessage("kv_slots", f"KV slots must be in [0, {num_slots})")
