@@ -8,15 +8,14 @@ from __future__ import annotations
 from datetime import datetime
 
 import pytest
+import transformers
+from transformers.utils import chat_template_utils
 
 from radixlora.errors import InvalidRequestError
 from radixlora.server import chat as chat_module
 from radixlora.server.chat import ChatTemplate
 from radixlora.server.http import invalid
 from scripts.checkpoints import TINY_CORPUS, build_tokenizer
-
-transformers = pytest.importorskip("transformers")
-chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
 
 LLAMA3 = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"
