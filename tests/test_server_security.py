@@ -45,7 +45,7 @@ def keyed(tmp_path_factory):
 def open_server(tmp_path_factory):
     """No key, admin off, a short drain timeout (test_drain_timeout stops it)."""
     log = tmp_path_factory.mktemp("open") / "server.log"
-    with running_server(None, {}, log, "--drain-timeout", "0.5", admin=False) as proc:
+    with running_server(None, {}, log, "--drain-timeout", "0.2", admin=False) as proc:
         yield proc
 
 
@@ -280,10 +280,25 @@ def test_fuzzed_bodies_never_5xx(keyed, path):
 # ---- drain timeout (last: it stops the open server) --------------------------------------------
 
 
+def submitted(server) -> float:
+    """Generations submitted so far, from /metrics."""
+    text = server.http.get("/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("radixlora_requests_total"))
+
+
+def wait_submitted(server, count: float, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while submitted(server) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} generations submitted"
+        time.sleep(0.005)
+
+
 def test_drain_timeout_answers_503_and_stream_error_events(open_server):
     long = {"model": BASE, "prompt": "input: a cat\noutput:\n", "max_tokens": 240, "n": 4,
             "ignore_eos": True}
     answers: list[httpx.Response] = []
+    before = submitted(open_server)
     threads = [threading.Thread(target=lambda: answers.append(
         open_server.http.post("/v1/completions", json=long))) for _ in range(3)]
     for t in threads:
@@ -293,7 +308,7 @@ def test_drain_timeout_answers_503_and_stream_error_events(open_server):
     with open_server.http.stream("POST", "/v1/chat/completions", json=chat) as stream:
         lines = stream.iter_lines()
         next(lines)
-        time.sleep(0.2)
+        wait_submitted(open_server, before + 4)
         open_server.proc.send_signal(signal.SIGTERM)
         events = [line[6:] for line in lines if line.startswith("data: ")]
     for t in threads:
