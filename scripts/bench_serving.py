@@ -110,25 +110,58 @@ async def list_adapters(client: httpx.AsyncClient) -> list[str]:
     return [m["id"] for m in models]
 
 
+@dataclass
+class RequestSpec:
+    """One request to send: the model (adapter or base name), its prompt and max_tokens."""
+
+    adapter: str
+    prompt: str | list[int]
+    max_tokens: int
+
+
+def plan_requests(args, adapters: list[str], rng: random.Random
+                  ) -> tuple[list[float], list[RequestSpec]]:
+    """The arrival gaps and the requests of a run, drawn from `rng` in the order `run` has
+    always drawn them (gaps, then per request: prompt, output length, adapter)."""
+    pick = adapter_picker(adapters, args.popularity, rng, args.zipf_s)
+    gaps = arrival_gaps(args.num_requests, args.rate, args.arrival, rng)
+    specs = []
+    for _ in gaps:
+        prompt = make_prompt(rng, draw_length(rng, args.input_len, args.len_dist),
+                             args.prompt_kind, args.vocab_size)
+        max_tokens = draw_length(rng, args.output_len, args.len_dist)
+        specs.append(RequestSpec(pick(), prompt, max_tokens))
+    return gaps, specs
+
+
+def make_client(args) -> httpx.AsyncClient:
+    """An HTTP client with at most args.max_concurrency connections (None: no cap, so every
+    request is sent when it arrives)."""
+    limits = httpx.Limits(max_connections=args.max_concurrency,
+                          max_keepalive_connections=args.max_concurrency)
+    return httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, limits=limits)
+
+
+async def send_requests(client: httpx.AsyncClient, args, gaps: list[float],
+                        specs: list[RequestSpec]) -> tuple[list[Result], float]:
+    """Send specs[i] gaps[i] seconds after the previous one; (results, wall seconds)."""
+    tasks = []
+    start = time.perf_counter()
+    for gap, spec in zip(gaps, specs):
+        await asyncio.sleep(gap)
+        tasks.append(asyncio.create_task(one_request(client, args, spec.adapter, spec.prompt,
+                                                     spec.max_tokens)))
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - start
+
+
 async def run(args) -> dict:
     rng = random.Random(args.seed)
-    limits = httpx.Limits(max_connections=args.max_concurrency)
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout,
-                                 limits=limits) as client:
+    async with make_client(args) as client:
         adapters = args.adapters.split(",") if args.adapters else await list_adapters(client)
-        pick = adapter_picker(adapters, args.popularity, rng, args.zipf_s)
-        gaps = arrival_gaps(args.num_requests, args.rate, args.arrival, rng)
-        tasks = []
-        start = time.perf_counter()
-        for gap in gaps:
-            await asyncio.sleep(gap)
-            prompt = make_prompt(rng, draw_length(rng, args.input_len, args.len_dist),
-                                 args.prompt_kind, args.vocab_size)
-            max_tokens = draw_length(rng, args.output_len, args.len_dist)
-            tasks.append(asyncio.create_task(one_request(client, args, pick(), prompt,
-                                                         max_tokens)))
-        results = await asyncio.gather(*tasks)
-        return summarize(results, time.perf_counter() - start)
+        gaps, specs = plan_requests(args, adapters, rng)
+        results, duration = await send_requests(client, args, gaps, specs)
+        return summarize(results, duration)
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -151,6 +184,8 @@ def summarize(results: list[Result], duration: float) -> dict:
         "ttft_ms": {"p50": _pct(ttfts, 50), "p99": _pct(ttfts, 99)},
         "itl_ms": {"p50": _pct(itls, 50), "p99": _pct(itls, 99)},
         "e2e_ms": {"p50": _pct(lat, 50), "p99": _pct(lat, 99)},
+        "output_tokens": tokens,
+        "mean_e2e_s": float(np.mean(lat)) if lat else None,
         "per_adapter": dict(Counter(r.adapter for r in results)),
     }
 
@@ -172,7 +207,9 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=500, help="for --prompt-kind ids")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--max-concurrency", type=int, default=256)
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="cap on requests in flight (default: none, every request is sent "
+                        "when it arrives)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

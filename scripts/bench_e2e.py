@@ -1,0 +1,818 @@
+"""End-to-end serving benchmark: a real checkpoint and real PEFT adapters on disk, a real
+`radixlora serve` process, and HTTP clients (scripts/bench_serving.py) driving it.
+
+    python scripts/bench_e2e.py                      # the H200: every workload, b,c,d,e
+    python scripts/bench_e2e.py --workloads c,d      # some of them
+    python scripts/bench_e2e.py --tiny               # tiny checkpoint on the CPU, ~1-2 min
+
+Setup. A Llama-3-8B-shaped checkpoint (hidden 4096, 32 layers, 32 heads / 8 KV heads, vocab
+128256, bf16) with random N(0, 0.02) weights is written to --work-dir as ~5 GB safetensors
+shards + index + config.json + a byte-level BPE tokenizer.json (a smaller learned vocabulary;
+ids it lacks decode to nothing), tensor by tensor (generated on the GPU when there is one), and
+reused on later runs (a marker file records a complete write). PEFT adapter directories are
+written beside it: a0..a7 (rank 16) for c, z0..z99 (ranks 8, 16, 32, 64 in turn) for d and e,
+all on q, k, v, o, gate, up, down (bf16; ~16 GB for the 100). Disk: ~33 GB in the work dir,
+plus the server's snapshots of the adapters it loads. The server is launched as a user would
+(`python -m radixlora.cli serve --model DIR --adapter NAME=DIR ... --enable-admin`, the admin
+key in RADIXLORA_ADMIN_API_KEY), default engine flags plus --extra-serve-args, its log in the
+work dir; /get_server_info's pool sizing is printed once it is ready.
+
+Workloads (prompts are random token ids; greedy; ignore_eos, so every request generates exactly
+its max_tokens; a fresh prompt set per run, so runs do not hit each other's prefix cache):
+  b  time to ready (launch until GET /health is 200), then the first request after ready (256
+     tokens in, 64 out, adapter a0) against the median of 5 repeats of it, each after
+     POST /flush_cache so that it prefills its prompt again as the first did.
+  c  32 requests (256 in, 64 out), a0..a7 four times each, all sent at once: a warm-up run, then
+     5 runs: output tok/s median and spread (max-min)/median. After the server stops, the same
+     runs through the in-process radixlora.Engine (same prompts, adapters, parameters, engine
+     flags); the ratio HTTP / Engine of the medians.
+  d  1000 requests (512 in, 128 out) over z0..z99 picked by Zipf popularity (exponent 1), all
+     sent at once (no cap on requests in flight): fixed lengths, then lognormal lengths of the
+     same means, then the fixed requests on the base model. A small warm-up run first.
+  e  Poisson arrivals at 70% of d's fixed-length request rate, min(60 s worth, 600) requests,
+     d's shapes: TTFT and ITL P50 / P99. Then "decode step alone": a closed batch of C requests
+     sent at once (C = e's requests in flight on average, by Little's law: measured request
+     rate x mean end-to-end latency; 16-token prompts, 256 new tokens, the same adapter
+     popularity): its ITL P50, and ITL P50(e) / it.
+
+The floor printed beside every run is the time an H200 would need at its peak rates:
+  floor_s = prefill FLOPs / peak FLOP/s + decode bytes / peak bytes/s       (800e12, 4.24e12)
+  prefill FLOPs = 2 x P x sum(prompt_len)                         P: non-embedding parameters
+                + 4 x layers x hidden x sum(prompt_len^2 / 2)        (LM head included)
+                + sum over adapter requests of 2 x rank x sum_proj(in + out) x layers x prompt_len
+  decode bytes  = sum over decode steps (all requests in one batch; step s = 1 .. max_out-1
+                  runs the requests with output_len > s) of
+                  2 x P                                              (bf16 weights)
+                + 2 x rank x sum_proj(in + out) x layers for each distinct adapter in the step
+                + 2 x layers x kv_heads x head_dim x 2 bytes x sum(prompt_len + s)   (KV read)
+computed from every request's actual prompt and output lengths (floor() below).
+
+Output: a table on stdout, and every figure with the config, git commit and command line in
+bench_e2e.json ($OUT when set, else the work dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import resource
+import secrets
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_serving  # noqa: E402
+import checkpoints  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA3_8B = dict(
+    model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
+)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MARKER = "bench_e2e_complete.json"
+SHARD_BYTES = 5 * 10**9
+H200_FLOPS = 800e12
+H200_BYTES_PER_S = 4.24e12
+ALL_WORKLOADS = ("b", "c", "d", "e")
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The sizes of every workload (full, or --tiny)."""
+
+    b_in: int
+    b_out: int
+    b_repeats: int
+    c_requests: int
+    c_adapters: int
+    c_rank: int
+    c_in: int
+    c_out: int
+    c_runs: int
+    d_requests: int
+    d_adapters: int
+    d_in: int
+    d_out: int
+    d_warmup: int
+    e_seconds: float
+    e_max_requests: int
+    e_closed_in: int
+    e_closed_out: int
+
+
+FULL = Scale(b_in=256, b_out=64, b_repeats=5, c_requests=32, c_adapters=8, c_rank=16, c_in=256,
+             c_out=64, c_runs=5, d_requests=1000, d_adapters=100, d_in=512, d_out=128,
+             d_warmup=32, e_seconds=60.0, e_max_requests=600, e_closed_in=16, e_closed_out=256)
+TINY = Scale(b_in=16, b_out=8, b_repeats=5, c_requests=8, c_adapters=4, c_rank=8, c_in=16,
+             c_out=8, c_runs=3, d_requests=16, d_adapters=4, d_in=16, d_out=8, d_warmup=4,
+             e_seconds=5.0, e_max_requests=16, e_closed_in=16, e_closed_out=16)
+D_RANKS = (8, 16, 32, 64)
+
+
+# ---- the floor ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shape:
+    """The dimensions of a Llama-style model that the floor needs."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> Shape:
+        heads = cfg["num_attention_heads"]
+        return cls(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], heads,
+                   cfg.get("num_key_value_heads") or heads,
+                   cfg.get("head_dim") or cfg["hidden_size"] // heads, cfg["vocab_size"])
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each LoRA-targetable projection."""
+        h, i = self.hidden, self.intermediate
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def params(self) -> int:
+        """Non-embedding parameters, the LM head and the norms included."""
+        per_layer = sum(i * o for i, o in self.projections().values()) + 2 * self.hidden
+        return self.layers * per_layer + self.hidden + self.vocab * self.hidden
+
+    def lora_in_out(self) -> int:
+        """sum over the 7 projections of (in + out): a rank-1 LoRA's parameters per layer."""
+        return sum(i + o for i, o in self.projections().values())
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One request as the floor sees it; adapter None is the base model."""
+
+    prompt_len: int
+    output_len: int
+    adapter: str | None = None
+    rank: int = 0
+
+
+def floor(shape: Shape, reqs: list[Planned], peak_flops: float = H200_FLOPS,
+          peak_bytes_per_s: float = H200_BYTES_PER_S) -> dict:
+    """The peak-rate time of `reqs` (module docstring): prefill compute + decode memory."""
+    params = shape.params()
+    lora_per_rank = shape.lora_in_out() * shape.layers
+    prompt_tokens = sum(r.prompt_len for r in reqs)
+    dense = 2 * params * prompt_tokens
+    attention = 4 * shape.layers * shape.hidden * sum(r.prompt_len**2 / 2 for r in reqs)
+    lora = sum(2 * r.rank * lora_per_rank * r.prompt_len for r in reqs if r.adapter)
+    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * 2
+    weight_bytes = 2 * params
+    steps = max((r.output_len for r in reqs), default=1) - 1
+    decode_bytes = 0
+    for s in range(1, steps + 1):
+        active = [r for r in reqs if r.output_len > s]
+        adapters = {r.adapter: r.rank for r in active if r.adapter}
+        decode_bytes += weight_bytes + 2 * lora_per_rank * sum(adapters.values())
+        decode_bytes += kv_per_token * sum(r.prompt_len + s for r in active)
+    prefill_flops = dense + attention + lora
+    prefill_s, decode_s = prefill_flops / peak_flops, decode_bytes / peak_bytes_per_s
+    return {"floor_s": prefill_s + decode_s, "prefill_s": prefill_s, "decode_s": decode_s,
+            "prefill_flops": prefill_flops, "dense_flops": dense, "attention_flops": attention,
+            "lora_flops": lora, "decode_bytes": decode_bytes, "decode_steps": steps,
+            "weight_bytes_per_step": weight_bytes, "peak_flops": peak_flops,
+            "peak_bytes_per_s": peak_bytes_per_s}
+
+
+# ---- checkpoint and adapters on disk --------------------------------------------------------
+
+def pick_device(name: str) -> str:
+    if name != "auto":
+        return name
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_tensor(shape: tuple[int, ...], std: float, gen: torch.Generator, device: str,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """N(0, std) on `device` (fp32 draw), cast to `dtype`, on the CPU."""
+    return (torch.randn(shape, generator=gen, device=device) * std).to(dtype).cpu()
+
+
+def checkpoint_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], bool]]:
+    """(name, shape, is_norm) of every tensor of a Llama checkpoint, in file order."""
+    out = [("model.embed_tokens.weight", (shape.vocab, shape.hidden), False)]
+    for layer in range(shape.layers):
+        for name, (n_in, n_out) in shape.projections().items():
+            block = "self_attn" if name[0] in "qkvo" else "mlp"
+            out.append((f"model.layers.{layer}.{block}.{name}.weight", (n_out, n_in), False))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out.append((f"model.layers.{layer}.{norm}.weight", (shape.hidden,), True))
+    out.append(("model.norm.weight", (shape.hidden,), True))
+    out.append(("lm_head.weight", (shape.vocab, shape.hidden), False))
+    return out
+
+
+def plan_shards(tensors, itemsize: int, shard_bytes: int) -> list[list[int]]:
+    """Indices of `tensors` per shard: consecutive tensors up to shard_bytes each."""
+    shards, size = [[]], 0
+    for i, (_, dims, _) in enumerate(tensors):
+        nbytes = itemsize * int(torch.Size(dims).numel())
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += nbytes
+    return shards
+
+
+def bench_tokenizer(vocab_size: int):
+    """A byte-level BPE learned on random words (its vocabulary is smaller than the model's)."""
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(4000)]
+    texts = [" ".join(rng.choice(words) for _ in range(40)) for _ in range(1500)]
+    return checkpoints.build_tokenizer(texts, vocab_size)
+
+
+def write_checkpoint(path: Path, cfg: dict, device: str, seed: int = 0,
+                     shard_bytes: int = SHARD_BYTES, tokenizer_vocab: int = 32000) -> None:
+    """cfg's model with random N(0, 0.02) bf16 weights as sharded safetensors, one tensor at a
+    time (host memory: one shard), then config.json and tokenizer.json."""
+    shape, dtype = Shape.from_config(cfg), torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = checkpoint_tensors(shape)
+    shards = plan_shards(tensors, dtype.itemsize, shard_bytes)
+    weight_map, total = {}, 0
+    for k, indices in enumerate(shards):
+        file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        data = {}
+        for i in indices:
+            name, dims, is_norm = tensors[i]
+            data[name] = (torch.ones(dims, dtype=dtype) if is_norm
+                          else random_tensor(dims, 0.02, gen, device, dtype))
+            weight_map[name] = file
+            total += data[name].numel() * dtype.itemsize
+        save_file(data, str(path / file), metadata={"format": "pt"})
+        log(f"  wrote {file} ({sum(t.numel() for t in data.values()) * 2 / 1e9:.2f} GB)")
+        del data
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    bench_tokenizer(tokenizer_vocab).save(str(path / "tokenizer.json"))
+
+
+def write_adapter(path: Path, cfg: dict, rank: int, seed: int, device: str = "cpu",
+                  dtype: torch.dtype = torch.bfloat16, base_path: str = "") -> Path:
+    """A PEFT LoRA directory: rank `rank` on every projection of every layer, random non-zero
+    lora_A ~ N(0, 1/in) and lora_B ~ N(0, 0.01^2), keys as PEFT writes them."""
+    path.mkdir(parents=True, exist_ok=True)
+    shape = Shape.from_config(cfg)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for layer in range(shape.layers):
+        for name, (n_in, n_out) in shape.projections().items():
+            block = "self_attn" if name[0] in "qkvo" else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{block}.{name}"
+            tensors[f"{key}.lora_A.weight"] = random_tensor((rank, n_in), n_in**-0.5, gen,
+                                                            device, dtype)
+            tensors[f"{key}.lora_B.weight"] = random_tensor((n_out, rank), 0.01, gen, device,
+                                                            dtype)
+    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank,
+              "lora_dropout": 0.0, "target_modules": list(PROJECTIONS), "bias": "none",
+              "use_rslora": False, "base_model_name_or_path": base_path}
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def adapter_plan(workloads: set[str], scale: Scale) -> dict[str, int]:
+    """Adapter name -> rank of the adapters the chosen workloads use."""
+    plan = {}
+    if workloads & {"b", "c"}:
+        count = scale.c_adapters if "c" in workloads else 1
+        plan.update({f"a{i}": scale.c_rank for i in range(count)})
+    if workloads & {"d", "e"}:
+        plan.update({f"z{i}": D_RANKS[i % len(D_RANKS)] for i in range(scale.d_adapters)})
+    return plan
+
+
+def prepare_files(work: Path, tiny: bool, plan: dict[str, int], device: str
+                  ) -> tuple[Path, dict, dict[str, Path]]:
+    """The model directory, its config and the adapter directories, written unless a complete
+    earlier write (its marker file) is there."""
+    model = work / ("tiny-model" if tiny else "llama3-8b-random")
+    marker = model / MARKER
+    if not marker.is_file():
+        if model.exists():
+            shutil.rmtree(model)
+        model.mkdir(parents=True)
+        start = time.perf_counter()
+        if tiny:
+            checkpoints.build_tiny_model(model)
+        else:
+            log(f"writing the Llama-3-8B-shaped checkpoint to {model} (~16 GB, on {device})")
+            write_checkpoint(model, LLAMA3_8B, device)
+        marker.write_text(json.dumps({"seconds": time.perf_counter() - start}))
+        log(f"checkpoint written in {time.perf_counter() - start:.1f} s")
+    else:
+        log(f"reusing the checkpoint in {model}")
+    cfg = json.loads((model / "config.json").read_text())
+    adapters = {}
+    for i, (name, rank) in enumerate(sorted(plan.items())):
+        path = work / ("tiny-adapters" if tiny else "adapters") / f"{name}-r{rank}"
+        if not (path / MARKER).is_file():
+            write_adapter(path, cfg, rank, seed=1000 + i, device=device, base_path=str(model))
+            (path / MARKER).write_text("{}")
+        adapters[name] = path
+    log(f"{len(adapters)} adapters ready under {work}")
+    return model, cfg, adapters
+
+
+# ---- the server -----------------------------------------------------------------------------
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+class Server:
+    """`python -m radixlora.cli serve ...` in its own process group, its output in a file. The
+    admin key (random) goes in RADIXLORA_ADMIN_API_KEY, the --admin-api-key fallback, so that
+    it is not on the command line."""
+
+    def __init__(self, model: Path, adapters: dict[str, Path], port: int, extra: list[str],
+                 log_path: Path):
+        self.cmd = [sys.executable, "-m", "radixlora.cli", "serve", "--model", str(model),
+                    "--port", str(port), "--enable-admin"]
+        self.admin_key = secrets.token_hex(16)
+        for name, path in adapters.items():
+            self.cmd += ["--adapter", f"{name}={path}"]
+        self.cmd += extra
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float) -> float:
+        """Launch and wait for GET /health to answer 200; returns the seconds it took."""
+        try:
+            httpx.get(self.url + "/health", timeout=2)
+            raise RuntimeError(f"something already answers on {self.url}; pick another --port")
+        except httpx.TransportError:
+            pass
+        log(f"starting: {shlex.join(self.cmd[:10])} ... ({len(self.cmd)} args), "
+            f"log {self.log_path}")
+        env = dict(os.environ, RADIXLORA_ADMIN_API_KEY=self.admin_key)
+        start = time.perf_counter()
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
+                                         cwd=ROOT, env=env, start_new_session=True)
+        while time.perf_counter() - start < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n"
+                                   + self.log_tail())
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.perf_counter() - start
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"the server was not ready in {timeout_s} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def admin(self, method: str, route: str) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.admin_key}"}
+        return httpx.request(method, self.url + route, headers=headers, timeout=60)
+
+    def stop(self, timeout_s: float = 90) -> None:
+        """SIGTERM (the server drains and stops its children), then SIGKILL to its process
+        group if any of it lingers (its GPU memory must be free for the Engine runs)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and group_alive(self.proc.pid):
+            self.proc.poll()
+            time.sleep(0.2)
+        if group_alive(self.proc.pid):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def sizing_report(info: dict) -> dict:
+    """The "sizing" sub-dict of /get_server_info if there is one, else its pool-size keys."""
+    def find(node, key):
+        if isinstance(node, dict):
+            if key in node:
+                return node[key]
+            for value in node.values():
+                found = find(value, key)
+                if found is not None:
+                    return found
+        return None
+
+    sizing = find(info, "sizing")
+    if isinstance(sizing, dict):
+        return sizing
+    words = ("kv", "page", "adapter_rows", "max_running", "max_batch", "max_rank", "max_loras",
+             "gpu_memory", "context")
+    out = {}
+    for section in ("engine", "scheduler"):
+        for key, value in (info.get(section) or {}).items():
+            if any(w in key for w in words) and not isinstance(value, (dict, list)):
+                out[f"{section}.{key}"] = value
+    return out
+
+
+# ---- HTTP workloads -------------------------------------------------------------------------
+
+def client_args(url: str) -> SimpleNamespace:
+    """The fields bench_serving's request functions read."""
+    return SimpleNamespace(base_url=url, timeout=3600.0, max_concurrency=None, temperature=0.0,
+                           ignore_eos=True)
+
+
+def plan(n: int, input_len: int, output_len: int, adapters: list[str], popularity: str,
+         vocab: int, seed: int, len_dist: str = "fixed", rate: float = 0.0):
+    """bench_serving.plan_requests for n requests of token-id prompts."""
+    spec = SimpleNamespace(num_requests=n, rate=rate, arrival="poisson", popularity=popularity,
+                           zipf_s=1.0, input_len=input_len, output_len=output_len,
+                           len_dist=len_dist, prompt_kind="ids", vocab_size=vocab)
+    return bench_serving.plan_requests(spec, adapters, random.Random(seed))
+
+
+def drive(url: str, gaps: list[float], specs: list) -> dict:
+    """Send the requests; bench_serving's summary. Fails loudly on a failed request."""
+    async def go():
+        args = client_args(url)
+        async with bench_serving.make_client(args) as client:
+            return await bench_serving.send_requests(client, args, gaps, specs)
+
+    results, duration = asyncio.run(go())
+    summary = bench_serving.summarize(results, duration)
+    if summary["failed"]:
+        raise RuntimeError(f"{summary['failed']} of {len(specs)} requests failed: "
+                           f"{summary['errors']}")
+    expected = sum(s.max_tokens for s in specs)
+    if summary["output_tokens"] != expected:
+        raise RuntimeError(f"got {summary['output_tokens']} output tokens, expected {expected} "
+                           "(ignore_eos)")
+    return summary
+
+
+def planned(specs, ranks: dict[str, int]) -> list[Planned]:
+    return [Planned(len(s.prompt), s.max_tokens, s.adapter if s.adapter in ranks else None,
+                    ranks.get(s.adapter, 0)) for s in specs]
+
+
+def with_floor(summary: dict, specs, ranks: dict[str, int], ctx) -> dict:
+    fl = floor(ctx.shape, planned(specs, ranks), ctx.peak_flops, ctx.peak_bw)
+    summary["floor"] = fl
+    summary["time_over_floor"] = summary["duration_s"] / fl["floor_s"]
+    return summary
+
+
+def workload_b(ctx) -> dict:
+    """The first request after ready vs the median of repeats, each after a cache flush."""
+    s = ctx.scale
+    _, specs = plan(1, s.b_in, s.b_out, ["a0"], "uniform", ctx.vocab, seed=11)
+    first = drive(ctx.url, [0.0], specs)
+    repeats = []
+    for _ in range(s.b_repeats):
+        ctx.server.admin("POST", "/flush_cache").raise_for_status()
+        repeats.append(drive(ctx.url, [0.0], specs))
+    steady = statistics.median(r["duration_s"] for r in repeats)
+    steady_ttft = statistics.median(r["ttft_ms"]["p50"] for r in repeats)
+    out = {"time_to_ready_s": ctx.ready_s, "first_s": first["duration_s"],
+           "first_ttft_ms": first["ttft_ms"]["p50"], "steady_s": steady,
+           "steady_ttft_ms": steady_ttft, "repeats_s": [r["duration_s"] for r in repeats],
+           "first_over_steady": first["duration_s"] / steady}
+    out["floor"] = floor(ctx.shape, planned(specs, ctx.ranks), ctx.peak_flops, ctx.peak_bw)
+    out["steady_over_floor"] = steady / out["floor"]["floor_s"]
+    return out
+
+
+def c_prompt_sets(ctx) -> list[list]:
+    """The c requests of the warm-up and each measured run: a0..a{n-1} round robin."""
+    s = ctx.scale
+    names = [f"a{i}" for i in range(s.c_adapters)]
+    sets = []
+    for run in range(s.c_runs + 1):
+        _, specs = plan(s.c_requests, s.c_in, s.c_out, names, "distinct", ctx.vocab,
+                        seed=100 + run)
+        sets.append(specs)
+    return sets
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    median = statistics.median(values)
+    return median, (max(values) - min(values)) / median
+
+
+def workload_c(ctx) -> dict:
+    """c over HTTP: a warm-up run, then the measured runs, all requests of a run at once."""
+    sets = c_prompt_sets(ctx)
+    drive(ctx.url, [0.0] * len(sets[0]), sets[0])
+    runs = [drive(ctx.url, [0.0] * len(specs), specs) for specs in sets[1:]]
+    tok_s = [r["output_token_throughput"] for r in runs]
+    median, rel = spread(tok_s)
+    fl = floor(ctx.shape, planned(sets[1], ctx.ranks), ctx.peak_flops, ctx.peak_bw)
+    seconds = [r["duration_s"] for r in runs]
+    return {"http_tok_s": tok_s, "http_tok_s_median": median, "http_spread": rel,
+            "http_seconds": seconds, "ttft_ms": [r["ttft_ms"] for r in runs],
+            "itl_ms": [r["itl_ms"] for r in runs], "floor": fl,
+            "http_median_over_floor": statistics.median(seconds) / fl["floor_s"]}
+
+
+def engine_overrides(extra: list[str]) -> dict:
+    """The engine flags among --extra-serve-args, as Engine overrides (the server's parser)."""
+    from radixlora.cli.flags import add_engine_flags
+    from radixlora.cli.flags import engine_overrides as overrides
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_flags(parser)
+    known, _ = parser.parse_known_args(extra)
+    return overrides(known)
+
+
+def workload_c_engine(ctx, model: Path, adapters: dict[str, Path]) -> dict:
+    """c's runs through the in-process Engine: one engine.generate per run."""
+    from radixlora import Engine, SamplingParams
+
+    s = ctx.scale
+    names = [f"a{i}" for i in range(s.c_adapters)]
+    overrides = engine_overrides(ctx.extra)
+    log(f"c: in-process Engine (overrides {overrides})")
+    engine = Engine(model, adapters={n: adapters[n] for n in names}, **overrides)
+    params = SamplingParams(max_tokens=s.c_out, temperature=0.0, ignore_eos=True)
+    tok_s, seconds = [], []
+    for run, specs in enumerate(c_prompt_sets(ctx)):
+        start = time.perf_counter()
+        outs = engine.generate([sp.prompt for sp in specs], params,
+                               adapters=[sp.adapter for sp in specs])
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        if run:
+            tok_s.append(tokens / elapsed)
+            seconds.append(elapsed)
+    del engine
+    median, rel = spread(tok_s)
+    return {"engine_tok_s": tok_s, "engine_tok_s_median": median, "engine_spread": rel,
+            "engine_seconds": seconds}
+
+
+def workload_d(ctx) -> dict:
+    """A warm-up, then fixed lengths, lognormal lengths and the fixed requests on the base."""
+    s = ctx.scale
+    names = [f"z{i}" for i in range(s.d_adapters)]
+    gaps, specs = plan(s.d_warmup, s.d_in, s.d_out, names, "zipf", ctx.vocab, seed=200)
+    drive(ctx.url, gaps, specs)
+    out, sent = {}, {}
+    for dist, seed in (("fixed", 201), ("lognormal", 202)):
+        gaps, sent[dist] = plan(s.d_requests, s.d_in, s.d_out, names, "zipf", ctx.vocab, seed,
+                                len_dist=dist)
+        log(f"d: {dist} lengths, {len(sent[dist])} requests at once")
+        out[dist] = with_floor(drive(ctx.url, gaps, sent[dist]), sent[dist], ctx.ranks, ctx)
+    base = [bench_serving.RequestSpec(ctx.base_name, sp.prompt, sp.max_tokens)
+            for sp in sent["fixed"]]
+    log(f"d: base model only, {len(base)} requests at once")
+    out["base"] = with_floor(drive(ctx.url, [0.0] * len(base), base), base, ctx.ranks, ctx)
+    return out
+
+
+def d_rate_probe(ctx) -> float:
+    """d's fixed-length request rate, for e when d was not run."""
+    s = ctx.scale
+    names = [f"z{i}" for i in range(s.d_adapters)]
+    gaps, specs = plan(s.d_requests, s.d_in, s.d_out, names, "zipf", ctx.vocab, seed=201)
+    return drive(ctx.url, gaps, specs)["request_throughput"]
+
+
+def workload_e(ctx, d_rate: float) -> dict:
+    """Poisson arrivals at 70% of d_rate, then a closed batch at their mean concurrency."""
+    s = ctx.scale
+    names = [f"z{i}" for i in range(s.d_adapters)]
+    rate = 0.7 * d_rate
+    n = max(1, min(s.e_max_requests, round(rate * s.e_seconds)))
+    gaps, specs = plan(n, s.d_in, s.d_out, names, "zipf", ctx.vocab, seed=300, rate=rate)
+    log(f"e: {n} requests, Poisson at {rate:.2f}/s")
+    poisson = with_floor(drive(ctx.url, gaps, specs), specs, ctx.ranks, ctx)
+    # Little's law over the run's window: requests in flight = throughput x mean latency
+    concurrency = poisson["request_throughput"] * poisson["mean_e2e_s"]
+    batch = max(1, round(concurrency))
+    gaps, closed_specs = plan(batch, s.e_closed_in, s.e_closed_out, names, "zipf", ctx.vocab,
+                              seed=301)
+    log(f"e: closed batch of {batch} (Little's law: {concurrency:.1f} in flight)")
+    closed = with_floor(drive(ctx.url, gaps, closed_specs), closed_specs, ctx.ranks, ctx)
+    return {"rate": rate, "d_rate": d_rate, "requests": n, "poisson": poisson,
+            "little_concurrency": concurrency, "closed_batch": batch, "closed": closed,
+            "itl_p50_over_closed": poisson["itl_ms"]["p50"] / closed["itl_ms"]["p50"]}
+
+
+# ---- report ---------------------------------------------------------------------------------
+
+def fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 1e5 else f"{value:.4g}"
+    return str(value)
+
+
+def run_rows(name: str, r: dict) -> list[tuple[str, str]]:
+    fl = r["floor"]
+    return [
+        (f"{name}: total s", fmt(r["duration_s"])),
+        (f"{name}: output tok/s", fmt(r["output_token_throughput"])),
+        (f"{name}: TTFT P50 / P99 ms", f"{fmt(r['ttft_ms']['p50'])} / {fmt(r['ttft_ms']['p99'])}"),
+        (f"{name}: ITL P50 / P99 ms", f"{fmt(r['itl_ms']['p50'])} / {fmt(r['itl_ms']['p99'])}"),
+        (f"{name}: floor s (prefill + decode)",
+         f"{fmt(fl['floor_s'])} ({fmt(fl['prefill_s'])} + {fmt(fl['decode_s'])})"),
+        (f"{name}: time / floor", fmt(r["time_over_floor"])),
+    ]
+
+
+def rows(results: dict) -> list[tuple[str, str]]:
+    out = [("time to ready s", fmt(results.get("time_to_ready_s")))]
+    b = results.get("b")
+    if b:
+        out += [("b: first request s (TTFT ms)",
+                 f"{fmt(b['first_s'])} ({fmt(b['first_ttft_ms'])})"),
+                ("b: steady median s (TTFT ms)",
+                 f"{fmt(b['steady_s'])} ({fmt(b['steady_ttft_ms'])})"),
+                ("b: first / steady", fmt(b["first_over_steady"])),
+                ("b: floor s", fmt(b["floor"]["floor_s"])),
+                ("b: steady / floor", fmt(b["steady_over_floor"]))]
+    c = results.get("c")
+    if c:
+        out += [("c: HTTP tok/s median (spread)",
+                 f"{fmt(c['http_tok_s_median'])} ({fmt(c['http_spread'])})"),
+                ("c: floor s", fmt(c["floor"]["floor_s"])),
+                ("c: HTTP median time / floor", fmt(c["http_median_over_floor"]))]
+        if "engine_tok_s_median" in c:
+            out += [("c: Engine tok/s median (spread)",
+                     f"{fmt(c['engine_tok_s_median'])} ({fmt(c['engine_spread'])})"),
+                    ("c: HTTP / Engine", fmt(c["http_over_engine"]))]
+    d = results.get("d")
+    if d:
+        for key in ("fixed", "lognormal", "base"):
+            out += run_rows(f"d {key}", d[key])
+    e = results.get("e")
+    if e:
+        out += [("e: rate req/s (70% of d)", fmt(e["rate"])), ("e: requests", str(e["requests"]))]
+        out += run_rows("e Poisson", e["poisson"])
+        out += [("e: Little's-law concurrency", fmt(e["little_concurrency"])),
+                ("e: closed batch ITL P50 ms", fmt(e["closed"]["itl_ms"]["p50"])),
+                ("e: ITL P50 / closed batch", fmt(e["itl_p50_over_closed"]))]
+    return out
+
+
+def print_table(results: dict, peak_flops: float, peak_bw: float) -> None:
+    print()
+    print(f"floor = prefill FLOPs / {peak_flops:.3g} FLOP/s + decode bytes / {peak_bw:.3g} B/s "
+          "(module docstring: dense + attention + LoRA FLOPs; weights + distinct adapters + "
+          "KV bytes per decode step)")
+    table = rows(results)
+    width = max(len(label) for label, _ in table)
+    for label, value in table:
+        print(f"{label:<{width}}  {value}")
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def raise_fd_limit() -> None:
+    """1000 requests at once need 1000 sockets here and in the server (which inherits this)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+# ---- main -----------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workloads", default=",".join(ALL_WORKLOADS),
+                   help="comma-separated subset of b,c,d,e")
+    p.add_argument("--work-dir", default="/tmp/radixlora-bench-e2e")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny checkpoint and adapters, scaled-down workloads, on the CPU")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--extra-serve-args", default="",
+                   help="more `radixlora serve` flags, one shell-quoted string")
+    p.add_argument("--gen-device", default="auto",
+                   help="where random weights are drawn (auto: cuda if available)")
+    p.add_argument("--ready-timeout", type=float, default=1800.0)
+    p.add_argument("--peak-flops", type=float, default=H200_FLOPS,
+                   help="peak dense bf16 FLOP/s of the floor (H200: 800e12)")
+    p.add_argument("--peak-bw", type=float, default=H200_BYTES_PER_S,
+                   help="peak memory bytes/s of the floor (H200: 4.24e12)")
+    p.add_argument("--skip-engine", action="store_true", help="c: no in-process Engine runs")
+    args = p.parse_args(argv)
+    args.workload_set = set(args.workloads.split(","))
+    unknown = args.workload_set - set(ALL_WORKLOADS)
+    if unknown:
+        p.error(f"unknown workloads {sorted(unknown)}; choose from b,c,d,e")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    raise_fd_limit()
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    scale = TINY if args.tiny else FULL
+    extra = shlex.split(args.extra_serve_args)
+    if args.tiny and "--device" not in extra:
+        extra += ["--device", "cpu"]
+    device = "cpu" if args.tiny else pick_device(args.gen_device)
+    ranks = adapter_plan(args.workload_set, scale)
+    model, cfg, adapters = prepare_files(work, args.tiny, ranks, device)
+    results: dict = {
+        "command": shlex.join([sys.executable, *sys.argv]), "git_commit": git_commit(),
+        "config": {"args": {k: v for k, v in vars(args).items() if k != "workload_set"},
+                   "scale": dataclasses.asdict(scale),
+                   "model": cfg, "adapter_ranks": ranks, "serve_extra": extra},
+    }
+    server = Server(model, adapters, args.port, extra, work / "server.log")
+    ctx = SimpleNamespace(scale=scale, shape=Shape.from_config(cfg), vocab=cfg["vocab_size"],
+                          url=server.url, server=server, ranks=ranks, extra=extra,
+                          peak_flops=args.peak_flops, peak_bw=args.peak_bw)
+    try:
+        ctx.ready_s = results["time_to_ready_s"] = server.start(args.ready_timeout)
+        log(f"ready in {ctx.ready_s:.1f} s")
+        info = server.admin("GET", "/get_server_info")
+        results["sizing"] = sizing_report(info.json()) if info.status_code == 200 else {}
+        log(f"server sizing: {json.dumps(results['sizing'])}")
+        models = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
+        ctx.base_name = next(m["id"] for m in models if m.get("parent") is None)
+        run_http_workloads(args, ctx, results)
+    finally:
+        server.stop()
+    if "c" in args.workload_set and not args.skip_engine:
+        results["c"].update(workload_c_engine(ctx, model, adapters))
+        results["c"]["http_over_engine"] = (results["c"]["http_tok_s_median"]
+                                            / results["c"]["engine_tok_s_median"])
+    out_dir = Path(os.environ.get("OUT") or work)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_e2e.json").write_text(json.dumps(results, indent=2))
+    print_table(results, args.peak_flops, args.peak_bw)
+    log(f"JSON: {out_dir / 'bench_e2e.json'}")
+
+
+def run_http_workloads(args, ctx, results: dict) -> None:
+    chosen = args.workload_set
+    if "b" in chosen:
+        log("b: warm start")
+        results["b"] = workload_b(ctx)
+    if "c" in chosen:
+        log("c: pipeline over HTTP")
+        results["c"] = workload_c(ctx)
+    if "d" in chosen:
+        log("d: saturation")
+        results["d"] = workload_d(ctx)
+    if "e" in chosen:
+        if "d" in results:
+            d_rate = results["d"]["fixed"]["request_throughput"]
+        else:
+            log("e: measuring d's fixed-length request rate first")
+            d_rate = d_rate_probe(ctx)
+        results["e"] = workload_e(ctx, d_rate)
+
+
+if __name__ == "__main__":
+    main()

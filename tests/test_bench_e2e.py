@@ -1,0 +1,103 @@
+"""scripts/bench_e2e.py's pure parts: the peak-rate floor (a hand-computed case), the PEFT
+adapter writer (loaded back by radixlora and PEFT) and the sharded checkpoint writer (loaded back
+by radixlora). The whole benchmark is not run here (`python scripts/bench_e2e.py --tiny`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from radixlora.config import ModelConfig
+from radixlora.lora.adapter import LORA_MODULES, load_adapter
+from scripts import bench_e2e
+from scripts.checkpoints import build_tiny_model
+
+# hidden 4, intermediate 8, 1 layer, 2 heads / 1 KV head of dim 2, vocab 10
+SMALL = bench_e2e.Shape(hidden=4, intermediate=8, layers=1, heads=2, kv_heads=1, head_dim=2,
+                        vocab=10)
+
+
+def test_shape_counts():
+    # q 4x4 + k 4x2 + v 4x2 + o 4x4 + gate/up/down 3 x 4x8 = 144, + 2 norms of 4 per layer,
+    # + the final norm 4 + the LM head 10x4
+    assert SMALL.params() == 144 + 8 + 4 + 40
+    # (in + out): q 8, k 6, v 6, o 8, gate 12, up 12, down 12
+    assert SMALL.lora_in_out() == 64
+
+
+def test_floor_hand_computed():
+    reqs = [bench_e2e.Planned(prompt_len=3, output_len=3, adapter="x", rank=2),
+            bench_e2e.Planned(prompt_len=2, output_len=2)]
+    out = bench_e2e.floor(SMALL, reqs, peak_flops=1000.0, peak_bytes_per_s=100.0)
+    assert out["dense_flops"] == 2 * 196 * 5
+    assert out["attention_flops"] == 4 * 1 * 4 * (9 + 4) / 2  # 104
+    assert out["lora_flops"] == 2 * 2 * 64 * 1 * 3  # rank 2, 3 prompt tokens: 768
+    assert out["prefill_flops"] == 1960 + 104 + 768
+    # KV bytes per token: 2 (K, V) x 1 layer x 1 head x dim 2 x 2 bytes = 8
+    # step 1: both run; weights 392, adapter x 2 x 64 x 1 x 2 = 256, KV 8 x (4 + 3)
+    # step 2: only the first (output 3 > 2); weights 392, adapter 256, KV 8 x 5
+    assert out["decode_steps"] == 2
+    assert out["decode_bytes"] == (392 + 256 + 56) + (392 + 256 + 40)
+    assert out["floor_s"] == pytest.approx(2832 / 1000 + 1392 / 100)
+
+
+def test_floor_counts_each_adapter_once_per_step():
+    one = [bench_e2e.Planned(1, 2, "x", 2), bench_e2e.Planned(1, 2, "x", 2)]
+    two = [bench_e2e.Planned(1, 2, "x", 2), bench_e2e.Planned(1, 2, "y", 2)]
+    kv = 8 * (2 + 2)
+    assert bench_e2e.floor(SMALL, one)["decode_bytes"] == 392 + 256 + kv
+    assert bench_e2e.floor(SMALL, two)["decode_bytes"] == 392 + 2 * 256 + kv
+
+
+def test_adapter_writer_loads_in_radixlora(tmp_path):
+    model = build_tiny_model(tmp_path / "model")
+    cfg = json.loads((model / "config.json").read_text())
+    path = bench_e2e.write_adapter(tmp_path / "ad", cfg, rank=4, seed=3)
+    adapter = load_adapter("ad", path, ModelConfig.from_dir(model), max_rank=64)
+    model_cfg = ModelConfig.from_dir(model)
+    assert adapter.rank == 4
+    assert set(adapter.group_ranks.values()) == {4}
+    assert set(adapter.weights) == {(layer, m) for layer in range(model_cfg.num_layers)
+                                    for m in LORA_MODULES}
+    for (_, module), (a, b) in adapter.weights.items():
+        in_dim, out_dim = model_cfg.module_shape(module)
+        assert a.shape == (4, in_dim) and b.shape == (out_dim, 4)
+        assert a.abs().sum() > 0 and b.abs().sum() > 0
+    config = json.loads((path / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["target_modules"] == list(LORA_MODULES)
+
+
+def test_adapter_writer_loads_in_peft(tmp_path):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    model = build_tiny_model(tmp_path / "model")
+    cfg = json.loads((model / "config.json").read_text())
+    path = bench_e2e.write_adapter(tmp_path / "ad", cfg, rank=4, seed=3, dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    lora = peft.PeftModel.from_pretrained(base, path)
+    down = lora.base_model.model.model.layers[1].mlp.down_proj
+    with safe_open(str(path / "adapter_model.safetensors"), framework="pt") as f:
+        want = f.get_tensor("base_model.model.model.layers.1.mlp.down_proj.lora_B.weight")
+    assert torch.equal(down.lora_B["default"].weight, want)
+    assert want.abs().sum() > 0
+
+
+def test_checkpoint_writer_shards_and_loads(tmp_path):
+    cfg = dict(bench_e2e.LLAMA3_8B, vocab_size=300, hidden_size=32, intermediate_size=64,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    bench_e2e.write_checkpoint(tmp_path, cfg, "cpu", shard_bytes=20_000, tokenizer_vocab=300)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((tmp_path / s).is_file() for s in shards)
+    from radixlora.model.loader import load_model
+
+    model_cfg = ModelConfig.from_dir(tmp_path)
+    model = load_model(tmp_path, model_cfg, torch.float32, "cpu")
+    std = model.lm_head.weight.std().item()
+    assert 0.015 < std < 0.025
+    with safe_open(str(tmp_path / index["weight_map"]["lm_head.weight"]), framework="pt") as f:
+        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
+    assert (tmp_path / "tokenizer.json").is_file()
