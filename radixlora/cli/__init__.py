@@ -62,6 +62,8 @@ def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], serv
         step_timeout_s=args.step_timeout,
         watchdog_timeout_s=args.watchdog_timeout,
         log_level=args.log_level,
+        log_requests=args.log_requests,
+        stats_interval_s=args.stats_interval,
         adapter_dir=_check_dir(args.adapter_dir),
         adapter_rate=args.adapter_rate,
         adapter_burst=args.adapter_burst,
@@ -112,6 +114,12 @@ def _serve_parser(sub) -> None:
                    help="seconds a child process may go without a heartbeat before it counts "
                         "as dead (503s, exit; the registry is restarted)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--log-requests", action="store_true",
+                   help="log one line per finished request: id, adapter, token counts, finish "
+                        "reason, TTFT and total time (never prompt or output text)")
+    p.add_argument("--stats-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="while busy, log a stats line (load, KV, radix hits, token rates, "
+                        "adapters) every SECONDS (0: off)")
     add_engine_flags(p)
     p.set_defaults(func=serve)
 

@@ -55,6 +55,8 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     ready_timeout_s: float = 300.0
     max_body_bytes: int = 8 << 20
     log_level: str = "info"
+    log_requests: bool = False  # one INFO line per finished request (counts and times, no text)
+    stats_interval_s: float = 5.0  # the INFO stats line while busy; 0: off
     endpoints: Endpoints | None = None
     launcher_pid: int = 0
     state_dir: str = ""  # private to this server: adapter snapshots, registry state
@@ -77,6 +79,8 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("--enable-admin needs --admin-api-key")
         if not self.watchdog_timeout_s > 0:
             raise ValueError("--watchdog-timeout must be > 0")
+        if not self.stats_interval_s >= 0:
+            raise ValueError("--stats-interval must be >= 0")
 
     @property
     def model_name(self) -> str:

@@ -35,6 +35,8 @@ from radixlora.server.messages import (
     SchedulerStats,
     bytes_to_ids,
 )
+from radixlora.server.stats_log import StatsLog, request_line
+from radixlora.server.stats_log import log as ops_log
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,7 @@ class Generation:
     first_token_at: float | None = None
     fallback: str | None = None  # served base-only (policy "base"), and why
     owner: str = ""  # who submitted it (a hash of its API key): only they may abort it
+    logged: bool = False  # its --log-requests line is written (once: finished, failed or aborted)
 
     @property
     def n(self) -> int:
@@ -105,6 +108,11 @@ class Generation:
     def finished(self) -> bool:
         done = [s for s in self.samples.values() if s.finish_reason is not None]
         return len(done) >= self.n
+
+    @property
+    def finish_reasons(self) -> str:
+        reasons = [s.finish_reason for _, s in sorted(self.samples.items())]
+        return ",".join(dict.fromkeys(r for r in reasons if r is not None))
 
 
 class ProcessBridge:
@@ -123,6 +131,7 @@ class ProcessBridge:
         self.info_waiters: dict[int, asyncio.Future] = {}
         self.qids = itertools.count(1)
         self.stats: SchedulerStats | None = None
+        self.stats_log = StatsLog(args.stats_interval_s)
         self.health = Health.STARTING
         self.dead_reason: str | None = None
         self.degraded_reason: str | None = None  # the registry is down; serving goes on
@@ -190,6 +199,7 @@ class ProcessBridge:
             self.to_tokenizer.send(self.encoder.encode(AbortReq(rid=rid)))
         if self.metrics is not None:
             self.metrics.on_abort(gen)
+        self._log_request(gen, "abort")
         return True
 
     def cancel(self, rid: str, owner: str | None = None) -> bool:
@@ -225,6 +235,8 @@ class ProcessBridge:
                 if isinstance(event, ReqError):
                     if self.metrics is not None:
                         self.metrics.on_error(event.code)
+                    self._log_request(gens[position[event.rid]], f"error:{event.code}",
+                                      event.status)
                     raise ReqFailed(event)
                 unfinished -= event.finish_reason is not None
                 yield position[event.rid], event
@@ -284,6 +296,7 @@ class ProcessBridge:
             self.stats = msg
             if self.metrics is not None:
                 self.metrics.on_stats(msg)
+            self.stats_log.on_stats(msg)
         elif isinstance(msg, (InfoReply, AdminReply)):
             waiter = self.info_waiters.pop(msg.qid, None)
             if waiter is not None and not waiter.done():
@@ -300,9 +313,27 @@ class ProcessBridge:
             gen.prompt_tokens, gen.cached_tokens = out.prompt_tokens, out.cached_tokens
         if out.fallback:
             gen.fallback = out.fallback
+        first = gen.first_token_at is None
+        if first:
+            gen.first_token_at = time.monotonic()
+        self.stats_log.count(out.prompt_tokens if first else 0, len(ids))
         if self.metrics is not None:
-            self.metrics.on_output(gen, out, len(ids))
+            self.metrics.on_output(gen, out, len(ids), first)
+        if gen.finished:
+            self._log_request(gen, gen.finish_reasons)
         gen.queue.put_nowait(out)
+
+    def _log_request(self, gen: Generation, finish: str, status: int | None = None) -> None:
+        """The --log-requests line of gen, once."""
+        if not self.args.log_requests or gen.logged:
+            return
+        gen.logged = True
+        now = time.monotonic()
+        ttft = None if gen.first_token_at is None else gen.first_token_at - gen.created
+        generated = sum(len(s.token_ids) for s in gen.samples.values())
+        ops_log.info("%s", request_line(gen.req.rid, gen.adapter_label, gen.prompt_tokens,
+                                        gen.cached_tokens, generated, finish, ttft,
+                                        now - gen.created, status))
 
     # ---- control -----------------------------------------------------------------------------
 

@@ -92,13 +92,13 @@ class Metrics:
     def on_error(self, code: str) -> None:
         self.errors.labels(code).inc()
 
-    def on_output(self, gen, out: SampleOutput, num_tokens: int) -> None:
+    def on_output(self, gen, out: SampleOutput, num_tokens: int, first: bool) -> None:
+        """first: the first output of gen (the bridge has set gen.first_token_at)."""
         now = time.monotonic()
         adapter = gen.adapter_label
         key = (out.rid, out.index)
-        if gen.first_token_at is None:
-            gen.first_token_at = now
-            self.ttft.labels(adapter).observe(now - gen.created)
+        if first:
+            self.ttft.labels(adapter).observe(gen.first_token_at - gen.created)
             self.prompt_tokens.labels(adapter).inc(out.prompt_tokens)
             self.cached_tokens.labels(adapter).inc(out.cached_tokens)
         last = self._last_token.get(key)
