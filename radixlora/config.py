@@ -149,20 +149,28 @@ def _eos_ids(cfg: dict, gen: dict) -> tuple[int, ...]:
 class EngineConfig:
     """Knobs of the offline engine and the scheduler/worker processes.
 
-    `kv_pages` and `adapter_rows` size the two device pools; `max_stacked` caps the adapters
-    of one request; `host_adapter_bytes` is the budget of the host tier of packed adapters.
+    `kv_pages` and `adapter_rows` size the two device pools, `max_running` and
+    `max_batch_tokens` the batches; None (the default) leaves them to radixlora.sizing: sized
+    from device memory on CUDA (a `gpu_memory_utilization` share of it, the adapter pool
+    holding `max_loras` adapters of rank `max_rank`), small fixed values on the CPU.
+    `context_length` caps prompt + output tokens (None: the model's). `max_stacked` caps the
+    adapters of one request; `host_adapter_bytes` is the budget of the host tier of packed
+    adapters.
     """
 
     dtype: str = "auto"
     device: str = "auto"
     page_size: int = 1
-    kv_pages: int = 4096
-    adapter_rows: int = 512
+    kv_pages: int | None = None
+    adapter_rows: int | None = None
+    max_running: int | None = None
+    max_batch_tokens: int | None = None
+    context_length: int | None = None
+    gpu_memory_utilization: float = 0.90
+    max_loras: int = 32
     host_adapter_bytes: int = 2 << 30
     max_rank: int = 64
     max_stacked: int = 8
-    max_running: int = 64
-    max_batch_tokens: int = 2048
     max_adapter_sets_per_batch: int = 32
     lora_backend: str = "auto"
     attention_backend: str = "auto"
@@ -170,8 +178,33 @@ class EngineConfig:
     cuda_graph: bool = True  # decode steps replay captured graphs (CUDA only)
     lora_side_stream: bool = True  # in graphs, LoRA work runs beside the base GEMMs
     overlap_schedule: bool = True  # plan step N+1 while step N runs on the device
+    warm_up: bool = True  # CUDA: compile kernels and capture every graph before serving
     seed: int = 0
     load_format: str = "safetensors"  # or "dummy": random weights, for benchmarks
+
+    def __post_init__(self):
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        for name in ("kv_pages", "adapter_rows", "max_running", "max_batch_tokens",
+                     "context_length", "max_loras", "max_rank", "max_stacked", "page_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+    @property
+    def sized(self) -> bool:
+        """Every pool and batch limit is set (radixlora.sizing.resolve has run)."""
+        return None not in (self.kv_pages, self.adapter_rows, self.max_running,
+                            self.max_batch_tokens)
+
+    def max_context(self, model: ModelConfig) -> int:
+        """Prompt + output tokens one request may reach: --context-length, at most the model's."""
+        if self.context_length is None:
+            return model.max_position
+        if self.context_length > model.max_position:
+            raise ValueError(f"context_length {self.context_length} exceeds the model's "
+                             f"max_position_embeddings ({model.max_position})")
+        return self.context_length
 
     def torch_dtype(self, model: ModelConfig) -> torch.dtype:
         name = self.dtype

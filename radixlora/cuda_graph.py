@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from radixlora.attention import TritonAttentionMeta
 from radixlora.forward_batch import ForwardBatch
@@ -80,6 +81,32 @@ class GraphKey:
         return self.tokens == self.batch
 
 
+def batch_buckets(max_batch: int) -> list[int]:
+    return [b for b in BATCH_BUCKETS if b <= max_batch] or [1]
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    return sorted({r for r in ROW_BUCKETS if r < max_rows} | {max_rows})
+
+
+def graph_keys(max_batch: int, max_rows: int) -> list[GraphKey]:
+    """Every graph serving can replay (what key_for can return): each decode bucket, and each
+    extend batch bucket with each token bucket above it, for each LoRA row bucket."""
+    buckets = batch_buckets(max_batch)
+    keys = [GraphKey(b, b, r) for b in buckets for r in row_buckets(max_rows)]
+    return keys + [GraphKey(b, t, r) for b in buckets if b <= MAX_EXTEND_BATCH
+                   for t in EXTEND_TOKEN_BUCKETS if t > b for r in row_buckets(max_rows)]
+
+
+def graph_reserve(config, model_cfg, dtype: torch.dtype, decode_activation: int) -> int:
+    """Bytes the graphs will hold, estimated before they are captured: every graph keeps its
+    outputs (logits and sampler values of each request row) in the shared pool, beside the
+    activations of the largest one (those of the largest decode step)."""
+    keys = graph_keys(config.max_running, config.max_rank * config.max_stacked)
+    row_bytes = model_cfg.vocab_size * dtype.itemsize + 32
+    return sum(k.batch for k in keys) * row_bytes + decode_activation
+
+
 class StaticInputs:
     """Static input buffers of every graph and the bucketing rules; device-agnostic, so the
     padding logic runs (and is tested) on the CPU too through static_forward()."""
@@ -90,9 +117,10 @@ class StaticInputs:
         self.runner = runner
         # CudaGraphRunner: the side stream of the LoRA work, by whether the bucket defers
         self.lora_streams: dict[bool, torch.cuda.Stream] = {}
-        self.buckets = [b for b in BATCH_BUCKETS if b <= max_batch] or [1]
+        self.max_batch, self.max_rows = max_batch, max_rows
+        self.buckets = batch_buckets(max_batch)
         self.extend_buckets = [b for b in self.buckets if b <= MAX_EXTEND_BATCH]
-        self.row_buckets = sorted({r for r in ROW_BUCKETS if r < max_rows} | {max_rows})
+        self.row_buckets = row_buckets(max_rows)
         dev, n = runner.device, self.buckets[-1]
         t = max(n, EXTEND_TOKEN_BUCKETS[-1])
         rows = t * self.row_buckets[-1] + 1
@@ -288,10 +316,18 @@ class CudaGraphRunner(StaticInputs):
 
     def capture_decode(self) -> None:
         """Capture every decode graph now (extend graphs are captured on first use)."""
-        for rows in self.row_buckets:
-            for bucket in reversed(self.buckets):
-                if GraphKey(bucket, bucket, rows) not in self.graphs:
-                    self._capture(GraphKey(bucket, bucket, rows))
+        self.capture([k for k in graph_keys(self.max_batch, self.max_rows) if k.decode])
+
+    def capture_all(self) -> None:
+        """Capture every graph serving can replay, largest first (smaller ones reuse the
+        pool's memory)."""
+        self.capture(graph_keys(self.max_batch, self.max_rows))
+
+    def capture(self, keys: list[GraphKey]) -> None:
+        todo = sorted((k for k in keys if k not in self.graphs),
+                      key=lambda k: (k.tokens, k.batch, k.rows), reverse=True)  # fmt: skip
+        for key in tqdm(todo, desc="capturing CUDA graphs", unit="graph", disable=not todo):
+            self._capture(key)
 
     def _capture(self, key: GraphKey) -> _Graph:
         self._reset_inputs(key)

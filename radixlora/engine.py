@@ -62,7 +62,9 @@ class Engine:
         self.base_version = base_version(self.model_path, self.config.load_format)
         self.tokenizer = Tokenizer.from_dir(self.model_path)
         self.runner = ModelRunner(self.model_path, self.model_cfg, self.config)
-        self.scheduler = Scheduler(self.config, max_context=self.model_cfg.max_position)
+        self.runner.warm_up()
+        self.config = self.runner.config  # pools and batch limits sized
+        self.scheduler = Scheduler(self.config, max_context=self.config.max_context(self.model_cfg))
         self.registry = AdapterRegistry(
             self.model_cfg, self.config.max_rank, self.config.max_stacked, self.config.adapter_rows
         )

@@ -34,3 +34,7 @@ class InvalidRequestError(RadixLoraError):
 
 class ModelLoadError(RadixLoraError):
     """The base model directory is missing, malformed or of an unsupported architecture."""
+
+
+class SizingError(RadixLoraError):
+    """The device has too little memory for what the sizing flags ask."""

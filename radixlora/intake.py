@@ -25,9 +25,9 @@ from radixlora.scheduler import Scheduler
 
 
 def max_total_tokens(model_cfg: ModelConfig, config: EngineConfig) -> int:
-    """Prompt + output tokens one request may hold: the model's context, capped by the KV pool
+    """Prompt + output tokens one request may hold: the context length, capped by the KV pool
     (one page stays free so a full-length request can always be admitted)."""
-    return min(model_cfg.max_position, (config.kv_pages - 1) * config.page_size)
+    return min(config.max_context(model_cfg), (config.kv_pages - 1) * config.page_size)
 
 
 def fill_context(params: SamplingParams, prompt_len: int, max_total: int,

@@ -3,6 +3,8 @@ plans: load adapter rows, build the forward batch once, run, sample."""
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import torch
 
 from radixlora.attention import AttentionInputs, TritonAttentionBackend, make_attention_backend
 from radixlora.config import EngineConfig, ModelConfig
-from radixlora.cuda_graph import CudaGraphRunner
+from radixlora.cuda_graph import CudaGraphRunner, graph_reserve
 from radixlora.device import to_device
 from radixlora.forward_batch import ForwardBatch
 from radixlora.kernels.lora_ops import LoraBatchMeta, make_lora_backend
@@ -20,8 +22,18 @@ from radixlora.lora.adapter import MODULE_GROUPS
 from radixlora.lora.host_cache import PackedAdapter
 from radixlora.lora.pool import AdapterPool, LoraContext, LoraSegments
 from radixlora.model.loader import load_model
-from radixlora.sampling import GREEDY, SampleOutput, SamplingBatch, sample, with_top_logprobs
-from radixlora.step_plan import PlanItem, StepPlan, bytes_to_ids
+from radixlora.sampling import (
+    GREEDY,
+    SampleOutput,
+    SamplingBatch,
+    SamplingParams,
+    sample,
+    with_top_logprobs,
+)
+from radixlora.sizing import DeviceMemory, PoolSizing, batch_limits, cpu_config, size_pools
+from radixlora.step_plan import GroupRows, PlanItem, StepPlan, bytes_to_ids, ids_to_bytes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,44 +61,107 @@ class LaunchedStep:
 
 
 class ModelRunner:
+    """Owns the weights, the KV pool and the adapter pool. `config` is the engine config with
+    every pool and batch limit resolved (radixlora.sizing): on CUDA from the memory left after
+    the weights and a profiling step, `sizing` saying what was sized."""
+
     def __init__(self, model_path: str | Path, model_cfg: ModelConfig, config: EngineConfig):
         self.cfg = model_cfg
         self.device = torch.device(config.resolved_device())
         self.dtype = config.torch_dtype(model_cfg)
+        self.attention_name = config.attention_backend
+        started = time.perf_counter()
         self.model = load_model(model_path, model_cfg, self.dtype, self.device, config.load_format)
-        num_slots = config.kv_pages * config.page_size
-        self.kv_pool = KVPool(
-            model_cfg.num_layers,
-            num_slots,
-            model_cfg.num_kv_heads,
-            model_cfg.head_dim,
-            self.dtype,
-            self.device,
-        )
-        self.adapter_pool = AdapterPool(model_cfg, config.adapter_rows, self.dtype, self.device,
-                                        config.host_adapter_bytes)
-        self.attn_backend = make_attention_backend(
-            config.attention_backend,
-            self.kv_pool,
-            model_cfg.num_heads,
-            model_cfg.head_dim,
-            model_cfg.sliding_window,
-            self.device,
-        )
+        log.info("weights loaded in %.1f s", time.perf_counter() - started)
         self.lora_backend = make_lora_backend(config.lora_backend, self.device)
         self.graphs = None
+        self.sizing: PoolSizing | None = None
+        cuda = self.device.type == "cuda"
+        config = self._size_for_cuda(config) if cuda else cpu_config(config)
+        self.config = config
+        self._build_pools(config.kv_pages * config.page_size, config.adapter_rows,
+                          config.host_adapter_bytes)
         if config.cuda_graph and self.device.type == "cuda":
             if not isinstance(self.attn_backend, TritonAttentionBackend):
                 raise ValueError("cuda_graph needs attention_backend triton (or auto on CUDA)")
             self.graphs = CudaGraphRunner(
                 self,
                 config.max_running,
-                model_cfg.max_position,
+                config.max_context(model_cfg),
                 config.max_rank * config.max_stacked,
                 config.lora_side_stream,
             )
+
+    def _build_pools(self, num_slots: int, adapter_rows: int, host_bytes: int) -> None:
+        cfg = self.cfg
+        self.kv_pool = KVPool(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim,
+                              self.dtype, self.device)  # fmt: skip
+        self.adapter_pool = AdapterPool(cfg, adapter_rows, self.dtype, self.device, host_bytes)
+        self.attn_backend = make_attention_backend(
+            self.attention_name, self.kv_pool, cfg.num_heads, cfg.head_dim,
+            cfg.sliding_window, self.device,
+        )  # fmt: skip
         # tokens sampled by the last launched step: placeholders of the next step point here
         self.last_sampled = torch.zeros(1, dtype=torch.int64, device=self.device)
+
+    def _size_for_cuda(self, config: EngineConfig) -> EngineConfig:
+        """Batch limits from the device's size, then the pools from the memory left after the
+        weights, the activations of the largest steps (measured) and the graphs (estimated)."""
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        config = batch_limits(config, total)
+        weights = torch.cuda.memory_allocated(self.device)
+        prefill, decode = self._profile_activations(config)
+        graphs = graph_reserve(config, self.cfg, self.dtype, decode) if config.cuda_graph else 0
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        config, self.sizing = size_pools(
+            config, DeviceMemory(total, free), weights_bytes=weights,
+            activation_bytes=max(prefill, decode), graph_bytes=graphs,
+            kv_slot_bytes=KVPool.bytes_per_slot(self.cfg.num_layers, self.cfg.num_kv_heads,
+                                                self.cfg.head_dim, self.dtype),
+            adapter_row_bytes=AdapterPool.bytes_per_row(self.cfg, self.dtype),
+        )  # fmt: skip
+        log.info(self.sizing.line())
+        return config
+
+    def _profile_activations(self, config: EngineConfig) -> tuple[int, int]:
+        """Peak bytes the largest prefill step (max_batch_tokens tokens) and the largest decode
+        step (max_running requests) allocate beyond the weights, every request on an adapter
+        of the largest rank, run eagerly on small temporary pools (which also compiles the
+        eager path's kernels)."""
+        tokens, running, rank = config.max_batch_tokens, config.max_running, config.max_rank
+        self._build_pools(tokens + running + 1, rank, 0)
+        peaks = []
+        for plan in (profile_plan(tokens, min(running, tokens), rank),
+                     profile_plan(running, running, rank)):  # fmt: skip
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            self.finish(self.launch(plan))
+            peaks.append(torch.cuda.max_memory_allocated(self.device) - before)
+        del self.kv_pool, self.adapter_pool, self.attn_backend
+        return peaks[0], peaks[1]
+
+    def warm_up(self) -> None:
+        """On CUDA, before the first request: capture every graph serving can replay, then run
+        eager steps of the shapes graphs do not cover (long prefills, cached prefixes, with and
+        without adapters, lengths that are and are not multiples of 16), so no request waits
+        for a kernel compile or a capture."""
+        if self.device.type != "cuda" or not self.config.warm_up:
+            return
+        started = time.perf_counter()
+        reserved = torch.cuda.memory_reserved(self.device)
+        if self.graphs is not None:
+            self.graphs.capture_all()
+        torch.cuda.synchronize(self.device)
+        graph_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        captured = time.perf_counter()
+        num_slots = self.kv_pool.k_cache[0].shape[0]
+        for plan in warm_up_plans(self.config, self.config.max_context(self.cfg), num_slots):
+            self.finish(self.launch(plan))
+        log.info("warm-up: %d graphs captured in %.1f s (%.2f GiB), eager steps compiled in "
+                 "%.1f s", len(self.graphs.graphs) if self.graphs else 0, captured - started,
+                 graph_bytes / (1 << 30), time.perf_counter() - captured)  # fmt: skip
 
     def launch(self, plan: StepPlan,
                loads: list[tuple[PackedAdapter, np.ndarray]] = ()) -> LaunchedStep:  # fmt: skip
@@ -220,6 +295,41 @@ class ModelRunner:
             [i.seed if i.sample else 0 for i in items],
             [i.out_index if i.sample else 0 for i in items],
         )
+
+
+PROFILE_PARAMS = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, min_p=0.01)
+
+
+def profile_plan(tokens: int, requests: int, rank: int, start: int = 0,
+                 sets: int = 1) -> StepPlan:  # fmt: skip
+    """A synthetic step: `requests` requests extending `tokens` tokens in all (the first ones
+    one more when they do not divide evenly) after `start` cached ones, each sampling with
+    every filter on, request k on adapter set k % sets, each set `rank` rows in every module
+    group (base only when rank is 0). KV slots 1, 2, ... (slot 0 is the padding target)."""
+    extends = np.full(requests, tokens // requests)
+    extends[: tokens % requests] += 1
+    items = [PlanItem(int(n), start, True, PROFILE_PARAMS, k, 0, k % sets)
+             for k, n in enumerate(extends)]  # fmt: skip
+    slots = 1 + np.arange(int((extends + start).sum()))
+    rows = GroupRows(list(range(rank)), [1.0] * rank)
+    adapter_set = {group: rows for group in MODULE_GROUPS} if rank else {}
+    return StepPlan(step=0, items=items, input_ids=ids_to_bytes(np.ones(tokens)),
+                    kv_slots=ids_to_bytes(slots), adapter_sets=[adapter_set] * sets)  # fmt: skip
+
+
+def warm_up_plans(config: EngineConfig, max_context: int, num_slots: int) -> list[StepPlan]:
+    """Eager steps of each kind of shape the graphs leave to the eager path: the largest
+    prefill chunk, odd lengths, one long prompt, cached prefixes, many requests of a token or
+    two (decodes beside a prefill), each base only, on one adapter of the largest rank and on
+    8 distinct adapters of rank 16; those that fit the context and the KV pool."""
+    tokens, running, rank = config.max_batch_tokens, config.max_running, config.max_rank
+    shapes = [(tokens, min(running, 16), 0), (tokens - 1, 3, 0), (1000, 1, 0), (777, 5, 123),
+              (running + 37, running, 0)]  # fmt: skip
+    loras = [(0, 1), (rank, 1), (min(16, rank), 8)]
+    return [profile_plan(n, r, lora, start, sets)
+            for n, r, start in shapes for lora, sets in loras
+            if r <= n <= tokens and -(-n // r) + start <= max_context
+            and n + r * start < num_slots]  # fmt: skip
 
 
 def _host_inputs(plan: StepPlan) -> dict:

@@ -91,6 +91,9 @@ class BatchPlan:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, max_context: int):
+        if not config.sized:
+            raise ValueError("the Scheduler needs a sized config (radixlora.sizing; the "
+                             "ModelRunner's config)")
         self.config = config
         self.max_context = max_context
         self.kv = KVAllocator(config.kv_pages, config.page_size)

@@ -14,6 +14,9 @@ from pathlib import Path
 import httpx
 
 from radixlora.engine import Engine
+from radixlora.server.args import ServerArgs
+from radixlora.server.launcher import sized_args
+from radixlora.sizing import SIZED_FIELDS, cpu_config
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 
 MODEL_NAME = "tiny"
@@ -30,6 +33,13 @@ def build_checkpoints(root: Path) -> tuple[Path, dict[str, Path]]:
         "legal": build_tiny_adapter(model, root / "legal", rank=4, seed=2),
     }
     return model, adapters
+
+
+def sized(args: ServerArgs) -> ServerArgs:
+    """args as the launcher hands them to the tokenizer, scheduler and registry processes: with
+    the pool and batch sizes the worker resolved (on the CPU, the fixed defaults)."""
+    config = cpu_config(args.engine_config())
+    return sized_args(args, {"engine": {k: getattr(config, k) for k in SIZED_FIELDS}})
 
 
 def free_port() -> int:

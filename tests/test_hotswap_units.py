@@ -34,6 +34,7 @@ from radixlora.server.scheduler_proc import SchedulerService
 from radixlora.server.worker_proc import make_executor
 from radixlora.token_bucket import TokenBucket
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
+from tests.server_harness import sized
 from tests.test_server_units import _drive
 
 ENGINE = dict(kv_pages=200, max_running=8, adapter_rows=32)
@@ -254,7 +255,7 @@ def _req(rid: str, name: str | None, prompt=(3, 4, 5, 6)) -> TokenizedReq:
 
 def _services(model, tmp_path, **kw):
     args = ServerArgs(model=str(model), engine=ENGINE, state_dir=str(tmp_path), **kw)
-    return SchedulerService(args), make_executor(args)
+    return SchedulerService(sized(args)), make_executor(args)
 
 
 def _event(seq, kind, name, adapter=None):
@@ -394,7 +395,7 @@ def test_fallback_reaches_the_response(model, tmp_path):
     from radixlora.server.openai_api import FALLBACK_HEADER, fallback_response
     from radixlora.server.tokenizer_proc import TokenizerService
 
-    tokenizer = TokenizerService(ServerArgs(model=str(model)))
+    tokenizer = TokenizerService(sized(ServerArgs(model=str(model))))
     tokenizer.on_generate(GenerateReq(rid="f", params=PARAMS, prompt="x"))
     out = TokenOut(rid="f", index=0, token_ids=ids_to_bytes([5]), logprobs=[0.0], top=None,
                    finish_reason=None, prompt_tokens=1, cached_tokens=0, fallback="why")

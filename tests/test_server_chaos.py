@@ -38,7 +38,14 @@ from radixlora.server.messages import (
 from radixlora.server.scheduler_proc import SchedulerService
 from radixlora.server.worker_proc import make_executor, submit
 from radixlora.step_plan import StepPlan
-from tests.server_harness import MODEL_NAME, ServerProcess, alive, build_checkpoints, free_port
+from tests.server_harness import (
+    MODEL_NAME,
+    ServerProcess,
+    alive,
+    build_checkpoints,
+    free_port,
+    sized,
+)
 
 WATCHDOG_S = 3.0
 MARGIN_S = 2.0  # heartbeat interval, the launcher's watch interval, a loaded machine
@@ -167,7 +174,7 @@ def test_inbox_answers_or_drops_invalid_messages():
 def test_worker_answers_out_of_range_plans_in_turn(checkpoints):
     model, _ = checkpoints
     args = ServerArgs(model=str(model), engine={"kv_pages": 32})
-    scheduler, worker = SchedulerService(args), make_executor(args)
+    scheduler, worker = SchedulerService(sized(args)), make_executor(args)
     req = TokenizedReq(rid="r", input_ids=ids_to_bytes([3, 4, 5]),
                        params=SamplingParams(max_tokens=2))
     assert scheduler.add(req) is None

@@ -29,7 +29,7 @@ from radixlora.server.scheduler_proc import SchedulerService
 from radixlora.server.tokenizer_proc import TokenizerService
 from radixlora.server.worker_proc import make_executor
 from radixlora.tokenizer import Tokenizer
-from tests.server_harness import build_checkpoints
+from tests.server_harness import build_checkpoints, sized
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_services_reproduce_the_engine(checkpoints):
     engine_kw = dict(kv_pages=40, max_running=8, adapter_rows=32)  # small: forces retraction
     args = ServerArgs(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
                       engine=engine_kw)
-    scheduler, worker = SchedulerService(args), make_executor(args)
+    scheduler, worker = SchedulerService(sized(args)), make_executor(args)
     engine = Engine(model, adapters=adapters, **engine_kw)
     specs = [None, "support", "legal", [("support", 1.0), ("legal", 0.5)]]
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=3, n=2, ignore_eos=True)
@@ -173,7 +173,7 @@ def test_abort_mid_decode_frees_everything(checkpoints):
     model, adapters = checkpoints
     args = ServerArgs(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
                       engine={"kv_pages": 64})
-    scheduler, worker = SchedulerService(args), make_executor(args)
+    scheduler, worker = SchedulerService(sized(args)), make_executor(args)
     params = SamplingParams(max_tokens=40, ignore_eos=True, n=3)
     req = TokenizedReq(rid="x", input_ids=ids_to_bytes([5, 6, 7]), params=params,
                        adapters=[AdapterChoice("legal")])
@@ -187,14 +187,14 @@ def test_abort_mid_decode_frees_everything(checkpoints):
 
 def test_stale_step_results_are_dropped(checkpoints):
     model, _ = checkpoints
-    scheduler = SchedulerService(ServerArgs(model=str(model), engine={"kv_pages": 32}))
+    scheduler = SchedulerService(sized(ServerArgs(model=str(model), engine={"kv_pages": 32})))
     assert scheduler.on_result(StepResult(step=99)) == (None, [])
 
 
 def test_tokenizer_service_applies_stop_strings(checkpoints):
     from radixlora.server.messages import GenerateReq, TokenBatch, TokenOut
 
-    service = TokenizerService(ServerArgs(model=str(checkpoints[0])))
+    service = TokenizerService(sized(ServerArgs(model=str(checkpoints[0]))))
     ids = service.tokenizer.encode("The quick brown fox jumps")
     req = GenerateReq(rid="s", params=SamplingParams(max_tokens=20), prompt="x", stop=["brown"])
     service.on_generate(req)

@@ -30,7 +30,7 @@ from radixlora.server.messages import (
 )
 from radixlora.server.tokenizer_proc import TokenizerService
 from radixlora.tokenizer import UNICODE_SHRINK, Tokenizer
-from tests.server_harness import running_server
+from tests.server_harness import running_server, sized
 
 DEMO_SPEC = json.loads((DEMO_MODEL_DIR / "tokenizer.json").read_text())
 DEMO_TOKENIZER = Tokenizer.from_dir(DEMO_MODEL_DIR)
@@ -41,7 +41,7 @@ NORMAL_REQUEST_S = 5  # a normal request alone: well under 1 s; behind the big p
 
 @pytest.fixture(scope="module")
 def service() -> TokenizerService:
-    return TokenizerService(ServerArgs(model=str(DEMO_MODEL_DIR)))
+    return TokenizerService(sized(ServerArgs(model=str(DEMO_MODEL_DIR))))
 
 
 def generate(rid: str, prompt: str | None = None, n: int = 1, **extra) -> GenerateReq:
@@ -151,7 +151,7 @@ class Gate:
 
 @pytest.fixture
 def pooled(monkeypatch):
-    service = TokenizerService(ServerArgs(model=str(DEMO_MODEL_DIR)))
+    service = TokenizerService(sized(ServerArgs(model=str(DEMO_MODEL_DIR))))
     gate = Gate(service, monkeypatch)
     service.start_pool(gate.send)
     return service, gate

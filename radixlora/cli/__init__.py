@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from radixlora.cli.flags import add_engine_flags, engine_overrides, model_and_adapters
+from radixlora.config import ModelConfig
 from radixlora.engine import Engine
 from radixlora.sampling import SamplingParams
 
@@ -41,6 +42,7 @@ def serve(args: argparse.Namespace) -> None:
     model, adapters, served_name = model_and_adapters(args)
     try:
         server_args = _server_args(args, model, adapters, served_name)
+        server_args.engine_config().max_context(ModelConfig.from_dir(model))
     except ValueError as e:
         raise SystemExit(str(e)) from e
     raise SystemExit(run_server(server_args))

@@ -79,8 +79,9 @@ def guarded(fn):
 
 class Api:
     def __init__(self, args: ServerArgs, runtime: ProcessBridge, metrics: Metrics, vocab_size: int,
-                 pids: dict[str, int]):
+                 pids: dict[str, int], sizing: dict | None = None):
         self.args = args
+        self.sizing = sizing  # what the worker sized from device memory (CUDA)
         self.runtime = runtime
         self.metrics = metrics
         self.pids = pids
@@ -187,6 +188,7 @@ class Api:
             "host": self.args.host,
             "port": self.args.port,
             "engine": dataclasses.asdict(self.args.engine_config()),
+            "sizing": self.sizing,
             "zmq_client_endpoint": self.args.endpoints.client,
             "zmq_endpoints": msgspec.structs.asdict(self.args.endpoints),
             "pids": {"api": os.getpid(), **self.pids},

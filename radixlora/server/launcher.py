@@ -22,28 +22,34 @@ import tempfile
 import time
 
 import msgspec
+import numpy as np
 import uvicorn
 import uvloop
 import zmq
 
+from radixlora.adapters import AdapterChoice
 from radixlora.config import ModelConfig
+from radixlora.sampling import SamplingParams
 from radixlora.server.api import Api
 from radixlora.server.args import Endpoints, ServerArgs
-from radixlora.server.bridge import Health, ProcessBridge
+from radixlora.server.bridge import Health, ProcessBridge, ReqFailed
 from radixlora.server.gateway import ClientGateway
 from radixlora.server.ipc import Inbox
-from radixlora.server.messages import Heartbeat, LauncherInbox, Ready
+from radixlora.server.messages import GenerateReq, Heartbeat, LauncherInbox, Ready
 from radixlora.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 CHILDREN = ("tokenizer", "scheduler", "worker")
+FIRST = "worker"  # sizes the pools; the others start with its sizes
 OPTIONAL = ("registry",)  # restarted when it dies; serving goes on without it
 WATCH_INTERVAL_S = 0.2
 RESTART_DELAY_S = (0.5, 30.0)  # first and largest delay before restarting an optional child
 RESTART_RESET_S = 60.0  # a child up this long starts again from the first delay
 DEAD_GRACE_S = 1.0
 STOP_TIMEOUT_S = 5.0
+WARM_PROMPT_TOKENS = 64
+WARM_NEW_TOKENS = 8
 WORKDIR_PREFIX = "radixlora-"
 WORKDIR_NAME = re.compile(r"radixlora-(\d+)-\w+")  # radixlora-<launcher pid>-<random>
 
@@ -56,7 +62,9 @@ class Children:
     """The child processes; each runs `python -m radixlora.server.<name>_proc` and reads its
     ServerArgs as JSON from its stdin (a command line is readable by any local user; the args
     hold the keys). Each must send a heartbeat at least every watchdog_timeout_s once it is
-    ready (before that, ready_timeout_s)."""
+    ready (before that, ready_timeout_s). All start at once, but only the worker gets its args
+    at once: the others import meanwhile and get theirs from start_rest, with the pool sizes
+    the worker measured."""
 
     def __init__(self, args: ServerArgs):
         self.args = args
@@ -69,22 +77,34 @@ class Children:
         self.progress: dict[str, int] = {}
         self.silent: dict[str, str] = {}  # child killed for its silence -> why
         for name in self.names:
-            self.spawn(name)
+            self.spawn(name, send_args=name == FIRST)
 
-    def spawn(self, name: str) -> None:
+    def spawn(self, name: str, send_args: bool = True) -> None:
         cmd = [sys.executable, "-m", f"radixlora.server.{name}_proc"]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True,
                                 env=child_env())
-        with contextlib.suppress(BrokenPipeError):  # died at once: the watch reports it
-            proc.stdin.write(self.args.to_json().encode())
-        with contextlib.suppress(BrokenPipeError):
-            proc.stdin.close()
         self.procs[name] = proc
         self.pids[name] = proc.pid
         self.started[name] = time.monotonic()
         self.deadline[name] = self.started[name] + self.args.ready_timeout_s
         self.progress.pop(name, None)
         self.silent.pop(name, None)
+        if send_args:
+            self.send_args(name)
+
+    def send_args(self, name: str) -> None:
+        stdin = self.procs[name].stdin
+        with contextlib.suppress(BrokenPipeError):  # died at once: the watch reports it
+            stdin.write(self.args.to_json().encode())
+        with contextlib.suppress(BrokenPipeError):
+            stdin.close()
+
+    def start_rest(self, args: ServerArgs) -> None:
+        """Hand every child still waiting for its args these (the sized ones)."""
+        self.args = args
+        for name in self.names:
+            if not self.procs[name].stdin.closed:
+                self.send_args(name)
 
     def on_beat(self, msg: Ready | Heartbeat) -> None:
         """A Ready or Heartbeat from the current process of that name (not a replaced one)."""
@@ -187,15 +207,16 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def wait_ready(inbox: Inbox, children: Children, timeout_s: float) -> dict[str, Ready]:
+def wait_ready(inbox: Inbox, children: Children, timeout_s: float,
+               names: tuple[str, ...]) -> dict[str, Ready]:  # fmt: skip
     ready: dict[str, Ready] = {}
     deadline = time.monotonic() + timeout_s
-    while len(ready) < len(children.names):
+    while not set(names) <= set(ready):
         dead = children.first_dead(children.names)
         if dead is not None:
             raise StartupError(f"{dead} before it was ready")
         if time.monotonic() > deadline:
-            missing = sorted(set(children.names) - set(ready))
+            missing = sorted(set(names) - set(ready))
             raise StartupError(f"no ready acknowledgement from {missing} in {timeout_s:.0f} s")
         if inbox.poll(100):
             for msg in inbox.recv_nowait():
@@ -248,7 +269,13 @@ class Launcher:
         try:
             self.inbox = Inbox(ctx, self.args.endpoints.launcher, LauncherInbox)
             children = Children(self.args)
-            ready = wait_ready(self.inbox, children, self.args.ready_timeout_s)
+            started = time.monotonic()
+            ready = wait_ready(self.inbox, children, self.args.ready_timeout_s, (FIRST,))
+            self.args = sized_args(self.args, ready[FIRST].info)
+            children.start_rest(self.args)
+            rest = tuple(n for n in children.names if n != FIRST)
+            ready |= wait_ready(self.inbox, children, self.args.ready_timeout_s, rest)
+            log.info("every process ready in %.1f s", time.monotonic() - started)
             signal.signal(signal.SIGTERM, previous)
             return uvloop.run(self.serve(children, ready))
         except StartupError as e:
@@ -267,23 +294,43 @@ class Launcher:
         vocab_size = ModelConfig.from_dir(args.model).vocab_size
         metrics = Metrics()
         self.runtime = runtime = ProcessBridge(args, metrics)
-        api = Api(args, runtime, metrics, vocab_size, children.pids)
+        worker = ready[FIRST].info
+        api = Api(args, runtime, metrics, vocab_size, children.pids, worker.get("sizing"))
         gateway = ClientGateway(runtime, args.endpoints.client, vocab_size)
         config = uvicorn.Config(api.app(), host=args.host, port=args.port, loop="none",
                                 lifespan="off", log_level=args.log_level, access_log=False,
                                 timeout_graceful_shutdown=5)
         self.server = DrainingServer(config, self.begin_drain)
-        jobs = (runtime.pump(), runtime.pump_events(), gateway.serve(), self.watch(children),
-                self.announce())
+        jobs = [runtime.pump(), runtime.pump_events(), self.watch(children)]
         tasks = [asyncio.create_task(c) for c in jobs]
-        runtime.health = Health.OK
+        runtime.health = Health.OK  # nobody can reach it before the server and gateway start
         try:
+            if worker["device"].startswith("cuda"):
+                await self.warm_pipeline(runtime)
+            tasks += [asyncio.create_task(c) for c in (gateway.serve(), self.announce())]
             await self.server.serve()
         finally:
             for task in tasks:
                 task.cancel()
             runtime.close()
         return self.exit_code
+
+    async def warm_pipeline(self, runtime: ProcessBridge) -> None:
+        """One prefill and decode through every process, base and on the first adapter, before
+        clients can connect (the worker compiled and captured everything already; this warms
+        the tokenizer, the scheduler and the paths between them)."""
+        started = time.monotonic()
+        ids = np.ones(WARM_PROMPT_TOKENS, dtype="<i4").tobytes()
+        params = SamplingParams(max_tokens=WARM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        choices = [None] + [[AdapterChoice(name)] for name in sorted(self.args.adapters)[:1]]
+        reqs = [GenerateReq(rid=f"warm-up-{k}", params=params, input_ids=ids, adapters=choice)
+                for k, choice in enumerate(choices)]  # fmt: skip
+        try:
+            await asyncio.wait_for(runtime.collect(runtime.submit(reqs, "warm-up")),
+                                   self.args.ready_timeout_s)  # fmt: skip
+        except (ReqFailed, asyncio.TimeoutError) as e:
+            raise StartupError(f"the warm-up request failed: {e}") from e
+        log.info("pipeline warm-up in %.2f s", time.monotonic() - started)
 
     async def announce(self) -> None:
         while not self.server.started:
@@ -344,6 +391,11 @@ class Launcher:
         if self.runtime.generations:
             await self.runtime.expire()
         self.server.should_exit = True
+
+
+def sized_args(args: ServerArgs, worker_info: dict) -> ServerArgs:
+    """args with the pool and batch sizes the worker resolved."""
+    return msgspec.structs.replace(args, engine={**args.engine, **worker_info["engine"]})
 
 
 def stop_starting(*_) -> None:

@@ -68,7 +68,7 @@ class SchedulerService:
     def __init__(self, args: ServerArgs):
         self.config = args.engine_config()
         self.model_cfg = ModelConfig.from_dir(args.model)
-        self.scheduler = Scheduler(self.config, max_context=self.model_cfg.max_position)
+        self.scheduler = Scheduler(self.config, max_context=self.config.max_context(self.model_cfg))
         if args.max_swaps_per_s > 0:
             self.scheduler.swap_bucket = TokenBucket(args.max_swaps_per_s,
                                                      max(1, math.ceil(args.max_swaps_per_s)))

@@ -18,6 +18,7 @@ from radixlora.model_runner import ModelRunner
 from radixlora.server.args import ServerArgs
 from radixlora.server.ipc import Heartbeats, Inbox, Outbox, child_main, send_ready
 from radixlora.server.messages import InvalidMessage, WorkerInbox
+from radixlora.sizing import SIZED_FIELDS
 from radixlora.step_plan import AdapterLoad, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -38,11 +39,22 @@ def make_executor(args: ServerArgs) -> StepExecutor:
 
 def run(args: ServerArgs, ctx: zmq.Context) -> None:
     executor = make_executor(args)
+    runner = executor.runner
+    runner.warm_up()
     inbox = Inbox(ctx, args.endpoints.worker, WorkerInbox)
     to_scheduler = Outbox(ctx, args.endpoints.scheduler)
     heart = Heartbeats(ctx, args, "worker")
-    send_ready(ctx, args, "worker", {"device": str(executor.runner.device)})
+    send_ready(ctx, args, "worker", ready_info(runner))
     serve(executor, inbox, to_scheduler, heart)
+
+
+def ready_info(runner: ModelRunner) -> dict:
+    """The device, the pool and batch sizes the other processes must use, and what was sized."""
+    return {
+        "device": str(runner.device),
+        "engine": {name: getattr(runner.config, name) for name in SIZED_FIELDS},
+        "sizing": runner.sizing.to_dict() if runner.sizing else None,
+    }
 
 
 def serve(executor: StepExecutor, inbox: Inbox, to_scheduler: Outbox, heart: Heartbeats) -> None:
