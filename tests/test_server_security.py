@@ -6,9 +6,11 @@ timeout answers 503s and stream error events, and fuzzed bodies never get a 5xx.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -294,6 +296,21 @@ def wait_submitted(server, count: float, timeout_s: float = 30.0) -> None:
         time.sleep(0.005)
 
 
+def child_pid(parent: int, module: str) -> int:
+    """The pid of the child process of `parent` running radixlora.server.<module>."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and module.encode() in cmdline:
+            return int(entry.name)
+    raise AssertionError(f"no child of {parent} runs {module}")
+
+
 def test_drain_timeout_answers_503_and_stream_error_events(open_server):
     long = {"model": BASE, "prompt": "input: a cat\noutput:\n", "max_tokens": 240, "n": 4,
             "ignore_eos": True}
@@ -309,8 +326,13 @@ def test_drain_timeout_answers_503_and_stream_error_events(open_server):
         lines = stream.iter_lines()
         next(lines)
         wait_submitted(open_server, before + 4)
-        open_server.proc.send_signal(signal.SIGTERM)
-        events = [line[6:] for line in lines if line.startswith("data: ")]
+        worker = child_pid(open_server.proc.pid, "worker_proc")
+        os.kill(worker, signal.SIGSTOP)  # no request can finish before the drain times out
+        try:
+            open_server.proc.send_signal(signal.SIGTERM)
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        finally:
+            os.kill(worker, signal.SIGCONT)
     for t in threads:
         t.join()
     assert events[-1] == "[DONE]"
