@@ -27,7 +27,7 @@ from radixlora.server.messages import (
 )
 from radixlora.server.scheduler_proc import SchedulerService
 from radixlora.server.tokenizer_proc import TokenizerService
-from radixlora.server.worker_proc import make_executor
+from radixlora.server.worker_proc import make_executor, prefetch_adapters
 from radixlora.tokenizer import Tokenizer
 from tests.server_harness import build_checkpoints, sized
 
@@ -167,6 +167,29 @@ def test_services_reproduce_the_engine(checkpoints):
     assert scheduler.scheduler.num_retractions > 0
     info = scheduler.info(flush_cache=True)
     assert info["kv_free_tokens"] == info["kv_capacity_tokens"] and not info["open_requests"]
+
+
+def test_worker_prefetches_the_startup_adapters_the_scheduler_will_load(checkpoints):
+    model, adapters = checkpoints
+    args = ServerArgs(model=str(model), adapters={k: str(v) for k, v in adapters.items()})
+    worker = make_executor(args)
+    assert prefetch_adapters(worker.runner, args) == 2
+    scheduler = SchedulerService(sized(args))
+    ids = {a.adapter_id for a in scheduler.adapters.by_name.values()}
+    assert set(worker.runner.adapter_pool.host.ids()) == ids
+    def missed(load):
+        raise AssertionError(f"adapter {load.name} missed the host tier")
+
+    worker.source = missed
+    reqs = [TokenizedReq(rid=name, input_ids=ids_to_bytes([3, 4, 5]),
+                         params=SamplingParams(max_tokens=2, ignore_eos=True),
+                         adapters=[AdapterChoice(name)]) for name in adapters]  # fmt: skip
+    got = _drive(scheduler, worker, reqs)
+    assert sorted(got) == [(name, 0) for name in sorted(adapters)]
+    one = max(worker.runner.adapter_pool.host.get(i).nbytes for i in ids)
+    small = ServerArgs(model=str(model), adapters=args.adapters,
+                       engine={"host_adapter_bytes": one})
+    assert prefetch_adapters(make_executor(small).runner, small) == 1
 
 
 def test_abort_mid_decode_frees_everything(checkpoints):

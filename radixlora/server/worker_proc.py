@@ -6,12 +6,14 @@ packed in the adapter pool's host tier (--host-adapter-bytes) for later loads.""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
 import zmq
 
 from radixlora.config import ModelConfig
+from radixlora.errors import AdapterError
 from radixlora.executor import StepExecutor
 from radixlora.lora.adapter import LoraAdapter, load_adapter
 from radixlora.model_runner import ModelRunner
@@ -41,11 +43,34 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
     executor = make_executor(args)
     runner = executor.runner
     runner.warm_up()
+    prefetch_adapters(runner, args)
     inbox = Inbox(ctx, args.endpoints.worker, WorkerInbox)
     to_scheduler = Outbox(ctx, args.endpoints.scheduler)
     heart = Heartbeats(ctx, args, "worker")
     send_ready(ctx, args, "worker", ready_info(runner))
     serve(executor, inbox, to_scheduler, heart)
+
+
+def prefetch_adapters(runner: ModelRunner, args: ServerArgs) -> int:
+    """Read, validate and pack the start-up adapters (--adapter) into the host tier while it has
+    room, so that a first request on one waits for a pinned copy, not a disk read. Their ids
+    are their content hashes, so the scheduler's loads find them; one that fails to read is
+    left to the scheduler, which refuses it with the reason."""
+    started, pool = time.perf_counter(), runner.adapter_pool
+    done = 0
+    for name, path in args.adapters.items():
+        try:
+            packed = pool.pack(load_adapter(name, path, runner.cfg, runner.config.max_rank))
+        except AdapterError:
+            continue
+        if pool.host.nbytes + packed.nbytes > pool.host.budget_bytes:
+            break
+        pool.host.put(packed)
+        done += 1
+    if done:
+        log.info("%d adapters read into the host tier in %.1f s", done,
+                 time.perf_counter() - started)
+    return done
 
 
 def ready_info(runner: ModelRunner) -> dict:
