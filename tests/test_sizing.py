@@ -190,3 +190,15 @@ def test_the_engine_and_runner_share_one_sized_config(checkpoints):
     assert engine.runner.sizing is None  # the CPU: fixed sizes, nothing measured
     assert (engine.config.kv_pages, engine.config.max_running) == (CPU_DEFAULTS["kv_pages"], 5)
     assert engine.scheduler.kv.num_pages == CPU_DEFAULTS["kv_pages"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
+    (["--max-num-seqs", "0"], "max_running"),
+    (["--max-model-len", "100000"], "max_position_embeddings"),
+])  # fmt: skip
+def test_serve_refuses_bad_sizing_flags_before_starting(argv, message):
+    from radixlora.cli import main
+
+    with pytest.raises(SystemExit, match=message):
+        main(["serve", *argv])
