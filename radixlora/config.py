@@ -155,7 +155,7 @@ class EngineConfig:
     holding `max_loras` adapters of rank `max_rank`), small fixed values on the CPU.
     `context_length` caps prompt + output tokens (None: the model's). `max_stacked` caps the
     adapters of one request; `host_adapter_bytes` is the budget of the host tier of packed
-    adapters.
+    adapters (None: a share of the host memory available at start).
     """
 
     dtype: str = "auto"
@@ -168,7 +168,7 @@ class EngineConfig:
     context_length: int | None = None
     gpu_memory_utilization: float = 0.90
     max_loras: int = 32
-    host_adapter_bytes: int = 2 << 30
+    host_adapter_bytes: int | None = None
     max_rank: int = 64
     max_stacked: int = 8
     max_adapter_sets_per_batch: int = 32
@@ -185,6 +185,8 @@ class EngineConfig:
     def __post_init__(self):
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.host_adapter_bytes is not None and self.host_adapter_bytes < 0:
+            raise ValueError(f"host_adapter_bytes must be >= 0, got {self.host_adapter_bytes}")
         for name in ("kv_pages", "adapter_rows", "max_running", "max_batch_tokens",
                      "context_length", "max_loras", "max_rank", "max_stacked", "page_size"):
             value = getattr(self, name)
@@ -195,7 +197,7 @@ class EngineConfig:
     def sized(self) -> bool:
         """Every pool and batch limit is set (radixlora.sizing.resolve has run)."""
         return None not in (self.kv_pages, self.adapter_rows, self.max_running,
-                            self.max_batch_tokens)
+                            self.max_batch_tokens, self.host_adapter_bytes)
 
     def max_context(self, model: ModelConfig) -> int:
         """Prompt + output tokens one request may reach: --context-length, at most the model's."""

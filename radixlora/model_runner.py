@@ -30,7 +30,15 @@ from radixlora.sampling import (
     sample,
     with_top_logprobs,
 )
-from radixlora.sizing import DeviceMemory, PoolSizing, batch_limits, cpu_config, size_pools
+from radixlora.sizing import (
+    DeviceMemory,
+    PoolSizing,
+    available_host_bytes,
+    batch_limits,
+    cpu_config,
+    size_pools,
+    with_host_tier,
+)
 from radixlora.step_plan import GroupRows, PlanItem, StepPlan, bytes_to_ids, ids_to_bytes
 
 log = logging.getLogger(__name__)
@@ -108,7 +116,7 @@ class ModelRunner:
         """Batch limits from the device's size, then the pools from the memory left after the
         weights, the activations of the largest steps (measured) and the graphs (estimated)."""
         total = torch.cuda.get_device_properties(self.device).total_memory
-        config = batch_limits(config, total)
+        config = with_host_tier(batch_limits(config, total), available_host_bytes())
         weights = torch.cuda.memory_allocated(self.device)
         prefill, decode = self._profile_activations(config)
         graphs = graph_reserve(config, self.cfg, self.dtype, decode) if config.cuda_graph else 0

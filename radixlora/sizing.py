@@ -12,6 +12,7 @@ budget of `max_batch_tokens` tokens per step.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from radixlora.config import EngineConfig
@@ -20,7 +21,9 @@ from radixlora.errors import SizingError
 GIB = 1 << 30
 CPU_DEFAULTS = {"kv_pages": 4096, "adapter_rows": 512, "max_running": 64,
                 "max_batch_tokens": 2048}  # fmt: skip
-SIZED_FIELDS = tuple(CPU_DEFAULTS)  # what the worker resolves and the other processes follow
+# what the worker resolves and the other processes follow
+SIZED_FIELDS = (*CPU_DEFAULTS, "host_adapter_bytes")
+HOST_TIER_SHARE = 0.25  # of the host memory available at start, for packed adapters
 CUDA_MAX_RUNNING = 256  # the largest CUDA-graph decode bucket
 MIN_KV_TOKENS = 4096
 # chunked-prefill tokens per step by device memory (GiB): an H100/H200 class device gets 8192
@@ -47,6 +50,7 @@ class PoolSizing:
     adapter_rows: int
     adapter_bytes: int
     adapter_row_bytes: int  # one rank row on every target module of every layer
+    host_adapter_bytes: int  # the pinned host tier's budget
     max_running: int
     max_batch_tokens: int
 
@@ -59,7 +63,8 @@ class PoolSizing:
             f"({_gib(self.kv_bytes)}), adapters {self.adapter_rows} rows "
             f"({_gib(self.adapter_bytes)}: {self.adapters_of_rank(16)} of rank 16, "
             f"{self.adapters_of_rank(64)} of rank 64), "
-            f"activations {_gib(self.activation_bytes)}, graphs {_gib(self.graph_bytes)}; "
+            f"activations {_gib(self.activation_bytes)}, graphs {_gib(self.graph_bytes)}, "
+            f"host tier {_gib(self.host_adapter_bytes)}; "
             f"{self.utilization:.2f} of {_gib(self.device_bytes)}; max running "
             f"{self.max_running}, {self.max_batch_tokens} prefill tokens per step"
         )
@@ -73,11 +78,32 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-def cpu_config(config: EngineConfig) -> EngineConfig:
+def available_host_bytes() -> int:
+    """Host memory available now (MemAvailable: free plus reclaimable caches), from
+    /proc/meminfo; where there is none, free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def with_host_tier(config: EngineConfig, available: int) -> EngineConfig:
+    """The host tier's budget, unless set: HOST_TIER_SHARE of the available host memory."""
+    if config.host_adapter_bytes is not None:
+        return config
+    return dataclasses.replace(config, host_adapter_bytes=int(HOST_TIER_SHARE * available))
+
+
+def cpu_config(config: EngineConfig, available: int | None = None) -> EngineConfig:
     """The CPU's fixed defaults for whatever the flags left open."""
-    return dataclasses.replace(
+    config = dataclasses.replace(
         config, **{k: v for k, v in CPU_DEFAULTS.items() if getattr(config, k) is None}
     )
+    return with_host_tier(config, available_host_bytes() if available is None else available)
 
 
 def batch_limits(config: EngineConfig, device_bytes: int) -> EngineConfig:
@@ -121,6 +147,7 @@ def size_pools(config: EngineConfig, memory: DeviceMemory, *, weights_bytes: int
         adapter_rows=rows,
         adapter_bytes=adapter_bytes,
         adapter_row_bytes=adapter_row_bytes,
+        host_adapter_bytes=sized.host_adapter_bytes,
         max_running=sized.max_running,
         max_batch_tokens=sized.max_batch_tokens,
     )

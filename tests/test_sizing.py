@@ -23,9 +23,11 @@ from radixlora.sizing import (
     CPU_DEFAULTS,
     GIB,
     DeviceMemory,
+    available_host_bytes,
     batch_limits,
     cpu_config,
     size_pools,
+    with_host_tier,
 )
 from scripts.checkpoints import model_config
 from tests.conftest import assert_all_free
@@ -40,7 +42,7 @@ WEIGHTS_8B = 16 * 10**9
 
 def size_8b(config: EngineConfig, total: int = H200, in_use: int = WEIGHTS_8B + GIB,
             activations: int = 3 * GIB, graphs: int = 2 * GIB):  # fmt: skip
-    config = batch_limits(config, total)
+    config = with_host_tier(batch_limits(config, total), 100 * GIB)
     return size_pools(
         config, DeviceMemory(total, total - in_use), weights_bytes=WEIGHTS_8B,
         activation_bytes=activations, graph_bytes=graphs,
@@ -97,9 +99,19 @@ def test_prefill_budget_follows_device_memory(gib, tokens):
     assert batch_limits(EngineConfig(), gib * GIB).max_batch_tokens == tokens
 
 
+def test_host_tier_is_a_share_of_available_host_memory():
+    assert with_host_tier(EngineConfig(), 100 * GIB).host_adapter_bytes == 25 * GIB
+    assert with_host_tier(EngineConfig(host_adapter_bytes=5), 100 * GIB).host_adapter_bytes == 5
+    assert available_host_bytes() > 0
+    assert size_8b(EngineConfig())[1].host_adapter_bytes == 25 * GIB
+    assert "host tier 25.0 GiB" in size_8b(EngineConfig())[1].line()
+    with pytest.raises(ValueError, match="host_adapter_bytes"):
+        EngineConfig(host_adapter_bytes=-1)
+
+
 def test_cpu_defaults_are_small_and_fixed():
-    config = cpu_config(EngineConfig(max_running=8))
-    assert config.sized and config.max_running == 8
+    config = cpu_config(EngineConfig(max_running=8), available=8 * GIB)
+    assert config.sized and config.max_running == 8 and config.host_adapter_bytes == 2 * GIB
     assert {k: getattr(config, k) for k in CPU_DEFAULTS if k != "max_running"} == {
         k: v for k, v in CPU_DEFAULTS.items() if k != "max_running"}
 

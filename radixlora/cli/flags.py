@@ -20,7 +20,9 @@ ENGINE_FLAGS = {
                                                          "(default 64)"),
     "adapter_rows": (int, ("--adapter-rows",), "adapter pool rank rows (default: --max-loras x "
                                                "--max-lora-rank; 512 on the CPU)"),
-    "host_adapter_bytes": (int, ("--host-adapter-bytes",), "host tier of packed adapters"),
+    "host_adapter_bytes": (int, ("--host-adapter-bytes",), "host tier of packed adapters "
+                                                           "(default: 25% of available host "
+                                                           "memory)"),
     "max_stacked": (int, ("--max-stacked",), "adapters one request may stack (default 8)"),
     "max_running": (int, ("--max-running", "--max-num-seqs", "--max-running-requests"),
                     "requests decoding at once (default 256 on a GPU, 64 on the CPU)"),
