@@ -171,7 +171,7 @@ class EngineConfig:
     host_adapter_bytes: int | None = None
     max_rank: int = 64
     max_stacked: int = 8
-    max_adapter_sets_per_batch: int = 32
+    max_adapter_sets_per_batch: int | None = None  # None: as many as the pool's rows hold
     lora_backend: str = "auto"
     attention_backend: str = "auto"
     enable_radix_cache: bool = True
@@ -188,7 +188,8 @@ class EngineConfig:
         if self.host_adapter_bytes is not None and self.host_adapter_bytes < 0:
             raise ValueError(f"host_adapter_bytes must be >= 0, got {self.host_adapter_bytes}")
         for name in ("kv_pages", "adapter_rows", "max_running", "max_batch_tokens",
-                     "context_length", "max_loras", "max_rank", "max_stacked", "page_size"):
+                     "context_length", "max_loras", "max_rank", "max_stacked", "page_size",
+                     "max_adapter_sets_per_batch"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

@@ -5,7 +5,21 @@ An adapter load takes the adapter's packed rows from the pool's host tier, else 
 executor's adapter source (the Engine's registered versions; the worker reads the files and
 checks they still hash to the version the scheduler validated), packing them into the tier.
 A plan whose loads fail does not run: its result names the failed adapters, and the scheduler
-fails only the requests that use them."""
+fails only the requests that use them (its other loads are written all the same: the scheduler
+keeps their adapters resident).
+
+Prefetch loads (StepPlan.prefetch_loads: adapters of waiting requests) never make a step wait,
+neither for their copies (AdapterPool.write_all) nor for a disk read: one whose adapter is in
+the host tier is copied behind the step's own loads; any other is owed, its adapter read,
+validated and packed into the host tier by one background thread (at most PREFETCH_READS
+queued or running), and copied by the first step launched after its read ends. Invariant:
+before a step's forward, the last load the scheduler assigned to each row the step reads has
+been queued. An owed load whose rows the step reads is completed first (taken from its read,
+which is cancelled and done here if it has not started), and an owed load is dropped when a
+later plan assigns its rows or its adapter again (the scheduler evicted it meanwhile; a row
+is assigned again only after its adapter is evicted). An owed load whose read fails is read
+again by the first step that reads its rows, and fails it as that step's own load would; one
+that no step needs is only logged."""
 
 from __future__ import annotations
 
@@ -13,7 +27,10 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from radixlora.errors import AdapterError
 from radixlora.lora.adapter import LoraAdapter
@@ -24,6 +41,18 @@ from radixlora.step_plan import AdapterLoad, StepPlan, StepResult, bytes_to_ids,
 log = logging.getLogger(__name__)
 
 AdapterSource = Callable[[AdapterLoad], LoraAdapter]
+# Background adapter reads queued or running; each holds one packed adapter in host memory
+# until its copy is written, and a step that needs a queued one cancels it and reads it itself.
+PREFETCH_READS = 4
+
+
+@dataclass
+class OwedLoad:
+    """A prefetch load whose device copy is owed: its adapter was not in the host tier."""
+
+    load: AdapterLoad
+    rows: np.ndarray
+    failed: bool = False  # its background read failed: a step that needs it reads it again
 
 
 @dataclass
@@ -47,6 +76,9 @@ class StepExecutor:
         self.runner = runner
         self.source = source
         self.in_flight: deque[InFlight] = deque()  # oldest first
+        self.owed: dict[str, OwedLoad] = {}  # by adapter id, in plan order
+        self.reads: dict[str, Future] = {}  # background reads by adapter id
+        self._reader: ThreadPoolExecutor | None = None
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.finish(self.launch(plan))
@@ -66,15 +98,24 @@ class StepExecutor:
     def launch(self, plan: StepPlan) -> InFlight:
         """Queue a step on the device; a step that cannot run is answered at once."""
         started = time.perf_counter()
+        ready = []
         try:
+            prefetch = self._claim(plan)
             loads, failed = self._resolve_loads(plan.adapter_loads)
+            owed, owed_failed = self._settle_owed(plan)
+            loads += owed
+            failed.update(owed_failed)
             load_s = (time.perf_counter() - started) / len(loads) if loads else 0.0
+            ready = self._ready_prefetch(prefetch)
             if failed:
+                self.runner.adapter_pool.write_all(loads)
                 return self.unrun(StepResult(step=plan.step, failed_adapters=failed))
             launched = self.runner.launch(plan, loads)
         except Exception as e:
             log.exception("step %d failed", plan.step)
             return self.unrun(StepResult(step=plan.step, error=f"{type(e).__name__}: {e}"))
+        finally:  # the scheduler counts them resident whether the step runs or not
+            self.runner.adapter_pool.prefetch(ready)  # behind the step's loads and event
         return InFlight(plan.step, launched, load_seconds=[load_s] * len(loads))
 
     def unrun(self, result: StepResult) -> InFlight:
@@ -118,13 +159,105 @@ class StepExecutor:
         return resolved, failed
 
     def _packed(self, load: AdapterLoad) -> PackedAdapter:
+        """The adapter from the host tier, else from its background read (cancelled and read
+        here if it has not started or read again if it failed), else read here."""
         pool = self.runner.adapter_pool
         packed = pool.host.get(load.adapter_id)
         if packed is not None:
             return packed
+        read = self.reads.pop(load.adapter_id, None)
+        if read is not None and not read.cancel() and read.exception() is None:
+            return pool.host.put(read.result())
+        return pool.host.put(self._read(load))
+
+    def _read(self, load: AdapterLoad) -> PackedAdapter:
+        """Read, check and pack an adapter (in the step loop or the background thread)."""
         adapter = self.source(load)
         if adapter.adapter_id != load.adapter_id:
             raise AdapterError(
                 load.name, "its files changed on disk after validation (content hash differs)"
             )
-        return pool.host.put(pool.pack(adapter))
+        pool = self.runner.adapter_pool
+        packed = pool.pack(adapter)
+        if pool.host.pin:
+            packed = PackedAdapter(packed.adapter_id, packed.rank, packed.data.pin_memory())
+        return packed
+
+    # ---- prefetch loads ----------------------------------------------------------------------
+
+    def _claim(self, plan: StepPlan) -> list[tuple[AdapterLoad, np.ndarray]]:
+        """The plan's prefetch loads with their rows; owed loads whose rows or adapter the plan
+        assigns again are dropped."""
+        prefetch = [(load, bytes_to_ids(load.rows)) for load in plan.prefetch_loads]
+        if not self.owed:
+            return prefetch
+        assigned = [(load, bytes_to_ids(load.rows)) for load in plan.adapter_loads] + prefetch
+        ids = {load.adapter_id for load, _ in assigned}
+        rows = {int(r) for _, load_rows in assigned for r in load_rows}
+        for adapter_id, owed in list(self.owed.items()):
+            if adapter_id in ids or not rows.isdisjoint(owed.rows.tolist()):
+                del self.owed[adapter_id]
+        return prefetch
+
+    def _settle_owed(self, plan: StepPlan) -> tuple[list, dict[str, str]]:
+        """Complete the owed loads whose rows this step reads: (loads, failed adapters)."""
+        if not self.owed:
+            return [], {}
+        reads = {r for groups in plan.adapter_sets for g in groups.values() for r in g.rows}
+        loads, failed = [], {}
+        for adapter_id, owed in list(self.owed.items()):
+            if reads.isdisjoint(owed.rows.tolist()):
+                continue
+            del self.owed[adapter_id]
+            try:
+                loads.append((self._packed(owed.load), owed.rows))
+            except AdapterError as e:
+                log.error("adapter %s: %s", owed.load.name, e)
+                failed[adapter_id] = str(e)
+        return loads, failed
+
+    def _ready_prefetch(self, prefetch: list[tuple[AdapterLoad, np.ndarray]]) -> list:
+        """The prefetch copies to queue now: owed loads whose read ended and the plan's loads
+        whose adapter is in the host tier; the plan's others become owed, and reads start."""
+        host = self.runner.adapter_pool.host
+        done = self._collect_reads()
+        ready = []
+        for adapter_id, owed in list(self.owed.items()):
+            packed = done.get(adapter_id) or host.get(adapter_id)
+            if packed is not None:
+                ready.append((packed, owed.rows))
+                del self.owed[adapter_id]
+        for load, rows in prefetch:
+            packed = host.get(load.adapter_id)
+            if packed is not None:
+                ready.append((packed, rows))
+            else:
+                self.owed[load.adapter_id] = OwedLoad(load, rows)
+        self._start_reads()
+        return ready
+
+    def _collect_reads(self) -> dict[str, PackedAdapter]:
+        """Ended background reads, their adapters put into the host tier."""
+        done = {}
+        for adapter_id, read in list(self.reads.items()):
+            if not read.done():
+                continue
+            del self.reads[adapter_id]
+            error = read.exception()
+            if error is None:
+                done[adapter_id] = self.runner.adapter_pool.host.put(read.result())
+                continue
+            log.warning("prefetch of adapter %s failed: %s", adapter_id[:12], error)
+            owed = self.owed.get(adapter_id)
+            if owed is not None:
+                owed.failed = True
+        return done
+
+    def _start_reads(self) -> None:
+        for adapter_id, owed in self.owed.items():
+            if len(self.reads) >= PREFETCH_READS:
+                return
+            if adapter_id not in self.reads and not owed.failed:
+                if self._reader is None:
+                    self._reader = ThreadPoolExecutor(1, thread_name_prefix="adapter-prefetch")
+                self.reads[adapter_id] = self._reader.submit(self._read, owed.load)

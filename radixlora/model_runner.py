@@ -176,7 +176,7 @@ class ModelRunner:
         """Queue a step on the device (on the CPU it runs to the end) without waiting for it,
         after writing `loads` (the plan's adapter loads, weights resolved) into the pool;
         placeholder ids (< 0) in the plan are the tokens the previously launched step samples."""
-        self.adapter_pool.write_all(loads)
+        self.adapter_pool.write_all(loads, plan.adapter_sets)
         self.adapter_pool.wait_loads()
         host = _host_inputs(plan)
         segments = _lora_segments(plan)

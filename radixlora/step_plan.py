@@ -60,6 +60,10 @@ class StepPlan(msgspec.Struct, tag=True, kw_only=True):
     input_ids: bytes = b""
     kv_slots: bytes = b""  # int32, every item's KV slots of positions [0, start + extend_len)
     adapter_loads: list[AdapterLoad] = []
+    # loads for requests not in this step, done after adapter_loads and never waited for by
+    # this step; the executor may defer one whose adapter is not in its host tier (see
+    # radixlora.executor)
+    prefetch_loads: list[AdapterLoad] = []
     # per adapter set of the step: module group -> its rows; {} is the base model
     adapter_sets: list[dict[str, GroupRows]] = []
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,7 +41,14 @@ class AdapterPool:
     new rows. Invariant that makes this safe: the rows being overwritten are free rows or rows
     of evicted adapters (no reference), so no live request reads them; a forward still queued
     that does read them belongs to a request already finished or aborted, whose output is
-    discarded. On CPU, write() is synchronous and wait_loads() does nothing."""
+    discarded. On CPU, write() is synchronous and wait_loads() does nothing.
+
+    Prefetch copies (prefetch(): adapters loaded ahead of the requests that need them) are
+    queued on the load stream after the event the last launched step waits on, so that step
+    does not wait for them. The load stream runs its copies in order, so any event recorded
+    later covers them: a later step records one when it has loads of its own or reads rows of
+    a prefetch copy that no recorded event covers yet (`_uncovered`). Their rows obey the
+    invariant above: free rows or rows of evicted adapters."""
 
     def __init__(self, cfg: ModelConfig, num_rows: int, dtype: torch.dtype, device,
                  host_bytes: int = 2 << 30):
@@ -63,6 +71,7 @@ class AdapterPool:
         self.load_stream = torch.cuda.Stream(self.device) if cuda else None
         self._loaded = torch.cuda.Event() if cuda else None
         self._loads_pending = False
+        self._uncovered: set[int] = set()  # rows of prefetch copies queued after the last event
         if cuda:  # the zero fill above must land before any load
             self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -78,6 +87,30 @@ class AdapterPool:
         """Copy an adapter's weights into `rows` (len == adapter.rank), zeroing what it lacks:
         one host-to-device copy of the adapter packed in pool layout, then one row scatter per
         group for all layers. On CUDA this is queued on the load stream (see wait_loads)."""
+        self._copy(adapter, rows)
+        self._record()
+
+    def write_all(self, loads, adapter_sets=()) -> None:
+        """Queue a step's loads, then record the event its forward waits on (wait_loads),
+        also when the step's `adapter_sets` read rows of prefetch copies not covered yet."""
+        for adapter, rows in loads:
+            self._copy(adapter, rows)
+        if loads or self._uncovered and self._reads_uncovered(adapter_sets):
+            self._record()
+
+    def prefetch(self, copies) -> None:
+        """Queue copies of adapters that no step launched so far reads, after the event of the
+        last step's loads, so that step does not wait for them."""
+        for adapter, rows in copies:
+            self._copy(adapter, rows)
+            if self.load_stream is not None:
+                self._uncovered.update(int(r) for r in rows)
+
+    def _reads_uncovered(self, adapter_sets) -> bool:
+        return any(not self._uncovered.isdisjoint(g.rows)
+                   for groups in adapter_sets for g in groups.values())
+
+    def _copy(self, adapter: LoraAdapter | PackedAdapter, rows: np.ndarray) -> None:
         packed = adapter if isinstance(adapter, PackedAdapter) else self.packed(adapter)
         if self.load_stream is None:
             self._scatter(packed.data, rows)
@@ -86,12 +119,13 @@ class AdapterPool:
             # the pinned source stays alive until the copy ends: PyTorch's pinned allocator
             # records this stream's use and reuses the block only after it completes
             self._scatter(packed.data.to(self.device, non_blocking=True), rows)
+
+    def _record(self) -> None:
+        if self.load_stream is None:
+            return
         self._loaded.record(self.load_stream)
         self._loads_pending = True
-
-    def write_all(self, loads) -> None:
-        for adapter, rows in loads:
-            self.write(adapter, rows)
+        self._uncovered.clear()
 
     def wait_loads(self, stream=None) -> None:
         """Make `stream` (default: the current one) wait for every write() queued so far."""
@@ -163,8 +197,14 @@ class ResidentAdapter:
 
 
 class AdapterResidency:
-    """Which adapter occupies which pool rows, with reference counts and LRU eviction of
-    unreferenced adapters. Bookkeeping only: loads are returned for the worker to execute."""
+    """Which adapter occupies which pool rows, with reference counts and eviction of
+    unreferenced adapters. Bookkeeping only: loads are returned for the worker to execute.
+
+    `needs` (adapter id -> position in the waiting queue of the first request that needs it)
+    orders eviction: first the unreferenced adapters no queued request needs, least recently
+    used first, then those needed only by requests furthest back in the queue. Referenced
+    adapters (held by running or just scheduled requests) and pinned ones are never evicted.
+    A prefetched adapter is resident with no reference until a request acquires it."""
 
     def __init__(self, num_rows: int):
         self.rows = RowAllocator(num_rows)
@@ -198,17 +238,14 @@ class AdapterResidency:
 
     def can_acquire(self, adapters: list[LoraAdapter]) -> bool:
         missing = sum(a.rank for a in adapters if a.adapter_id not in self.resident)
-        if missing == 0:
+        if missing <= self.rows.num_free():
             return True
         protected = {a.adapter_id for a in adapters}
-        reclaimable = sum(
-            len(r.rows)
-            for k, r in self.resident.items()
-            if r.refs == 0 and not r.pinned and k not in protected
-        )
+        reclaimable = sum(len(self.resident[k].rows) for k in self._idle(protected))
         return missing <= self.rows.num_free() + reclaimable
 
-    def acquire(self, adapters: list[LoraAdapter]) -> list[tuple[LoraAdapter, np.ndarray]]:
+    def acquire(self, adapters: list[LoraAdapter],
+                needs: Mapping[str, int] | None = None) -> list[tuple[LoraAdapter, np.ndarray]]:
         """Take a reference on each adapter, making it resident; returns the loads to execute.
         Call only after can_acquire() said yes."""
         loads = []
@@ -216,14 +253,33 @@ class AdapterResidency:
         for adapter in adapters:
             entry = self.resident.get(adapter.adapter_id)
             if entry is None:
-                self._reclaim(adapter.rank, protected)
-                entry = ResidentAdapter(adapter, self.rows.alloc(adapter.rank),
-                                        pinned=adapter.adapter_id in self.pinned)
-                self.resident[adapter.adapter_id] = entry
+                if self.rows.num_free() < adapter.rank:
+                    self._reclaim(adapter.rank, self._victims(protected, needs or {}))
+                entry = self._place(adapter)
                 loads.append((adapter, entry.rows))
             entry.refs += 1
             self.resident.move_to_end(adapter.adapter_id)
         return loads
+
+    def prefetch(self, adapter: LoraAdapter, needs: Mapping[str, int],
+                 position: int) -> np.ndarray | None:
+        """Make a non-resident adapter resident with no reference, ahead of the queued request
+        at `position` that needs it: its rows are free rows or rows of adapters that no queued
+        request at or before `position` needs. Returns the rows to load, None if too few."""
+        if self.rows.num_free() < adapter.rank:
+            victims = [k for k in self._victims({adapter.adapter_id}, needs)
+                       if needs.get(k, position + 1) > position]
+            reclaimable = sum(len(self.resident[k].rows) for k in victims)
+            if adapter.rank > self.rows.num_free() + reclaimable:
+                return None
+            self._reclaim(adapter.rank, victims)
+        return self._place(adapter).rows
+
+    def _place(self, adapter: LoraAdapter) -> ResidentAdapter:
+        entry = ResidentAdapter(adapter, self.rows.alloc(adapter.rank),
+                                pinned=adapter.adapter_id in self.pinned)
+        self.resident[adapter.adapter_id] = entry
+        return entry
 
     def release(self, adapter_ids) -> None:
         for adapter_id in adapter_ids:
@@ -248,13 +304,21 @@ class AdapterResidency:
         self.num_evictions += 1
         return True
 
-    def _reclaim(self, need: int, protected: set[str]) -> None:
-        for adapter_id in list(self.resident):
+    def _idle(self, protected: set[str]) -> list[str]:
+        """Evictable adapters (unreferenced, unpinned, not protected), least recently used
+        first."""
+        return [k for k, r in self.resident.items()
+                if r.refs == 0 and not r.pinned and k not in protected]
+
+    def _victims(self, protected: set[str], needs: Mapping[str, int]) -> list[str]:
+        """Evictable adapters in eviction order (see the class docstring)."""
+        return sorted(self._idle(protected), key=lambda k: (k in needs, -needs.get(k, 0)))
+
+    def _reclaim(self, need: int, victims: list[str]) -> None:
+        for adapter_id in victims:
             if self.rows.num_free() >= need:
                 return
-            entry = self.resident[adapter_id]
-            if entry.refs == 0 and not entry.pinned and adapter_id not in protected:
-                self.evict(adapter_id)
+            self.evict(adapter_id)
 
 
 class LoraSegments(dict):
