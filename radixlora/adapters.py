@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
 import msgspec
 
 from radixlora.config import ModelConfig
-from radixlora.errors import AdapterNotFoundError, InvalidRequestError
+from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
 from radixlora.lora.adapter import LoraAdapter, load_adapter
+from radixlora.lora.registration import HashCache, load_adapters
 from radixlora.request import AdapterSet
 
 MAX_ADAPTER_NAME = 128
@@ -84,6 +86,22 @@ class AdapterRegistry:
         and the version it replaced, if any."""
         self.check_name(name)
         return self.add(load_adapter(name, path, self.model_cfg, self.max_rank))
+
+    def load_all(self, items: Mapping[str, str | Path],
+                 cache: HashCache | None = None) -> list[LoraAdapter]:
+        """Validate many adapters in parallel (with `cache` only when weights are not kept)
+        and register them in order; the first name or adapter that fails raises, as `load`
+        one by one would."""
+        outcomes = load_adapters(items, self.model_cfg, self.max_rank,
+                                 keep_weights=self.keep_weights,
+                                 cache=None if self.keep_weights else cache)
+        registered = []
+        for name, outcome in outcomes.items():
+            self.check_name(name)
+            if isinstance(outcome, AdapterError):
+                raise outcome
+            registered.append(self.add(outcome)[0])
+        return registered
 
     def check_name(self, name) -> None:
         check_adapter_name(name, self.reserved)

@@ -76,8 +76,8 @@ class Engine:
             weakref.WeakValueDictionary())
         self.executor = StepExecutor(self.runner, self._version)
         self._next_rid = 0
-        for name, path in (adapters or {}).items():
-            self.load_adapter(name, path)
+        for adapter in self.registry.load_all(adapters or {}):
+            self._versions[adapter.adapter_id] = adapter
 
     # ---- adapters ----------------------------------------------------------------------------
 

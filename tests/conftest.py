@@ -34,6 +34,19 @@ ADAPTER_SPECS = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_dir(tmp_path_factory):
+    """The adapter hash cache of the suite and of the servers it starts (they inherit the
+    environment) lives in the session's temporary directory, never in ~/.cache."""
+    previous = os.environ.get("RADIXLORA_CACHE_DIR")
+    os.environ["RADIXLORA_CACHE_DIR"] = str(tmp_path_factory.mktemp("radixlora-cache"))
+    yield
+    if previous is None:
+        del os.environ["RADIXLORA_CACHE_DIR"]
+    else:
+        os.environ["RADIXLORA_CACHE_DIR"] = previous
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")

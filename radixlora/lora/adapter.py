@@ -12,10 +12,10 @@ import re
 import re._constants as sre_constants
 import re._parser as sre_parse
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, BinaryIO, Literal, TypeVar
 
 import msgspec
 import torch
@@ -43,6 +43,14 @@ MAX_ALPHA = 1e6
 MAX_PATTERN_CHARS = 256
 MAX_PATTERN_REPEATS = 4
 MAX_PATTERNS = 512  # keys of rank_pattern or alpha_pattern
+MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_T = TypeVar("_T")
 _REPEATS = (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT, sre_constants.POSSESSIVE_REPEAT)
 
 Rank = Annotated[int, msgspec.Meta(ge=1)]
@@ -100,24 +108,59 @@ def load_adapter(name: str, path: str | Path, model: ModelConfig, max_rank: int)
 
 def adapter_from_bytes(
     name: str, path: str | Path, config_bytes: bytes, tensor_bytes: bytes, model: ModelConfig,
-    max_rank: int,
+    max_rank: int, digest: str | None = None,
 ) -> LoraAdapter:
-    """Validate the two files' bytes; the content hash covers exactly these bytes."""
+    """Validate the two files' bytes; the content hash covers exactly these bytes (`digest`, if
+    given, must be content_hash of these very bytes, computed by the caller)."""
     config = _parse_config(name, config_bytes)
     tensors = _parse_tensors(name, tensor_bytes)
     weights = _build_weights(name, config, tensors, model, max_rank)
-    group_ranks: dict[str, int] = {}
-    for (_, module), (a, _) in weights.items():
-        group = GROUP_OF[module]
-        group_ranks[group] = max(group_ranks.get(group, 0), a.shape[0])
-    digest = hashlib.sha256(config_bytes + b"\0" + tensor_bytes).hexdigest()
+    group_ranks = _group_ranks((module, a.shape[0]) for (_, module), (a, _) in weights.items())
+    digest = digest or content_hash(config_bytes, tensor_bytes)
     return LoraAdapter(name, str(path), digest, max(group_ranks.values()), group_ranks, weights)
+
+
+def content_hash(config_bytes: bytes, tensor_bytes: bytes) -> str:
+    """The adapter id: sha256 of the config bytes, a NUL and the tensor bytes."""
+    digest = hashlib.sha256(config_bytes)
+    digest.update(b"\0")
+    digest.update(tensor_bytes)
+    return digest.hexdigest()
+
+
+def adapter_from_header(name: str, path: str | Path, model: ModelConfig, max_rank: int,
+                        digest: str) -> LoraAdapter:
+    """An adapter without weights, identified by `digest`, from its config and the safetensors
+    header alone: every check that needs names, shapes and dtypes runs, none that needs tensor
+    values (the caller vouches for those: radixlora.lora.registration's hash cache)."""
+    path = Path(path)
+    config_path, tensor_path = _adapter_files(name, path)
+    config = _parse_config(name, _read_file(name, config_path, MAX_CONFIG_BYTES, ()))
+    tensors = _read_regular(name, tensor_path, MAX_ADAPTER_BYTES, (),
+                            functools.partial(_tensor_header, name))
+    pairs = _checked_pairs(name, config, tensors, model, max_rank)
+    group_ranks = _group_ranks((module, a.shape[0]) for (_, module, _), (a, _), _ in pairs)
+    return LoraAdapter(name, str(path), digest, max(group_ranks.values()), group_ranks, {})
+
+
+def _group_ranks(module_ranks) -> dict[str, int]:
+    group_ranks: dict[str, int] = {}
+    for module, rank in module_ranks:
+        group = GROUP_OF[module]
+        group_ranks[group] = max(group_ranks.get(group, 0), rank)
+    return group_ranks
 
 
 def read_adapter_files(name: str, path: Path,
                        roots: Sequence[str | Path] = ()) -> tuple[bytes, bytes]:
     """(adapter_config.json, adapter_model.safetensors) bytes, or an AdapterError. Each file
     must be a regular file within its size cap and, with `roots`, resolve inside one of them."""
+    config_path, tensor_path = _adapter_files(name, path)
+    return (_read_file(name, config_path, MAX_CONFIG_BYTES, roots),
+            _read_file(name, tensor_path, MAX_ADAPTER_BYTES, roots))
+
+
+def _adapter_files(name: str, path: Path) -> tuple[Path, Path]:
     if not path.is_dir():
         raise AdapterError(name, f"directory {path} does not exist")
     config_path = path / "adapter_config.json"
@@ -132,14 +175,22 @@ def read_adapter_files(name: str, path: Path,
                 "unpickles: convert it to adapter_model.safetensors",
             )
         raise AdapterError(name, f"no adapter_model.safetensors in {path}")
-    return (_read_file(name, config_path, MAX_CONFIG_BYTES, roots),
-            _read_file(name, tensor_path, MAX_ADAPTER_BYTES, roots))
+    return config_path, tensor_path
 
 
 def _read_file(name: str, path: Path, max_bytes: int, roots: Sequence[str | Path]) -> bytes:
-    """The bytes of one regular file of at most max_bytes. The file is opened by its real path
-    without following links and non-blocking (a FIFO swapped in cannot block the read), and
-    what was opened is checked again, so a file replaced between the checks is refused."""
+    data = _read_regular(name, path, max_bytes, roots, lambda f, _: f.read(max_bytes + 1))
+    if len(data) > max_bytes:
+        raise AdapterError(name, f"{path.name} is larger than {_size(max_bytes)}")
+    return data
+
+
+def _read_regular(name: str, path: Path, max_bytes: int, roots: Sequence[str | Path],
+                  read: Callable[[BinaryIO, int], _T]) -> _T:
+    """`read(file, size)` of one regular file of at most max_bytes. The file is opened by its
+    real path without following links and non-blocking (a FIFO swapped in cannot block the
+    read), and what was opened is checked again, so a file replaced between the checks is
+    refused."""
     real = os.path.realpath(path)
     if roots and not _inside(real, roots):
         raise AdapterError(name, f"{path.name} resolves outside the allowed adapter roots",
@@ -153,13 +204,53 @@ def _read_file(name: str, path: Path, max_bytes: int, roots: Sequence[str | Path
             _check_regular(name, path.name, opened, max_bytes)
             if (opened.st_dev, opened.st_ino) != (before.st_dev, before.st_ino):
                 raise AdapterError(name, f"{path.name} was replaced while it was read")
-            data = f.read(max_bytes + 1)
+            return read(f, opened.st_size)
     except OSError as e:
         raise AdapterError(name, f"{path.name} is unreadable: {e.strerror}",
                            code="unreadable_adapter") from e
-    if len(data) > max_bytes:
-        raise AdapterError(name, f"{path.name} is larger than {_size(max_bytes)}")
-    return data
+
+
+def _tensor_header(name: str, f: BinaryIO, size: int) -> dict[str, TensorMeta]:
+    """The tensors a safetensors file declares (names, shapes, dtypes), read from its header:
+    no tensor data is read."""
+    prefix = f.read(8)
+    length = int.from_bytes(prefix, "little")
+    if len(prefix) < 8 or length > min(MAX_SAFETENSORS_HEADER, size - 8):
+        raise AdapterError(name, "adapter_model.safetensors is corrupted: no valid header")
+    try:
+        header = msgspec.json.decode(f.read(length), type=dict[str, msgspec.Raw])
+        header.pop("__metadata__", None)
+        entries = {key: msgspec.json.decode(raw, type=_HeaderEntry) for key, raw in header.items()}
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+        raise AdapterError(name, f"adapter_model.safetensors is corrupted: {e}") from e
+    return {key: _meta_tensor(name, key, entry) for key, entry in entries.items()}
+
+
+class _HeaderEntry(msgspec.Struct):
+    dtype: str
+    shape: list[Annotated[int, msgspec.Meta(ge=0)]]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What the layout checks read of a tensor (its shape and dtype), without its data."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+
+def _meta_tensor(name: str, key: str, entry: _HeaderEntry) -> TensorMeta:
+    dtype = SAFETENSORS_DTYPES.get(entry.dtype)
+    if dtype is None:
+        raise AdapterError(name, f"adapter_model.safetensors is corrupted: tensor {key!r} has "
+                                 f"unknown dtype {entry.dtype!r}")
+    return TensorMeta(tuple(entry.shape), dtype)
 
 
 def _check_regular(name: str, file: str, st: os.stat_result, max_bytes: int) -> None:
@@ -278,22 +369,30 @@ def _parse_tensors(name: str, raw: bytes) -> dict[str, torch.Tensor]:
 
 
 def _build_weights(name, config, tensors, model: ModelConfig, max_rank):
+    weights = {}
+    for (layer, module, key), (a, b), scale in _checked_pairs(name, config, tensors, model,
+                                                              max_rank):
+        a, b = a.float(), b.float() * scale
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterError(name, f"{key} holds NaN or infinite values")
+        weights[(layer, module)] = (a.contiguous(), b.contiguous())
+    return weights
+
+
+def _checked_pairs(name, config, tensors, model: ModelConfig, max_rank):
+    """((layer, module, key), (A, B), scale) of every LoRA pair whose names, layers, ranks,
+    dtypes and shapes fit the model, in order; the checks need tensor metadata only."""
     pairs = _pair_tensors(name, tensors, model)
     layers = _layers_to_transform(config)
-    weights = {}
     for (layer, module, key), (a, b) in sorted(pairs.items()):
         if layers is not None and layer not in layers:
             raise AdapterError(name, f"{key} is outside layers_to_transform")
         rank, alpha = _rank_alpha(config, key)
         _check_shapes(name, key, a, b, rank, model.module_shape(module), max_rank)
         scale = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
-        a, b = a.float(), b.float() * scale
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise AdapterError(name, f"{key} holds NaN or infinite values")
-        weights[(layer, module)] = (a.contiguous(), b.contiguous())
-    if not weights:
+        yield (layer, module, key), (a, b), scale
+    if not pairs:
         raise AdapterError(name, "adapter_model.safetensors holds no LoRA weights")
-    return weights
 
 
 def _pair_tensors(name, tensors, model: ModelConfig):

@@ -37,7 +37,9 @@ from watchdog.observers import Observer
 from radixlora.adapters import check_adapter_name
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, InvalidRequestError
-from radixlora.server.adapter_store import AdapterStore, FilesChanged, Validated
+from radixlora.lora.adapter import LoraAdapter, content_hash, read_adapter_files
+from radixlora.lora.registration import HashCache, load_adapters
+from radixlora.server.adapter_store import AdapterStore, FilesChanged, Validated, file_signature
 from radixlora.server.args import ServerArgs
 from radixlora.server.ipc import Heartbeats, check_local, child_main, send_ready
 from radixlora.server.messages import AdapterEvent
@@ -49,6 +51,9 @@ TICK_S = 0.02
 MAX_DIRTY_S = 10.0  # a directory that never goes quiet is still examined this often
 SUBSCRIBERS = 2  # the scheduler and the api
 SUBSCRIBE_TIMEOUT_S = 60.0
+# names validated together when the bucket has tokens for them: at least the first (fewer are
+# not worth reading twice, once to validate and once to snapshot), at most the second
+REGISTER_BATCH = (16, 256)
 
 REJECT_REASONS = (  # (substring of the AdapterError, label), first match wins
     ("at `$.r`", "bad_rank"),
@@ -165,6 +170,7 @@ class RegistryCore:
         self.pending: set[str] = set()
         self.retry: list[str] = []  # names whose files changed while read
         self.counts: collections.Counter = collections.Counter()
+        self.cache = HashCache()
 
     @property
     def active(self) -> dict[str, Published]:
@@ -197,27 +203,36 @@ class RegistryCore:
         self._emit("removed", name, adapter_id=adapter_id)
 
     def admit(self, now: float) -> None:
-        """Examine pending names in sorted order while the bucket has a token."""
+        """Examine pending names in sorted order while the bucket has a token. When it has
+        tokens for many (a full directory at start-up), they are validated together first, in
+        parallel and through the hash cache."""
         while self.pending and self.bucket.available(now) >= 1:
-            name = min(self.pending)
-            self.pending.discard(name)
-            if self.examine(name):
-                self.bucket.take(now)
+            batch = sorted(self.pending)[:min(self.bucket.available(now), REGISTER_BATCH[1])]
+            prevalidated = self._prevalidate(batch) if len(batch) >= REGISTER_BATCH[0] else {}
+            for name in batch:
+                self.pending.discard(name)
+                if self.examine(name, prevalidated.get(name)):
+                    self.bucket.take(now)
 
-    def examine(self, name: str) -> bool:
+    def _prevalidate(self, names: list[str]) -> dict[str, LoraAdapter]:
+        outcomes = load_adapters({name: self.root / name for name in names}, self.model_cfg,
+                                 self.max_rank, keep_weights=False, cache=self.cache)
+        return {name: a for name, a in outcomes.items() if isinstance(a, LoraAdapter)}
+
+    def examine(self, name: str, prevalidated: LoraAdapter | None = None) -> bool:
         """Validate one sub-directory and publish what it became; True if it was admitted.
         Never raises: bad content is a rejected event, and the next name is examined."""
         try:
-            return self._examine(name)
+            return self._examine(name, prevalidated)
         except Exception as e:  # noqa: BLE001 - one adapter's content never stops the registry
             log.exception("adapter %r could not be examined", name)
             self._reject(name, "invalid_adapter", f"adapter {name!r}: {type(e).__name__}: {e}")
             return False
 
-    def _examine(self, name: str) -> bool:
+    def _examine(self, name: str, prevalidated: LoraAdapter | None) -> bool:
         try:
             check_adapter_name(name, self.reserved)
-            validated = self.store.read(name, self.root / name, self.model_cfg, self.max_rank)
+            validated = self._read(name, prevalidated)
             rank = validated.adapter.rank
             if rank > self.pool_rows:
                 raise AdapterError(name, f"rank {rank} exceeds the adapter pool "
@@ -235,6 +250,19 @@ class RegistryCore:
             self._reject(name, "unreadable", f"adapter {name!r}: {e}")
             return False
         return self._publish_version(name, validated)
+
+    def _read(self, name: str, prevalidated: LoraAdapter | None) -> Validated:
+        """The files' bytes as validated. With `prevalidated` (validated in a batch, perhaps
+        from the hash cache) the bytes read now must hash to its id, so the snapshot holds
+        exactly validated content; else (or if they do not) they are validated here."""
+        src = self.root / name
+        if prevalidated is not None:
+            before = file_signature(src)
+            config_bytes, tensor_bytes = read_adapter_files(name, src)
+            if (file_signature(src) == before
+                    and content_hash(config_bytes, tensor_bytes) == prevalidated.adapter_id):
+                return Validated(prevalidated, config_bytes, tensor_bytes)
+        return self.store.read(name, src, self.model_cfg, self.max_rank)
 
     def _publish_version(self, name: str, validated: Validated) -> bool:
         """Publish a validated version unless it is unchanged; content another name already

@@ -18,6 +18,7 @@ from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
 from radixlora.intake import Intake, check_prompt_ids
 from radixlora.lora.pool import AdapterPool
+from radixlora.lora.registration import HashCache
 from radixlora.model.loader import base_version
 from radixlora.request import Req, ReqStatus
 from radixlora.scheduler import BatchPlan, Scheduler
@@ -77,8 +78,7 @@ class SchedulerService:
                                         keep_weights=False, reserved=frozenset({args.model_name}))
         self.row_bytes = AdapterPool.bytes_per_row(self.model_cfg,
                                                    self.config.torch_dtype(self.model_cfg))
-        for name, path in args.adapters.items():
-            self.adapters.load(name, path)
+        self.adapters.load_all(args.adapters, cache=HashCache())
         store = AdapterStore(Path(args.state_dir) / "adapters") if args.state_dir else None
         self.lifecycle = AdapterLifecycle(self.adapters, self.scheduler, store, self.model_cfg,
                                           self.config.max_rank, self._in_use,

@@ -16,6 +16,7 @@ from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError
 from radixlora.executor import StepExecutor
 from radixlora.lora.adapter import LoraAdapter, load_adapter
+from radixlora.lora.registration import iter_adapters
 from radixlora.model_runner import ModelRunner
 from radixlora.server.args import ServerArgs
 from radixlora.server.ipc import Heartbeats, Inbox, Outbox, child_main, send_ready
@@ -53,16 +54,16 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
 
 def prefetch_adapters(runner: ModelRunner, args: ServerArgs) -> int:
     """Read, validate and pack the start-up adapters (--adapter) into the host tier while it has
-    room, so that a first request on one waits for a pinned copy, not a disk read. Their ids
-    are their content hashes, so the scheduler's loads find them; one that fails to read is
-    left to the scheduler, which refuses it with the reason."""
+    room, so that a first request on one waits for a pinned copy, not a disk read. They are
+    read on threads a few ahead, each hashed from its bytes (never from the hash cache). Their
+    ids are their content hashes, so the scheduler's loads find them; one that fails to read
+    is left to the scheduler, which refuses it with the reason."""
     started, pool = time.perf_counter(), runner.adapter_pool
     done = 0
-    for name, path in args.adapters.items():
-        try:
-            packed = pool.pack(load_adapter(name, path, runner.cfg, runner.config.max_rank))
-        except AdapterError:
+    for _, adapter in iter_adapters(args.adapters, runner.cfg, runner.config.max_rank):
+        if isinstance(adapter, AdapterError):
             continue
+        packed = pool.pack(adapter)
         if pool.host.nbytes + packed.nbytes > pool.host.budget_bytes:
             break
         pool.host.put(packed)
