@@ -18,15 +18,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixlora import Engine, SamplingParams
-from radixlora.config import EngineConfig
+from radixlora.config import EngineConfig, ModelConfig
 from radixlora.errors import AdapterError, RadixLoraError
 from radixlora.lora.adapter import LoraAdapter
-from radixlora.lora.pool import AdapterResidency
+from radixlora.lora.pool import AdapterPool, AdapterResidency
 from radixlora.request import AdapterSet, Req, ReqStatus, cache_namespace
 from radixlora.scheduler import AGING_STEPS, BatchPlan, Scheduler
-from radixlora.step_plan import bytes_to_ids
+from radixlora.step_plan import GroupRows, bytes_to_ids
 from radixlora.token_bucket import TokenBucket
-from scripts.checkpoints import build_tiny_adapter, build_tiny_model
+from scripts.checkpoints import TINY_CONFIG, build_tiny_adapter, build_tiny_model
 from tests.conftest import assert_all_free
 
 
@@ -209,6 +209,40 @@ def test_no_prefetch_while_the_swap_cap_holds_an_admission_back():
     assert not plan.prefetch_loads
 
 
+def reads(*rows: int) -> list[dict[str, GroupRows]]:
+    """A step's adapter sets: one set reading `rows`."""
+    return [{"qkv": GroupRows(list(rows), [1.0] * len(rows))}]
+
+
+class FakeEvent:
+    def __init__(self):
+        self.records = 0
+
+    def record(self, stream) -> None:
+        self.records += 1
+
+
+def test_pool_event_covers_prefetch_copies_only_for_steps_that_read_them(monkeypatch):
+    """The CUDA bookkeeping of AdapterPool, with the copies stubbed: a step's loads record the
+    event its forward waits on; prefetch copies queued after it are not waited for, until a
+    step reads their rows (or has loads of its own), which records an event covering them."""
+    pool = AdapterPool(ModelConfig.from_hf(TINY_CONFIG), 8, torch.float32, "cpu", 0)
+    event = FakeEvent()
+    monkeypatch.setattr(pool, "_copy", lambda adapter, rows: None)
+    pool.load_stream, pool._loaded = object(), event
+    pool.write_all([(None, np.array([0]))], reads(0))
+    assert event.records == 1 and pool._loads_pending
+    pool._loads_pending = False  # wait_loads() on the compute stream
+    pool.prefetch([(None, np.array([4, 5]))])
+    pool.write_all([], reads(0, 1))  # reads no prefetched row: nothing to wait for
+    assert event.records == 1 and not pool._loads_pending
+    pool.write_all([], reads(5))
+    assert event.records == 2 and pool._loads_pending and not pool._uncovered
+    pool.prefetch([(None, np.array([6]))])
+    pool.write_all([(None, np.array([2]))], reads(2))  # its own load: the event covers row 6
+    assert event.records == 3 and not pool._uncovered
+
+
 # ---- state machine ---------------------------------------------------------------------------
 
 RANKS = (1, 2, 3, 1, 2, 1, 3, 2)
@@ -317,7 +351,7 @@ class PrefetchMachine(RuleBasedStateMachine):
         assert all(e.refs == 0 for e in sched.residency.resident.values())
 
 
-PrefetchMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
+PrefetchMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50,
                                              deadline=None)
 test_prefetch_state_machine = PrefetchMachine.TestCase
 
