@@ -27,9 +27,13 @@ from radixlora.lora.registration import (
     iter_adapters,
     load_adapters,
 )
+from radixlora.server.args import ServerArgs
 from radixlora.server.registry_proc import RegistryCore
+from radixlora.server.scheduler_proc import SchedulerService
+from radixlora.server.worker_proc import make_executor, prefetch_adapters
 from radixlora.token_bucket import TokenBucket
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
+from tests.server_harness import build_checkpoints, sized
 
 NUM_ADAPTERS = 200
 MAX_RANK = 64
@@ -262,3 +266,16 @@ def test_the_registry_scans_a_full_directory_in_one_batch(tiny, tmp_path, hash_c
     events = scan(root, tmp_path / "state2", model)
     assert {e.name: e.adapter_id for e in events if e.kind == "added"} == expected
     assert len(hash_calls) == 1  # a005, invalid, is never cached
+
+
+def test_the_worker_prefetches_within_its_time_budget(tmp_path):
+    """Past its time budget the worker stops packing start-up adapters (the rest are read on
+    first use); within it, every one is packed under the id the scheduler registers."""
+    model, adapters = build_checkpoints(tmp_path)
+    args = ServerArgs(model=str(model), adapters={k: str(v) for k, v in adapters.items()})
+    assert prefetch_adapters(make_executor(args).runner, args, time_budget_s=0.0) == 1
+    runner = make_executor(args).runner
+    assert prefetch_adapters(runner, args) == len(adapters)
+    scheduler = SchedulerService(sized(args))
+    registered = {a.adapter_id for a in scheduler.adapters.by_name.values()}
+    assert set(runner.adapter_pool.host.ids()) == registered

@@ -27,6 +27,7 @@ from radixlora.step_plan import AdapterLoad, StepPlan, StepResult
 log = logging.getLogger(__name__)
 
 BEAT_POLL_MS = 250  # an idle worker's loop comes round this often to beat
+PREFETCH_S = 10.0  # start-up adapters read into the host tier before Ready, at most this long
 
 
 def make_executor(args: ServerArgs) -> StepExecutor:
@@ -52,12 +53,14 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
     serve(executor, inbox, to_scheduler, heart)
 
 
-def prefetch_adapters(runner: ModelRunner, args: ServerArgs) -> int:
+def prefetch_adapters(runner: ModelRunner, args: ServerArgs,
+                      time_budget_s: float = PREFETCH_S) -> int:
     """Read, validate and pack the start-up adapters (--adapter) into the host tier while it has
-    room, so that a first request on one waits for a pinned copy, not a disk read. They are
-    read on threads a few ahead, each hashed from its bytes (never from the hash cache). Their
-    ids are their content hashes, so the scheduler's loads find them; one that fails to read
-    is left to the scheduler, which refuses it with the reason."""
+    room and for at most `time_budget_s` (Ready waits for this; the rest are read from disk on
+    first use), so that a first request on one waits for a pinned copy, not a disk read. They
+    are read on threads a few ahead, each hashed from its bytes (never from the hash cache).
+    Their ids are their content hashes, so the scheduler's loads find them; one that fails to
+    read is left to the scheduler, which refuses it with the reason."""
     started, pool = time.perf_counter(), runner.adapter_pool
     done = 0
     for _, adapter in iter_adapters(args.adapters, runner.cfg, runner.config.max_rank):
@@ -68,9 +71,11 @@ def prefetch_adapters(runner: ModelRunner, args: ServerArgs) -> int:
             break
         pool.host.put(packed)
         done += 1
+        if time.perf_counter() - started >= time_budget_s:
+            break
     if done:
-        log.info("%d adapters read into the host tier in %.1f s", done,
-                 time.perf_counter() - started)
+        log.info("%d of %d start-up adapters read into the host tier in %.1f s", done,
+                 len(args.adapters), time.perf_counter() - started)
     return done
 
 
