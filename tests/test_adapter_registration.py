@@ -279,3 +279,17 @@ def test_the_worker_prefetches_within_its_time_budget(tmp_path):
     scheduler = SchedulerService(sized(args))
     registered = {a.adapter_id for a in scheduler.adapters.by_name.values()}
     assert set(runner.adapter_pool.host.ids()) == registered
+
+
+def test_the_cache_keeps_the_most_recently_validated(tmp_path, monkeypatch):
+    monkeypatch.setattr(registration, "MAX_CACHE_ENTRIES", 3)
+    path = tmp_path / CACHE_FILE
+    first = HashCache(path)
+    for key in "abcd":
+        first.put(key, key * 64)
+    first.save()
+    second = HashCache(path)
+    second.put("b", "e" * 64)
+    second.save()
+    assert list(HashCache(path).entries.items()) == [("c", "c" * 64), ("d", "d" * 64),
+                                                     ("b", "e" * 64)]

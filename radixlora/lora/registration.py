@@ -122,8 +122,9 @@ class HashCache:
         since it was read) and replace it atomically; failures are logged, never raised."""
         if not self.added:
             return
-        entries = self._read() | self.added
-        entries = dict(list(entries.items())[-MAX_CACHE_ENTRIES:])
+        on_disk = self._read()
+        entries = [(k, v) for k, v in on_disk.items() if k not in self.added]
+        entries = dict((entries + list(self.added.items()))[-MAX_CACHE_ENTRIES:])
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
