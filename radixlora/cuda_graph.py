@@ -1,11 +1,11 @@
 """CUDA graphs for decode steps and short extends. Each (batch bucket, token bucket, LoRA row
-bucket) gets one graph, captured on first use (decode graphs all at once by capture_decode),
-holding the forward and the sampler; every input of a step (token ids, positions, KV slots,
-attention and LoRA metadata, each row's sampling parameters) lives in static buffers refilled
-before replay, so a step costs one host-to-device copy, one scatter kernel and one graph launch
-instead of ~1,000 kernel launches. A decode graph (one token per request) uses the split-K
-decode kernel; an extend graph (short prompts or cache hits, mixed with decodes) the extend
-one.
+bucket) gets one graph, all captured at start-up by capture_all (ModelRunner.warm_up; without
+warm-up, each on first use), holding the forward and the sampler; every input of a step (token
+ids, positions, KV slots, attention and LoRA metadata, each row's sampling parameters) lives in
+static buffers refilled before replay, so a step costs one host-to-device copy, one scatter
+kernel and one graph launch instead of ~1,000 kernel launches. A decode graph (one token per
+request) uses the split-K decode kernel; an extend graph (short prompts or cache hits, mixed
+with decodes) the extend one.
 
 Padding requests decode token 0 at position 0 into the reserved KV slot 0 over a one-token
 context with no adapter rows; padding tokens past the last request belong to no segment. The

@@ -89,7 +89,7 @@ class ModelRunner:
         self.config = config
         self._build_pools(config.kv_pages * config.page_size, config.adapter_rows,
                           config.host_adapter_bytes)
-        if config.cuda_graph and self.device.type == "cuda":
+        if config.cuda_graph and cuda:
             if not isinstance(self.attn_backend, TritonAttentionBackend):
                 raise ValueError("cuda_graph needs attention_backend triton (or auto on CUDA)")
             self.graphs = CudaGraphRunner(
