@@ -171,7 +171,9 @@ def _partials(row_ptr, lo, hi, vocab, inv_temp, row_hash,
     return run_max, run_sum, run_sum_t, best, best_idx
 
 
-@triton.jit
+# the split count and the row count change with the batch: not specialized on, so an unseen batch
+# size never compiles a new variant while serving
+@triton.jit(do_not_specialize=["num_splits"])
 def _sample_partials_kernel(
     logits_ptr, temp_ptr, seed_ptr, step_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
     parts_ptr, part_idx_ptr,
@@ -227,7 +229,7 @@ def _scan_above(row_ptr, vocab, floor, inv_temp, lse_t, row_hash, BLOCK: tl.cons
     return mass, count, best_idx
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "rows"])
 def _sample_merge_kernel(
     logits_ptr, parts_ptr, part_idx_ptr, token_ptr, out_ptr,
     temp_ptr, seed_ptr, step_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
@@ -358,7 +360,8 @@ def sample_tokens(
             logits, parts, part_idx, tokens, out,
             temperature, seeds, steps, *filter_ptrs,
             vocab, splits, logits.stride(0), parts.stride(0), rows, MIN_TEMPERATURE,
-            SPLITS=triton.next_power_of_2(splits), BLOCK=filter_block, FILTER=filtered,
+            SPLITS=triton.next_power_of_2(triton.cdiv(vocab, block)),  # >= splits, any batch
+            BLOCK=filter_block, FILTER=filtered,
             num_warps=FILTER_WARPS if filtered else 1,
         )  # fmt: skip
     return tokens, out[0], out[1]

@@ -39,7 +39,7 @@ def sgmv_expand_ref(
             y[t0:t1, off[i] : off[i + 1]] = delta.to(y.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "max_rows"])  # step sizes: see sgmv_shrink
 def _sgmv_expand_kernel(
     v_ptr,
     b_ptr,

@@ -33,7 +33,9 @@ def sgmv_shrink_ref(
     return v
 
 
-@triton.jit
+# sizes that change from step to step are not specialized on (divisible by 16, equal to 1), so an
+# unseen batch composition never compiles a new variant while serving
+@triton.jit(do_not_specialize=["num_tokens", "max_rows", "split_k"])
 def _sgmv_shrink_kernel(
     x_ptr,
     a_ptr,
@@ -46,6 +48,7 @@ def _sgmv_shrink_kernel(
     in_dim,
     max_rows,
     k_per_split,
+    split_k,
     num_row_tiles,
     n_slices,
     stride_xt,
@@ -56,7 +59,6 @@ def _sgmv_shrink_kernel(
     stride_vs,
     stride_vt,
     stride_vr,
-    SPLIT_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -64,11 +66,11 @@ def _sgmv_shrink_kernel(
 ):
     # the slices and splits of one token tile are neighbours in launch order, so the programs
     # reading the same x tile run together and all but the first find it in L2
-    per_tile = SPLIT_K * n_slices
+    per_tile = split_k * n_slices
     tile = tl.program_id(0) // per_tile
     seg = tl.program_id(1)
-    slice_id = (tl.program_id(0) % per_tile) // SPLIT_K
-    split = tl.program_id(0) % SPLIT_K
+    slice_id = (tl.program_id(0) % per_tile) // split_k
+    split = tl.program_id(0) % split_k
     t0 = tl.load(seg_indptr_ptr + seg)
     t1 = tl.minimum(tl.load(seg_indptr_ptr + seg + 1), num_tokens)
     r0 = tl.load(row_indptr_ptr + seg)
@@ -110,7 +112,7 @@ def _sgmv_shrink_kernel(
         + offs_j[None, :] * stride_vr
     )
     out_mask = t_mask[:, None] & j_mask[None, :]
-    if SPLIT_K > 1:
+    if split_k > 1:
         tl.atomic_add(v_ptrs, acc, mask=out_mask)
     else:
         tl.store(v_ptrs, acc, mask=out_mask)
@@ -269,11 +271,11 @@ def sgmv_shrink(
     grid = (tiles * split_k * n_slices, num_segments)
     _sgmv_shrink_kernel[grid](
         x, a_pool, v, seg_indptr, row_indptr, row_ids, row_scales,
-        num_tokens, in_dim, max_rows, k_per_split, num_row_tiles, n_slices,
+        num_tokens, in_dim, max_rows, k_per_split, split_k, num_row_tiles, n_slices,
         x.stride(0), x.stride(1),
         a_pool.stride(0), a_pool.stride(1), a_pool.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        SPLIT_K=split_k, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k,
+        BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k,
         FP32_DOT=fp32_dot(x.dtype, x.device),
     )  # fmt: skip
     return v

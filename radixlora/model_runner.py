@@ -306,17 +306,19 @@ class ModelRunner:
 
 
 PROFILE_PARAMS = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, min_p=0.01)
+GREEDY_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 
-def profile_plan(tokens: int, requests: int, rank: int, start: int = 0,
-                 sets: int = 1) -> StepPlan:  # fmt: skip
+def profile_plan(tokens: int, requests: int, rank: int, start: int = 0, sets: int = 1,
+                 params: SamplingParams = PROFILE_PARAMS) -> StepPlan:  # fmt: skip
     """A synthetic step: `requests` requests extending `tokens` tokens in all (the first ones
     one more when they do not divide evenly) after `start` cached ones, each sampling with
-    every filter on, request k on adapter set k % sets, each set `rank` rows in every module
-    group (base only when rank is 0). KV slots 1, 2, ... (slot 0 is the padding target)."""
+    `params` (default: every filter on), request k on adapter set k % sets, each set `rank`
+    rows in every module group (base only when rank is 0). KV slots 1, 2, ... (slot 0 is the
+    padding target)."""
     extends = np.full(requests, tokens // requests)
     extends[: tokens % requests] += 1
-    items = [PlanItem(int(n), start, True, PROFILE_PARAMS, k, 0, k % sets)
+    items = [PlanItem(int(n), start, True, params, k, 0, k % sets)
              for k, n in enumerate(extends)]  # fmt: skip
     slots = 1 + np.arange(int((extends + start).sum()))
     rows = GroupRows(list(range(rank)), [1.0] * rank)
@@ -326,18 +328,34 @@ def profile_plan(tokens: int, requests: int, rank: int, start: int = 0,
 
 
 def warm_up_plans(config: EngineConfig, max_context: int, num_slots: int) -> list[StepPlan]:
-    """Eager steps of each kind of shape the graphs leave to the eager path: the largest
-    prefill chunk, odd lengths, one long prompt, cached prefixes, many requests of a token or
-    two (decodes beside a prefill), each base only, on one adapter of the largest rank and on
-    8 distinct adapters of rank 16; those that fit the context and the KV pool."""
+    """Eager steps of each kind of shape the graphs leave to the eager path, those that fit
+    the context and the KV pool. Base only: the largest prefill chunk, odd lengths, one long
+    prompt (greedy: the sampler's unfiltered variant), cached prefixes, many requests of a
+    token or two (decodes beside a prefill). With adapters, for the LoRA kernels' tile sizes:
+    segments of more than 32, of 17-32 and of at most 16 tokens, each on 8 rank-16 adapters,
+    on one of rank 32 and on one of the largest rank."""
     tokens, running, rank = config.max_batch_tokens, config.max_running, config.max_rank
-    shapes = [(tokens, min(running, 16), 0), (tokens - 1, 3, 0), (1000, 1, 0), (777, 5, 123),
-              (running + 37, running, 0)]  # fmt: skip
-    loras = [(0, 1), (rank, 1), (min(16, rank), 8)]
-    return [profile_plan(n, r, lora, start, sets)
-            for n, r, start in shapes for lora, sets in loras
-            if r <= n <= tokens and -(-n // r) + start <= max_context
-            and n + r * start < num_slots]  # fmt: skip
+    wide = min(running, 16)
+    base = [(tokens, wide, 0, PROFILE_PARAMS), (tokens - 1, 3, 0, PROFILE_PARAMS),
+            (1000, 1, 0, GREEDY_PARAMS), (777, 5, 123, PROFILE_PARAMS),
+            (running + 37, running, 0, PROFILE_PARAMS)]  # fmt: skip
+    segments = [(tokens, wide), (24 * wide, wide), (running + 37, running)]
+    loras: dict[int, int] = {}  # rank -> adapter sets
+    for r, sets in ((16, 8), (32, 1), (rank, 1)) if rank else ():
+        loras.setdefault(min(r, rank), sets)
+    plans = [profile_plan(n, r, 0, start, params=params) for n, r, start, params in base
+             if fits(n, r, start, config, max_context, num_slots)]  # fmt: skip
+    return plans + [profile_plan(n, r, lora, sets=sets) for n, r in segments
+                    for lora, sets in loras.items()
+                    if fits(n, r, 0, config, max_context, num_slots)]  # fmt: skip
+
+
+def fits(tokens: int, requests: int, start: int, config: EngineConfig, max_context: int,
+         num_slots: int) -> bool:  # fmt: skip
+    """A synthetic step fits the prefill budget, the context and the KV pool."""
+    return (requests <= tokens <= config.max_batch_tokens
+            and -(-tokens // requests) + start <= max_context
+            and tokens + requests * start < num_slots)  # fmt: skip
 
 
 def _host_inputs(plan: StepPlan) -> dict:

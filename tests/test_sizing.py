@@ -196,6 +196,24 @@ def test_profile_and_warm_up_steps_run_and_leave_nothing_behind(checkpoints, ada
     assert_all_free(engine)
 
 
+def test_warm_up_covers_the_lora_tile_sizes_and_both_samplers():
+    """Every (segment length, rank) bucket the LoRA kernels tile by, and a greedy step beside
+    the filtered ones, on an H200-sized config."""
+    config = dataclasses.replace(EngineConfig(), max_batch_tokens=8192, max_running=256,
+                                 max_rank=64)  # fmt: skip
+    plans = warm_up_plans(config, max_context=8192, num_slots=10**6)
+    buckets = set()
+    for plan in plans:
+        longest = max(i.extend_len for i in plan.items)
+        groups = list(plan.adapter_sets[0].values())
+        rank = len(groups[0].rows) if groups else 0
+        buckets.add((16 if longest <= 16 else 32 if longest <= 32 else 64, rank))
+    assert {(t, r) for t in (16, 32, 64) for r in (16, 32, 64)} <= buckets
+    assert {(16, 0), (64, 0)} <= buckets
+    temperatures = {i.params.temperature for p in plans for i in p.items}
+    assert 0.0 in temperatures and len(temperatures) == 2
+
+
 def test_the_engine_and_runner_share_one_sized_config(checkpoints):
     engine = Engine(checkpoints["llama"], max_running=5)
     assert engine.config is engine.runner.config and engine.config.sized
