@@ -342,7 +342,8 @@ class CudaGraphRunner(StaticInputs):
                 self._run(key)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the worker reads adapters into pinned memory on another thread meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             outputs = self._run(key)
         entry = _Graph(graph, outputs)
         self.graphs[key] = entry
