@@ -278,7 +278,8 @@ class ModelRunner:
         if segments is not None:
             metas = {
                 g: LoraBatchMeta.from_segments(
-                    host["qo_lens"], rows, scales, self.device, segments.request_sets
+                    host["qo_lens"], rows, scales, self.device, segments.request_sets,
+                    split_short=self.lora_backend.name == "triton",
                 )
                 if any(rows)
                 else None
