@@ -164,7 +164,9 @@ class LoraBatchMeta:
         split_short: a batch that is not grouped but has at least SPLIT_MIN_SHORT short
         segments on adapters becomes a split meta (for the Triton backend)."""
         _check_segments(seg_lens, seg_rows, seg_scales)
-        max_rows = max((len(rows) for rows in seg_rows), default=0)
+        # a multiple of 16: the strides of the kernels' rank-space buffers then never depend
+        # on the token count's parity, so no step compiles a kernel variant of its own
+        max_rows = -(-max((len(rows) for rows in seg_rows), default=0) // 16) * 16
         if grouped is None:
             grouped = max(seg_lens, default=0) <= GROUPED_MAX_SEG_LEN
         short = [n <= GROUPED_MAX_SEG_LEN and len(rows) > 0 for n, rows in zip(seg_lens, seg_rows)]
@@ -435,7 +437,7 @@ class TritonLoraBackend(LoraBackend):
                      accumulate=accumulate)  # fmt: skip
 
     def _tuning(self, meta: LoraBatchMeta):
-        return self.tuning or self._grouped.tuning_for_rows(meta.max_rows)
+        return self.tuning or self._grouped.tuning_for_rows(meta.max_rows, fixed_splits=meta.split)
 
 
 def _group_index(g: LoraGroups) -> tuple[torch.Tensor, ...]:

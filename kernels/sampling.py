@@ -171,9 +171,9 @@ def _partials(row_ptr, lo, hi, vocab, inv_temp, row_hash,
     return run_max, run_sum, run_sum_t, best, best_idx
 
 
-# the split count and the row count change with the batch: not specialized on, so an unseen batch
-# size never compiles a new variant while serving
-@triton.jit(do_not_specialize=["num_splits"])
+# the split and row counts (and the partials' stride) change with the batch: not specialized
+# on, so an unseen batch size never compiles a new variant while serving
+@triton.jit(do_not_specialize=["num_splits", "stride_part"])
 def _sample_partials_kernel(
     logits_ptr, temp_ptr, seed_ptr, step_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
     parts_ptr, part_idx_ptr,
@@ -229,7 +229,7 @@ def _scan_above(row_ptr, vocab, floor, inv_temp, lse_t, row_hash, BLOCK: tl.cons
     return mass, count, best_idx
 
 
-@triton.jit(do_not_specialize=["num_splits", "rows"])
+@triton.jit(do_not_specialize=["num_splits", "stride_part", "rows"])
 def _sample_merge_kernel(
     logits_ptr, parts_ptr, part_idx_ptr, token_ptr, out_ptr,
     temp_ptr, seed_ptr, step_ptr, top_k_ptr, top_p_ptr, min_p_ptr,

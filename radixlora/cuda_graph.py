@@ -342,7 +342,7 @@ class CudaGraphRunner(StaticInputs):
                 self._run(key)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the worker reads adapters into pinned memory on another thread meanwhile
+        # thread_local: the executor's disk reads may pin host memory on their threads meanwhile
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             outputs = self._run(key)
         entry = _Graph(graph, outputs)

@@ -271,7 +271,8 @@ def test_from_segments_derives_indices():
     assert meta.row_ids.tolist() == [5, 1, 9]
     assert meta.token_seg.tolist() == [0, 0, 2, 2, 2]
     assert meta.row_seg.tolist() == [0, 0, 1]
-    assert (meta.max_rows, meta.max_seg_len, meta.num_tokens, meta.num_rows) == (2, 3, 5, 3)
+    # max_rows: a multiple of 16 (kernel arguments independent of the batch's parities)
+    assert (meta.max_rows, meta.max_seg_len, meta.num_tokens, meta.num_rows) == (16, 3, 5, 3)
     assert meta.seg_indptr.dtype == meta.row_ids.dtype == torch.int32
     assert meta.row_scales.dtype == torch.float32
 
@@ -680,7 +681,7 @@ def test_from_segments_splits_mixed_batches_with_many_short_segments():
     assert set(meta.groups.token_ids.tolist()) == expected_tokens
     counts = (meta.row_indptr[1:] - meta.row_indptr[:-1]).tolist()
     assert [i for i, c in enumerate(counts) if c] == [0, 5]  # the long segments on adapters
-    assert meta.max_rows == max(len(r) for r in rows)
+    assert meta.max_rows == 16 * -(-max(len(r) for r in rows) // 16)
     assert not LoraBatchMeta.from_segments(*segs, "cpu").split
     few = [lens[:4], rows[:4], segs[2][:4]]
     assert not LoraBatchMeta.from_segments(*few, "cpu", split_short=True).split

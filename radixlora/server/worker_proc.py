@@ -6,8 +6,6 @@ packed in the adapter pool's host tier (--host-adapter-bytes) for later loads.""
 from __future__ import annotations
 
 import logging
-import math
-import threading
 import time
 from pathlib import Path
 
@@ -29,7 +27,7 @@ from radixlora.step_plan import AdapterLoad, StepPlan, StepResult
 log = logging.getLogger(__name__)
 
 BEAT_POLL_MS = 250  # an idle worker's loop comes round this often to beat
-PREFETCH_S = 10.0  # after warm-up, Ready waits at most this long for the start-up adapters' reads
+PREFETCH_S = 10.0  # start-up adapters read into the host tier before Ready, at most this long
 
 
 def make_executor(args: ServerArgs) -> StepExecutor:
@@ -46,14 +44,8 @@ def make_executor(args: ServerArgs) -> StepExecutor:
 def run(args: ServerArgs, ctx: zmq.Context) -> None:
     executor = make_executor(args)
     runner = executor.runner
-    stop = threading.Event()
-    reader = threading.Thread(target=prefetch_adapters, args=(runner, args, math.inf, stop),
-                              name="adapter-prefetch", daemon=True)
-    reader.start()
     runner.warm_up()
-    reader.join(PREFETCH_S)
-    stop.set()
-    reader.join()
+    prefetch_adapters(runner, args)
     inbox = Inbox(ctx, args.endpoints.worker, WorkerInbox)
     to_scheduler = Outbox(ctx, args.endpoints.scheduler)
     heart = Heartbeats(ctx, args, "worker")
@@ -61,15 +53,14 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
     serve(executor, inbox, to_scheduler, heart)
 
 
-def prefetch_adapters(runner: ModelRunner, args: ServerArgs, time_budget_s: float = PREFETCH_S,
-                      stop: threading.Event | None = None) -> int:
+def prefetch_adapters(runner: ModelRunner, args: ServerArgs,
+                      time_budget_s: float = PREFETCH_S) -> int:
     """Read, validate and pack the start-up adapters (--adapter) into the host tier while it has
-    room, for at most `time_budget_s` and until `stop` is set (run() reads them during warm-up
-    and a little after; the rest are read from disk on first use), so that a first request on
-    one waits for a pinned copy, not a disk read. They are read on threads a few ahead, each
-    hashed from its bytes (never from the hash cache). Their ids are their content hashes, so
-    the scheduler's loads find them; one that fails to read is left to the scheduler, which
-    refuses it with the reason."""
+    room and for at most `time_budget_s` (Ready waits for this; the rest are read from disk on
+    first use), so that a first request on one waits for a pinned copy, not a disk read. They
+    are read on threads a few ahead, each hashed from its bytes (never from the hash cache).
+    Their ids are their content hashes, so the scheduler's loads find them; one that fails to
+    read is left to the scheduler, which refuses it with the reason."""
     started, pool = time.perf_counter(), runner.adapter_pool
     done = 0
     for _, adapter in iter_adapters(args.adapters, runner.cfg, runner.config.max_rank):
@@ -80,7 +71,7 @@ def prefetch_adapters(runner: ModelRunner, args: ServerArgs, time_budget_s: floa
             break
         pool.host.put(packed)
         done += 1
-        if time.perf_counter() - started >= time_budget_s or (stop and stop.is_set()):
+        if time.perf_counter() - started >= time_budget_s:
             break
     if done:
         log.info("%d of %d start-up adapters read into the host tier in %.1f s", done,
