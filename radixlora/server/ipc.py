@@ -18,7 +18,7 @@ import zmq
 
 from radixlora.errors import RadixLoraError
 from radixlora.server.args import ServerArgs
-from radixlora.server.messages import Codec, Heartbeat, Message, Ready, ReqError
+from radixlora.server.messages import Codec, Heartbeat, Message, Ready, ReqError, Sized
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +143,10 @@ def child_main(proc: str, run) -> None:
         ctx.destroy(linger=0)
 
 
-def send_ready(ctx: zmq.Context, args: ServerArgs, proc: str, info: dict | None = None) -> None:
+def send_ready(ctx: zmq.Context, args: ServerArgs, proc: str, info: dict | None = None,
+               kind: type[Ready | Sized] = Ready) -> None:  # fmt: skip
     out = Outbox(ctx, args.endpoints.launcher)
-    out.send(Ready(proc=proc, pid=os.getpid(), info=info or {}))
+    out.send(kind(proc=proc, pid=os.getpid(), info=info or {}))
     out.sock.close(linger=1000)
 
 

@@ -35,7 +35,7 @@ from radixlora.server.args import Endpoints, ServerArgs
 from radixlora.server.bridge import Health, ProcessBridge, ReqFailed
 from radixlora.server.gateway import ClientGateway
 from radixlora.server.ipc import Inbox
-from radixlora.server.messages import GenerateReq, Heartbeat, LauncherInbox, Ready
+from radixlora.server.messages import GenerateReq, Heartbeat, LauncherInbox, Ready, Sized
 from radixlora.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class Children:
     hold the keys). Each must send a heartbeat at least every watchdog_timeout_s once it is
     ready (before that, ready_timeout_s). All start at once, but only the worker gets its args
     at once: the others import meanwhile and get theirs from start_rest, with the pool sizes
-    the worker measured."""
+    the worker measured, as soon as it has (Sized), so they start while it warms up."""
 
     def __init__(self, args: ServerArgs):
         self.args = args
@@ -106,8 +106,9 @@ class Children:
             if not self.procs[name].stdin.closed:
                 self.send_args(name)
 
-    def on_beat(self, msg: Ready | Heartbeat) -> None:
-        """A Ready or Heartbeat from the current process of that name (not a replaced one)."""
+    def on_beat(self, msg: Ready | Sized | Heartbeat) -> None:
+        """A Ready, Sized or Heartbeat from the current process of that name (not a replaced
+        one)."""
         if self.pids.get(msg.proc) != msg.pid:
             return
         self.deadline[msg.proc] = time.monotonic() + self.args.watchdog_timeout_s
@@ -207,24 +208,28 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def wait_ready(inbox: Inbox, children: Children, timeout_s: float,
-               names: tuple[str, ...]) -> dict[str, Ready]:  # fmt: skip
-    ready: dict[str, Ready] = {}
+def wait_for(inbox: Inbox, children: Children, timeout_s: float, names: tuple[str, ...],
+             kind: type[Ready | Sized], seen: dict[type, dict]) -> dict:  # fmt: skip
+    """The `kind` messages (Ready, or the worker's Sized) of every child in names. Every Ready
+    and Sized that arrives meanwhile is kept in seen[type][name], whichever is awaited: they
+    come over different sockets, so in any order."""
     deadline = time.monotonic() + timeout_s
-    while not set(names) <= set(ready):
+    while not set(names) <= set(seen[kind]):
         dead = children.first_dead(children.names)
         if dead is not None:
             raise StartupError(f"{dead} before it was ready")
         if time.monotonic() > deadline:
-            missing = sorted(set(names) - set(ready))
-            raise StartupError(f"no ready acknowledgement from {missing} in {timeout_s:.0f} s")
+            missing = sorted(set(names) - set(seen[kind]))
+            raise StartupError(f"no {kind.__name__.lower()} acknowledgement from {missing} in "
+                               f"{timeout_s:.0f} s")  # fmt: skip
         if inbox.poll(100):
             for msg in inbox.recv_nowait():
                 children.on_beat(msg)
+                if isinstance(msg, (Ready, Sized)):
+                    seen[type(msg)][msg.proc] = msg
                 if isinstance(msg, Ready):
-                    ready[msg.proc] = msg
                     log.info("%s process ready (pid %d)", msg.proc, msg.pid)
-    return ready
+    return seen[kind]
 
 
 class DrainingServer(uvicorn.Server):
@@ -270,11 +275,12 @@ class Launcher:
             self.inbox = Inbox(ctx, self.args.endpoints.launcher, LauncherInbox)
             children = Children(self.args)
             started = time.monotonic()
-            ready = wait_ready(self.inbox, children, self.args.ready_timeout_s, (FIRST,))
-            self.args = sized_args(self.args, ready[FIRST].info)
-            children.start_rest(self.args)
-            rest = tuple(n for n in children.names if n != FIRST)
-            ready |= wait_ready(self.inbox, children, self.args.ready_timeout_s, rest)
+            seen: dict[type, dict] = {Sized: {}, Ready: {}}
+            timeout = self.args.ready_timeout_s
+            sized = wait_for(self.inbox, children, timeout, (FIRST,), Sized, seen)
+            self.args = sized_args(self.args, sized[FIRST].info)
+            children.start_rest(self.args)  # they start while the worker warms up
+            ready = wait_for(self.inbox, children, timeout, children.names, Ready, seen)
             log.info("every process ready in %.1f s", time.monotonic() - started)
             signal.signal(signal.SIGTERM, previous)
             return uvloop.run(self.serve(children, ready))

@@ -258,6 +258,15 @@ class Ready(Message):
     info: dict = {}
 
 
+class Sized(Message):
+    """The worker's pools and batch limits are resolved (info as in its Ready), before its
+    warm-up: the other processes may start with them meanwhile."""
+
+    proc: ProcName
+    pid: Count
+    info: dict = {}
+
+
 class Heartbeat(Message):
     """A child's main loop is turning: sent about every second from that loop (never from a
     side thread), so a process stopped or stuck in one message falls silent. `progress` is a
@@ -272,7 +281,7 @@ ApiInbox = OutputBatch | ReqError | InfoReply | SchedulerStats | AdminReply
 TokenizerInbox = GenerateReq | AbortReq | TokenBatch | ReqError
 SchedulerInbox = TokenizedReq | AbortReq | InfoQuery | StepResult | AdminReq
 WorkerInbox = StepPlan
-LauncherInbox = Ready | Heartbeat
+LauncherInbox = Ready | Sized | Heartbeat
 
 
 def validate_plan(plan: StepPlan) -> None:

@@ -20,7 +20,7 @@ from radixlora.lora.registration import iter_adapters
 from radixlora.model_runner import ModelRunner
 from radixlora.server.args import ServerArgs
 from radixlora.server.ipc import Heartbeats, Inbox, Outbox, child_main, send_ready
-from radixlora.server.messages import InvalidMessage, WorkerInbox
+from radixlora.server.messages import InvalidMessage, Sized, WorkerInbox
 from radixlora.sizing import SIZED_FIELDS
 from radixlora.step_plan import AdapterLoad, StepPlan, StepResult
 
@@ -44,6 +44,7 @@ def make_executor(args: ServerArgs) -> StepExecutor:
 def run(args: ServerArgs, ctx: zmq.Context) -> None:
     executor = make_executor(args)
     runner = executor.runner
+    send_ready(ctx, args, "worker", ready_info(runner), kind=Sized)
     runner.warm_up()
     prefetch_adapters(runner, args)
     inbox = Inbox(ctx, args.endpoints.worker, WorkerInbox)
