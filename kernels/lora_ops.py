@@ -12,11 +12,6 @@ import torch
 from radixlora.device import to_device
 
 GROUPED_MAX_SEG_LEN = 16  # from_segments groups batches whose segments are all this short
-# A mixed batch (prefills beside decodes) with at least this many short segments on adapters
-# is split: the short ones run grouped (each distinct set's rows read once), the long ones one
-# segment per request. Below it, two more launches per projection cost more than the
-# per-segment programs of a few single tokens.
-SPLIT_MIN_SHORT = 8
 GROUP_TOKENS = 16  # tokens per group at most: a popular set's tokens split into several groups
 
 
@@ -143,9 +138,6 @@ class LoraBatchMeta:
     max_rows: int  # >= rows of any segment
     max_seg_len: int  # >= tokens of any segment
     groups: LoraGroups | None = None  # the same batch by adapter set; the Triton path uses it
-    # split: groups hold the tokens of the short segments only, and the per-segment rows are
-    # those of the long segments only (short ones have none there); the Triton path only
-    split: bool = False
 
     @classmethod
     def from_segments(
@@ -156,32 +148,22 @@ class LoraBatchMeta:
         device: torch.device | str,
         seg_sets: Sequence[int] | None = None,
         grouped: bool | None = None,
-        split_short: bool = False,
     ) -> LoraBatchMeta:
         """seg_sets: adapter-set id per segment (< 0: none; default: equal rows and scales);
         grouped: build `groups` (default: when every segment has <= GROUPED_MAX_SEG_LEN tokens,
-        i.e. decode-like batches; long prefill segments keep the per-segment kernels);
-        split_short: a batch that is not grouped but has at least SPLIT_MIN_SHORT short
-        segments on adapters becomes a split meta (for the Triton backend)."""
+        i.e. decode-like batches; long prefill segments keep the per-segment kernels)."""
         _check_segments(seg_lens, seg_rows, seg_scales)
+        row_counts = [len(rows) for rows in seg_rows]
         # a multiple of 16: the strides of the kernels' rank-space buffers then never depend
         # on the token count's parity, so no step compiles a kernel variant of its own
-        max_rows = -(-max((len(rows) for rows in seg_rows), default=0) // 16) * 16
+        max_rows = -(-max(row_counts, default=0) // 16) * 16
         if grouped is None:
             grouped = max(seg_lens, default=0) <= GROUPED_MAX_SEG_LEN
-        short = [n <= GROUPED_MAX_SEG_LEN and len(rows) > 0 for n, rows in zip(seg_lens, seg_rows)]
-        split = split_short and not grouped and sum(short) >= SPLIT_MIN_SHORT
         groups = None
-        if grouped or split:
+        if grouped:
             if seg_sets is None:
                 seg_sets = sets_of_segments(seg_rows, seg_scales)
-            if split:
-                seg_sets = [k if s else -1 for k, s in zip(seg_sets, short, strict=True)]
             groups = HostGroups.build(seg_lens, seg_sets).to_device(seg_rows, seg_scales, device)
-        if split:
-            seg_rows = [() if s else rows for rows, s in zip(seg_rows, short, strict=True)]
-            seg_scales = [() if s else w for w, s in zip(seg_scales, short, strict=True)]
-        row_counts = [len(rows) for rows in seg_rows]
 
         device = torch.device(device)
 
@@ -198,7 +180,6 @@ class LoraBatchMeta:
             max_rows=max_rows,
             max_seg_len=max(seg_lens, default=0),
             groups=groups,
-            split=split,
         )
 
     @property
@@ -326,8 +307,6 @@ class TorchLoraBackend(LoraBackend):
 
     def shrink(self, x, a_pool, meta) -> torch.Tensor | None:
         _check_tokens(meta, x)
-        if meta.split:
-            raise ValueError("a split LoraBatchMeta is for the Triton backend")
         if meta.num_rows == 0:
             return None
         v = x.float() @ a_pool[:, meta.row_ids.long()].float().transpose(1, 2)
@@ -353,8 +332,7 @@ def token_row_weights(meta: LoraBatchMeta) -> torch.Tensor:
 class TritonLoraBackend(LoraBackend):
     """SGMV shrink + expand: two launches per projection whatever the adapter mix. With
     meta.groups (decode-like batches, CUDA graphs) the grouped kernels read each distinct
-    adapter set's rows once; otherwise one segment per request (prefill); a split meta runs
-    both, each on its own tokens."""
+    adapter set's rows once; otherwise one segment per request (prefill)."""
 
     name = "triton"
 
@@ -370,37 +348,39 @@ class TritonLoraBackend(LoraBackend):
         self._grouped = sgmv_grouped
         self.tuning, self.side_tuning = tuning, side_tuning
 
-    def shrink(self, x, a_pool, meta):
-        """v: the grouped kernels' partial sums, the per-segment kernel's output, or for a
-        split meta (grouped, per-segment or None)."""
+    def shrink(self, x, a_pool, meta) -> torch.Tensor | None:
         _check_tokens(meta, x)
-        if meta.split:
-            return self._grouped_shrink(x, a_pool, meta), self._segment_shrink(x, a_pool, meta)
-        if meta.groups is not None:
-            return self._grouped_shrink(x, a_pool, meta)
-        return self._segment_shrink(x, a_pool, meta)
+        if (g := meta.groups) is not None:
+            return self._grouped.grouped_shrink(
+                x, a_pool, *_group_index(g), g.row_scales, meta.max_rows,
+                tuning=self._tuning(meta),
+            )  # fmt: skip
+        if meta.num_rows == 0:
+            return None
+        return self._shrink(
+            x, a_pool, meta.seg_indptr, meta.row_indptr, meta.row_ids, meta.row_scales,
+            meta.max_rows, max_seg_len=meta.max_seg_len, split_k=self.split_k,
+        )  # fmt: skip
 
     def expand(self, v, b_pool, out_offsets, meta, y, accumulate=True) -> None:
         _check_tokens(meta, y)
-        if meta.split:
-            grouped_v, segment_v = v
-            if segment_v is not None:  # overwriting, it writes every row: zeros but its own
-                self._segment_expand(segment_v, b_pool, out_offsets, meta, y, accumulate)
-            elif not accumulate:
-                y.zero_()
-            self._grouped_expand(grouped_v, b_pool, out_offsets, meta, y, accumulate=True)
-        elif meta.groups is not None:
+        if (g := meta.groups) is not None:
             if not accumulate:
                 y.zero_()  # grouped kernels leave rows of tokens in no group untouched
-            self._grouped_expand(v, b_pool, out_offsets, meta, y, accumulate)
-        else:
-            self._segment_expand(v, b_pool, out_offsets, meta, y, accumulate)
+            self._grouped.grouped_expand(
+                v, b_pool, out_offsets, *_group_index(g), y,
+                tuning=self._tuning(meta), accumulate=accumulate,
+            )  # fmt: skip
+            return
+        index = (meta.seg_indptr, meta.row_indptr, meta.row_ids)
+        self._expand(v, b_pool, out_offsets, *index, y, max_seg_len=meta.max_seg_len,
+                     accumulate=accumulate)  # fmt: skip
 
     def deferred_delta(self, x, a_pool, b_pool, out_offsets, meta, delta) -> None:
         """Grouped: the expand overwrites the rows of the groups' tokens only, so no launch
         zeroes anything."""
         g = meta.groups
-        if g is None or meta.split:
+        if g is None:
             super().deferred_delta(x, a_pool, b_pool, out_offsets, meta, delta)
             return
         _check_tokens(meta, x, delta)
@@ -411,33 +391,8 @@ class TritonLoraBackend(LoraBackend):
         self._grouped.grouped_expand(v, b_pool, out_offsets, *index, delta, tuning=tuning,
                                      accumulate=False)  # fmt: skip
 
-    def _grouped_shrink(self, x, a_pool, meta) -> torch.Tensor:
-        g = meta.groups
-        return self._grouped.grouped_shrink(
-            x, a_pool, *_group_index(g), g.row_scales, meta.max_rows, tuning=self._tuning(meta),
-        )  # fmt: skip
-
-    def _segment_shrink(self, x, a_pool, meta) -> torch.Tensor | None:
-        if meta.num_rows == 0:
-            return None
-        return self._shrink(
-            x, a_pool, meta.seg_indptr, meta.row_indptr, meta.row_ids, meta.row_scales,
-            meta.max_rows, max_seg_len=meta.max_seg_len, split_k=self.split_k,
-        )  # fmt: skip
-
-    def _grouped_expand(self, v, b_pool, out_offsets, meta, y, accumulate) -> None:
-        self._grouped.grouped_expand(
-            v, b_pool, out_offsets, *_group_index(meta.groups), y,
-            tuning=self._tuning(meta), accumulate=accumulate,
-        )  # fmt: skip
-
-    def _segment_expand(self, v, b_pool, out_offsets, meta, y, accumulate) -> None:
-        index = (meta.seg_indptr, meta.row_indptr, meta.row_ids)
-        self._expand(v, b_pool, out_offsets, *index, y, max_seg_len=meta.max_seg_len,
-                     accumulate=accumulate)  # fmt: skip
-
     def _tuning(self, meta: LoraBatchMeta):
-        return self.tuning or self._grouped.tuning_for_rows(meta.max_rows, fixed_splits=meta.split)
+        return self.tuning or self._grouped.tuning_for_rows(meta.max_rows)
 
 
 def _group_index(g: LoraGroups) -> tuple[torch.Tensor, ...]:

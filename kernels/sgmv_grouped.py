@@ -79,16 +79,9 @@ BESIDE_GEMM = {"pdl": False, "shrink_warps": 8, "block_k": 256, "block_n": 256, 
                "expand_stages": 1, "min_items_per_sm": 1}  # fmt: skip
 
 
-@functools.cache
-def tuning_for_rows(max_rows: int, beside_gemm: bool = False,
-                    fixed_splits: bool = False) -> GroupedTuning:  # fmt: skip
-    """fixed_splits: no finer splits for small launches (min_items_per_sm off), so the
-    kernels' arguments do not depend on the number of groups: an eager step of any mix needs
-    no kernel variant that warm-up did not compile."""
+def tuning_for_rows(max_rows: int, beside_gemm: bool = False) -> GroupedTuning:
     tuning = WIDE_ROWS_TUNING if max_rows > WIDE_ROWS else DEFAULT_TUNING
-    if beside_gemm:
-        tuning = dataclasses.replace(tuning, **BESIDE_GEMM)
-    return dataclasses.replace(tuning, min_items_per_sm=0) if fixed_splits else tuning
+    return dataclasses.replace(tuning, **BESIDE_GEMM) if beside_gemm else tuning
 
 
 def grouped_shrink_ref(

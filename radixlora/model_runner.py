@@ -278,8 +278,7 @@ class ModelRunner:
         if segments is not None:
             metas = {
                 g: LoraBatchMeta.from_segments(
-                    host["qo_lens"], rows, scales, self.device, segments.request_sets,
-                    split_short=self.lora_backend.name == "triton",
+                    host["qo_lens"], rows, scales, self.device, segments.request_sets
                 )
                 if any(rows)
                 else None
@@ -313,24 +312,18 @@ GREEDY_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 def profile_plan(tokens: int, requests: int, rank: int, start: int = 0, sets: int = 1,
                  params: SamplingParams = PROFILE_PARAMS) -> StepPlan:  # fmt: skip
     """A synthetic step: `requests` requests extending `tokens` tokens in all (the first ones
-    one more when they do not divide evenly); see synthetic_plan."""
+    one more when they do not divide evenly) after `start` cached ones, each sampling with
+    `params` (default: every filter on), request k on adapter set k % sets, each set `rank`
+    rows in every module group (base only when rank is 0). KV slots 1, 2, ... (slot 0 is the
+    padding target)."""
     extends = np.full(requests, tokens // requests)
     extends[: tokens % requests] += 1
-    return synthetic_plan(extends, rank, start, sets, params)
-
-
-def synthetic_plan(extends: np.ndarray, rank: int, start: int = 0, sets: int = 1,
-                   params: SamplingParams = PROFILE_PARAMS) -> StepPlan:  # fmt: skip
-    """A step of requests extending `extends` tokens each after `start` cached ones, each
-    sampling with `params` (default: every filter on), request k on adapter set k % sets, each
-    set `rank` rows in every module group (base only when rank is 0). KV slots 1, 2, ... (slot
-    0 is the padding target)."""
     items = [PlanItem(int(n), start, True, params, k, 0, k % sets)
              for k, n in enumerate(extends)]  # fmt: skip
-    slots = 1 + np.arange(int((np.asarray(extends) + start).sum()))
+    slots = 1 + np.arange(int((extends + start).sum()))
     rows = GroupRows(list(range(rank)), [1.0] * rank)
     adapter_set = {group: rows for group in MODULE_GROUPS} if rank else {}
-    return StepPlan(step=0, items=items, input_ids=ids_to_bytes(np.ones(int(np.sum(extends)))),
+    return StepPlan(step=0, items=items, input_ids=ids_to_bytes(np.ones(tokens)),
                     kv_slots=ids_to_bytes(slots), adapter_sets=[adapter_set] * sets)  # fmt: skip
 
 
@@ -339,9 +332,8 @@ def warm_up_plans(config: EngineConfig, max_context: int, num_slots: int) -> lis
     the context and the KV pool. Base only: the largest prefill chunk, odd lengths, one long
     prompt (greedy: the sampler's unfiltered variant), cached prefixes, many requests of a
     token or two (decodes beside a prefill). With adapters, for the LoRA kernels' tile sizes:
-    segments of more than 32, of 17-32 and of at most 16 tokens, and a prefill beside 16
-    decodes (a split batch), each on 8 rank-16 adapters, on one of rank 32 and on one of the
-    largest rank."""
+    segments of more than 32, of 17-32 and of at most 16 tokens, each on 8 rank-16 adapters,
+    on one of rank 32 and on one of the largest rank."""
     tokens, running, rank = config.max_batch_tokens, config.max_running, config.max_rank
     wide = min(running, 16)
     base = [(tokens, wide, 0, PROFILE_PARAMS), (tokens - 1, 3, 0, PROFILE_PARAMS),
@@ -353,13 +345,9 @@ def warm_up_plans(config: EngineConfig, max_context: int, num_slots: int) -> lis
         loras.setdefault(min(r, rank), sets)
     plans = [profile_plan(n, r, 0, start, params=params) for n, r, start, params in base
              if fits(n, r, start, config, max_context, num_slots)]  # fmt: skip
-    plans += [profile_plan(n, r, lora, sets=sets) for n, r in segments
-              for lora, sets in loras.items()
-              if fits(n, r, 0, config, max_context, num_slots)]  # fmt: skip
-    split = np.array([min(tokens - wide, max_context, 300)] + [1] * wide)
-    if len(split) <= running and split[0] > 16 and split.sum() < num_slots:
-        plans += [synthetic_plan(split, lora, sets=sets) for lora, sets in loras.items()]
-    return plans
+    return plans + [profile_plan(n, r, lora, sets=sets) for n, r in segments
+                    for lora, sets in loras.items()
+                    if fits(n, r, 0, config, max_context, num_slots)]  # fmt: skip
 
 
 def fits(tokens: int, requests: int, start: int, config: EngineConfig, max_context: int,

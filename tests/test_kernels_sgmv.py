@@ -20,7 +20,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from radixlora.kernels.lora_ops import (  # noqa: E402
-    SPLIT_MIN_SHORT,
     HostGroups,
     LoraBatchMeta,
     LoraGroups,
@@ -653,61 +652,6 @@ def test_from_segments_groups_decode_batches_and_keeps_segments_for_prefill():
     assert meta.groups.token_ids.tolist() == [0, 2, 1]
     prefill = LoraBatchMeta.from_segments([40, 1, 1, 1], rows, scales, "cpu")
     assert prefill.groups is None
-
-
-def split_case(n_slices: int, dtype=torch.float32):
-    """Prefills (one on a stack, one base only) beside decodes and short extends on many
-    adapters, some base only."""
-    pool = make_pool(RANKS, SLICE_WIDTHS[n_slices], 48, dtype, seed=3)
-    rng = random.Random("split")
-    lens = [24, 1, 1, 2, 1, 17, 1, 3, 1, 1, 1, 1, 1, 20, 1, 1]
-    sets = [[(a, rng.uniform(0.5, 1.5)) for a in rng.sample(range(len(RANKS)), 3)]]
-    sets += _single([0, 1, 2, None, 4, 5, 0, 7, 8, 9, 3, 0, None, 6, 1])
-    seg_rows, seg_scales = stack_rows(pool, sets)
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(sum(lens), 48, generator=g).to(dtype)
-    y0 = torch.randn(sum(lens), pool.out_offsets[-1], generator=g).to(dtype)
-    return pool, x, y0, (lens, seg_rows, seg_scales)
-
-
-def test_from_segments_splits_mixed_batches_with_many_short_segments():
-    pool, x, y0, segs = split_case(1)
-    lens, rows, _ = segs
-    meta = LoraBatchMeta.from_segments(*segs, "cpu", split_short=True)
-    short = [i for i, n in enumerate(lens) if n <= 16 and rows[i]]
-    assert meta.split and len(short) >= SPLIT_MIN_SHORT
-    starts = [sum(lens[:i]) for i in range(len(lens))]
-    expected_tokens = {starts[i] + k for i in short for k in range(lens[i])}
-    assert set(meta.groups.token_ids.tolist()) == expected_tokens
-    counts = (meta.row_indptr[1:] - meta.row_indptr[:-1]).tolist()
-    assert [i for i, c in enumerate(counts) if c] == [0, 5]  # the long segments on adapters
-    assert meta.max_rows == 16 * -(-max(len(r) for r in rows) // 16)
-    assert not LoraBatchMeta.from_segments(*segs, "cpu").split
-    few = [lens[:4], rows[:4], segs[2][:4]]
-    assert not LoraBatchMeta.from_segments(*few, "cpu", split_short=True).split
-    with pytest.raises(ValueError, match="Triton"):
-        TorchLoraBackend().shrink(x, pool.a, meta)
-
-
-@pytest.mark.parametrize("n_slices", [1, 2, 3])
-def test_split_meta_matches_the_loop_reference(n_slices):
-    """apply, the overwriting expand (zeros for tokens with no adapter) and the deferred delta
-    of a split meta, against the semantics."""
-    pool, x, y0, segs = split_case(n_slices)
-    meta = LoraBatchMeta.from_segments(*segs, "cpu", split_short=True)
-    assert meta.split
-    backend = TritonLoraBackend(split_k=2)
-    y = y0.clone()
-    backend.apply(x, y, pool.a, pool.b, pool.out_offsets, meta)
-    torch.testing.assert_close(y, expected(pool, x, y0, segs), rtol=1e-4, atol=1e-4)
-    zeros = torch.zeros_like(y0)
-    y = y0.clone()
-    backend.expand(backend.shrink(x, pool.a, meta), pool.b, pool.out_offsets, meta, y,
-                   accumulate=False)  # fmt: skip
-    torch.testing.assert_close(y, expected(pool, x, zeros, segs), rtol=1e-4, atol=1e-4)
-    delta = torch.full_like(y0, 7.0)
-    backend.deferred_delta(x, pool.a, pool.b, pool.out_offsets, meta, delta)
-    torch.testing.assert_close(delta, expected(pool, x, zeros, segs), rtol=1e-4, atol=1e-4)
 
 
 GROUPED_BAD = {

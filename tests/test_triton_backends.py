@@ -27,33 +27,3 @@ def test_triton_backends_match_torch(checkpoints, adapters, arch, page_size):
         torch.testing.assert_close(torch.tensor(a.outputs[0].logprobs),
                                    torch.tensor(b.outputs[0].logprobs), atol=1e-4, rtol=0)
     assert_all_free(eng)
-
-
-def test_split_lora_batches_match_torch(checkpoints, adapters, monkeypatch):
-    """A long prompt chunked over steps while ten requests on adapters decode beside it: the
-    Triton backend runs those steps split (decodes grouped, the chunk per segment), and every
-    token and logprob matches the torch path."""
-    from radixlora.kernels import lora_ops
-
-    built = []
-    from_segments = lora_ops.LoraBatchMeta.from_segments.__func__
-
-    def spy(cls, *args, **kwargs):
-        meta = from_segments(cls, *args, **kwargs)
-        built.append(meta.split)
-        return meta
-
-    dirs = {k: adapters["llama"][k] for k in "abd"}
-    specs = ["a", "b", [("b", 0.5), ("d", 1.0)], "d", "a", None, "b", "d", "a", "b", "a"]
-    prompts = [[5 + i] * 4 for i in range(10)] + [[7] * 70]
-    kw = dict(adapters=dirs, max_rank=64, max_batch_tokens=40, kv_pages=512)
-    ref = Engine(checkpoints["llama"], **kw).generate(prompts, PARAMS, adapters=specs)
-    eng = Engine(checkpoints["llama"], attention_backend="triton", lora_backend="triton", **kw)
-    monkeypatch.setattr(lora_ops.LoraBatchMeta, "from_segments", classmethod(spy))
-    got = eng.generate(prompts, PARAMS, adapters=specs)
-    assert any(built)
-    for a, b in zip(ref, got, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        torch.testing.assert_close(torch.tensor(a.outputs[0].logprobs),
-                                   torch.tensor(b.outputs[0].logprobs), atol=1e-4, rtol=0)
-    assert_all_free(eng)

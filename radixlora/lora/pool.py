@@ -400,7 +400,7 @@ class LoraContext:
                 x, a, b, out_offsets, meta, delta))  # fmt: skip
             return y, delta
         plain = isinstance(linear, torch.nn.Linear) and linear.bias is None
-        if self.side_stream is None and (meta.groups is None or meta.split) and plain:
+        if self.side_stream is None and meta.groups is None and plain:
             return self._delta_then_gemm(linear, x, a, b, out_offsets, meta), None
         y, v = self._beside_gemm(linear, x, lambda: self.backend.shrink(x, a, meta))
         if v is not None:
@@ -411,8 +411,7 @@ class LoraContext:
         """linear(x) plus the deltas, written first and added by the GEMM (beta = 1): the expand
         only stores, and the GEMM reads them in its epilogue instead of an expand reading and
         rewriting y after it. Every row of y is written first: the segments of a
-        LoraBatchMeta cover all its tokens, and tokens with no adapter get zeros (a split
-        meta's grouped expand then adds into the zeros of its short segments' tokens)."""
+        LoraBatchMeta cover all its tokens, and tokens with no adapter get zeros."""
         v = self.backend.shrink(x, a, meta)
         if v is None:
             return linear(x)
