@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import time
@@ -58,12 +59,30 @@ def test_line_has_every_field_with_rates_from_deltas():
                         generation_tokens=10_000)
     current = snapshot(running=12, waiting=3, kv_used=412, kv_cached=8123, lookup_tokens=2000,
                        hit_tokens=730, prompt_tokens=4000 + 25617, generation_tokens=19_451,
-                       resident_adapters=8, adapter_loads=120, adapter_evictions=40)
+                       resident_adapters=8, adapter_loads=120, adapter_evictions=40,
+                       host_adapters=33)
     assert StatsLog.line(previous, current, 5.0) == (
         "stats: running 12, waiting 3, KV 41.2% (cached 8123 tok), radix hit 63.0%, "
         "prompt 5123.4 tok/s, generation 1890.2 tok/s, "
-        "adapters 8 resident / 120 loads / 40 evictions"
+        "adapters 8 resident / 120 loads / 40 evictions / 33 in host memory"
     )
+    held = dataclasses.replace(current, swaps_waiting=5)
+    assert StatsLog.line(previous, held, 5.0, slowest_load_s=0.8123).endswith(
+        "33 in host memory, slowest load 812 ms, 5 held by the swap cap")
+
+
+def test_the_slowest_load_is_that_of_the_interval():
+    clock = FakeClock()
+    stats_log = StatsLog(5.0, clock)
+    stats_log.on_stats(scheduler_stats())
+    clock.now += 1
+    stats_log.on_stats(scheduler_stats(running=1, adapter_load_seconds=[0.7, 0.002]))
+    clock.now += 1
+    stats_log.on_stats(scheduler_stats(running=1, adapter_load_seconds=[0.3]))
+    clock.now += 4
+    assert "slowest load 700 ms" in stats_log.on_stats(scheduler_stats(running=1))
+    clock.now += 6
+    assert "slowest load" not in stats_log.on_stats(scheduler_stats(running=1))
 
 
 def test_idle_is_no_line():

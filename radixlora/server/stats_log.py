@@ -30,6 +30,8 @@ class Snapshot:
     resident_adapters: int
     adapter_loads: int  # cumulative
     adapter_evictions: int  # cumulative
+    host_adapters: int = 0  # in the worker's host tier
+    swaps_waiting: int = 0  # requests the swap cap held back at the last step
 
     @classmethod
     def of(cls, stats: SchedulerStats, prompt_tokens: int, generation_tokens: int) -> Snapshot:
@@ -46,6 +48,8 @@ class Snapshot:
             resident_adapters=stats.resident_adapters,
             adapter_loads=stats.adapter_loads,
             adapter_evictions=stats.adapter_evictions,
+            host_adapters=stats.host_adapters,
+            swaps_waiting=stats.swaps_waiting,
         )
 
 
@@ -60,6 +64,7 @@ class StatsLog:
         self.generation_tokens = 0
         self.last: Snapshot | None = None
         self.last_at = 0.0
+        self.slowest_load_s: float | None = None  # since the last line
 
     def count(self, prompt_tokens: int, generation_tokens: int) -> None:
         self.prompt_tokens += prompt_tokens
@@ -69,19 +74,27 @@ class StatsLog:
         """The line logged for this SchedulerStats, if any."""
         if self.interval_s <= 0:
             return None
+        if stats.adapter_load_seconds:
+            self.slowest_load_s = max(self.slowest_load_s or 0.0, *stats.adapter_load_seconds)
         now = self.clock()
         if self.last is not None and now - self.last_at < self.interval_s:
             return None
         current = Snapshot.of(stats, self.prompt_tokens, self.generation_tokens)
-        text = None if self.last is None else self.line(self.last, current, now - self.last_at)
-        self.last, self.last_at = current, now
+        text = None
+        if self.last is not None:
+            text = self.line(self.last, current, now - self.last_at, self.slowest_load_s)
+        self.last, self.last_at, self.slowest_load_s = current, now, None
         if text is not None:
             log.info("%s", text)
         return text
 
     @staticmethod
-    def line(previous: Snapshot, current: Snapshot, elapsed_s: float) -> str | None:
-        """The stats line over the interval from previous to current; None when idle."""
+    def line(previous: Snapshot, current: Snapshot, elapsed_s: float,
+             slowest_load_s: float | None = None) -> str | None:  # fmt: skip
+        """The stats line over the interval from previous to current; None when idle. The
+        slowest adapter load (the step waited that long for it: a disk read when its adapter
+        was not in the host tier) and the requests the swap cap holds back show when there are
+        any."""
         prompt = current.prompt_tokens - previous.prompt_tokens
         generated = current.generation_tokens - previous.generation_tokens
         if not (current.running or current.waiting or prompt or generated):
@@ -94,7 +107,9 @@ class StatsLog:
             f"radix hit {_hit_rate(previous, current)}, "
             f"prompt {prompt / elapsed_s:.1f} tok/s, generation {generated / elapsed_s:.1f} tok/s, "
             f"adapters {current.resident_adapters} resident / {current.adapter_loads} loads / "
-            f"{current.adapter_evictions} evictions"
+            f"{current.adapter_evictions} evictions / {current.host_adapters} in host memory"
+            + (f", slowest load {1000 * slowest_load_s:.0f} ms" if slowest_load_s else "")
+            + (f", {current.swaps_waiting} held by the swap cap" if current.swaps_waiting else "")
         )
 
 
