@@ -19,7 +19,8 @@ which is cancelled and done here if it has not started), and an owed load is dro
 later plan assigns its rows or its adapter again (the scheduler evicted it meanwhile; a row
 is assigned again only after its adapter is evicted). An owed load whose read fails is read
 again by the first step that reads its rows, and fails it as that step's own load would; one
-that no step needs is only logged."""
+that no step needs is only logged. Every result lists the adapters whose reads have not ended
+(unread_adapters): the scheduler holds requests on them while other work runs."""
 
 from __future__ import annotations
 
@@ -121,7 +122,15 @@ class StepExecutor:
     def unrun(self, result: StepResult) -> InFlight:
         """A step answered without running: the next step's placeholders have no tokens."""
         self.runner.failed()
+        result.unread_adapters = self.unread()
         return InFlight(result.step, result=result)
+
+    def unread(self) -> list[str]:
+        """Adapters of owed loads whose background read has not ended (queued or running);
+        a failed read is not waited for: the step that needs it reads again and fails."""
+        return [adapter_id for adapter_id, owed in self.owed.items()
+                if not owed.failed and not (adapter_id in self.reads
+                                            and self.reads[adapter_id].done())]  # fmt: skip
 
     def finish(self, step: InFlight) -> StepResult:
         if step.result is not None:
@@ -130,7 +139,8 @@ class StepExecutor:
             out = self.runner.finish(step.launched)
         except Exception as e:  # the step after it was launched already and keeps its inputs
             log.exception("step %d failed", step.step)
-            return StepResult(step=step.step, error=f"{type(e).__name__}: {e}")
+            return StepResult(step=step.step, error=f"{type(e).__name__}: {e}",
+                              unread_adapters=self.unread())  # fmt: skip
         top_ids = top_lp = None
         if out.top_logprobs is not None:
             top_ids = [[i for i, _ in row] for row in out.top_logprobs]
@@ -146,6 +156,7 @@ class StepExecutor:
             input_logprobs=out.input_logprobs,
             host_adapters=len(host),
             host_bytes=host.nbytes,
+            unread_adapters=self.unread(),
         )
 
     def _resolve_loads(self, loads: list[AdapterLoad]):

@@ -61,6 +61,7 @@ class BatchPlan:
     # loads for waiting requests, ahead of their turn; no item of this plan reads their rows
     prefetch_loads: list[tuple[LoraAdapter, np.ndarray]] = field(default_factory=list)
     lora_rows: dict[tuple, dict[str, GroupRows]] = field(default_factory=dict)  # by set key
+    made_at: int = 0  # the scheduler's step count when it made this plan
 
     @property
     def num_tokens(self) -> int:
@@ -115,6 +116,9 @@ class Scheduler:
         self.num_swap_deferred = 0  # requests the cap held back in the last schedule()
         self.num_in_flight = 0  # plans made whose results are not folded in yet
         self.num_prefetches = 0  # adapters loaded ahead of the requests that need them
+        # adapter id -> step count of the plan that prefetched it, while its read may not have
+        # ended: waiting requests on it are held while other work runs (note_reads)
+        self.reading: dict[str, int] = {}
 
     # ---- intake ----------------------------------------------------------------------------
 
@@ -161,10 +165,12 @@ class Scheduler:
         budget = self.config.max_batch_tokens
         items = self._schedule_running(budget)
         budget -= sum(len(i.extend_ids) for i in items)
-        plan = BatchPlan(items)
+        plan = BatchPlan(items, made_at=self.step_count)
         order = self._waiting_by_priority()
         needs = _queue_needs(order)
-        self._admit_waiting(plan, budget, order, needs)
+        self._admit_waiting(plan, budget, order, needs, hold_unread=True)
+        if not plan.items:  # nothing else to run: no request waits for a read
+            self._admit_waiting(plan, budget, order, needs, hold_unread=False)
         if not plan.items:
             return None
         self._prefetch(plan, order, needs)
@@ -204,10 +210,12 @@ class Scheduler:
         return [i for i in items if i.req.status is ReqStatus.RUNNING]
 
     def _admit_waiting(self, plan: BatchPlan, budget: int, order: list[Req],
-                       needs: dict[str, int]) -> None:
+                       needs: dict[str, int], hold_unread: bool) -> None:  # fmt: skip
         """Admit waiting requests in priority order while KV, rows and the budget allow. The
         distinct adapters of a batch are limited by the pool's rows (can_acquire), and by
-        max_adapter_sets_per_batch only when it is set."""
+        max_adapter_sets_per_batch only when it is set. With hold_unread, a request whose
+        adapter is still being read for a prefetch load waits (unless aged), so no step stops
+        for a disk read while others can run."""
         adapter_sets = {r.adapter_set.key for r in self.running}
         max_sets = self.config.max_adapter_sets_per_batch
         reserved = sum(self._decode_reserve(r) for r in self.running)
@@ -219,6 +227,9 @@ class Scheduler:
                 return
             aged = self.step_count - req.arrival_step >= AGING_STEPS
             if req.parent is not None and not self._parent_ready(req.parent):
+                continue
+            if hold_unread and not aged and any(a.adapter_id in self.reading
+                                                for a in req.adapter_set.adapters):
                 continue
             new_set = req.adapter_set.key not in adapter_sets
             if new_set and max_sets is not None and len(adapter_sets) >= max_sets:
@@ -264,6 +275,7 @@ class Scheduler:
                 if self.swap_bucket is not None:
                     self.swap_bucket.take(time.monotonic(), 1)
                 plan.prefetch_loads.append((adapter, got))
+                self.reading[adapter.adapter_id] = plan.made_at
                 rows += adapter.rank
                 self.num_prefetches += 1
 
@@ -454,6 +466,14 @@ class Scheduler:
                 self._finish(req)
                 finished.append(req)
         return finished
+
+    def note_reads(self, plan: BatchPlan, unread: list[str]) -> None:
+        """The executor's unread prefetch adapters as of plan's result: a read issued by this
+        plan or an earlier one and not listed has ended (or its load was dropped)."""
+        still = set(unread)
+        for adapter_id, made_at in list(self.reading.items()):
+            if made_at <= plan.made_at and adapter_id not in still:
+                del self.reading[adapter_id]
 
     def discard(self, plan: BatchPlan) -> None:
         """A plan the worker did not run: its live requests go back to waiting and recompute

@@ -65,6 +65,7 @@ class StepLoop:
             return None
         _, batch, _ = self.in_flight.popleft()
         sched = self.scheduler
+        sched.note_reads(batch, result.unread_adapters)
         if result.error is not None or result.failed_adapters:
             sched.discard(batch)
             return Folded(batch, error=result.error, failed_adapters=result.failed_adapters)

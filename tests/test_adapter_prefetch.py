@@ -51,7 +51,10 @@ def make_req(rid: str, adapters: list[LoraAdapter], prompt_len: int = 4,
                seed=0, eos_ids=frozenset())
 
 
-def fold(sched: Scheduler, plan: BatchPlan) -> list[Req]:
+def fold(sched: Scheduler, plan: BatchPlan, unread: list[str] = ()) -> list[Req]:
+    """The step loop's fold of plan's result; `unread`: the prefetch reads it says have not
+    ended (none: an executor whose reads end at once)."""
+    sched.note_reads(plan, list(unread))
     n = sum(item.sample for item in plan.items)
     return sched.process_results(plan, [7] * n, [0.0] * n, None)
 
@@ -150,6 +153,46 @@ def test_prefetch_loads_queued_adapters_in_queue_order_bounded_per_step(monkeypa
     while sched.has_work():
         fold(sched, sched.schedule())
     assert all(r.status is ReqStatus.FINISHED for r in reqs)
+
+
+def test_requests_wait_for_their_prefetch_reads_while_other_work_runs():
+    """A request whose adapter is still being read for a prefetch load is not scheduled while
+    other requests run (its step would stop for the read); it is once the read ended, once
+    nothing else can run, or once it has aged."""
+    a, b = fake_adapter(0), fake_adapter(1)
+    sched = make_scheduler(rows=4, max_running=2)
+    long = make_req("long", [a], max_tokens=2 * AGING_STEPS)
+    short, held = make_req("short", [a], max_tokens=1), make_req("held", [b], max_tokens=1)
+    for req in (long, short, held):
+        sched.add(req)
+    first = sched.schedule()
+    assert [i.req.rid for i in first.items] == ["long", "short"]
+    assert loaded_ids(first.prefetch_loads) == [b.adapter_id]
+    fold(sched, first, unread=[b.adapter_id])  # short finishes: a slot is free
+    second = sched.schedule()
+    assert [i.req.rid for i in second.items] == ["long"] and held.status is ReqStatus.WAITING
+    fold(sched, second)  # the read has ended
+    third = sched.schedule()
+    assert [i.req.rid for i in third.items] == ["long", "held"] and not third.adapter_loads
+
+    lone = make_scheduler(rows=4, max_running=2)  # nothing else to run: no wait
+    waiting = [make_req("r0", [a], max_tokens=1), make_req("r1", [a], max_tokens=1),
+               make_req("r2", [b], max_tokens=1)]  # fmt: skip
+    for req in waiting:
+        lone.add(req)
+    plan = lone.schedule()
+    fold(lone, plan, unread=[b.adapter_id])
+    assert [i.req.rid for i in lone.schedule().items] == ["r2"]
+
+    aged = make_scheduler(rows=4, max_running=2)
+    for req in (make_req("long", [a], max_tokens=4 * AGING_STEPS),
+                make_req("short", [a], max_tokens=1), make_req("held", [b], max_tokens=1)):
+        aged.add(req)
+    steps = 0
+    while aged.waiting:
+        fold(aged, aged.schedule(), unread=[b.adapter_id])
+        steps += 1
+    assert AGING_STEPS <= steps <= AGING_STEPS + 2
 
 
 def test_prefetch_takes_only_free_or_unneeded_rows():
