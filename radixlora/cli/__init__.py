@@ -1,24 +1,42 @@
-"""Command line: `radixlora serve` (the multi-process HTTP/ZeroMQ server; with no --model, the
+"""Command line: `radixlora serve` (the multi-process HTTP/ZeroMQ server; with no model, the
 bundled demo), `radixlora demo` (the demo through the offline Engine) and `radixlora batch` (a
 JSONL file of OpenAI batch requests: radixlora.cli.batch). The flags the commands that build an
-Engine share are in radixlora.cli.flags."""
+Engine share are in radixlora.cli.flags. torch and the runtime are imported only once the flags
+are parsed, so `--help`, `--version` and flag errors answer at once."""
 
 from __future__ import annotations
 
 import argparse
+import errno
+import logging
 import os
+import socket
 import sys
-from pathlib import Path
 
-from radixlora.cli.flags import add_engine_flags, engine_overrides, model_and_adapters
-from radixlora.config import ModelConfig
-from radixlora.engine import Engine
-from radixlora.sampling import SamplingParams
+from radixlora import __version__
+from radixlora.cli.flags import (
+    HelpFormatter,
+    add_engine_flags,
+    add_model_flags,
+    engine_overrides,
+    model_and_adapters,
+    positive,
+    resolved_overrides,
+)
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+log = logging.getLogger("radixlora.cli")
+
+
+class StartError(Exception):
+    """A start-up failure found before any process starts: printed as one line."""
 
 
 def demo(args: argparse.Namespace) -> None:
     """The bundled demo through the offline Engine: one prompt, every adapter set, one batch."""
     from radixlora.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR, format_prompt
+    from radixlora.engine import Engine
+    from radixlora.sampling import SamplingParams
 
     engine = Engine(DEMO_MODEL_DIR, adapters=DEMO_ADAPTERS)
     prompt = format_prompt(args.text)
@@ -30,28 +48,94 @@ def demo(args: argparse.Namespace) -> None:
         print(f"  [{out.adapters:>14}] {out.outputs[0].text.strip()}")
 
 
-def _check_dir(directory: str | None) -> str | None:
-    if directory is not None and not Path(directory).is_dir():
-        raise SystemExit(f"--adapter-dir {directory} is not a directory")
-    return directory
+def check_port(host: str, port: int, flag: str) -> None:
+    """Fail now, before anything loads, if host:port cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise StartError(f"port {port} on {host} is already in use; choose another "
+                                 f"with {flag}") from e
+            raise StartError(f"cannot listen on {host}:{port}: {e.strerror or e}; choose "
+                             f"another {flag}") from e
+
+
+def check_device(overrides: dict) -> None:
+    if overrides.get("device") != "cuda":
+        return
+    import torch
+
+    if torch.version.cuda is None:
+        raise StartError(f"--device cuda: torch {torch.__version__} is a build without CUDA; "
+                         "use --device cpu (or auto)")
+    if not torch.cuda.is_available():
+        raise StartError("--device cuda: no CUDA device is visible; use --device cpu (or auto)")
 
 
 def serve(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s [api] %(levelname)s %(name)s: %(message)s")
+    try:
+        server_args = prepare(args)
+    except StartError as e:
+        raise SystemExit(f"radixlora serve: error: {e}") from None
+    except SystemExit as e:  # a flag's value (adapter spec, model path) is wrong
+        if isinstance(e.code, str):
+            raise SystemExit(f"radixlora serve: error: {e.code}") from None
+        raise
     from radixlora.server.launcher import serve as run_server
 
-    model, adapters, served_name = model_and_adapters(args)
-    try:
-        server_args = _server_args(args, model, adapters, served_name)
-        server_args.engine_config().max_context(ModelConfig.from_dir(model))
-    except ValueError as e:
-        raise SystemExit(str(e)) from e
     raise SystemExit(run_server(server_args))
 
 
-def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], served_name):
+def prepare(args: argparse.Namespace):
+    """The ServerArgs of the flags, every check that can be made before a process starts
+    made: the flags' values, the ports, the model's config, the adapters' paths, the device."""
+    log.info("radixlora %s: checking the flags and ports", __version__)
+    from radixlora.config import EngineConfig, ModelConfig
+    from radixlora.errors import RadixLoraError
+
+    try:
+        EngineConfig(**engine_overrides(args))
+    except ValueError as e:
+        raise StartError(_flag_hint(str(e))) from e
+    check_port(args.host, args.port, "--port")
+    if args.zmq_client_port is not None:
+        check_port("127.0.0.1", args.zmq_client_port, "--zmq-client-port")
+    if args.adapter_dir is not None and not os.path.isdir(args.adapter_dir):
+        raise StartError(f"--adapter-dir {args.adapter_dir} is not a directory")
+    model, adapters, served_name = model_and_adapters(args)
+    log.info("model %s, adapters: %s", model, ", ".join(sorted(adapters)) or "none")
+    try:
+        model_cfg = ModelConfig.from_dir(model)
+        overrides = resolved_overrides(args, model)
+        check_device(overrides)
+        server_args = _server_args(args, model, adapters, served_name, overrides)
+        server_args.engine_config().max_context(model_cfg)
+    except (ValueError, RadixLoraError) as e:
+        raise StartError(_flag_hint(str(e))) from e
+    return server_args
+
+
+# EngineConfig/ServerArgs messages name the field; the flag that sets it fixes it
+FIELD_FLAGS = {"context_length": "--context-length", "gpu_memory_utilization":
+               "--gpu-memory-utilization", "no config.json": "--model"}
+
+
+def _flag_hint(message: str) -> str:
+    for field, flag in FIELD_FLAGS.items():
+        if field in message and flag not in message:
+            return f"{message} (set by {flag})"
+    return message
+
+
+def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], served_name,
+                 engine: dict):
     from radixlora.server.args import ServerArgs
 
-    engine = engine_overrides(args)
     return ServerArgs(
         model=str(model),
         adapters=adapters,
@@ -66,7 +150,7 @@ def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], serv
         log_level=args.log_level,
         log_requests=args.log_requests,
         stats_interval_s=args.stats_interval,
-        adapter_dir=_check_dir(args.adapter_dir),
+        adapter_dir=args.adapter_dir,
         adapter_rate=args.adapter_rate,
         adapter_burst=args.adapter_burst,
         adapter_quiet_s=args.adapter_quiet,
@@ -80,68 +164,98 @@ def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], serv
 
 
 def _serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model and its adapters over HTTP and ZeroMQ")
-    p.add_argument("--model", default=None,
-                   help="HF checkpoint directory (default: the bundled demo model and adapters)")
-    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH")
+    p = sub.add_parser("serve", formatter_class=HelpFormatter,
+                       help="serve a model and its adapters over HTTP and ZeroMQ",
+                       description="Serve a model and its LoRA adapters (OpenAI, SGLang and "
+                                   "ZeroMQ APIs). Without a model: the bundled demo.")
+    add_model_flags(p, positional=True)
     p.add_argument("--adapter-dir", default=None,
                    help="watch DIR (registry process): every sub-directory is an adapter named "
-                        "after it, hot-swapped as it is added, rewritten or deleted")
-    p.add_argument("--adapter-rate", type=float, default=1.0,
+                        "after it, hot-swapped as it is added, rewritten or deleted (default: "
+                        "none)")
+    p.add_argument("--adapter-rate", type=positive(float, allow_zero=True), default=1.0,
                    help="new adapters admitted per second from --adapter-dir (token bucket)")
-    p.add_argument("--adapter-burst", type=int, default=1)
-    p.add_argument("--adapter-quiet", type=float, default=0.5,
+    p.add_argument("--adapter-burst", type=positive(int), default=1,
+                   help="new adapters --adapter-dir may admit at once (the bucket's size)")
+    p.add_argument("--adapter-quiet", type=positive(float, allow_zero=True), default=0.5,
                    help="seconds --adapter-dir must be quiet before a change is examined")
-    p.add_argument("--max-swaps-per-s", type=float, default=10.0,
+    p.add_argument("--max-swaps-per-s", type=positive(float, allow_zero=True), default=10.0,
                    help="hard cap on adapter loads into the device pool per second (0: none)")
-    p.add_argument("--adapter-failure-policy", choices=("reject", "base"), default="reject")
+    p.add_argument("--adapter-failure-policy", choices=("reject", "base"), default="reject",
+                   help="a request naming an unknown or rejected adapter: reject it (404), or "
+                        "serve it with the base model and say so")
     p.add_argument("--enable-admin", action="store_true",
-                   help="enable POST /v1/{load,unload,pin,unpin}_lora_adapter")
+                   help="enable POST /v1/{load,unload,pin,unpin}_lora_adapter, /flush_cache, "
+                        "/get_server_info (off by default)")
     p.add_argument("--admin-api-key", default=None,
-                   help="Bearer key of the admin endpoints (or RADIXLORA_ADMIN_API_KEY)")
+                   help="Bearer key of the admin endpoints (default: $RADIXLORA_ADMIN_API_KEY)")
     p.add_argument("--api-key", default=None,
                    help="clients must send Authorization: Bearer KEY on every endpoint but "
-                        "/health and /metrics (or RADIXLORA_API_KEY)")
-    p.add_argument("--allowed-adapter-root", action="append", default=[],
-                   help="directory the admin endpoints may load adapters from (repeatable)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--zmq-client-port", type=int, default=None,
+                        "/health, /metrics and /version (default: $RADIXLORA_API_KEY, else "
+                        "no key)")
+    p.add_argument("--allowed-adapter-root", action="append", default=[], metavar="DIR",
+                   help="directory the admin endpoints may load adapters from; repeatable "
+                        "(default: none, so HTTP loads are refused)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address to bind")
+    p.add_argument("--port", type=port_number, default=30000, help="HTTP port")
+    p.add_argument("--zmq-client-port", type=port_number, default=None,
                    help="tcp://127.0.0.1:PORT for ZeroMQ clients (default: an ipc:// socket)")
-    p.add_argument("--drain-timeout", type=float, default=30.0)
-    p.add_argument("--step-timeout", type=float, default=600.0,
+    p.add_argument("--drain-timeout", type=positive(float, allow_zero=True), default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM")
+    p.add_argument("--step-timeout", type=positive(float), default=600.0,
                    help="seconds one worker step may take before the worker counts as hung")
-    p.add_argument("--watchdog-timeout", type=float, default=30.0,
+    p.add_argument("--watchdog-timeout", type=positive(float), default=30.0,
                    help="seconds a child process may go without a heartbeat before it counts "
                         "as dead (503s, exit; the registry is restarted)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info",
+                   help="log level of every process")
     p.add_argument("--log-requests", action="store_true",
                    help="log one line per finished request: id, adapter, token counts, finish "
-                        "reason, TTFT and total time (never prompt or output text)")
-    p.add_argument("--stats-interval", type=float, default=5.0, metavar="SECONDS",
+                        "reason, TTFT and total time, never prompt or output text (off by "
+                        "default)")
+    p.add_argument("--stats-interval", type=positive(float, allow_zero=True), default=5.0,
+                   metavar="SECONDS",
                    help="while busy, log a stats line (load, KV, radix hits, token rates, "
                         "adapters) every SECONDS (0: off)")
     add_engine_flags(p)
     p.set_defaults(func=serve)
 
 
+def port_number(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {value!r}") from None
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"a port is 1-65535, got {port}")
+    return port
+
+
 def _batch_parser(sub) -> None:
     from radixlora.cli import batch
 
-    p = sub.add_parser("batch", help="run a JSONL file of OpenAI batch requests (resumable)")
+    p = sub.add_parser("batch", formatter_class=HelpFormatter,
+                       help="run a JSONL file of OpenAI batch requests (resumable)")
     batch.add_arguments(p)
     p.set_defaults(func=lambda args: sys.exit(batch.run_from_args(args)))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="radixlora")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixlora", formatter_class=HelpFormatter,
+                                     description="A multi-LoRA LLM serving runtime.")
+    parser.add_argument("--version", action="version", version=f"radixlora {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="the bundled demo through the offline Engine")
-    p.add_argument("--text", default="the red fox ate 42 fish")
-    p.add_argument("--max-tokens", type=int, default=40)
+    p = sub.add_parser("demo", formatter_class=HelpFormatter,
+                       help="the bundled demo through the offline Engine")
+    p.add_argument("--text", default="the red fox ate 42 fish",
+                   help="the demo's input text (its 50-word vocabulary and numbers 0-99)")
+    p.add_argument("--max-tokens", type=positive(int), default=40, help="tokens per answer")
     p.set_defaults(func=demo)
     _serve_parser(sub)
     _batch_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     args.func(args)

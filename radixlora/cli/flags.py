@@ -1,10 +1,18 @@
 """Flags shared by the commands that build an Engine (`radixlora serve`, `radixlora batch`): the
-EngineConfig overrides, --adapter NAME=PATH, and the bundled demo as the default model."""
+EngineConfig overrides (with vLLM's and SGLang's spellings), the model (a directory or a Hugging
+Face id) and its adapters in every accepted form, and the bundled demo as the default model.
+Nothing here imports torch: `--help` and bad flags answer at once."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from pathlib import Path
+
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's and SGLang's spellings
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", *DTYPE_ALIASES)
+DEVICE_CHOICES = ("auto", "cuda", "cpu")
 
 # EngineConfig field -> (type, its flags: ours first, then vLLM's and SGLang's spellings, help)
 ENGINE_FLAGS = {
@@ -14,63 +22,224 @@ ENGINE_FLAGS = {
     "kv_pages": (int, ("--kv-pages",), "KV pool pages (default: sized from GPU memory; 4096 "
                                        "on the CPU)"),
     "page_size": (int, ("--page-size",), "tokens per KV page (default 1)"),
-    "max_loras": (int, ("--max-loras",), "adapters of --max-lora-rank the adapter pool holds at "
-                                         "once (default 32)"),
+    "max_loras": (int, ("--max-loras",), "adapters of --max-lora-rank the device's adapter pool "
+                                         "holds at once (default 32)"),
     "max_rank": (int, ("--max-lora-rank", "--max-rank"), "largest adapter rank accepted "
                                                          "(default 64)"),
     "adapter_rows": (int, ("--adapter-rows",), "adapter pool rank rows (default: --max-loras x "
                                                "--max-lora-rank; 512 on the CPU)"),
-    "host_adapter_bytes": (int, ("--host-adapter-bytes",), "host tier of packed adapters "
-                                                           "(default: 25% of available host "
-                                                           "memory)"),
+    "max_adapter_sets_per_batch": (
+        int, ("--max-adapter-sets-per-batch", "--max-loras-per-batch"),
+        "distinct adapter sets (the base model counts as one) in one batch; requests on more "
+        "wait (default: as many as the adapter pool's rows hold)"),
+    "host_adapter_bytes": (int, ("--host-adapter-bytes",), "bytes of the host tier of packed "
+                                                           "adapters (default: 25%% of the "
+                                                           "host memory available at start)"),
     "max_stacked": (int, ("--max-stacked",), "adapters one request may stack (default 8)"),
     "max_running": (int, ("--max-running", "--max-num-seqs", "--max-running-requests"),
                     "requests decoding at once (default 256 on a GPU, 64 on the CPU)"),
     "max_batch_tokens": (int, ("--max-batch-tokens", "--max-num-batched-tokens",
                                "--chunked-prefill-size"),
                          "prompt tokens per step, longer prompts are chunked (default by GPU "
-                         "memory: 8192 on an 80-141 GB GPU; 2048 on the CPU)"),
+                         "memory: 8192 on a 60-160 GiB GPU; 2048 on the CPU)"),
     "context_length": (int, ("--context-length", "--max-model-len"),
                        "prompt + output tokens per request (default: the model's)"),
-    "device": (str, ("--device",), "cuda or cpu (default: cuda when available)"),
-    "dtype": (str, ("--dtype",), "auto, bfloat16, float16 or float32"),
+    "device": (str, ("--device",), "where to run; auto: cuda when available, else cpu "
+                                   "(default auto)"),
+    "dtype": (str, ("--dtype",), "weights' and pools' dtype; auto: the checkpoint's on a GPU, "
+                                 "float32 on the CPU; half = float16, float = float32 "
+                                 "(default auto)"),
 }
+CHOICES = {"device": DEVICE_CHOICES, "dtype": DTYPE_CHOICES}
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the text already says it (flags
+    whose default is computed at start-up) or the option is an on/off switch."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, argparse.SUPPRESS, False, True, [])
+                or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def positive(kind, allow_zero: bool = False):
+    """An argparse type: a number of `kind`, > 0 (>= 0 with allow_zero)."""
+
+    def parse(value: str):
+        try:
+            number = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {value!r}") from None
+        if not (number >= 0 if allow_zero else number > 0):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if allow_zero else '>'} 0, got "
+                                             f"{value}")
+        return number
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """EngineConfig overrides (default: the config's, sized on the device)."""
     for field, (kind, flags, help_text) in ENGINE_FLAGS.items():
-        p.add_argument(*flags, dest=field, type=kind, default=None, help=help_text)
+        choices = CHOICES.get(field)
+        kind = kind if choices else positive(kind, allow_zero=field == "host_adapter_bytes")
+        p.add_argument(*flags, dest=field, type=kind,
+                       default=None, choices=choices, help=help_text)
+    p.add_argument("--max-cpu-loras", type=positive(int), default=None, metavar="N",
+                   help="size the host tier to hold N adapters of --max-lora-rank on every "
+                        "target module (sets --host-adapter-bytes; default: see that flag)")
     p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_false",
-                   default=None, help="fold each step's results in before planning the next")
+                   default=None, help="fold each step's results in before planning the next "
+                                      "(default: overlap on)")
     p.add_argument("--disable-cuda-graph", "--enforce-eager", dest="cuda_graph",
-                   action="store_false", default=None, help="run every step eagerly")
+                   action="store_false", default=None,
+                   help="run every step eagerly (default: CUDA graphs on a GPU)")
 
 
 def engine_overrides(args: argparse.Namespace) -> dict:
     fields = (*ENGINE_FLAGS, "overlap_schedule", "cuda_graph")
-    return {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
+    out = {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
+    if "dtype" in out:
+        out["dtype"] = DTYPE_ALIASES.get(out["dtype"], out["dtype"])
+    return out
 
 
-def adapter_pairs(values: list[str]) -> dict[str, str]:
+def resolved_overrides(args: argparse.Namespace, model: str | Path) -> dict:
+    """engine_overrides plus what needs the model: --max-cpu-loras as host tier bytes (that many
+    adapters of --max-lora-rank on every target module, packed in the pools' dtype)."""
+    out = engine_overrides(args)
+    count = getattr(args, "max_cpu_loras", None)
+    if count is None:
+        return out
+    if "host_adapter_bytes" in out:
+        raise SystemExit("give either --max-cpu-loras or --host-adapter-bytes, not both")
+    from radixlora.config import EngineConfig, ModelConfig
+    from radixlora.lora.pool import AdapterPool
+
+    config = EngineConfig(**out)
+    model_cfg = ModelConfig.from_dir(model)
+    row_bytes = AdapterPool.bytes_per_row(model_cfg, config.torch_dtype(model_cfg))
+    out["host_adapter_bytes"] = count * config.max_rank * row_bytes
+    return out
+
+
+def adapter_pairs(values: list[str], flag: str = "--adapter") -> dict[str, str]:
     pairs = {}
     for value in values:
         name, sep, path = value.partition("=")
         if not sep or not name or not path:
-            raise SystemExit(f"--adapter expects NAME=PATH, got {value!r}")
+            raise SystemExit(f"{flag} expects NAME=PATH, got {value!r}")
         pairs[name] = path
     return pairs
 
 
+def lora_modules(values: list[str]) -> dict[str, str]:
+    """vLLM's --lora-modules: NAME=PATH or JSON {"name", "path", "base_model_name"}."""
+    pairs = {}
+    for value in values:
+        if value.lstrip().startswith("{"):
+            spec = _json_object(value, "--lora-modules")
+            name, path = spec.get("name"), spec.get("path")
+            if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+                raise SystemExit(f'--lora-modules JSON needs "name" and "path", got {value!r}')
+            pairs[name] = path
+        else:
+            pairs.update(adapter_pairs([value], "--lora-modules"))
+    return pairs
+
+
+def lora_paths(values: list[str]) -> dict[str, str]:
+    """SGLang's --lora-paths: PATH (named after its directory), NAME=PATH, or JSON
+    {"lora_name", "lora_path", "pinned"}."""
+    pairs = {}
+    for value in values:
+        if value.lstrip().startswith("{"):
+            spec = _json_object(value, "--lora-paths")
+            name, path = spec.get("lora_name"), spec.get("lora_path")
+            if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+                raise SystemExit(f'--lora-paths JSON needs "lora_name" and "lora_path", got '
+                                 f"{value!r}")
+            if spec.get("pinned"):
+                raise SystemExit(f"--lora-paths: pinning at start-up is not supported ({name}); "
+                                 "pin it with POST /v1/pin_lora_adapter once the server runs")
+            pairs[name] = path
+        elif "=" in value:
+            pairs.update(adapter_pairs([value], "--lora-paths"))
+        else:
+            pairs[Path(value.rstrip(os.sep)).name or value] = value
+    return pairs
+
+
+def _json_object(value: str, flag: str) -> dict:
+    try:
+        spec = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{flag}: {value!r} is not valid JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise SystemExit(f"{flag}: expected a JSON object, got {value!r}")
+    return spec
+
+
+def add_model_flags(p: argparse.ArgumentParser, positional: bool = False) -> None:
+    """The model and its adapters: --model (or vLLM's positional MODEL, SGLang's
+    --model-path), --adapter NAME=PATH, vLLM's --lora-modules, SGLang's --lora-paths."""
+    if positional:
+        p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                       help="as --model (vLLM's `vllm serve MODEL`)")
+    p.add_argument("--model", "--model-path", dest="model", default=None,
+                   help="a Hugging Face checkpoint directory, or a Hugging Face model id "
+                        "resolved through the local Hugging Face cache (downloaded when "
+                        "missing; needs huggingface_hub) (default: the bundled demo model and "
+                        "its four adapters)")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                   help="a PEFT LoRA adapter (directory or Hugging Face id) served as NAME; "
+                        "repeatable (default: none)")
+    p.add_argument("--lora-modules", action="extend", nargs="+", default=[],
+                   metavar="NAME=PATH|JSON",
+                   help='vLLM\'s form of --adapter: NAME=PATH or {"name": ..., "path": ...} '
+                        "(default: none)")
+    p.add_argument("--lora-paths", action="extend", nargs="+", default=[],
+                   metavar="[NAME=]PATH|JSON",
+                   help="SGLang's form of --adapter: PATH (named after its directory), "
+                        'NAME=PATH or {"lora_name": ..., "lora_path": ...} (default: none)')
+    p.add_argument("--enable-lora", action="store_true",
+                   help="accepted for vLLM/SGLang compatibility: LoRA is always on")
+    p.add_argument("--served-model-name", default=None,
+                   help="the base model's name in requests (default: the model directory's "
+                        "name; radixlora-demo for the demo)")
+
+
 def model_and_adapters(args: argparse.Namespace) -> tuple[str | Path, dict[str, str], str | None]:
-    """(model directory, adapters by name, served model name) of --model, --adapter and
-    --served-model-name; without --model, the bundled demo model and its adapters."""
-    adapters = adapter_pairs(args.adapter)
-    model, served_name = args.model, args.served_model_name
+    """(model directory, adapters by name, served model name) of --model (or MODEL), the
+    adapter flags and --served-model-name; without a model, the bundled demo model and its
+    adapters. Hugging Face ids are resolved to their snapshot directories."""
+    from radixlora.cli.hub import resolve
+
+    positional = getattr(args, "model_arg", None)
+    if positional is not None and args.model is not None and positional != args.model:
+        raise SystemExit(f"two models given: MODEL {positional!r} and --model {args.model!r}")
+    model, served_name = positional or args.model, args.served_model_name
+    adapters: dict[str, str] = {}
+    for given in (adapter_pairs(args.adapter), lora_modules(getattr(args, "lora_modules", [])),
+                  lora_paths(getattr(args, "lora_paths", []))):
+        for name, path in given.items():
+            if name in adapters and adapters[name] != path:
+                raise SystemExit(f"adapter {name!r} is given twice: {adapters[name]} and {path}")
+            adapters[name] = path
     if model is None:  # the bundled demo: a small trained model and one adapter per task
         from radixlora.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR
 
         model, served_name = DEMO_MODEL_DIR, served_name or "radixlora-demo"
         for name, path in DEMO_ADAPTERS.items():
             adapters.setdefault(name, str(path))
+    else:
+        local = resolve(str(model), "--model")
+        if served_name is None and local != model and not Path(str(model)).exists():
+            served_name = str(model)  # a Hugging Face id is served under its id, as vLLM does
+        model = local
+    adapters = {name: str(resolve(path, f"adapter {name}")) for name, path in adapters.items()}
     return model, adapters, served_name

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import msgspec
@@ -52,6 +53,9 @@ WARM_PROMPT_TOKENS = 64
 WARM_NEW_TOKENS = 8
 WORKDIR_PREFIX = "radixlora-"
 WORKDIR_NAME = re.compile(r"radixlora-(\d+)-\w+")  # radixlora-<launcher pid>-<random>
+CANNOT_START = " process cannot start: "  # a child's start-up failure line (ipc.child_main)
+EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit)\b.*")
+RELAY_DRAIN_S = 2.0  # how long a failed start-up waits for the dead child's last lines
 
 
 class StartupError(Exception):
@@ -76,13 +80,17 @@ class Children:
         self.deadline: dict[str, float] = {}  # no heartbeat by then: the child is dead
         self.progress: dict[str, int] = {}
         self.silent: dict[str, str] = {}  # child killed for its silence -> why
+        self.relays: dict[str, StderrRelay] = {}
+        self.starting = threading.Event()  # set: start-up causes are held back (start_failure)
+        self.starting.set()
         for name in self.names:
             self.spawn(name, send_args=name == FIRST)
 
     def spawn(self, name: str, send_args: bool = True) -> None:
         cmd = [sys.executable, "-m", f"radixlora.server.{name}_proc"]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True,
-                                env=child_env())
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, env=child_env())
+        self.relays[name] = StderrRelay(proc.stderr, self.starting)
         self.procs[name] = proc
         self.pids[name] = proc.pid
         self.started[name] = time.monotonic()
@@ -137,6 +145,18 @@ class Children:
         self.restart_delay[name] = delay
         return delay
 
+    def start_failure(self, name: str) -> str:
+        """Why `name` died before it was ready: the cause it logged (held back from the log, so
+        that it is printed once, last), else its exit status."""
+        relay = self.relays[name]
+        relay.done.wait(RELAY_DRAIN_S)
+        reason = self.exit_reason(name) or f"the {name} process failed"
+        if relay.cause:
+            return f"the {name} process cannot start: {relay.cause}"
+        if relay.last_error:
+            return f"{reason} before it was ready: {relay.last_error}"
+        return f"{reason} before it was ready"
+
     def exit_reason(self, name: str) -> str | None:
         proc = self.procs[name]
         code = proc.poll()
@@ -146,10 +166,13 @@ class Children:
         return self.silent.get(name, exited)
 
     def first_dead(self, names=CHILDREN) -> str | None:
+        name = self.first_dead_name(names)
+        return None if name is None else self.exit_reason(name)
+
+    def first_dead_name(self, names=CHILDREN) -> str | None:
         for name in names:
-            reason = self.exit_reason(name)
-            if reason is not None:
-                return reason
+            if self.procs[name].poll() is not None:
+                return name
         return None
 
     def stop(self) -> None:
@@ -163,6 +186,44 @@ class Children:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        deadline = time.monotonic() + RELAY_DRAIN_S
+        for relay in self.relays.values():  # their last lines before ours
+            relay.done.wait(max(0.0, deadline - time.monotonic()))
+
+
+class StderrRelay:
+    """Copies a child's stderr to ours, line by line, on a thread. While `holding` is set (the
+    start-up), the child's one-line start-up failure (`... process cannot start: CAUSE`) is kept
+    back as `cause` for the launcher's last line; `last_error` is the last line that names an
+    exception (a traceback's last line)."""
+
+    def __init__(self, stream, holding: threading.Event):
+        self.stream = stream
+        self.holding = holding
+        self.cause: str | None = None
+        self.last_error: str | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name="stderr-relay").start()
+
+    def _run(self) -> None:
+        out = sys.stderr
+        try:
+            for raw in iter(self.stream.readline, b""):
+                line = raw.decode(errors="replace")
+                text = line.rstrip("\n")
+                marker = text.find(CANNOT_START)
+                if marker >= 0 and self.holding.is_set():
+                    self.cause = text[marker + len(CANNOT_START):]
+                    continue
+                if EXCEPTION_LINE.match(text):
+                    self.last_error = text
+                with contextlib.suppress(OSError, ValueError):
+                    out.write(line)
+                    out.flush()
+        except (OSError, ValueError):
+            pass
+        finally:
+            self.done.set()
 
 
 def child_env() -> dict[str, str]:
@@ -215,9 +276,9 @@ def wait_for(inbox: Inbox, children: Children, timeout_s: float, names: tuple[st
     come over different sockets, so in any order."""
     deadline = time.monotonic() + timeout_s
     while not set(names) <= set(seen[kind]):
-        dead = children.first_dead(children.names)
+        dead = children.first_dead_name(children.names)
         if dead is not None:
-            raise StartupError(f"{dead} before it was ready")
+            raise StartupError(children.start_failure(dead))
         if time.monotonic() > deadline:
             missing = sorted(set(names) - set(seen[kind]))
             raise StartupError(f"no {kind.__name__.lower()} acknowledgement from {missing} in "
@@ -270,30 +331,39 @@ class Launcher:
     def run(self) -> int:
         ctx = zmq.Context()
         children = None
+        failure = None
         previous = signal.signal(signal.SIGTERM, stop_starting)
         try:
             self.inbox = Inbox(ctx, self.args.endpoints.launcher, LauncherInbox)
+            log.info("starting the worker process: it loads the model and sizes the pools")
             children = Children(self.args)
             started = time.monotonic()
             seen: dict[type, dict] = {Sized: {}, Ready: {}}
             timeout = self.args.ready_timeout_s
             sized = wait_for(self.inbox, children, timeout, (FIRST,), Sized, seen)
             self.args = sized_args(self.args, sized[FIRST].info)
+            rest = [name for name in children.names if name != FIRST]
+            log.info("pools sized in %.1f s; starting the %s processes while the worker warms "
+                     "up", time.monotonic() - started, ", ".join(rest))
             children.start_rest(self.args)  # they start while the worker warms up
             ready = wait_for(self.inbox, children, timeout, children.names, Ready, seen)
+            children.starting.clear()
             log.info("every process ready in %.1f s", time.monotonic() - started)
             signal.signal(signal.SIGTERM, previous)
             return uvloop.run(self.serve(children, ready))
         except StartupError as e:
-            log.error("start-up failed: %s", e)
+            failure = e
             return 1
         finally:
-            log.info("stopping the child processes")
+            level = logging.DEBUG if failure is not None else logging.INFO
+            log.log(level, "stopping the child processes")
             if children is not None:
                 children.stop()
             ctx.destroy(linger=0)
             shutil.rmtree(self.workdir, ignore_errors=True)
-            log.info("stopped")
+            log.log(level, "stopped")
+            if failure is not None:
+                log.error("start-up failed: %s", failure)
 
     async def serve(self, children: Children, ready: dict[str, Ready]) -> int:
         args = self.args
@@ -312,6 +382,7 @@ class Launcher:
         runtime.health = Health.OK  # nobody can reach it before the server and gateway start
         try:
             if worker["device"].startswith("cuda"):
+                log.info("warming the pipeline: a prefill and decode through every process")
                 await self.warm_pipeline(runtime)
             tasks += [asyncio.create_task(c) for c in (gateway.serve(), self.announce())]
             await self.server.serve()
