@@ -1,7 +1,9 @@
 """Admin endpoints (off unless --enable-admin, Bearer --admin-api-key): vLLM's
 POST /v1/load_lora_adapter {"lora_name", "lora_path"} and /v1/unload_lora_adapter {"lora_name"},
-plus /v1/pin_lora_adapter and /v1/unpin_lora_adapter {"lora_name"}. A lora_path must resolve
-(symlinks followed) inside one of --allowed-adapter-root."""
+SGLang's /load_lora_adapter {"lora_name", "lora_path", "pinned"} and /unload_lora_adapter
+(the same, answering "success" too), plus /v1/pin_lora_adapter and /v1/unpin_lora_adapter
+{"lora_name"}. A lora_path must resolve (symlinks followed) inside one of
+--allowed-adapter-root."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ class LoadLoraRequest(msgspec.Struct, kw_only=True):
     lora_name: str
     lora_path: str
     lora_int_id: Int32 | None = None  # accepted for vLLM compatibility, unused
+    pinned: bool = False  # SGLang's: pin it once loaded
 
 
 class LoraNameRequest(msgspec.Struct, kw_only=True):
@@ -57,14 +60,20 @@ class AdminHandlers:
     def check_access(self, request: Request) -> None:
         self.access.admin(request)
 
-    async def load(self, request: Request):
+    async def load(self, request: Request, sglang: bool = False):
         self.check_access(request)
         body = await read_json(request, LoadLoraRequest, self.args.max_body_bytes)
         path = confine(body.lora_path, self.args.allowed_adapter_roots)
-        return await self._call("load", body.lora_name, path)
+        info = await self._call("load", body.lora_name, path)
+        if body.pinned:
+            await self._call("pin", body.lora_name)
+            info = {**info, "pinned": True}
+        return self._answer(info, sglang)
 
-    async def unload(self, request: Request):
-        return await self._named(request, "unload")
+    async def unload(self, request: Request, sglang: bool = False):
+        self.check_access(request)
+        body = await read_json(request, LoraNameRequest, self.args.max_body_bytes)
+        return self._answer(await self._call("unload", body.lora_name), sglang)
 
     async def pin(self, request: Request):
         return await self._named(request, "pin")
@@ -75,10 +84,15 @@ class AdminHandlers:
     async def _named(self, request: Request, op: str):
         self.check_access(request)
         body = await read_json(request, LoraNameRequest, self.args.max_body_bytes)
-        return await self._call(op, body.lora_name)
+        return self._answer(await self._call(op, body.lora_name))
 
-    async def _call(self, op: str, name: str, path: str = ""):
+    async def _call(self, op: str, name: str, path: str = "") -> dict:
         reply = await self.runtime.admin(op, name, path)
         if reply.status != 200:
             raise HttpError(reply.status, reply.message, reply.code, "lora_name")
-        return json_response({"status": "ok", "op": op, **reply.info})
+        return {"status": "ok", "op": op, **reply.info}
+
+    @staticmethod
+    def _answer(info: dict, sglang: bool = False):
+        """vLLM's routes answer the op's info; SGLang's add its `success` field."""
+        return json_response({"success": True, **info} if sglang else info)

@@ -15,6 +15,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from radixlora import __version__
+from radixlora.config import ModelConfig
 from radixlora.errors import InvalidRequestError
 from radixlora.server.admin import AdminHandlers
 from radixlora.server.args import ServerArgs
@@ -44,6 +46,7 @@ from radixlora.server.protocol import (
     GenerateRequest,
 )
 from radixlora.server.sglang_api import SglangHandlers
+from radixlora.server.utility_api import UtilityHandlers
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +93,8 @@ class Api:
         self.sglang = SglangHandlers(runtime, args.model_name, vocab_size)
         self.access = Access(args.api_key, args.admin_api_key, args.enable_admin)
         self.admin = AdminHandlers(args, runtime, self.access)
+        max_model_len = args.engine_config().max_context(ModelConfig.from_dir(args.model))
+        self.utility = UtilityHandlers(args, self.access, vocab_size, max_model_len)
 
     def error(self, status: int, message: str, code: str, param: str | None = None) -> Response:
         self.metrics.on_error(code)
@@ -105,11 +110,16 @@ class Api:
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/generate", self.generate, methods=["POST"]),
             Route("/get_model_info", self.model_info, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/version", self.utility.version, methods=["GET"]),
             Route("/get_server_info", self.server_info, methods=["GET"]),
             Route("/flush_cache", self.flush_cache, methods=["POST"]),
             Route("/abort_request", self.abort_request, methods=["POST"]),
             Route("/v1/load_lora_adapter", self.load_lora, methods=["POST"]),
             Route("/v1/unload_lora_adapter", self.unload_lora, methods=["POST"]),
+            Route("/load_lora_adapter", self.sglang_load_lora, methods=["POST"]),
+            Route("/unload_lora_adapter", self.sglang_unload_lora, methods=["POST"]),
             Route("/v1/pin_lora_adapter", self.pin_lora, methods=["POST"]),
             Route("/v1/unpin_lora_adapter", self.unpin_lora, methods=["POST"]),
         ]
@@ -182,7 +192,7 @@ class Api:
         self.access.admin(request)
         scheduler = await self.runtime.query_info()
         return json_response({
-            "version": "0.1.0",
+            "version": __version__,
             "model_path": self.args.model,
             "served_model_name": self.args.model_name,
             "host": self.args.host,
@@ -224,6 +234,22 @@ class Api:
     @guarded
     async def unload_lora(self, request: Request) -> Response:
         return await self.admin.unload(request)
+
+    @guarded
+    async def sglang_load_lora(self, request: Request) -> Response:
+        return await self.admin.load(request, sglang=True)
+
+    @guarded
+    async def sglang_unload_lora(self, request: Request) -> Response:
+        return await self.admin.unload(request, sglang=True)
+
+    @guarded
+    async def tokenize(self, request: Request) -> Response:
+        return await self.utility.tokenize(request)
+
+    @guarded
+    async def detokenize(self, request: Request) -> Response:
+        return await self.utility.detokenize(request)
 
     @guarded
     async def pin_lora(self, request: Request) -> Response:

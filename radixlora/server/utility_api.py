@@ -1,0 +1,92 @@
+"""vLLM's utility endpoints: POST /tokenize (a prompt, or chat messages through the chat
+template, to the ids generation would see), POST /detokenize (ids to text) and GET /version.
+The api process loads its own copy of the tokenizer on the first call; long texts are
+tokenized on a thread, off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixlora import __version__
+from radixlora.errors import InvalidRequestError
+from radixlora.server.args import ServerArgs
+from radixlora.server.chat import ChatTemplate
+from radixlora.server.http import Access, HttpError, json_response, read_json
+from radixlora.server.protocol import ChatMessageIn, TokenId, chat_messages
+from radixlora.tokenizer import Tokenizer
+
+INLINE_CHARS = 16 * 1024  # longer texts are tokenized on a thread
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[TokenId]
+    model: str | None = None
+
+
+class UtilityHandlers:
+    def __init__(self, args: ServerArgs, access: Access, vocab_size: int, max_model_len: int):
+        self.args = args
+        self.access = access
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.lock = threading.Lock()
+        self._loaded: tuple[Tokenizer, ChatTemplate] | None = None
+
+    def _tokenizer(self) -> tuple[Tokenizer, ChatTemplate]:
+        with self.lock:
+            if self._loaded is None:
+                tokenizer = Tokenizer.from_dir(self.args.model)
+                if tokenizer is None:
+                    raise HttpError(400, "this model has no tokenizer.json", "no_tokenizer")
+                self._loaded = tokenizer, ChatTemplate.from_dir(self.args.model)
+            return self._loaded
+
+    async def tokenize(self, request: Request) -> Response:
+        self.access.identity(request)
+        body = await read_json(request, TokenizeRequest, self.args.max_body_bytes)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequestError("give either prompt or messages", param="prompt")
+        tokenizer, template = await asyncio.to_thread(self._tokenizer)
+        if body.messages is not None:
+            messages = [msgspec.structs.asdict(m) for m in chat_messages(body.messages)]
+            text = template.render(messages, add_generation_prompt=body.add_generation_prompt)
+            special = bool(body.add_special_tokens)
+        else:
+            text = body.prompt
+            special = body.add_special_tokens is not False
+        if len(text) > INLINE_CHARS:
+            ids = await asyncio.to_thread(tokenizer.encode_unlocked, text, special)
+        else:
+            ids = tokenizer.encode(text, add_special_tokens=special)
+        out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+        return json_response(out)
+
+    async def detokenize(self, request: Request) -> Response:
+        self.access.identity(request)
+        body = await read_json(request, DetokenizeRequest, self.args.max_body_bytes)
+        for token in body.tokens:
+            if token >= self.vocab_size:
+                raise InvalidRequestError(
+                    f"token id {token} is outside the vocabulary (size {self.vocab_size})",
+                    param="tokens")
+        tokenizer, _ = await asyncio.to_thread(self._tokenizer)
+        return json_response({"prompt": tokenizer.decode(body.tokens)})
+
+    async def version(self, request: Request) -> Response:
+        return json_response({"version": __version__})
