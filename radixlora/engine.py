@@ -24,6 +24,7 @@ from radixlora.model_runner import ModelRunner
 from radixlora.request import AdapterSet, Req, ReqStatus, uses_adapter
 from radixlora.sampling import SamplingParams
 from radixlora.scheduler import Scheduler
+from radixlora.server.detokenize import IncrementalDecoder, StopMatcher
 from radixlora.step_loop import StepLoop
 from radixlora.step_plan import AdapterLoad
 from radixlora.tokenizer import Tokenizer
@@ -37,6 +38,20 @@ class CompletionOutput:
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]
     finish_reason: str | None
+    # finish_reason "stop": the stop string matched, else the token that stopped it (EOS or
+    # one of stop_token_ids), as the server's matched_stop
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class _StopState:
+    """Stop strings of one sample, applied as the server's tokenizer process applies them:
+    incremental detokenization into a StopMatcher; a match aborts the request."""
+
+    decoder: IncrementalDecoder
+    matcher: StopMatcher
+    seen: int = 0  # output tokens fed so far
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -76,6 +91,7 @@ class Engine:
             weakref.WeakValueDictionary())
         self.executor = StepExecutor(self.runner, self._version)
         self._next_rid = 0
+        self._stops: weakref.WeakKeyDictionary[Req, _StopState] = weakref.WeakKeyDictionary()
         for adapter in self.registry.load_all(adapters or {}):
             self._versions[adapter.adapter_id] = adapter
 
@@ -194,14 +210,43 @@ class Engine:
         if folded.error is not None or folded.failed_adapters:
             raise RadixLoraError(f"step {result.step} did not run: "
                                  f"{folded.error or folded.failed_adapters}")
+        for req in folded.sampled:
+            state = self._stops.get(req)
+            if state is not None:
+                self._apply_stops(req, state)
         return folded.finished
+
+    def _apply_stops(self, req: Req, state: _StopState) -> None:
+        """Feed the sample's new tokens to its stop strings; on a match, end it there."""
+        new_ids = req.output_ids[state.seen :]
+        state.seen = len(req.output_ids)
+        matcher = state.matcher
+        matcher.feed(state.decoder.push(new_ids))
+        if matcher.matched is None and req.finish_reason is not None:
+            matcher.feed(state.decoder.flush())
+            if matcher.matched is None:
+                matcher.flush()
+                if req.finish_reason == "stop":
+                    state.stop_reason = req.output_ids[-1]
+        if matcher.matched is not None:
+            if req.status is not ReqStatus.FINISHED:
+                self.scheduler.abort(req)  # frees its KV at once, as the server does
+            req.finish_reason = "stop"
+            state.stop_reason = matcher.matched
 
     def make_requests(
         self, prompt, params: SamplingParams, spec, cache_salt, logprob_start: int | None = None
     ) -> list[Req]:
         self._next_rid += 1
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need the model's tokenizer.json",
+                                      param="stop")
         reqs, _ = self.intake.requests(f"req-{self._next_rid}", self._prompt_ids(prompt),
                                        params, parse_spec(spec), logprob_start, cache_salt)
+        if params.stop:
+            for req in reqs:
+                self._stops[req] = _StopState(IncrementalDecoder(self.tokenizer),
+                                              StopMatcher(list(params.stop)))
         return reqs
 
     def _prompt_ids(self, prompt) -> np.ndarray:
@@ -223,7 +268,12 @@ class Engine:
         )
         for i, req in enumerate(group):
             assert req.status is ReqStatus.FINISHED
-            text = self.tokenizer.decode(req.output_ids) if self.tokenizer else None
+            state = self._stops.get(req)
+            if state is not None:
+                text, stop_reason = state.matcher.text, state.stop_reason
+            else:
+                text = self.tokenizer.decode(req.output_ids) if self.tokenizer else None
+                stop_reason = req.output_ids[-1] if req.finish_reason == "stop" else None
             out.outputs.append(
                 CompletionOutput(
                     i,
@@ -232,6 +282,7 @@ class Engine:
                     list(req.output_logprobs),
                     list(req.top_logprobs),
                     req.finish_reason,
+                    stop_reason,
                 )
             )
         return out

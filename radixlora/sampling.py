@@ -19,9 +19,15 @@ from radixlora.kernels.sampling import sample_tokens, sample_tokens_ref
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
+MAX_STOP_STRINGS = 16  # the server's limits on `stop` (radixlora.server.protocol)
+MAX_STOP_CHARS = 256
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
+    """OpenAI's sampling fields that radixlora supports. `stop`: a string or strings; the
+    output ends just before the first one to complete (finish_reason "stop"), as on the
+    server. A list given for `stop` or `stop_token_ids` is kept as a tuple."""
+
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -32,6 +38,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, tuple):
+            msgspec.structs.force_setattr(self, "stop", tuple(stop or ()))
+        elif stop is not self.stop:
+            msgspec.structs.force_setattr(self, "stop", stop)
+        if not isinstance(self.stop_token_ids, tuple):
+            msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     def validate(self, vocab_size: int) -> None:
         _check_int("max_tokens", self.max_tokens, 1, None)
@@ -46,6 +62,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
         _check_float("min_p", self.min_p, 0.0, 1.0)
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0, vocab_size - 1)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, "
+                                      f"got {len(self.stop)}", param="stop")
+        for s in self.stop:
+            if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
+                raise InvalidRequestError(f"stop strings must be 1-{MAX_STOP_CHARS} characters, "
+                                          f"got {s!r}", param="stop")
 
 
 def _check_int(name: str, value, low: int, high: int | None) -> None:

@@ -106,5 +106,5 @@ def _request(rid, prompt, params, adapters, stop, messages) -> GenerateReq:
         messages=[ChatMessage(role=m["role"], content=m["content"]) for m in messages]
         if messages is not None else None,
         adapters=parse_spec(adapters) or None,
-        stop=list(stop or []),
+        stop=list(stop or params.stop),
     )
