@@ -300,6 +300,25 @@ def test_republished_name_in_flight_finishes_on_old_version(model, versions, tmp
     _assert_nothing_held(sched)
 
 
+def test_published_snapshots_register_from_their_headers(model, versions, tmp_path,
+                                                         monkeypatch):  # fmt: skip
+    """A snapshot of the scheduler's own store, published with its id (the registry validated
+    it whole), registers from its config and header alone; the worker still reads and
+    re-hashes it, and serves its weights."""
+    sched, worker = _services(model, tmp_path)
+    snapshot = sched.lifecycle.store.snapshot("a", versions["v1"], ModelConfig.from_dir(model), 64)
+
+    def full_validation(*args, **kwargs):
+        raise AssertionError("the published snapshot was validated again")
+
+    monkeypatch.setattr("radixlora.adapters.load_adapter", full_validation)
+    sched.lifecycle.on_event(_event(1, "added", "a", snapshot))
+    assert sched.adapters.by_name["a"].adapter_id == snapshot.adapter_id
+    got = _drive(sched, worker, [_req("r", "a")])
+    assert got[("r", 0)] == _want(model, versions["v1"])
+    _assert_nothing_held(sched)
+
+
 def test_unload_while_in_use_waits_and_frees(model, versions, tmp_path):
     sched, worker = _services(model, tmp_path)
     reply = sched.lifecycle.admin(AdminReq(qid=1, op="load", name="a", path=str(versions["v3"])))

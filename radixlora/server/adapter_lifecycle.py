@@ -16,7 +16,7 @@ from pathlib import Path
 from radixlora.adapters import AdapterRegistry
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
-from radixlora.lora.adapter import LoraAdapter, read_adapter_files
+from radixlora.lora.adapter import LoraAdapter, adapter_from_header, read_adapter_files
 from radixlora.request import uses_adapter
 from radixlora.scheduler import Scheduler
 from radixlora.server.adapter_store import AdapterStore, FilesChanged
@@ -63,8 +63,15 @@ class AdapterLifecycle:
 
     def register(self, name: str, path: str, adapter_id: str = "") -> LoraAdapter:
         """Register a version (a re-used name is a new identity with its own cache namespace);
-        the version it replaces is retired: requests already admitted finish on it."""
-        adapter, replaced = self.registry.load(name, path)
+        the version it replaces is retired: requests already admitted finish on it. A snapshot
+        of the store published with its id (the registry validated it whole, values included)
+        is checked from its config and header only, as a hash-cache hit is: the worker
+        re-hashes whatever it reads and refuses a mismatch."""
+        if adapter_id and self.store is not None and self.store.owns(path):
+            trusted = adapter_from_header(name, path, self.model_cfg, self.max_rank, adapter_id)
+            adapter, replaced = self.registry.add(trusted)
+        else:
+            adapter, replaced = self.registry.load(name, path)
         if adapter_id and adapter.adapter_id != adapter_id:
             self.registry.remove(name)
             raise AdapterError(name, f"{path} does not hash to the published {adapter_id[:12]}")
@@ -142,9 +149,10 @@ class AdapterLifecycle:
         allowed roots (the api confined only the directory)."""
         self.registry.check_name(name)
         if self.store is not None:
-            path = self.store.snapshot(name, path, self.model_cfg, self.max_rank,
-                                       roots=self.allowed_roots).path
-        elif self.allowed_roots:
+            snapshot = self.store.snapshot(name, path, self.model_cfg, self.max_rank,
+                                           roots=self.allowed_roots)
+            return self.register(name, snapshot.path, snapshot.adapter_id)
+        if self.allowed_roots:
             read_adapter_files(name, Path(path), self.allowed_roots)
         return self.register(name, path)
 
