@@ -59,7 +59,8 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if ("default" in text or action.default in (None, argparse.SUPPRESS, False, True, [])
+        unset = action.default is None or action.default is argparse.SUPPRESS
+        if ("default" in text or unset or action.default == [] or action.nargs == 0
                 or not action.option_strings):
             return text
         return f"{text} (default: %(default)s)"

@@ -1,0 +1,258 @@
+"""`radixlora serve` as vLLM's and SGLang's users call it: the model as a positional argument or
+--model-path, --lora-modules / --lora-paths in all their forms, the adapter counts translated
+into pool sizes, Hugging Face ids through the local cache; the compatibility endpoints
+(/load_lora_adapter, /unload_lora_adapter, /tokenize, /detokenize, /version); and start-up
+errors: argparse errors for bad values, one line naming the cause (and the flag) otherwise."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+import torch
+
+from radixlora import __version__
+from radixlora.cli import StartError, build_parser, check_device
+from radixlora.cli.flags import lora_modules, lora_paths, model_and_adapters, resolved_overrides
+from radixlora.config import ModelConfig
+from radixlora.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR, format_prompt
+from radixlora.engine import Engine
+from radixlora.lora.pool import AdapterPool
+from radixlora.sampling import SamplingParams
+from radixlora.server.chat import ChatTemplate
+from radixlora.tokenizer import Tokenizer
+from scripts.checkpoints import build_tiny_model
+from tests.server_harness import ServerProcess, free_port
+
+API_KEY = "compat-key"
+PROMPT = format_prompt("the red fox ate 42 fish")
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def run_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "radixlora.cli", *argv], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
+# ---- flags -----------------------------------------------------------------------------------
+
+
+def test_lora_modules_and_lora_paths_forms():
+    assert lora_modules(["a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}']) == {
+        "a": "/x", "b": "/y"}
+    assert lora_paths(["/adapters/sql/", "c=/z", '{"lora_name": "d", "lora_path": "/w"}']) == {
+        "sql": "/adapters/sql/", "c": "/z", "d": "/w"}
+    for bad in (["noequals"], ['{"name": "x"}'], ["{not json"]):
+        with pytest.raises(SystemExit, match="--lora-modules"):
+            lora_modules(bad)
+    with pytest.raises(SystemExit, match="pin"):
+        lora_paths(['{"lora_name": "d", "lora_path": "/w", "pinned": true}'])
+
+
+def test_positional_model_and_every_adapter_flag():
+    up, rev, dig, js = (str(DEMO_ADAPTERS[n]) for n in ("upper", "reverse", "digits", "json"))
+    args = parse(str(DEMO_MODEL_DIR), "--lora-modules", f"upper={up}",
+                 json.dumps({"name": "rev", "path": rev}), "--lora-paths", dig,
+                 "--adapter", f"j={js}", "--enable-lora")
+    model, adapters, served = model_and_adapters(args)
+    assert str(model) == str(DEMO_MODEL_DIR) and served is None
+    assert adapters == {"upper": up, "rev": rev, "digits": dig, "j": js}
+    assert parse("--model-path", "m").model == "m"
+    with pytest.raises(SystemExit, match="two models"):
+        model_and_adapters(parse("a", "--model", "b"))
+    with pytest.raises(SystemExit, match="no such file or directory"):
+        model_and_adapters(parse("--model", "/no/such/model"))
+
+
+def test_adapter_counts_become_pool_sizes():
+    args = parse("--max-loras", "4", "--max-lora-rank", "16", "--max-loras-per-batch", "3",
+                 "--max-cpu-loras", "10", "--dtype", "half")
+    overrides = resolved_overrides(args, DEMO_MODEL_DIR)
+    row_bytes = AdapterPool.bytes_per_row(ModelConfig.from_dir(DEMO_MODEL_DIR), torch.float16)
+    assert overrides == {"max_loras": 4, "max_rank": 16, "max_adapter_sets_per_batch": 3,
+                         "dtype": "float16", "host_adapter_bytes": 10 * 16 * row_bytes}
+    with pytest.raises(SystemExit, match="not both"):
+        resolved_overrides(parse("--max-cpu-loras", "2", "--host-adapter-bytes", "9"),
+                           DEMO_MODEL_DIR)
+
+
+def test_hugging_face_ids_resolve_through_the_local_cache(tmp_path, monkeypatch):
+    constants = pytest.importorskip("huggingface_hub.constants")
+    snapshot = tmp_path / "models--org--tiny" / "snapshots" / "0123abcd"
+    build_tiny_model(snapshot)
+    (tmp_path / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "models--org--tiny" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    model, _, served = model_and_adapters(parse("org/tiny", "--adapter",
+                                                f"up={DEMO_ADAPTERS['upper']}"))
+    assert model == str(snapshot) and served == "org/tiny"
+    with pytest.raises(SystemExit, match="not in the Hugging Face cache"):
+        model_and_adapters(parse("org/missing"))
+
+
+def test_every_option_has_help_with_its_default():
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    for name, sub in commands.items():
+        text = " ".join(sub.format_help().split())
+        for action in sub._actions:
+            if not action.option_strings or action.help == argparse.SUPPRESS:
+                continue
+            assert action.help, (name, action.option_strings)
+            switch = action.nargs == 0 or action.required
+            assert switch or "default" in sub._get_formatter()._get_help_string(action), (
+                name, action.option_strings)
+        assert "(default: 30000)" in text if name == "serve" else True
+    assert "%" not in commands["serve"].format_help().replace("25%", "")
+
+
+def test_bad_values_are_argparse_errors_and_version():
+    done = run_cli("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"radixlora {__version__}"
+    for flag, value in (("--dtype", "fp16"), ("--log-level", "verbose"), ("--device", "tpu"),
+                        ("--port", "70000"), ("--max-num-seqs", "0")):
+        done = run_cli("serve", flag, value)
+        assert done.returncode == 2, done.stderr
+        assert flag in done.stderr and "Traceback" not in done.stderr
+
+
+def test_device_cuda_without_cuda_names_the_flag(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(StartError, match="--device cpu"):
+        check_device({"device": "cuda"})
+    check_device({"device": "cpu"})
+
+
+# ---- start-up failures -----------------------------------------------------------------------
+
+
+def test_busy_port_and_bad_model_fail_before_loading_in_one_line(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = run_cli("serve", "--port", str(port))
+    assert done.returncode == 1
+    assert last_line(done.stderr) == (f"radixlora serve: error: port {port} on 127.0.0.1 is "
+                                      "already in use; choose another with --port")
+    assert "starting the worker" not in done.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = run_cli("serve", "--model", str(empty), "--port", "1")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert last_line(done.stderr) == (f"radixlora serve: error: no config.json in {empty} "
+                                      "(set by --model)")
+
+
+def test_a_childs_start_up_failure_is_printed_once_last(tmp_path):
+    model = build_tiny_model(tmp_path / "tiny")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{not json")
+    done = run_cli("serve", str(model), "--adapter", f"broken={broken}", "--port",
+                   str(free_port()), "--kv-pages", "64", timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    last = last_line(done.stderr)
+    assert "start-up failed: the scheduler process cannot start: adapter 'broken'" in last
+    assert done.stderr.count(last.split("cannot start: ")[1]) == 1  # the cause, once
+    assert "starting the worker process" in done.stderr and "pools sized" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(DEMO_MODEL_DIR, adapters={"upper": DEMO_ADAPTERS["upper"]})
+
+
+# ---- a server started the vLLM way -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = DEMO_ADAPTERS["upper"].parent
+    log = tmp_path_factory.mktemp("compat") / "server.log"
+    proc = ServerProcess(
+        None, {}, log, str(DEMO_MODEL_DIR), "--served-model-name", "demo",
+        "--lora-modules", f"upper={DEMO_ADAPTERS['upper']}",
+        json.dumps({"name": "digits", "path": str(DEMO_ADAPTERS["digits"])}),
+        "--lora-paths", str(DEMO_ADAPTERS["reverse"]), "--enable-lora",
+        "--max-loras", "4", "--max-cpu-loras", "6", "--max-loras-per-batch", "3",
+        "--api-key", API_KEY, "--allowed-adapter-root", str(root))
+    proc.http.headers["authorization"] = f"Bearer {API_KEY}"
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        assert proc.stop() == 0, proc.logs()
+
+
+def test_served_adapters_and_sizes(server):
+    names = {m["id"] for m in server.http.get("/v1/models").json()["data"]}
+    assert names == {"demo", "upper", "digits", "reverse"}
+    engine = server.info()["engine"]
+    row_bytes = AdapterPool.bytes_per_row(ModelConfig.from_dir(DEMO_MODEL_DIR), torch.float32)
+    assert engine["max_adapter_sets_per_batch"] == 3
+    assert engine["host_adapter_bytes"] == 6 * engine["max_rank"] * row_bytes
+
+
+def test_tokenize_detokenize_version(server):
+    tokenizer = Tokenizer.from_dir(DEMO_MODEL_DIR)
+    got = server.http.post("/tokenize", json={"model": "demo", "prompt": PROMPT,
+                                              "return_token_strs": True}).json()
+    ids = tokenizer.encode(PROMPT)
+    assert got["tokens"] == ids and got["count"] == len(ids)
+    assert got["max_model_len"] == ModelConfig.from_dir(DEMO_MODEL_DIR).max_position
+    assert len(got["token_strs"]) == len(ids)
+    messages = [{"role": "user", "content": "the red fox ate 42 fish"}]
+    chat = server.http.post("/tokenize", json={"messages": messages}).json()
+    rendered = ChatTemplate.from_dir(DEMO_MODEL_DIR).render(messages)
+    assert chat["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
+    back = server.http.post("/detokenize", json={"tokens": ids}).json()
+    assert back == {"prompt": tokenizer.decode(ids)}
+    bad = server.http.post("/detokenize", json={"tokens": [10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert server.http.post("/tokenize", json={}).status_code == 400
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": "x"}).status_code == 401
+    assert httpx.get(f"{server.url}/version").json() == {"version": __version__}
+
+
+def test_sglang_load_and_unload_lora_adapter(server):
+    admin = {"authorization": f"Bearer {server.admin_key}"}
+    body = {"lora_name": "shout", "lora_path": str(DEMO_ADAPTERS["upper"]), "pinned": True}
+    loaded = server.http.post("/load_lora_adapter", json=body, headers=admin)
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.json()["success"] is True and loaded.json()["pinned"] is True
+    out = server.http.post("/v1/completions", json={
+        "model": "shout", "prompt": PROMPT, "max_tokens": 40, "temperature": 0}).json()
+    assert out["choices"][0]["text"] == "THE RED FOX ATE 42 FISH"
+    gone = server.http.post("/unload_lora_adapter", json={"lora_name": "shout"}, headers=admin)
+    assert gone.status_code == 200 and gone.json()["success"] is True
+    assert server.http.post("/unload_lora_adapter", json={"lora_name": "shout"},
+                            headers=admin).status_code == 404
+    assert server.http.post("/load_lora_adapter", json=body).status_code == 401
+
+
+@pytest.mark.parametrize("stop", [["fox"], ["x", "42 f"], ["ate 4", "ate"], ["zzz"]])
+def test_offline_stop_strings_equal_the_servers(server, engine, stop):
+    """SamplingParams(stop=...) on the offline Engine gives the server's text and reason."""
+    for adapter in (None, "upper"):
+        params = SamplingParams(max_tokens=40, temperature=0.0, stop=stop)
+        offline = engine.generate(PROMPT, params, adapters=adapter)[0].outputs[0]
+        body = {"model": adapter or "demo", "prompt": PROMPT, "max_tokens": 40,
+                "temperature": 0, "stop": stop}
+        online = server.http.post("/v1/completions", json=body).json()["choices"][0]
+        assert (offline.text, offline.finish_reason) == (online["text"],
+                                                         online["finish_reason"]), adapter
+

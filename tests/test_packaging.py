@@ -1,0 +1,69 @@
+"""Packaging: `import radixlora` and the command line's parser load neither torch nor triton
+(triton is a Linux-only dependency); pyproject.toml declares its license as an SPDX string and
+ships every demo data directory as a listed package (setuptools warns otherwise)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: pytest's own dependency
+    import tomli as tomllib
+
+import radixlora
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK_TRITON = """
+import importlib.abc, sys
+class NoTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError(f"No module named {name!r} (blocked by the test)")
+sys.meta_path.insert(0, NoTriton())
+"""
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", BLOCK_TRITON + code], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+
+
+def test_import_and_cli_parser_need_neither_torch_nor_triton():
+    done = run_python(
+        "import radixlora\n"
+        "from radixlora.cli import build_parser\n"
+        "build_parser().parse_args(['serve', 'org/model', '--lora-modules', 'a=/x'])\n"
+        "assert not {'torch', 'triton'} & set(sys.modules), sorted(sys.modules)\n"
+        "print(radixlora.__version__, 'Engine' in dir(radixlora))\n")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [radixlora.__version__, "True"]
+
+
+def test_public_names_resolve_on_first_use():
+    assert radixlora.SamplingParams.__name__ == "SamplingParams"
+    assert set(radixlora.__all__) <= set(dir(radixlora))
+    try:
+        radixlora.NoSuchName  # noqa: B018
+    except AttributeError as e:
+        assert "NoSuchName" in str(e)
+    else:
+        raise AssertionError("an unknown name must raise AttributeError")
+
+
+def test_pyproject_license_version_and_demo_data():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["license"] == "Apache-2.0"
+    assert project["project"]["version"] == radixlora.__version__
+    assert "huggingface_hub" in " ".join(project["project"]["optional-dependencies"]["hf"])
+    setuptools = project["tool"]["setuptools"]
+    demo = ROOT / "radixlora" / "demo"
+    data_dirs = {
+        ".".join(p.relative_to(ROOT).parts) for p in demo.rglob("*")
+        if p.is_dir() and not (p / "__init__.py").exists() and any(
+            f.is_file() for f in p.iterdir()) and p.name != "__pycache__"
+    }
+    assert data_dirs and data_dirs <= set(setuptools["packages"])
+    assert all(setuptools["package-data"].get(name) == ["*"] for name in data_dirs)
