@@ -71,10 +71,12 @@ class Sample:
     matched_stop: str | int | None = None
     input_logprobs: list[float] = field(default_factory=list)
     input_ids: list[int] = field(default_factory=list)
+    input_texts: list[str] = field(default_factory=list)
 
     def add(self, out: SampleOutput, ids: list[int]) -> None:
         self.input_logprobs += out.input_logprobs
         self.input_ids += bytes_to_ids(out.input_ids).tolist()
+        self.input_texts += out.input_texts or []
         self.text += out.text
         self.token_ids += ids
         self.logprobs += out.logprobs

@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from radixlora.errors import InvalidRequestError
 from radixlora.server.bridge import ReqFailed
+from radixlora.server.protocol import unknown_fields
 
 _PATH = re.compile(r"at `\$\.?([^`\[]*)")
 MAX_DEPTH = 64  # nesting of JSON arrays and objects in a request body
@@ -83,6 +84,10 @@ async def read_json(request: Request, schema, max_bytes: int):
     except RecursionError as e:
         raise HttpError(400, "the body nests too deeply", "too_deep") from e
     except msgspec.ValidationError as e:
+        names = unknown_fields(raw, schema) if "unknown field" in str(e) else []
+        if names:
+            raise HttpError(400, f"unrecognized request arguments: {', '.join(names)}",
+                            "unknown_parameter", names[0]) from e
         match = _PATH.search(str(e))
         raise HttpError(400, str(e), "invalid_value", match.group(1) if match else None) from e
     except msgspec.DecodeError as e:

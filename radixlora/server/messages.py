@@ -171,6 +171,7 @@ class SampleOutput(msgspec.Struct, array_like=True):
     fallback: str | None = None
     input_logprobs: list[float] = []
     input_ids: Int32Array = b""  # prompt tokens that input_logprobs score
+    input_texts: list[str] | None = None  # input_ids' strings (with token_texts)
 
 
 class OutputBatch(Message):

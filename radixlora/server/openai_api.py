@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+import string
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
@@ -19,12 +21,12 @@ from radixlora.server.messages import GenerateReq, SampleOutput, ids_to_bytes
 from radixlora.server.protocol import (
     ChatRequest,
     CompletionRequest,
-    adapter_choices,
     adapter_label,
     chat_messages,
     chat_params,
     completion_params,
     completion_prompts,
+    request_adapters,
     stop_list,
 )
 from radixlora.server.responses import (
@@ -47,16 +49,18 @@ class OpenAIHandlers:
 
     def completion_reqs(self, req: CompletionRequest, rid: str) -> tuple[list[GenerateReq], str]:
         params = completion_params(req, self.vocab_size)
-        choices = adapter_choices(req.model, self.model_name, req.adapters)
+        prompts = completion_prompts(req.prompt)
+        choices = request_adapters(req, self.model_name, len(prompts))
         stops = stop_list(req.stop)
         reqs = []
-        for p, prompt in enumerate(completion_prompts(req.prompt)):
+        for p, (prompt, adapters) in enumerate(zip(prompts, choices)):
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, ids_to_bytes(prompt))
             reqs.append(GenerateReq(
                 rid=f"{rid}-{p}", params=params, fill_context=req.max_tokens is None, prompt=text,
-                input_ids=ids, adapters=choices, stop=stops, token_texts=req.logprobs is not None,
+                input_ids=ids, adapters=adapters, stop=stops,
+                token_texts=req.logprobs is not None,
             ))
-        return reqs, adapter_label(choices)
+        return reqs, batch_label(choices)
 
     async def completions(self, request: Request, req: CompletionRequest, owner: str):
         head = response_head("cmpl", "text_completion", req.model)
@@ -87,8 +91,9 @@ class OpenAIHandlers:
                 logprobs = _completion_logprobs(_as_sample(out), offsets.get(index, 0))
             offsets[index] = offsets.get(index, 0) + len(out.text)
             choice = completion_choice(index, out.text, logprobs, out.finish_reason)
-            yield sse({**head, **fallback_fields(gens), "choices": [choice]})
-        if req.stream_options is not None and req.stream_options.include_usage:
+            yield sse({**head, **fallback_fields(gens), "choices": [choice],
+                       **obfuscation(req, out.text)})
+        if include_usage(req):
             yield sse({**head, "choices": [], "usage": _usage(gens)})
         yield SSE_DONE
 
@@ -96,13 +101,13 @@ class OpenAIHandlers:
 
     def chat_req(self, req: ChatRequest, rid: str) -> tuple[GenerateReq, str]:
         params = chat_params(req, self.vocab_size)
-        choices = adapter_choices(req.model, self.model_name, req.adapters)
+        choices = request_adapters(req, self.model_name)[0]
         max_tokens = req.max_tokens if req.max_completion_tokens is None else (
             req.max_completion_tokens)
         gen = GenerateReq(
             rid=rid, params=params, fill_context=max_tokens is None,
             messages=chat_messages(req.messages),
-            adapters=choices, stop=stop_list(req.stop), token_texts=req.logprobs,
+            adapters=choices, stop=stop_list(req.stop), token_texts=bool(req.logprobs),
         )
         return gen, adapter_label(choices)
 
@@ -134,8 +139,9 @@ class OpenAIHandlers:
             logprobs = _chat_logprobs(_as_sample(out)) if req.logprobs else None
             choice = {"index": out.index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": out.finish_reason}
-            yield sse({**head, **fallback_fields(gens), "choices": [choice]})
-        if req.stream_options is not None and req.stream_options.include_usage:
+            yield sse({**head, **fallback_fields(gens), "choices": [choice],
+                       **obfuscation(req, out.text)})
+        if include_usage(req):
             yield sse({**head, "choices": [], "usage": _usage(gens)})
         yield SSE_DONE
 
@@ -146,6 +152,28 @@ class OpenAIHandlers:
         or scheduler (unknown adapter, context length) are still proper 4xx responses."""
         first = await until_disconnect(request, chunks.__anext__())
         return EventStream(stream_body(first, chunks))
+
+
+def batch_label(choices: list) -> str:
+    """The metrics label of a request's prompts: their adapter label, or "mixed"."""
+    labels = {adapter_label(c) for c in choices}
+    return labels.pop() if len(labels) == 1 else "mixed"
+
+
+def include_usage(req) -> bool:
+    return req.stream_options is not None and bool(req.stream_options.include_usage)
+
+
+OBFUSCATION_CHARS = string.ascii_letters + string.digits
+
+
+def obfuscation(req, text: str) -> dict:
+    """stream_options.include_obfuscation: random characters that pad each chunk's text to a
+    multiple of 64 characters plus 1-15 (OpenAI's side-channel mitigation)."""
+    if req.stream_options is None or not req.stream_options.include_obfuscation:
+        return {}
+    pad = -len(text) % 64 + secrets.randbelow(15) + 1
+    return {"obfuscation": "".join(secrets.choice(OBFUSCATION_CHARS) for _ in range(pad))}
 
 
 FALLBACK_FINGERPRINT = "radixlora-base-fallback"

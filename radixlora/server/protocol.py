@@ -26,25 +26,33 @@ Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool = False
+class Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A request object: a field it does not declare is a 400 `unknown_parameter` listing every
+    such name (`unknown_fields`), never dropped."""
 
 
-class AdapterRef(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class StreamOptions(Strict):
+    include_usage: bool | None = False
+    include_obfuscation: bool | None = None
+
+
+class AdapterRef(Strict):
     name: str
     weight: float = 1.0
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
-    """Fields shared by both OpenAI endpoints."""
+class _Sampling(Strict):
+    """Fields shared by both OpenAI endpoints: OpenAI's, then the extensions radixlora honours
+    (top_k, min_p, ignore_eos, stop_token_ids as vLLM and SGLang take them; `adapters`;
+    SGLang's `lora_path`; LoRAX's `adapter_id`)."""
 
     model: str
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int32 | None = None
     min_p: float | None = None
-    n: Int32 = 1
-    stream: bool = False
+    n: Int32 | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: Int64 | None = None
@@ -55,69 +63,204 @@ class _Sampling(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     adapters: list[AdapterRef] | None = None
+    lora_path: str | list[str | None] | None = None
+    adapter_id: str | None = None
+
+    def __post_init__(self):
+        self.n = 1 if self.n is None else self.n  # null means the default, as at OpenAI
+        self.stream = bool(self.stream)
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list
     max_tokens: Int32 | None = 16
     logprobs: Int32 | None = None
-    echo: bool = False
+    echo: bool | None = False
     best_of: Int32 | None = None
     suffix: str | None = None
 
 
-class ContentPart(msgspec.Struct, kw_only=True):
+class ContentPart(Strict):
     type: str
     text: str | None = None
+    prompt_cache_breakpoint: dict | None = None  # every prefix is cached anyway
+    image_url: object = None
+    input_audio: object = None
+    file: object = None
+    refusal: object = None
 
 
-class ChatMessageIn(msgspec.Struct, kw_only=True):
+class ChatMessageIn(Strict):
     role: str
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: object = None
+    tool_calls: object = None
+    tool_call_id: object = None
+    function_call: object = None
+    refusal: object = None
+    audio: object = None
 
 
 class ChatRequest(_Sampling, kw_only=True):
     messages: list[ChatMessageIn]
     max_tokens: Int32 | None = None
     max_completion_tokens: Int32 | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: Int32 | None = None
-    tools: list | None = None
-    response_format: dict | None = None
+    parallel_tool_calls: bool | None = None  # nothing to call: tools are refused
+    prompt_cache_key: str | None = None  # every prefix is cached, whatever the key
+    safety_identifier: str | None = None
+    # accepted only at the value that asks for nothing radixlora lacks (NEUTRAL_CHAT)
+    tools: object = None
+    tool_choice: object = None
+    functions: object = None
+    function_call: object = None
+    response_format: object = None
+    audio: object = None
+    modalities: object = None
+    metadata: object = None
+    moderation: object = None
+    prediction: object = None
+    prompt_cache_options: object = None
+    prompt_cache_retention: object = None
+    reasoning_effort: object = None
+    service_tier: object = None
+    store: object = None
+    verbosity: object = None
+    web_search_options: object = None
 
 
-class SglSamplingParams(msgspec.Struct, kw_only=True):
-    max_new_tokens: Int32 = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: Int32 = -1
-    min_p: float = 0.0
+# Fields of OpenAI's chat spec radixlora cannot honour, with the values that ask for nothing
+# (None is always one): anything else is a 400 unsupported_parameter naming the field.
+NEUTRAL_CHAT: dict[str, tuple] = {
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none",),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "audio": (),
+    "modalities": (["text"],),
+    "metadata": ({},),
+    "moderation": (),
+    "prediction": (),
+    "prompt_cache_options": (),
+    "prompt_cache_retention": ("in_memory",),
+    "reasoning_effort": ("none",),
+    "service_tier": ("auto", "default"),
+    "store": (False,),
+    "verbosity": (),
+    "web_search_options": (),
+}
+NEUTRAL_MESSAGE: dict[str, tuple] = {
+    "name": (), "tool_calls": ([],), "tool_call_id": (), "function_call": (), "refusal": (),
+    "audio": (),
+}
+
+
+class SglSamplingParams(Strict):
+    """SGLang's sampling_params; null means the default, as in SGLang."""
+
+    max_new_tokens: Int32 | None = 128
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int32 | None = None
+    min_p: float | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
-    n: Int32 = 1
-    ignore_eos: bool = False
+    n: Int32 | None = None
+    ignore_eos: bool | None = None
     sampling_seed: Int64 | None = None
     seed: Int64 | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    regex: str | None = None
-    json_schema: str | None = None
-    ebnf: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    spaces_between_special_tokens: bool | None = None  # only matters when they are kept
+    # accepted only at the value that asks for nothing radixlora lacks (NEUTRAL_SGL_SAMPLING)
+    skip_special_tokens: object = None
+    min_new_tokens: object = None
+    stop_regex: object = None
+    regex: object = None
+    json_schema: object = None
+    ebnf: object = None
+    structural_tag: object = None
+    beam_width: object = None
+    no_stop_trim: object = None
+    stream_interval: object = None
+    logit_bias: object = None
+    custom_params: object = None
+    watermark: object = None
 
 
-class GenerateRequest(msgspec.Struct, kw_only=True):
+NEUTRAL_SGL_SAMPLING: dict[str, tuple] = {
+    "skip_special_tokens": (True,),
+    "min_new_tokens": (0,),
+    "stop_regex": ([], ""),
+    "regex": (),
+    "json_schema": (),
+    "ebnf": (),
+    "structural_tag": (),
+    "beam_width": (),
+    "no_stop_trim": (False,),
+    "stream_interval": (1,),
+    "logit_bias": ({},),
+    "custom_params": ({},),
+    "watermark": (),
+}
+
+
+class GenerateRequest(Strict):
+    """SGLang's /generate body (GenerateReqInput). The logprob options may be one value for
+    every prompt or a list with one per prompt, as in SGLang."""
+
     text: str | list[str] | None = None
     input_ids: list | None = None
     sampling_params: SglSamplingParams | list[SglSamplingParams] | None = None
     lora_path: str | list[str | None] | None = None
     adapters: list[AdapterRef] | None = None  # radixlora: a weighted stack for every prompt
-    stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: Int32 = 0
-    logprob_start_len: Int32 = -1
+    stream: bool | None = False
+    return_logprob: bool | list[bool] | None = None
+    top_logprobs_num: Int32 | list[Int32] | None = None
+    logprob_start_len: Int32 | list[Int32] | None = None
+    return_text_in_logprobs: bool | None = False
     rid: str | list[str] | None = None
+    log_metrics: bool | None = None  # metrics count every request
+    # accepted only at the value that asks for nothing radixlora lacks (NEUTRAL_GENERATE)
+    token_ids_logprob: object = None
+    input_embeds: object = None
+    image_data: object = None
+    video_data: object = None
+    audio_data: object = None
+    modalities: object = None
+    return_hidden_states: object = None
+    return_routed_experts: object = None
+    return_entropy: object = None
+    return_prompt_token_ids: object = None
+    return_sampling_mask: object = None
+    session_params: object = None
+    custom_logit_processor: object = None
+    lora_id: object = None
+    priority: object = None
+    background: object = None
+
+
+NEUTRAL_GENERATE: dict[str, tuple] = {
+    "token_ids_logprob": (),
+    "input_embeds": (),
+    "image_data": (),
+    "video_data": (),
+    "audio_data": (),
+    "modalities": (),
+    "return_hidden_states": (False,),
+    "return_routed_experts": (False,),
+    "return_entropy": (False,),
+    "return_prompt_token_ids": (False,),
+    "return_sampling_mask": (False,),
+    "session_params": (),
+    "custom_logit_processor": (),
+    "lora_id": (),
+    "priority": (),
+    "background": (False,),
+}
 
 
 class AbortRequest(msgspec.Struct, kw_only=True):
@@ -153,27 +296,111 @@ def check_penalties(**values: float | None) -> None:
                                       code="unsupported_parameter")
 
 
+def refuse_unsupported(obj, neutral: dict[str, tuple], prefix: str = "") -> None:
+    """A 400 unsupported_parameter for the first field of `neutral` set to a value other than
+    null or one of its neutral values."""
+    for name, values in neutral.items():
+        value = getattr(obj, name)
+        if value is not None and not any(_same(value, v) for v in values):
+            raise InvalidRequestError(f"{prefix}{name} is not supported", param=prefix + name,
+                                      code="unsupported_parameter")
+
+
+def _same(value, neutral) -> bool:
+    return type(value) is type(neutral) and value == neutral
+
+
+def unknown_fields(raw: bytes, schema) -> list[str]:
+    """The names (dotted paths for nested objects) in the JSON body `raw` that `schema` and the
+    objects in it do not declare; empty when `raw` is not JSON."""
+    try:
+        value = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return []
+    found: list[str] = []
+    _unknown(value, msgspec.inspect.type_info(schema), "", found)
+    return found
+
+
+def _unknown(value, info, path: str, found: list[str]) -> None:
+    if isinstance(info, msgspec.inspect.UnionType):
+        for option in info.types:
+            if isinstance(value, dict) and isinstance(option, msgspec.inspect.StructType) or (
+                    isinstance(value, list) and isinstance(option, msgspec.inspect.ListType)):
+                _unknown(value, option, path, found)
+                return
+    elif isinstance(info, msgspec.inspect.StructType) and isinstance(value, dict):
+        fields = {f.encode_name: f.type for f in info.fields}
+        for name, item in value.items():
+            if name not in fields:
+                found.append(path + name)
+            else:
+                _unknown(item, fields[name], f"{path}{name}.", found)
+    elif isinstance(info, msgspec.inspect.ListType) and isinstance(value, list):
+        for i, item in enumerate(value):
+            _unknown(item, info.item_type, f"{path.rstrip('.')}[{i}].", found)
+
+
 def adapter_choices(model: str, base_name: str, adapters: list[AdapterRef] | None):
-    """`model` is the base name, "BASE:ADAPTER" or "ADAPTER"; `adapters` stacks weighted ones
-    (then `model` must name the base)."""
+    """The adapter choice of a request that names adapters by `model` and `adapters` only."""
+    return prompt_adapters(model, base_name, adapters)[0]
+
+
+def request_adapters(req: _Sampling, base_name: str, count: int = 1):
+    """The adapter choice of each of the `count` prompts of an OpenAI request."""
+    return prompt_adapters(req.model, base_name, req.adapters, req.lora_path, req.adapter_id,
+                           count)
+
+
+def prompt_adapters(model: str, base_name: str, adapters: list[AdapterRef] | None,
+                    lora_path: str | list[str | None] | None = None,
+                    adapter_id: str | None = None, count: int = 1,
+                    ) -> list[list[AdapterChoice] | None]:
+    """The adapter choice of each of `count` prompts. `model` is the base name, "BASE:ADAPTER"
+    or "ADAPTER"; `adapters` stacks weighted ones for every prompt (then `model` must name the
+    base); SGLang's `lora_path` names one adapter (null: the base) for every prompt or, as a
+    list, for each; LoRAX's `adapter_id` names one. Fields that name different adapters for
+    one prompt are a 400 naming the later field."""
     if not model:
         raise InvalidRequestError("model must name the base model or an adapter", param="model")
-    named = None
+    named, source = None, "model"
     if model.startswith(base_name + ":"):
         named = model[len(base_name) + 1 :]
         if not named:
             raise InvalidRequestError(f"{model!r} names no adapter after ':'", param="model")
     elif model != base_name:
         named = model
-    if adapters is not None:
-        if named is not None:
+    if adapter_id is not None:
+        if not adapter_id:
+            raise InvalidRequestError("adapter_id must name an adapter", param="adapter_id")
+        if named is not None and named != adapter_id:
             raise InvalidRequestError(
-                "name adapters either in `model` or in `adapters`, not both", param="adapters"
-            )
-        if not adapters:
-            return None
-        return [AdapterChoice(a.name, a.weight) for a in adapters]
-    return [AdapterChoice(named)] if named is not None else None
+                f"model names adapter {named!r} and adapter_id names {adapter_id!r}: name one",
+                param="adapter_id")
+        named, source = adapter_id, "adapter_id"
+    per_prompt = [named] * count
+    if lora_path is not None:
+        paths = lora_path if isinstance(lora_path, list) else [lora_path] * count
+        if len(paths) != count:
+            raise InvalidRequestError(
+                f"lora_path: {len(paths)} entries for {count} prompts", param="lora_path")
+        if any(p == "" for p in paths):
+            raise InvalidRequestError("lora_path entries must be adapter names or null",
+                                      param="lora_path")
+        if named is not None and any(p != named for p in paths):
+            raise InvalidRequestError(
+                f"{source} names adapter {named!r} and lora_path names "
+                f"{next(p for p in paths if p != named)!r}: name one", param="lora_path")
+        per_prompt = paths
+    if adapters is not None:
+        if any(p is not None for p in per_prompt) or lora_path is not None:
+            field = source if lora_path is None else "lora_path"
+            raise InvalidRequestError(
+                f"name adapters either in `{field}` or in `adapters`, not both",
+                param="adapters")
+        stack = [AdapterChoice(a.name, a.weight) for a in adapters] or None
+        return [stack] * count
+    return [[AdapterChoice(p)] if p is not None else None for p in per_prompt]
 
 
 def adapter_label(choices: list[AdapterChoice] | None) -> str:
@@ -227,10 +454,7 @@ def completion_params(req: CompletionRequest, vocab_size: int) -> SamplingParams
 
 
 def chat_params(req: ChatRequest, vocab_size: int) -> SamplingParams:
-    if req.tools or req.response_format:
-        param = "tools" if req.tools else "response_format"
-        raise InvalidRequestError(f"{param} is not supported", param=param,
-                                  code="unsupported_parameter")
+    refuse_unsupported(req, NEUTRAL_CHAT)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -280,14 +504,15 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
     if not messages:
         raise InvalidRequestError("messages is empty", param="messages")
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
             raise InvalidRequestError(f"unknown role {m.role!r}", param="messages")
-        out.append(ChatMessage(role=m.role, content=_content_text(m.content)))
+        refuse_unsupported(m, NEUTRAL_MESSAGE, f"messages[{i}].")
+        out.append(ChatMessage(role=m.role, content=_content_text(m.content, i)))
     return out
 
 
-def _content_text(content: str | list[ContentPart] | None) -> str:
+def _content_text(content: str | list[ContentPart] | None, i: int) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
@@ -295,7 +520,7 @@ def _content_text(content: str | list[ContentPart] | None) -> str:
         if part.type != "text" or part.text is None:
             raise InvalidRequestError(
                 f"content parts of type {part.type!r} are not supported (text only)",
-                param="messages",
+                param=f"messages[{i}].content", code="unsupported_parameter",
             )
         texts.append(part.text)
     return "".join(texts)

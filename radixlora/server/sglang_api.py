@@ -22,15 +22,19 @@ from radixlora.server.http import (
     stream_body,
     until_disconnect,
 )
-from radixlora.server.messages import AdapterChoice, GenerateReq, ids_to_bytes
+from radixlora.server.messages import GenerateReq, ids_to_bytes
 from radixlora.server.openai_api import FALLBACK_HEADER
 from radixlora.server.protocol import (
+    NEUTRAL_GENERATE,
+    NEUTRAL_SGL_SAMPLING,
     GenerateRequest,
     SglSamplingParams,
     adapter_label,
     build_params,
     check_penalties,
     completion_prompts,
+    prompt_adapters,
+    refuse_unsupported,
     stop_list,
 )
 
@@ -42,45 +46,42 @@ class SglangHandlers:
         self.vocab_size = vocab_size
 
     def generate_reqs(self, req: GenerateRequest) -> tuple[list[GenerateReq], bool]:
+        refuse_unsupported(req, NEUTRAL_GENERATE)
         prompts, batched = _prompts(req)
         count = len(prompts)
         sampling = _per_prompt(req.sampling_params or SglSamplingParams(), count,
                                "sampling_params")
-        loras = _per_prompt(req.lora_path, count, "lora_path")
-        stack = _stack(req)
+        choices = prompt_adapters(self.model_name, self.model_name, req.adapters, req.lora_path,
+                                  count=count)
+        options = logprob_options(req, count)
         rids = _rids(req.rid, count)
-        if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise InvalidRequestError(
-                f"top_logprobs_num must be between 0 and {MAX_TOP_LOGPROBS}",
-                param="top_logprobs_num",
-            )
-        start = max(req.logprob_start_len, 1) if req.return_logprob and (
-            req.logprob_start_len >= 0) else None
         reqs = []
-        for prompt, sp, lora, rid in zip(prompts, sampling, loras, rids):
+        for prompt, sp, adapters, (returned, tops, start), rid in zip(
+                prompts, sampling, choices, options, rids):
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, ids_to_bytes(prompt))
+            if isinstance(sp, SglSamplingParams):
+                refuse_unsupported(sp, NEUTRAL_SGL_SAMPLING)
+            scored = start if returned and start >= 0 else None
             reqs.append(GenerateReq(
-                rid=rid, params=self._params(sp, req), prompt=text, input_ids=ids,
-                prompt_only=sp.max_new_tokens == 0 and start is None,
-                score_only=sp.max_new_tokens == 0 and start is not None,
-                logprob_start=start,
-                adapters=stack or ([AdapterChoice(lora)] if lora else None),
+                rid=rid, params=self._params(sp, tops if returned else None), prompt=text,
+                input_ids=ids, fill_context=sp.max_new_tokens is None,
+                prompt_only=sp.max_new_tokens == 0 and scored is None,
+                score_only=sp.max_new_tokens == 0 and scored is not None,
+                logprob_start=scored,
+                adapters=adapters,
                 stop=stop_list(sp.stop),
-                token_texts=req.return_logprob,
+                token_texts=returned,
             ))
         return reqs, batched
 
-    def _params(self, sp: SglSamplingParams, req: GenerateRequest):
-        for name in ("regex", "json_schema", "ebnf"):
-            if getattr(sp, name) is not None:
-                raise InvalidRequestError(f"{name} is not supported", param=name,
-                                          code="unsupported_parameter")
+    def _params(self, sp: SglSamplingParams, logprobs: int | None):
         check_penalties(frequency_penalty=sp.frequency_penalty,
                         presence_penalty=sp.presence_penalty,
                         repetition_penalty=sp.repetition_penalty)
         return build_params(
             self.vocab_size,
-            max_tokens=sp.max_new_tokens or 1,  # 0: prompt only, answered by the tokenizer
+            # 0: prompt only, answered by the tokenizer; None: what the context leaves
+            max_tokens=sp.max_new_tokens or 1,
             temperature=sp.temperature,
             top_p=sp.top_p,
             top_k=sp.top_k,
@@ -89,7 +90,7 @@ class SglangHandlers:
             n=sp.n,
             stop_token_ids=tuple(sp.stop_token_ids or ()),
             ignore_eos=sp.ignore_eos,
-            logprobs=req.top_logprobs_num if req.return_logprob else None,
+            logprobs=logprobs,
         )
 
     async def generate(self, request: Request, req: GenerateRequest, owner: str):
@@ -131,15 +132,31 @@ def _prompts(req: GenerateRequest) -> tuple[list, bool]:
     return prompts, bool(req.input_ids) and isinstance(req.input_ids[0], list)
 
 
-def _stack(req: GenerateRequest) -> list[AdapterChoice] | None:
-    """`adapters` ([{"name", "weight"}], as on /v1/completions) stacks adapters for every
-    prompt; it excludes lora_path."""
-    if req.adapters is None:
-        return None
-    if req.lora_path is not None:
-        raise InvalidRequestError("name adapters either in lora_path or in adapters, not both",
-                                  param="adapters")
-    return [AdapterChoice(a.name, a.weight) for a in req.adapters]
+def logprob_options(req: GenerateRequest, count: int) -> list[tuple[bool, int, int]]:
+    """(return_logprob, top_logprobs_num, logprob_start_len) of each prompt: each option is one
+    value or a list with one per prompt, as in SGLang; -1 (the default) scores no prompt
+    token. Top logprobs of prompt tokens are not computed, so they are refused."""
+    returned = _per_prompt(req.return_logprob, count, "return_logprob")
+    tops = _per_prompt(req.top_logprobs_num, count, "top_logprobs_num")
+    starts = _per_prompt(req.logprob_start_len, count, "logprob_start_len")
+    out = []
+    for r, top, start in zip(returned, tops, starts):
+        top = top or 0
+        start = -1 if start is None else start
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs_num must be between 0 and {MAX_TOP_LOGPROBS}",
+                param="top_logprobs_num",
+            )
+        if start < -1:
+            raise InvalidRequestError("logprob_start_len must be -1 or a prompt position",
+                                      param="logprob_start_len")
+        if r and top and start >= 0:
+            raise InvalidRequestError(
+                "top logprobs of prompt tokens (top_logprobs_num with logprob_start_len >= 0) "
+                "are not supported", param="top_logprobs_num", code="unsupported_parameter")
+        out.append((bool(r), top, start))
+    return out
 
 
 def _per_prompt(value, count: int, param: str) -> list:
@@ -175,22 +192,33 @@ def meta_output(gen: Generation, s: Sample, req: GenerateRequest, latency: float
         meta["adapter_fallback"] = gen.fallback
     if gen.req.score_only:  # max_new_tokens 0: the token sampled to finish the step is dropped
         s = Sample(s.index, finish_reason="length", input_logprobs=s.input_logprobs,
-                   input_ids=s.input_ids)
+                   input_ids=s.input_ids, input_texts=s.input_texts)
         meta["finish_reason"], meta["completion_tokens"] = _finish(s), 0
-    if req.return_logprob:
-        meta["input_token_logprobs"] = input_token_logprobs(s, req.logprob_start_len)
+    if gen.req.params.logprobs is not None:  # return_logprob
+        texts = bool(req.return_text_in_logprobs)
+        meta["input_token_logprobs"] = input_token_logprobs(s, gen.req.logprob_start, texts)
         meta["output_token_logprobs"] = [
-            [lp, t, text] for lp, t, text in zip(s.logprobs, s.token_ids, s.token_texts)
+            [lp, t, text if texts else None]
+            for lp, t, text in zip(s.logprobs, s.token_ids, s.token_texts)
         ]
-        meta["output_top_logprobs"] = [[[lp, t, text] for t, lp, text in row] for row in s.top]
+        meta["input_top_logprobs"] = []
+        meta["output_top_logprobs"] = [
+            [[lp, t, text if texts else None] for t, lp, text in row] for row in s.top
+        ]
     return {"text": s.text, "output_ids": s.token_ids, "meta_info": meta}
 
 
-def input_token_logprobs(s: Sample, start_len: int) -> list[list]:
-    """SGLang's [logprob, token_id, text] per prompt token from logprob_start_len on; position 0
-    has no context, so its logprob is None."""
-    entries = [[lp, t, None] for lp, t in zip(s.input_logprobs, s.input_ids)]
-    return ([[None, None, None]] if start_len == 0 else []) + entries
+def input_token_logprobs(s: Sample, start: int | None, texts: bool) -> list[list]:
+    """SGLang's [logprob, token_id, text] per prompt token from logprob_start_len on (none for
+    -1); position 0 has no context, so its logprob is None. Text is None unless asked for
+    (return_text_in_logprobs)."""
+    if start is None:
+        return []
+    names = s.input_texts if texts else [None] * len(s.input_ids)
+    # from position 0, input_ids and input_texts start with the first prompt token, which has
+    # no logprob
+    lps = ([None] if start == 0 and s.input_ids else []) + s.input_logprobs
+    return [[lp, t, name] for lp, t, name in zip(lps, s.input_ids, names)]
 
 
 def _finish(s: Sample) -> dict | None:

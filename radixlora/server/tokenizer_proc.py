@@ -63,6 +63,7 @@ class ReqState:
     n: int
     stop: list[str]
     token_texts: bool
+    head: int | None = None  # logprob_start 0: the first prompt token, reported unscored
     samples: dict[int, SampleState] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
 
@@ -106,9 +107,11 @@ class TokenizerService:
         if req.fill_context:
             params = fill_context(params, len(ids), self.max_total,
                                   "messages" if req.messages is not None else "prompt")
+        # position 0 has no context: scoring starts at 1 and the api reports it unscored
+        start = 1 if req.logprob_start == 0 else req.logprob_start
         return TokenizedReq(
             rid=req.rid, input_ids=ids_to_bytes(ids), params=params, adapters=req.adapters,
-            logprob_start=req.logprob_start,
+            logprob_start=start,
         )
 
     def _prompt_ids(self, req: GenerateReq) -> np.ndarray:
@@ -166,8 +169,9 @@ class TokenizerService:
             return [], [outcome]
         if req.prompt_only:
             return [], [self._empty_outputs(req, len(outcome.input_ids) // 4)]
+        head = int(bytes_to_ids(outcome.input_ids)[0]) if req.logprob_start == 0 else None
         with self.lock:
-            self.reqs[req.rid] = ReqState(req.params.n, req.stop, req.token_texts)
+            self.reqs[req.rid] = ReqState(req.params.n, req.stop, req.token_texts, head)
         return [outcome], []
 
     def _work(self) -> None:
@@ -230,11 +234,14 @@ class TokenizerService:
 
     def _output(self, state: ReqState, out: TokenOut) -> SampleOutput:
         sample = state.samples.get(out.index)
+        input_ids = out.input_ids
         if sample is None:
             sample = SampleState(
                 IncrementalDecoder(self.tokenizer), StopMatcher(state.stop), state.token_texts
             )
             state.samples[out.index] = sample
+            if state.head is not None:
+                input_ids = ids_to_bytes([state.head, *bytes_to_ids(input_ids).tolist()])
         ids = bytes_to_ids(out.token_ids).tolist()
         text = sample.stops.feed(sample.decoder.push(ids)) if self.tokenizer else ""
         finish, matched = out.finish_reason, None
@@ -261,7 +268,9 @@ class TokenizerService:
             cached_tokens=out.cached_tokens,
             fallback=out.fallback,
             input_logprobs=out.input_logprobs,
-            input_ids=out.input_ids,
+            input_ids=input_ids,
+            input_texts=self._texts(bytes_to_ids(input_ids).tolist())
+            if sample.token_texts and input_ids else None,
         )
 
     def _texts(self, ids: list[int]) -> list[str]:

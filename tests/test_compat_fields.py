@@ -1,0 +1,220 @@
+"""Request fields against the bundled demo server: every field of OpenAI's completions and chat
+specs is honoured or a 400 `unsupported_parameter` naming it, the peers' adapter-choosing fields
+(SGLang's `lora_path`, LoRAX's `adapter_id`) choose adapters, and any other field is a 400
+`unknown_parameter` listing the names. The demo adapters' outputs are checkable, so a field that
+is dropped instead of honoured gives the base model's answer and fails."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from radixlora.demo import format_prompt
+from tests.server_harness import running_server
+
+BASE = "radixlora-demo"
+WORDS = "the red fox ate 42 fish"
+PROMPT = format_prompt(WORDS)
+WANT = {
+    None: "the red fox ate 42 fish",
+    "upper": "THE RED FOX ATE 42 FISH",
+    "reverse": "fish 42 ate fox red the",
+    "stack": "FISH 42 ATE FOX RED THE",  # upper + reverse
+}
+STACK = [{"name": "upper", "weight": 1}, {"name": "reverse", "weight": 1}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(None, {}, tmp_path_factory.mktemp("compat") / "server.log") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def chat(client, model: str = BASE, **extra) -> str:
+    out = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": WORDS}], max_tokens=40,
+        temperature=0, extra_body=extra or None)
+    return out.choices[0].message.content.strip()
+
+
+def complete(client, model: str = BASE, prompt=PROMPT, **extra) -> list[str]:
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=40, temperature=0,
+                                    extra_body=extra or None)
+    return [c.text.strip() for c in sorted(out.choices, key=lambda c: c.index)]
+
+
+def test_adapter_by_model_lora_path_adapter_id_and_stack(client):
+    assert chat(client) == WANT[None]
+    assert chat(client, "upper") == WANT["upper"]
+    assert chat(client, f"{BASE}:reverse") == WANT["reverse"]
+    assert chat(client, lora_path="upper") == WANT["upper"]  # SGLang's spelling
+    assert chat(client, lora_path=["reverse"]) == WANT["reverse"]
+    assert chat(client, "upper", lora_path="upper") == WANT["upper"]  # the same adapter twice
+    assert chat(client, adapter_id="reverse") == WANT["reverse"]  # LoRAX's spelling
+    assert chat(client, adapters=STACK) == WANT["stack"]
+    assert complete(client, lora_path="upper") == [WANT["upper"]]
+
+
+def test_lora_path_per_prompt(client):
+    got = complete(client, prompt=[PROMPT] * 3, lora_path=["upper", None, "reverse"])
+    assert got == [WANT["upper"], WANT[None], WANT["reverse"]]
+
+
+def error(exc: pytest.ExceptionInfo) -> dict:
+    assert exc.value.status_code == 400, exc.value
+    return exc.value.body
+
+
+def test_conflicting_adapter_fields_are_400(client):
+    for model, extra, param in [
+        ("upper", {"lora_path": "reverse"}, "lora_path"),
+        ("upper", {"adapter_id": "reverse"}, "adapter_id"),
+        (BASE, {"adapter_id": "upper", "lora_path": ["reverse"]}, "lora_path"),
+        (BASE, {"lora_path": "upper", "adapters": STACK}, "adapters"),
+        (BASE, {"lora_path": ["upper", "reverse"]}, "lora_path"),  # two for one conversation
+    ]:
+        with pytest.raises(openai.BadRequestError) as exc:
+            chat(client, model, **extra)
+        assert error(exc)["param"] == param, (model, extra)
+    with pytest.raises(openai.BadRequestError) as exc:
+        complete(client, prompt=[PROMPT] * 2, lora_path=["upper"])
+    assert error(exc)["param"] == "lora_path"
+
+
+def test_unknown_fields_are_listed(server):
+    body = {"model": BASE, "messages": [{"role": "user", "content": WORDS, "colour": "red"}],
+            "lora_paths": "upper", "max_tokens": 4, "stream_options": {"usage": True}}
+    resp = server.http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == "unknown_parameter" and err["type"] == "invalid_request_error"
+    for name in ("messages[0].colour", "lora_paths", "stream_options.usage"):
+        assert name in err["message"]
+    generate = {"text": PROMPT, "sampling_params": {"max_new_tokens": 4, "top_n": 3},
+                "lora": "upper"}
+    err = server.http.post("/generate", json=generate).json()["error"]
+    assert err["code"] == "unknown_parameter"
+    assert "sampling_params.top_n" in err["message"] and "lora" in err["message"]
+
+
+UNSUPPORTED_CHAT = [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "required"),
+    ("functions", [{"name": "f"}]),
+    ("function_call", "auto"),
+    ("response_format", {"type": "json_object"}),
+    ("audio", {"voice": "alloy", "format": "wav"}),
+    ("modalities", ["text", "audio"]),
+    ("metadata", {"k": "v"}),
+    ("moderation", {"model": "omni-moderation-latest"}),
+    ("prediction", {"type": "content", "content": "x"}),
+    ("prompt_cache_options", {"mode": "explicit"}),
+    ("prompt_cache_retention", "24h"),
+    ("reasoning_effort", "high"),
+    ("service_tier", "flex"),
+    ("store", True),
+    ("verbosity", "low"),
+    ("web_search_options", {}),
+    ("logit_bias", {"5": 10}),
+    ("presence_penalty", 0.5),
+    ("frequency_penalty", 0.5),
+]
+
+
+@pytest.mark.parametrize("field,value", UNSUPPORTED_CHAT, ids=[f for f, _ in UNSUPPORTED_CHAT])
+def test_unsupported_chat_fields_are_named(server, field, value):
+    body = {"model": BASE, "messages": [{"role": "user", "content": WORDS}], "max_tokens": 4,
+            field: value}
+    resp = server.http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert (err["code"], err["param"]) == ("unsupported_parameter", field)
+
+
+def test_unsupported_message_and_completion_fields_are_named(server):
+    cases = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": WORDS, "name": "a"}]},
+         "messages[0].name"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "messages[0].content"),
+        ("/v1/completions", {"prompt": PROMPT, "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": PROMPT, "suffix": "x"}, "suffix"),
+        ("/v1/completions", {"prompt": PROMPT, "best_of": 3}, "best_of"),
+        ("/generate", {"text": PROMPT, "sampling_params": {"regex": "a+"}}, "regex"),
+        ("/generate", {"text": PROMPT, "sampling_params": {"min_new_tokens": 3}},
+         "min_new_tokens"),
+        ("/generate", {"text": PROMPT, "image_data": "x.png"}, "image_data"),
+        ("/generate", {"text": PROMPT, "token_ids_logprob": [1, 2]}, "token_ids_logprob"),
+    ]
+    for path, body, param in cases:
+        if path != "/generate":
+            body = {"model": BASE, "max_tokens": 4, **body}
+        resp = server.http.post(path, json=body)
+        assert resp.status_code == 400, (path, body, resp.text)
+        err = resp.json()["error"]
+        assert (err["code"], err["param"]) == ("unsupported_parameter", param), body
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(client):
+    """What OpenAI's SDKs and frameworks send by default asks for nothing radixlora lacks."""
+    out = client.chat.completions.create(
+        model="upper", messages=[{"role": "user", "content": [{"type": "text", "text": WORDS}]}],
+        max_completion_tokens=40, temperature=0, top_p=1, n=1, presence_penalty=0,
+        frequency_penalty=0, logit_bias={}, tools=[], tool_choice="none", store=False,
+        response_format={"type": "text"}, modalities=["text"], service_tier="auto",
+        parallel_tool_calls=False, user="u", safety_identifier="s", prompt_cache_key="k",
+        reasoning_effort="none", seed=1, metadata={})
+    assert out.choices[0].message.content.strip() == WANT["upper"]
+
+
+def test_streaming_usage_and_obfuscation(client, server):
+    stream = client.chat.completions.create(
+        model=BASE, messages=[{"role": "user", "content": WORDS}], max_tokens=40, temperature=0,
+        stream=True, stream_options={"include_usage": True}, extra_body={"lora_path": "reverse"})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip() == WANT["reverse"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    body = {"model": BASE, "prompt": PROMPT, "max_tokens": 8, "stream": True,
+            "stream_options": {"include_obfuscation": True}}
+    with server.http.stream("POST", "/v1/completions", json=body) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines()
+                  if line.startswith("data: {")]
+    assert events and all(
+        (len(e["choices"][0]["text"]) + len(e["obfuscation"])) % 64 in range(1, 16)
+        for e in events)
+
+
+def test_generate_lora_path_and_logprob_options(server):
+    body = {"text": [PROMPT, PROMPT], "lora_path": ["upper", None],
+            "sampling_params": {"max_new_tokens": 40, "temperature": 0, "n": None},
+            "return_logprob": [True, False], "top_logprobs_num": [2, 0],
+            "return_text_in_logprobs": True}
+    outs = server.http.post("/generate", json=body).json()
+    assert [o["text"].strip() for o in outs] == [WANT["upper"], WANT[None]]
+    meta = outs[0]["meta_info"]
+    assert meta["input_token_logprobs"] == []  # logprob_start_len -1: no prompt token
+    entries = meta["output_token_logprobs"]
+    assert len(entries) == meta["completion_tokens"]
+    assert "".join(text for _, _, text in entries).strip() == WANT["upper"] + "</s>"  # eos
+    assert all(len(row) == 2 and all(isinstance(t, str) for _, _, t in row)
+               for row in meta["output_top_logprobs"])
+    assert "output_token_logprobs" not in outs[1]["meta_info"]
+    scored = {"text": PROMPT, "sampling_params": {"max_new_tokens": 0},
+              "return_logprob": True, "logprob_start_len": 0}
+    plain = server.http.post("/generate", json=scored).json()["meta_info"]
+    texts = server.http.post("/generate", json={**scored, "return_text_in_logprobs": True})
+    named = texts.json()["meta_info"]
+    assert len(named["input_token_logprobs"]) == named["prompt_tokens"]
+    assert named["input_token_logprobs"][0][0] is None  # position 0 has no context
+    assert "".join(t for _, _, t in named["input_token_logprobs"]) == PROMPT
+    assert [e[:2] for e in plain["input_token_logprobs"]] == [
+        e[:2] for e in named["input_token_logprobs"]]
+    assert all(e[2] is None for e in plain["input_token_logprobs"])
