@@ -42,11 +42,11 @@ from radixlora.sampling import SamplingParams
 from radixlora.server.protocol import (
     ChatRequest,
     CompletionRequest,
-    adapter_choices,
     chat_messages,
     chat_params,
     completion_params,
     completion_prompts,
+    request_adapters,
     stop_list,
 )
 from radixlora.server.responses import (
@@ -295,6 +295,10 @@ def open_client(engine_or_url, model_name: str | None = None) -> Iterator[Client
 # ---- in-process requests -------------------------------------------------------------------------
 
 
+def _spec(choices) -> list[tuple[str, float]] | None:
+    return [(c.name, c.weight) for c in choices] if choices else None
+
+
 class EngineClient:
     """Serves /v1/completions and /v1/chat/completions bodies on a Runtime, with the server's
     validation (radixlora.server.protocol) and response bodies (radixlora.server.responses)."""
@@ -321,12 +325,12 @@ class EngineClient:
     def completions(self, req: CompletionRequest) -> dict:
         _no_stream(req.stream)
         params = completion_params(req, self.vocab_size)
-        adapters = self._adapters(req.model, req.adapters)
         stops = stop_list(req.stop)
         prompts = [self._ids(p) for p in completion_prompts(req.prompt)]
+        choices = request_adapters(req, self.model_name, len(prompts))
         futures = [
-            self.runtime.submit(ids, self._params(params, ids, req.max_tokens), adapters, stops)
-            for ids in prompts
+            self.runtime.submit(ids, self._params(params, ids, req.max_tokens), _spec(c), stops)
+            for ids, c in zip(prompts, choices)
         ]
         results = [f.result() for f in futures]
         choices = [
@@ -344,7 +348,7 @@ class EngineClient:
     def chat(self, req: ChatRequest) -> dict:
         _no_stream(req.stream)
         params = chat_params(req, self.vocab_size)
-        adapters = self._adapters(req.model, req.adapters)
+        adapters = _spec(request_adapters(req, self.model_name)[0])
         messages = [{"role": m.role, "content": m.content} for m in chat_messages(req.messages)]
         text = self.runtime.chat_template.render(messages)
         ids = self.runtime.engine.tokenizer.encode(text, add_special_tokens=False)
@@ -361,10 +365,6 @@ class EngineClient:
             for i, r in enumerate(samples)
         ]
         return _body("chatcmpl", "chat.completion", req.model, choices, [samples])
-
-    def _adapters(self, model: str, refs) -> list[tuple[str, float]] | None:
-        choices = adapter_choices(model, self.model_name, refs)
-        return [(c.name, c.weight) for c in choices] if choices else None
 
     def _ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):

@@ -218,3 +218,31 @@ def test_generate_lora_path_and_logprob_options(server):
     assert [e[:2] for e in plain["input_token_logprobs"]] == [
         e[:2] for e in named["input_token_logprobs"]]
     assert all(e[2] is None for e in plain["input_token_logprobs"])
+
+
+def test_batch_files_take_the_same_fields(tmp_path):
+    """`radixlora batch` validates bodies with the server's schemas: lora_path and adapter_id
+    choose adapters there too, and an unknown field fails its line."""
+    from radixlora import Engine
+    from radixlora.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR
+    from radixlora.run_batch import run_batch
+
+    bodies = {
+        "per-prompt": ("/v1/completions", {"prompt": [PROMPT, PROMPT], "lora_path": [
+            "reverse", None]}),
+        "lorax": ("/v1/chat/completions", {"messages": [{"role": "user", "content": WORDS}],
+                                           "adapter_id": "upper"}),
+        "typo": ("/v1/completions", {"prompt": PROMPT, "lora_paths": "upper"}),
+    }
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": k, "method": "POST", "url": url, "body": {
+        "model": BASE, "max_tokens": 40, "temperature": 0, **body}}) + "\n"
+        for k, (url, body) in bodies.items()))
+    engine = Engine(DEMO_MODEL_DIR, adapters=DEMO_ADAPTERS)
+    run_batch(src, out, engine, progress=False, model_name=BASE)
+    records = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    texts = [c["text"].strip() for c in records["per-prompt"]["response"]["body"]["choices"]]
+    assert texts == [WANT["reverse"], WANT[None]]
+    message = records["lorax"]["response"]["body"]["choices"][0]["message"]["content"]
+    assert message.strip() == WANT["upper"]
+    assert "lora_paths" in records["typo"]["error"]["message"]

@@ -341,11 +341,6 @@ def _unknown(value, info, path: str, found: list[str]) -> None:
             _unknown(item, info.item_type, f"{path.rstrip('.')}[{i}].", found)
 
 
-def adapter_choices(model: str, base_name: str, adapters: list[AdapterRef] | None):
-    """The adapter choice of a request that names adapters by `model` and `adapters` only."""
-    return prompt_adapters(model, base_name, adapters)[0]
-
-
 def request_adapters(req: _Sampling, base_name: str, count: int = 1):
     """The adapter choice of each of the `count` prompts of an OpenAI request."""
     return prompt_adapters(req.model, base_name, req.adapters, req.lora_path, req.adapter_id,
