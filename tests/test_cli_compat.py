@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
+import threading
 
 import httpx
 import pytest
@@ -25,6 +27,7 @@ from radixlora.engine import Engine
 from radixlora.lora.pool import AdapterPool
 from radixlora.sampling import SamplingParams
 from radixlora.server.chat import ChatTemplate
+from radixlora.server.launcher import StderrRelay
 from radixlora.tokenizer import Tokenizer
 from scripts.checkpoints import build_tiny_model
 from tests.server_harness import ServerProcess, free_port
@@ -174,6 +177,21 @@ def test_a_childs_start_up_failure_is_printed_once_last(tmp_path):
 @pytest.fixture(scope="module")
 def engine():
     return Engine(DEMO_MODEL_DIR, adapters={"upper": DEMO_ADAPTERS["upper"]})
+
+
+def test_stderr_relay_holds_back_the_start_up_cause(capsys):
+    read, write = os.pipe()
+    holding = threading.Event()
+    holding.set()
+    relay = StderrRelay(os.fdopen(read, "rb"), holding)
+    os.write(write, b"a line\ncapture 1/3\rcapture 2/3\r")
+    os.write(write, b"x [worker] ERROR ipc: worker process cannot start: no GPU memory\n")
+    os.write(write, b"ValueError: bad\ntail")
+    os.close(write)
+    assert relay.done.wait(10)
+    err = capsys.readouterr().err
+    assert err == "a line\ncapture 1/3\rcapture 2/3\rValueError: bad\ntail\n"
+    assert (relay.cause, relay.last_error) == ("no GPU memory", "ValueError: bad")
 
 
 # ---- a server started the vLLM way -----------------------------------------------------------

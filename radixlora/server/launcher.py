@@ -192,10 +192,11 @@ class Children:
 
 
 class StderrRelay:
-    """Copies a child's stderr to ours, line by line, on a thread. While `holding` is set (the
-    start-up), the child's one-line start-up failure (`... process cannot start: CAUSE`) is kept
-    back as `cause` for the launcher's last line; `last_error` is the last line that names an
-    exception (a traceback's last line)."""
+    """Copies a child's stderr to ours on a thread, as it comes: whole lines, and a progress
+    bar's redraws (ending in a carriage return) at once. While `holding` is set (the start-up),
+    the child's one-line start-up failure (`... process cannot start: CAUSE`) is kept back as
+    `cause` for the launcher's last line; `last_error` is the last line that names an exception
+    (a traceback's last line)."""
 
     def __init__(self, stream, holding: threading.Event):
         self.stream = stream
@@ -206,24 +207,43 @@ class StderrRelay:
         threading.Thread(target=self._run, daemon=True, name="stderr-relay").start()
 
     def _run(self) -> None:
-        out = sys.stderr
+        pending = b""
         try:
-            for raw in iter(self.stream.readline, b""):
-                line = raw.decode(errors="replace")
-                text = line.rstrip("\n")
-                marker = text.find(CANNOT_START)
-                if marker >= 0 and self.holding.is_set():
-                    self.cause = text[marker + len(CANNOT_START):]
-                    continue
-                if EXCEPTION_LINE.match(text):
-                    self.last_error = text
-                with contextlib.suppress(OSError, ValueError):
-                    out.write(line)
-                    out.flush()
+            while chunk := os.read(self.stream.fileno(), 65536):
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    self._line(line.decode(errors="replace"))
+                cut = pending.rfind(b"\r")  # a progress bar redraws without a newline
+                if cut >= 0:
+                    self._write(pending[: cut + 1].decode(errors="replace"))
+                    pending = pending[cut + 1 :]
+            if pending:
+                self._line(pending.decode(errors="replace"))
         except (OSError, ValueError):
             pass
         finally:
+            with contextlib.suppress(OSError):
+                self.stream.close()
             self.done.set()
+
+    def _line(self, text: str) -> None:
+        cut = text.rfind("\r")
+        if cut >= 0:  # a progress bar's last redraw, then the line
+            self._write(text[: cut + 1])
+            text = text[cut + 1 :]
+        marker = text.find(CANNOT_START)
+        if marker >= 0 and self.holding.is_set():
+            self.cause = text[marker + len(CANNOT_START):]
+            return
+        if EXCEPTION_LINE.match(text):
+            self.last_error = text
+        self._write(text + "\n")
+
+    @staticmethod
+    def _write(text: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write(text)
+            sys.stderr.flush()
 
 
 def child_env() -> dict[str, str]:
