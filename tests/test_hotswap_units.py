@@ -81,12 +81,13 @@ def test_token_bucket_paces_and_bursts():
 
 
 def test_admission_is_sorted_and_paced(model, versions, tmp_path):
+    """Adapters that arrive while serving go through the bucket, in name order."""
     root = tmp_path / "dir"
     root.mkdir()
     names = [f"a{i:02d}" for i in range(12)]
+    core, events = _core(model, root, tmp_path / "state", rate=4.0, burst=2)
     for i, name in enumerate(reversed(names)):
         build_tiny_adapter(model, root / name, rank=2, seed=100 + i)
-    core, events = _core(model, root, tmp_path / "state", rate=4.0, burst=2)
     core.on_changed(sorted(core.names_on_disk(), reverse=True))
     admitted_at = {}
     for tick in range(0, 400):
@@ -100,6 +101,27 @@ def test_admission_is_sorted_and_paced(model, versions, tmp_path):
     times = [admitted_at[n] for n in names]
     assert times[:2] == [0.0, 0.0]  # the burst
     assert times[-1] == pytest.approx(10 / 4.0, abs=0.02)  # then 4 per second
+
+
+def test_a_full_directory_at_start_is_published_at_once(model, tmp_path):
+    """The adapters already in the directory when the registry starts skip the bucket (they
+    are validated together); one added later waits for a token."""
+    root = tmp_path / "dir"
+    root.mkdir()
+    for i in range(10):
+        build_tiny_adapter(model, root / f"s{i}", rank=2, seed=200 + i)
+    core, events = _core(model, root, tmp_path / "state", rate=1.0, burst=1)
+    core.on_changed(core.names_on_disk())
+    core.admit(0.0)
+    assert sorted(e.name for e in events) == [f"s{i}" for i in range(10)]
+    assert {e.kind for e in events} == {"added"}
+    build_tiny_adapter(model, root / "late1", rank=2, seed=300)
+    build_tiny_adapter(model, root / "late2", rank=2, seed=301)
+    core.on_changed(["late1", "late2"])
+    core.admit(0.0)
+    assert [e.name for e in events[10:]] == ["late1"]  # the bucket's one token
+    core.admit(1.0)
+    assert [e.name for e in events[10:]] == ["late1", "late2"]
 
 
 def _write_bad(model, root: Path, versions) -> dict[str, str]:

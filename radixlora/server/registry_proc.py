@@ -8,9 +8,9 @@ What is published, in this order for each changed sub-directory (sorted by name)
   3. content equal to the name's current version is skipped (unchanged); content already
      published under another name is an alias: published under this name too, pointing to
      that name's snapshot (one identity, one pool copy, one cache namespace);
-  4. it waits for a token of the admission bucket (--adapter-rate per second, --adapter-burst),
-     is copied into a new immutable snapshot (an alias re-uses its twin's), and published
-     (added / updated).
+  4. it waits for a token of the admission bucket (--adapter-rate per second, --adapter-burst;
+     not the adapters already in the directory when the registry starts), is copied into a
+     new immutable snapshot (an alias re-uses its twin's), and published (added / updated).
 A deleted sub-directory is published as removed at once; an invalid one as rejected with a
 reason label, its previous valid version (if any) staying active; whatever an adapter's
 content, examining it never raises. Names starting with "." are
@@ -168,6 +168,9 @@ class RegistryCore:
         self.publish = publish
         self.state = self._load_state()
         self.pending: set[str] = set()
+        # in the directory when the registry started: published without the admission bucket,
+        # which paces adapters that arrive while serving
+        self.at_start: set[str] = set(self.names_on_disk()) if root.is_dir() else set()
         self.retry: list[str] = []  # names whose files changed while read
         self.counts: collections.Counter = collections.Counter()
         self.cache = HashCache()
@@ -203,15 +206,23 @@ class RegistryCore:
         self._emit("removed", name, adapter_id=adapter_id)
 
     def admit(self, now: float) -> None:
-        """Examine pending names in sorted order while the bucket has a token. When it has
-        tokens for many (a full directory at start-up), they are validated together first, in
-        parallel and through the hash cache."""
-        while self.pending and self.bucket.available(now) >= 1:
-            batch = sorted(self.pending)[:min(self.bucket.available(now), REGISTER_BATCH[1])]
+        """Examine pending names in sorted order: those in the directory at start at once, the
+        others while the bucket has a token. Many at once (a full directory at start-up, or a
+        bucket with many tokens) are validated together first, in parallel and through the
+        hash cache."""
+        while self.pending:
+            batch = sorted(self.pending & self.at_start)[:REGISTER_BATCH[1]]
+            paced = not batch
+            if paced:
+                tokens = self.bucket.available(now)
+                if tokens < 1:
+                    return
+                batch = sorted(self.pending)[:min(tokens, REGISTER_BATCH[1])]
             prevalidated = self._prevalidate(batch) if len(batch) >= REGISTER_BATCH[0] else {}
             for name in batch:
                 self.pending.discard(name)
-                if self.examine(name, prevalidated.get(name)):
+                self.at_start.discard(name)
+                if self.examine(name, prevalidated.get(name)) and paced:
                     self.bucket.take(now)
 
     def _prevalidate(self, names: list[str]) -> dict[str, LoraAdapter]:
