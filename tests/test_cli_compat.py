@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from radixlora import __version__
-from radixlora.cli import StartError, build_parser, check_device
+from radixlora.cli import StartError, build_parser, check_device, prepare
 from radixlora.cli.flags import lora_modules, lora_paths, model_and_adapters, resolved_overrides
 from radixlora.config import ModelConfig
 from radixlora.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR, format_prompt
@@ -158,6 +158,14 @@ def test_busy_port_and_bad_model_fail_before_loading_in_one_line(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert last_line(done.stderr) == (f"radixlora serve: error: no config.json in {empty} "
                                       "(set by --model)")
+
+
+@pytest.mark.parametrize("adapter, message", [("a:b", "may not contain"),
+                                              ("radixlora-demo", "served model's name")])
+def test_bad_adapter_names_fail_before_any_process_starts(adapter, message):
+    args = parse("--adapter", f"{adapter}={DEMO_ADAPTERS['upper']}", "--port", str(free_port()))
+    with pytest.raises(StartError, match=message):
+        prepare(args)
 
 
 def test_a_childs_start_up_failure_is_printed_once_last(tmp_path):

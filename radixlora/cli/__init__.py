@@ -117,6 +117,14 @@ def prepare(args: argparse.Namespace):
         server_args.engine_config().max_context(model_cfg)
     except (ValueError, RadixLoraError) as e:
         raise StartError(_flag_hint(str(e))) from e
+    from radixlora.adapters import check_adapter_name
+
+    for name in adapters:
+        try:
+            check_adapter_name(name, frozenset({server_args.model_name}))
+        except RadixLoraError as e:
+            raise StartError(f"{e} (an adapter's name: --adapter, --lora-modules or "
+                             "--lora-paths NAME=PATH)") from e
     return server_args
 
 
