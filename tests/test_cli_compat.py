@@ -250,6 +250,8 @@ def test_tokenize_detokenize_version(server):
     bad = server.http.post("/detokenize", json={"tokens": [10**6]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert server.http.post("/tokenize", json={}).status_code == 400
+    unknown = server.http.post("/tokenize", json={"prompt": "x", "tools": []})
+    assert unknown.status_code == 400 and unknown.json()["error"]["code"] == "unknown_parameter"
     assert httpx.post(f"{server.url}/tokenize", json={"prompt": "x"}).status_code == 401
     assert httpx.get(f"{server.url}/version").json() == {"version": __version__}
 

@@ -17,13 +17,13 @@ from radixlora.errors import InvalidRequestError
 from radixlora.server.args import ServerArgs
 from radixlora.server.chat import ChatTemplate
 from radixlora.server.http import Access, HttpError, json_response, read_json
-from radixlora.server.protocol import ChatMessageIn, TokenId, chat_messages
+from radixlora.server.protocol import ChatMessageIn, Strict, TokenId, chat_messages
 from radixlora.tokenizer import Tokenizer
 
 INLINE_CHARS = 16 * 1024  # longer texts are tokenized on a thread
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True):
+class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
@@ -32,7 +32,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
+class DetokenizeRequest(Strict):
     tokens: list[TokenId]
     model: str | None = None
 
