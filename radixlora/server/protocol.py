@@ -223,8 +223,8 @@ class GenerateRequest(Strict):
     logprob_start_len: Int32 | list[Int32] | None = None
     return_text_in_logprobs: bool | None = False
     rid: str | list[str] | None = None
-    log_metrics: bool | None = None  # metrics count every request
     # accepted only at the value that asks for nothing radixlora lacks (NEUTRAL_GENERATE)
+    log_metrics: object = None  # metrics count every request
     token_ids_logprob: object = None
     input_embeds: object = None
     image_data: object = None
@@ -244,6 +244,7 @@ class GenerateRequest(Strict):
 
 
 NEUTRAL_GENERATE: dict[str, tuple] = {
+    "log_metrics": (True,),
     "token_ids_logprob": (),
     "input_embeds": (),
     "image_data": (),
