@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from .attention_extend import _interpreting
 from .rmsnorm import add_delta_ref, check_delta, load_with_delta
+from .triton_compat import tl, triton
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_BLOCK = 1024

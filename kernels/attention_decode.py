@@ -13,8 +13,6 @@ import dataclasses
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
 from .attention_extend import (
     LOG2E,
@@ -27,6 +25,7 @@ from .attention_extend import (
     _interpreting,
     check_q_and_pool,
 )
+from .triton_compat import tl, triton
 
 MAX_SPLITS = 32
 

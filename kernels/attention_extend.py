@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+
+from .triton_compat import tl, triton
 
 LOG2E = 1.4426950408889634
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from .triton_compat import tl, triton
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HIDDEN = 16384  # one row is one block held in registers

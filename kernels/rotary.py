@@ -7,11 +7,10 @@ or tables exist; q and k may be strided views sliced out of a fused qkv projecti
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from .attention_extend import _interpreting
 from .rmsnorm import load_with_delta
+from .triton_compat import tl, triton
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)

@@ -5,8 +5,6 @@ kernel and then two index_put copies (k, v); at decode sizes each is a latency-b
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from .rmsnorm import add_delta_ref, load_with_delta
 from .rotary import (
@@ -19,6 +17,7 @@ from .rotary import (
     apply_rotary_ref,
     rotary_blocks,
 )
+from .triton_compat import tl, triton
 
 
 def rotary_store_kv_ref(

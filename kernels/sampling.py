@@ -18,10 +18,9 @@ in the kept set with probability about top_p, so most rows take one pass.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from .sgmv_shrink import sm_count
+from .triton_compat import tl, triton
 
 _M32 = 0xFFFFFFFF
 MIN_TEMPERATURE = 1e-6  # temperatures are clamped up to this before their reciprocal

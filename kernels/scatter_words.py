@@ -6,8 +6,8 @@ one launch puts each part into the static buffer it belongs to, instead of 7 cop
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from .triton_compat import tl, triton
 
 _BLOCK = 1024
 _MAX_PROGRAMS = 64  # per part; a program strides over the part's blocks

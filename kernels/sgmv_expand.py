@@ -7,10 +7,9 @@ from collections.abc import Sequence
 from itertools import pairwise
 
 import torch
-import triton
-import triton.language as tl
 
 from .sgmv_shrink import check_batch_meta, fp32_dot, pow2_block
+from .triton_compat import tl, triton
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_SLICES = 3

@@ -26,12 +26,10 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .sgmv_expand import MAX_SLICES, check_expand_args, check_offsets
 from .sgmv_shrink import check_index_tensors, check_shrink_args, fp32_dot, pow2_block, sm_count
+from .triton_compat import gdc_launch_dependents, gdc_wait, tl, triton
 
 _CPU_PROGRAMS = 3  # the interpreter runs programs one by one: a few exercise the striding
 MIN_BLOCK_N = 64  # expand tiles are never narrower than this (small buckets narrow them)

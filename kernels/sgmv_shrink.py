@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
-import triton.language as tl
+
+from .triton_compat import tl, triton
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_BLOCK_K = 128

@@ -67,3 +67,27 @@ def test_pyproject_license_version_and_demo_data():
     }
     assert data_dirs and data_dirs <= set(setuptools["packages"])
     assert all(setuptools["package-data"].get(name) == ["*"] for name in data_dirs)
+
+
+def test_the_cpu_demo_runs_without_triton():
+    """The kernel modules import without Triton (their torch references are the CPU path), the
+    demo answers as it does with Triton installed, and launching a kernel says what is
+    missing."""
+    demo = "from radixlora.cli import main\nsys.argv = ['radixlora', 'demo']\nmain()\n"
+    blocked = run_python(demo)
+    assert blocked.returncode == 0, blocked.stderr
+    plain = subprocess.run([sys.executable, "-c", "import sys\n" + demo], capture_output=True,
+                           text=True, timeout=120, cwd=ROOT)
+    assert plain.returncode == 0, plain.stderr
+    assert blocked.stdout == plain.stdout and "THE RED FOX" in blocked.stdout
+    launch = run_python(
+        "import torch\n"
+        "from radixlora.kernels.triton_compat import HAVE_TRITON\n"
+        "from radixlora.kernels.rmsnorm import rmsnorm\n"
+        "assert not HAVE_TRITON\n"
+        "try:\n"
+        "    rmsnorm(torch.ones(2, 8), torch.ones(8), 1e-6)\n"
+        "except ImportError as e:\n"
+        "    print(e)\n")
+    assert launch.returncode == 0, launch.stderr
+    assert "Triton is not installed" in launch.stdout
