@@ -62,6 +62,19 @@ def test_adapter_by_model_lora_path_adapter_id_and_stack(client):
     assert complete(client, lora_path="upper") == [WANT["upper"]]
 
 
+def test_retrieve_model_cards(client):
+    """GET /v1/models/{id}: the base's and an adapter's card as /v1/models lists them; an
+    unknown id is a 404 model_not_found."""
+    listed = {m.id: m for m in client.models.list().data}
+    for name in (BASE, "upper"):
+        card = client.models.retrieve(name)
+        assert card.id == name and card.model_dump() == listed[name].model_dump()
+    assert client.models.retrieve("upper").parent == BASE
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("nope")
+    assert err.value.body["code"] == "model_not_found"
+
+
 def test_lora_path_per_prompt(client):
     got = complete(client, prompt=[PROMPT] * 3, lora_path=["upper", None, "reverse"])
     assert got == [WANT["upper"], WANT[None], WANT["reverse"]]

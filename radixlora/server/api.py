@@ -106,6 +106,7 @@ class Api:
             Route("/health_generate", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/generate", self.generate, methods=["POST"]),
@@ -144,17 +145,30 @@ class Api:
     @guarded
     async def models(self, request: Request) -> Response:
         self.access.identity(request)
+        return json_response({"object": "list", "data": await self._model_cards()})
+
+    @guarded
+    async def model(self, request: Request) -> Response:
+        """One card of /v1/models (the base or an adapter), as OpenAI's retrieve-model."""
+        self.access.identity(request)
+        wanted = request.path_params["model_id"]
+        card = next((c for c in await self._model_cards() if c["id"] == wanted), None)
+        if card is None:
+            return self.error(404, f"The model '{wanted}' does not exist", "model_not_found",
+                              "model")  # fmt: skip
+        return json_response(card)
+
+    async def _model_cards(self) -> list[dict]:
         info = await self.runtime.query_info()
         base = self.args.model_name
         created = int(self.started)
         data = [{"id": base, "object": "model", "created": created, "owned_by": "radixlora",
                  "root": self.args.model, "parent": None}]
-        data += [
+        return data + [
             {"id": a["name"], "object": "model", "created": created, "owned_by": "radixlora",
              "root": a["path"], "parent": base, "adapter_id": a["adapter_id"], "rank": a["rank"]}
             for a in info["adapters"]
         ]
-        return json_response({"object": "list", "data": data})
 
     @guarded
     async def completions(self, request: Request) -> Response:
