@@ -107,6 +107,13 @@ def prepare(args: argparse.Namespace):
         check_port("127.0.0.1", args.zmq_client_port, "--zmq-client-port")
     if args.adapter_dir is not None and not os.path.isdir(args.adapter_dir):
         raise StartError(f"--adapter-dir {args.adapter_dir} is not a directory")
+    if args.otlp_traces_endpoint:
+        from radixlora.server.tracing import check_available
+
+        try:
+            check_available()
+        except RadixLoraError as e:
+            raise StartError(str(e)) from e
     model, adapters, served_name = model_and_adapters(args)
     log.info("model %s, adapters: %s", model, ", ".join(sorted(adapters)) or "none")
     try:
@@ -158,6 +165,7 @@ def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], serv
         log_level=args.log_level,
         log_requests=args.log_requests,
         stats_interval_s=args.stats_interval,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         adapter_dir=args.adapter_dir,
         adapter_rate=args.adapter_rate,
         adapter_burst=args.adapter_burst,
@@ -221,6 +229,11 @@ def _serve_parser(sub) -> None:
                    help="log one line per finished request: id, adapter, token counts, finish "
                         "reason, TTFT and total time, never prompt or output text (off by "
                         "default)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send one OpenTelemetry span per request (GenAI attributes, adapter, "
+                        "token counts, latencies) over OTLP/HTTP to URL, e.g. "
+                        "http://localhost:4318/v1/traces (needs the 'otel' extra; default: "
+                        "off)")
     p.add_argument("--stats-interval", type=positive(float, allow_zero=True), default=5.0,
                    metavar="SECONDS",
                    help="while busy, log a stats line (load, KV, radix hits, token rates, "

@@ -56,6 +56,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     max_body_bytes: int = 8 << 20
     log_level: str = "info"
     log_requests: bool = False  # one INFO line per finished request (counts and times, no text)
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector URL: one span per request
     stats_interval_s: float = 5.0  # the INFO stats line while busy; 0: off
     endpoints: Endpoints | None = None
     launcher_pid: int = 0

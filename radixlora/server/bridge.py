@@ -37,6 +37,7 @@ from radixlora.server.messages import (
 )
 from radixlora.server.stats_log import StatsLog, request_line
 from radixlora.server.stats_log import log as ops_log
+from radixlora.server.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class Generation:
     first_token_at: float | None = None
     fallback: str | None = None  # served base-only (policy "base"), and why
     owner: str = ""  # who submitted it (a hash of its API key): only they may abort it
-    logged: bool = False  # its --log-requests line is written (once: finished, failed or aborted)
+    ended: bool = False  # its log line and span are written (once: finished, failed or aborted)
 
     @property
     def n(self) -> int:
@@ -118,9 +119,11 @@ class Generation:
 
 
 class ProcessBridge:
-    def __init__(self, args: ServerArgs, metrics=None):
+    def __init__(self, args: ServerArgs, metrics=None, tracer: Tracer | None = None):
         self.args = args
         self.metrics = metrics
+        self.tracer = tracer or Tracer(args.model_name)
+        self.adapter_ids: dict[str, str] = {}  # name -> content hash, for the spans
         self.ctx = zmq.asyncio.Context()
         self.sync_ctx = zmq.Context()
         endpoints = args.endpoints
@@ -201,7 +204,7 @@ class ProcessBridge:
             self.to_tokenizer.send(self.encoder.encode(AbortReq(rid=rid)))
         if self.metrics is not None:
             self.metrics.on_abort(gen)
-        self._log_request(gen, "abort")
+        self._ended(gen, "abort")
         return True
 
     def cancel(self, rid: str, owner: str | None = None) -> bool:
@@ -237,8 +240,8 @@ class ProcessBridge:
                 if isinstance(event, ReqError):
                     if self.metrics is not None:
                         self.metrics.on_error(event.code)
-                    self._log_request(gens[position[event.rid]], f"error:{event.code}",
-                                      event.status)
+                    self._ended(gens[position[event.rid]], f"error:{event.code}", event.status,
+                                event.code)
                     raise ReqFailed(event)
                 unfinished -= event.finish_reason is not None
                 yield position[event.rid], event
@@ -279,6 +282,10 @@ class ProcessBridge:
                 if self.degraded_reason is not None:
                     log.info("the registry is back (event seq %d)", event.seq)
                 self.degraded_reason = None
+            if event.kind in ("added", "updated") and event.adapter_id:
+                self.adapter_ids[event.name] = event.adapter_id
+            elif event.kind == "removed":
+                self.adapter_ids.pop(event.name, None)
             self.recent_events.append(event)
             if self.metrics is not None:
                 self.metrics.on_adapter_event(event)
@@ -300,6 +307,8 @@ class ProcessBridge:
                 self.metrics.on_stats(msg)
             self.stats_log.on_stats(msg)
         elif isinstance(msg, (InfoReply, AdminReply)):
+            if isinstance(msg, InfoReply) and "adapters" in msg.info:
+                self.adapter_ids = {a["name"]: a["adapter_id"] for a in msg.info["adapters"]}
             waiter = self.info_waiters.pop(msg.qid, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg.info if isinstance(msg, InfoReply) else msg)
@@ -322,14 +331,18 @@ class ProcessBridge:
         if self.metrics is not None:
             self.metrics.on_output(gen, out, len(ids), first)
         if gen.finished:
-            self._log_request(gen, gen.finish_reasons)
+            self._ended(gen, gen.finish_reasons)
         gen.queue.put_nowait(out)
 
-    def _log_request(self, gen: Generation, finish: str, status: int | None = None) -> None:
-        """The --log-requests line of gen, once."""
-        if not self.args.log_requests or gen.logged:
+    def _ended(self, gen: Generation, finish: str, status: int | None = None,
+               error: str | None = None) -> None:  # fmt: skip
+        """gen finished, failed or was aborted: its --log-requests line and its span, once."""
+        if gen.ended:
             return
-        gen.logged = True
+        gen.ended = True
+        self.tracer.record(gen, finish, self.adapter_ids, error)
+        if not self.args.log_requests:
+            return
         now = time.monotonic()
         ttft = None if gen.first_token_at is None else gen.first_token_at - gen.created
         generated = sum(len(s.token_ids) for s in gen.samples.values())
@@ -344,7 +357,10 @@ class ProcessBridge:
 
     async def admin(self, op: str, name: str, path: str = "") -> AdminReply:
         """Ask the scheduler to load / unload / pin / unpin an adapter."""
-        return await self._ask(lambda qid: AdminReq(qid=qid, op=op, name=name, path=path))
+        reply = await self._ask(lambda qid: AdminReq(qid=qid, op=op, name=name, path=path))
+        if self.tracer.enabled and op in ("load", "unload"):
+            await self.query_info()  # the adapters' content hashes for the spans
+        return reply
 
     async def _ask(self, make_msg):
         """Send the scheduler the query make_msg(qid) and wait for its reply."""

@@ -38,6 +38,7 @@ from radixlora.server.gateway import ClientGateway
 from radixlora.server.ipc import Inbox
 from radixlora.server.messages import GenerateReq, Heartbeat, LauncherInbox, Ready, Sized
 from radixlora.server.metrics import Metrics
+from radixlora.server.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -389,7 +390,8 @@ class Launcher:
         args = self.args
         vocab_size = ModelConfig.from_dir(args.model).vocab_size
         metrics = Metrics()
-        self.runtime = runtime = ProcessBridge(args, metrics)
+        tracer = Tracer.for_endpoint(args.otlp_traces_endpoint, args.model_name)
+        self.runtime = runtime = ProcessBridge(args, metrics, tracer)
         worker = ready[FIRST].info
         api = Api(args, runtime, metrics, vocab_size, children.pids, worker.get("sizing"))
         gateway = ClientGateway(runtime, args.endpoints.client, vocab_size)
@@ -404,12 +406,15 @@ class Launcher:
             if worker["device"].startswith("cuda"):
                 log.info("warming the pipeline: a prefill and decode through every process")
                 await self.warm_pipeline(runtime)
+            if tracer.enabled:
+                await runtime.query_info()  # the adapters' content hashes for the spans
             tasks += [asyncio.create_task(c) for c in (gateway.serve(), self.announce())]
             await self.server.serve()
         finally:
             for task in tasks:
                 task.cancel()
             runtime.close()
+            tracer.shutdown()
         return self.exit_code
 
     async def warm_pipeline(self, runtime: ProcessBridge) -> None:
