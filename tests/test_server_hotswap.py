@@ -174,7 +174,7 @@ def test_churn_under_load(server, env, want):
         return "radixlora_adapter_load_seconds_count 0.0" not in text and text
 
     text = _wait(load_metrics, what="load latency metrics")
-    for name in ("radixlora_adapter_loads ", "radixlora_resident_adapters ",
+    for name in ("radixlora_adapter_loads_total ", "radixlora_resident_adapters ",
                  "radixlora_resident_adapter_bytes ",
                  'radixlora_adapter_events_total{kind="updated"}'):
         assert name in text, name

@@ -219,6 +219,13 @@ class SchedulerStats(Message):
     host_adapters: Count = 0  # adapters in the worker's pinned host tier
     host_bytes: Count = 0
     swaps_waiting: Count = 0  # requests held back by the swap cap at the last step
+    adapter_load_failures: Count = 0  # cumulative adapter versions the worker failed to load
+    max_loras: Count = 0  # --max-loras (lora_requests_info's max_lora)
+    running_adapters: list[str] = []  # adapter names of the running requests, sorted, distinct
+    waiting_adapters: list[str] = []  # and of the waiting ones
+    resident_rows: dict[str, Count] = {}  # adapter name -> device pool rows it holds
+    row_bytes: Count = 0  # device pool bytes of one row
+    registered: list[str] | None = None  # served adapter names; None: as in the previous stats
 
 
 class AdapterEvent(Message):

@@ -1,7 +1,11 @@
 """Prometheus metrics of the api process (its own registry, exposed at /metrics): per-adapter
 request and token counters, TTFT / inter-token / end-to-end latency histograms, and the
 scheduler's KV usage and radix hit rate, and the adapter lifecycle (registry events, loads
-into the device pool, their latency, evictions, residency)."""
+into the device pool, their latency, evictions, residency), and lora_requests_info (vLLM's
+gauge of the running and waiting requests' adapters, which gateways route by).
+
+An `adapter` label is only ever "base", a registered adapter's name, STACK or OTHER, so
+clients cannot add series by naming adapters (docs/observability.md)."""
 
 from __future__ import annotations
 
@@ -9,10 +13,14 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from radixlora.adapters import AdapterChoice
 from radixlora.server.messages import AdapterEvent, SampleOutput, SchedulerStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5, 10, 30, 60)
 LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+BASE = "base"
+STACK = "stack"  # two or more registered adapters stacked in one request
+OTHER = "other"  # any request naming an adapter that is not registered
 
 
 class Metrics:
@@ -53,11 +61,13 @@ class Metrics:
                                      ["skip_reason"], registry=r)
         self.adapter_rejections = Counter("radixlora_adapter_rejections",
                                           "Adapters the registry rejected", ["reason"], registry=r)
-        self.adapter_loads = Gauge("radixlora_adapter_loads",
-                                   "Adapter loads into the device pool since start", registry=r)
-        self.adapter_evictions = Gauge("radixlora_adapter_evictions",
-                                       "Adapters evicted from the device pool since start",
-                                       registry=r)
+        self.adapter_loads = Counter("radixlora_adapter_loads",
+                                     "Adapter loads into the device pool", registry=r)
+        self.adapter_evictions = Counter("radixlora_adapter_evictions",
+                                         "Adapters evicted from the device pool", registry=r)
+        self.adapter_load_failures = Counter("radixlora_adapter_load_failures",
+                                             "Adapter versions the worker failed to load (their "
+                                             "requests fail, the version is dropped)", registry=r)
         self.adapter_load_latency = Histogram("radixlora_adapter_load_seconds",
                                               "Worker time to get an adapter to the pool (disk "
                                               "or host tier)", buckets=LOAD_BUCKETS, registry=r)
@@ -72,20 +82,51 @@ class Metrics:
         self.swaps_waiting = Gauge("radixlora_adapter_swaps_waiting",
                                    "Requests held back by the swap cap at the last step",
                                    registry=r)
+        self.adapter_rows = Gauge("radixlora_adapter_resident_rows",
+                                  "Device pool rows an adapter holds", ["adapter"], registry=r)
+        self.adapter_bytes = Gauge("radixlora_adapter_resident_bytes",
+                                   "Device pool bytes an adapter holds", ["adapter"], registry=r)
+        self.lora_info = Gauge("radixlora_lora_requests_info",
+                               "Adapters of the running and waiting requests (vLLM's "
+                               "lora_requests_info); the value is when they were last reported",
+                               ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+                               registry=r)
         self._last_token: dict[tuple[str, int], float] = {}
+        self.registered: frozenset[str] = frozenset()  # names in the scheduler's last stats
+        self.announced: set[str] = set()  # added by registry events, not yet in its stats
+        self._totals: dict[str, int] = {}  # last cumulative value of each counter from stats
+        self._resident: set[str] = set()  # adapter labels of the per-adapter gauges
+        self._lora_info: tuple[str, str, str] | None = None
+
+    def adapter_label(self, choices: list[AdapterChoice] | None) -> str:
+        """The bounded label of a prompt's adapters: base, a registered name (at any weight),
+        STACK (several registered ones) or OTHER (any name not registered)."""
+        if not choices:
+            return BASE
+        if any(c.name not in self.registered and c.name not in self.announced
+               for c in choices):
+            return OTHER
+        return choices[0].name if len(choices) == 1 else STACK
+
+    def _label(self, gen) -> str:
+        return self.adapter_label(gen.req.adapters)
 
     def on_adapter_event(self, event: AdapterEvent) -> None:
         self.adapter_events.labels(event.kind).inc()
+        if event.kind in ("added", "updated") and event.name not in self.registered:
+            self.announced.add(event.name)
+        elif event.kind == "removed":
+            self.announced.discard(event.name)
         if event.kind == "skipped":
             self.adapter_skips.labels(event.reason).inc()
         elif event.kind == "rejected":
             self.adapter_rejections.labels(event.reason).inc()
 
     def on_submit(self, gen) -> None:
-        self.requests.labels(gen.adapter_label).inc()
+        self.requests.labels(self._label(gen)).inc()
 
     def on_abort(self, gen) -> None:
-        self.aborted.labels(gen.adapter_label).inc()
+        self.aborted.labels(self._label(gen)).inc()
         for index in range(gen.n):
             self._last_token.pop((gen.req.rid, index), None)
 
@@ -95,7 +136,7 @@ class Metrics:
     def on_output(self, gen, out: SampleOutput, num_tokens: int, first: bool) -> None:
         """first: the first output of gen (the bridge has set gen.first_token_at)."""
         now = time.monotonic()
-        adapter = gen.adapter_label
+        adapter = self._label(gen)
         key = (out.rid, out.index)
         if first:
             self.ttft.labels(adapter).observe(gen.first_token_at - gen.created)
@@ -120,8 +161,9 @@ class Metrics:
         self.waiting.set(stats.waiting)
         if stats.prompt_tokens:
             self.hit_rate.set(stats.cached_tokens / stats.prompt_tokens)
-        self.adapter_loads.set(stats.adapter_loads)
-        self.adapter_evictions.set(stats.adapter_evictions)
+        self._advance(self.adapter_loads, "loads", stats.adapter_loads)
+        self._advance(self.adapter_evictions, "evictions", stats.adapter_evictions)
+        self._advance(self.adapter_load_failures, "load_failures", stats.adapter_load_failures)
         for seconds in stats.adapter_load_seconds:
             self.adapter_load_latency.observe(seconds)
         self.resident_adapters.set(stats.resident_adapters)
@@ -129,6 +171,37 @@ class Metrics:
         self.host_adapters.set(stats.host_adapters)
         self.host_bytes.set(stats.host_bytes)
         self.swaps_waiting.set(stats.swaps_waiting)
+        if stats.registered is not None:
+            self.registered = frozenset(stats.registered)
+            self.announced -= self.registered
+        self._set_resident(stats)
+        info = (",".join(stats.running_adapters), ",".join(stats.waiting_adapters),
+                str(stats.max_loras))
+        if info != self._lora_info:
+            if self._lora_info is not None:
+                self.lora_info.remove(*self._lora_info)  # one series: the current adapters
+            self._lora_info = info
+        self.lora_info.labels(*info).set_to_current_time()
+
+    def _advance(self, counter: Counter, key: str, total: int) -> None:
+        """Add what a cumulative total from the scheduler grew by (all of it after a restart
+        of the count: a smaller total than the last one)."""
+        last = self._totals.get(key, 0)
+        counter.inc(total - last if total >= last else total)
+        self._totals[key] = total
+
+    def _set_resident(self, stats: SchedulerStats) -> None:
+        rows: dict[str, int] = {}
+        for name, count in stats.resident_rows.items():
+            label = name if name in self.registered else OTHER
+            rows[label] = rows.get(label, 0) + count
+        for label in self._resident - rows.keys():
+            self.adapter_rows.remove(label)
+            self.adapter_bytes.remove(label)
+        for label, count in rows.items():
+            self.adapter_rows.labels(label).set(count)
+            self.adapter_bytes.labels(label).set(count * stats.row_bytes)
+        self._resident = set(rows)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

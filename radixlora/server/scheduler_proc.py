@@ -88,6 +88,8 @@ class SchedulerService:
                              fallback_to_base=args.adapter_failure_policy == "base")
         self.loop = StepLoop(self.scheduler, self.config.overlap_schedule)
         self.num_loads = 0
+        self.num_load_failures = 0
+        self.sent_names: list[str] | None = None  # registered names in the last stats sent
         self.load_seconds: list[float] = []
         self.fallbacks: dict[str, str] = {}  # rid -> why it is served base-only
         self.reqs: dict[str, list[Req]] = {}
@@ -199,6 +201,7 @@ class SchedulerService:
     def _fail_adapters(self, failed: dict[str, str]) -> list[ReqError]:
         """Adapters the worker could not load: drop them and fail every request using them."""
         errors = []
+        self.num_load_failures += len(failed)
         for adapter_id, reason in failed.items():
             names = self.adapters.drop(adapter_id)
             log.error("adapter %s (%s) failed to load and is dropped: %s", names, adapter_id[:12],
@@ -240,7 +243,32 @@ class SchedulerService:
             swaps_waiting=sched.num_swap_deferred,
             host_adapters=self.host_tier[0],
             host_bytes=self.host_tier[1],
+            adapter_load_failures=self.num_load_failures,
+            max_loras=self.config.max_loras,
+            running_adapters=adapter_names(sched.running),
+            waiting_adapters=adapter_names(sched.waiting),
+            resident_rows=self._resident_rows(),
+            row_bytes=self.row_bytes,
+            registered=self._changed_names(),
         )
+
+    def _resident_rows(self) -> dict[str, int]:
+        """Pool rows per adapter name (versions of one name, an old one still finishing its
+        requests, add up)."""
+        rows: dict[str, int] = {}
+        for entry in self.scheduler.residency.resident.values():
+            name = entry.adapter.name
+            rows[name] = rows.get(name, 0) + len(entry.rows)
+        return rows
+
+    def _changed_names(self) -> list[str] | None:
+        """The registered names if they changed since the last stats (the api keeps the last
+        list it got: stats travel in order on one socket and none is dropped), else None."""
+        names = sorted(self.adapters.by_name)
+        if names == self.sent_names:
+            return None
+        self.sent_names = names
+        return names
 
     def _take_load_seconds(self) -> list[float]:
         out, self.load_seconds = self.load_seconds, []
@@ -380,6 +408,11 @@ class SchedulerLoop:
         if now >= self.next_stats:
             self.next_stats = now + STATS_INTERVAL_S
             self.to_api.send(self.service.stats())
+
+
+def adapter_names(reqs) -> list[str]:
+    """The distinct adapter names of reqs, sorted (a stack gives each of its names)."""
+    return sorted({a.name for req in reqs for a in req.adapter_set.adapters})
 
 
 def subscribe(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
