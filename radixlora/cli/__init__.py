@@ -76,8 +76,9 @@ def check_device(overrides: dict) -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s [api] %(levelname)s %(name)s: %(message)s")
+    from radixlora.server.ipc import setup_logging
+
+    setup_logging(args.log_level, "api")
     try:
         server_args = prepare(args)
     except StartError as e:

@@ -87,12 +87,15 @@ class Outbox:
         self.sock.send(self.encoder.encode(msg))
 
 
+LOG_FORMAT = "%(asctime)s [{proc}] %(levelname)s %(name)s: %(message)s"
+
+
 def setup_logging(level: str, proc: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format=f"%(asctime)s [{proc}] %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    """The one log format of every process (uvicorn's loggers propagate to it, and Python
+    warnings go through it): time, [process], level, logger: message."""
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT.format(proc=proc),
+                        stream=sys.stderr, force=True)  # fmt: skip
+    logging.captureWarnings(True)
 
 
 def die_with_parent(parent_pid: int) -> None:

@@ -35,7 +35,7 @@ from radixlora.server.api import Api
 from radixlora.server.args import Endpoints, ServerArgs
 from radixlora.server.bridge import Health, ProcessBridge, ReqFailed
 from radixlora.server.gateway import ClientGateway
-from radixlora.server.ipc import Inbox
+from radixlora.server.ipc import Inbox, setup_logging
 from radixlora.server.messages import GenerateReq, Heartbeat, LauncherInbox, Ready, Sized
 from radixlora.server.metrics import Metrics
 from radixlora.server.tracing import Tracer
@@ -397,6 +397,7 @@ class Launcher:
         gateway = ClientGateway(runtime, args.endpoints.client, vocab_size)
         config = uvicorn.Config(api.app(), host=args.host, port=args.port, loop="none",
                                 lifespan="off", log_level=args.log_level, access_log=False,
+                                log_config=None,
                                 timeout_graceful_shutdown=5)
         self.server = DrainingServer(config, self.begin_drain)
         jobs = [runtime.pump(), runtime.pump_events(), self.watch(children)]
@@ -505,6 +506,5 @@ def stop_starting(*_) -> None:
 
 
 def serve(args: ServerArgs) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s [api] %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, "api")
     return Launcher(args).run()
