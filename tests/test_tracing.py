@@ -140,7 +140,8 @@ def test_bridge_ends_one_span_per_generation_finished_aborted_or_failed(tmp_path
     try:
         params = SamplingParams(max_tokens=7, n=1)
         gens = [bridge.submit([GenerateReq(rid=rid, params=params, prompt="secret",
-                                           adapters=[AdapterChoice("sql")])], "sql")[0]
+                                           adapters=[AdapterChoice("sql")],
+                                           fill_context=rid == "gone")], "sql")[0]
                 for rid in ("done", "gone", "failed")]  # fmt: skip
         bridge._route(OutputBatch(outputs=[output("done", 3, None), output("gone", 1, None)]))
         bridge._route(OutputBatch(outputs=[output("done", 2, "length")]))
@@ -164,6 +165,7 @@ def test_bridge_ends_one_span_per_generation_finished_aborted_or_failed(tmp_path
     assert done.attributes["gen_ai.adapter.name"] == "sql"
     assert done.status.is_ok
     assert spans["gone"].attributes["gen_ai.response.finish_reasons"] == ("abort",)
+    assert "gen_ai.request.max_tokens" not in spans["gone"].attributes  # none was asked for
     failed = spans["failed"]
     assert failed.status.status_code is StatusCode.ERROR
     assert failed.attributes["error.type"] == "drain_timeout"

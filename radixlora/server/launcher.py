@@ -391,7 +391,7 @@ class Launcher:
         vocab_size = ModelConfig.from_dir(args.model).vocab_size
         metrics = Metrics()
         tracer = Tracer.for_endpoint(args.otlp_traces_endpoint, args.model_name)
-        self.runtime = runtime = ProcessBridge(args, metrics, tracer)
+        self.runtime = runtime = ProcessBridge(args, metrics)
         worker = ready[FIRST].info
         api = Api(args, runtime, metrics, vocab_size, children.pids, worker.get("sizing"))
         gateway = ClientGateway(runtime, args.endpoints.client, vocab_size)
@@ -407,7 +407,8 @@ class Launcher:
             if worker["device"].startswith("cuda"):
                 log.info("warming the pipeline: a prefill and decode through every process")
                 await self.warm_pipeline(runtime)
-            if tracer.enabled:
+            if tracer.enabled:  # after the warm-up: its requests are not traced
+                runtime.tracer = tracer
                 await runtime.query_info()  # the adapters' content hashes for the spans
             tasks += [asyncio.create_task(c) for c in (gateway.serve(), self.announce())]
             await self.server.serve()

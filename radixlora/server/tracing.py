@@ -72,7 +72,6 @@ class Tracer:
             "gen_ai.request.model": self.model,
             "gen_ai.response.model": self.model,
             "gen_ai.response.id": req.rid,
-            "gen_ai.request.max_tokens": params.max_tokens,
             "gen_ai.request.temperature": params.temperature,
             "gen_ai.request.top_p": params.top_p,
             "gen_ai.request.choice.count": params.n,
@@ -83,6 +82,8 @@ class Tracer:
             "radixlora.usage.cached_tokens": gen.cached_tokens,
             "gen_ai.latency.e2e": end_mono - gen.created,
         }
+        if not req.fill_context:  # else max_tokens is what the context left, not a request
+            attrs["gen_ai.request.max_tokens"] = params.max_tokens
         names = [c.name for c in req.adapters or []]
         ids = [adapter_ids[n] for n in names if n in adapter_ids]
         if ids and len(ids) == len(names):
