@@ -177,22 +177,34 @@ def test_demo_server_metrics(tmp_path):
         assert re.search(r'^radixlora_adapter_resident_bytes\{adapter="upper"\} [1-9]', after,
                          re.M)
 
-        # --max-running 1: one request runs while the others wait
-        seen = []
-        threads = [threading.Thread(target=complete, args=(httpx.Client(base_url=proc.url,
-                                                                          timeout=60), model),
-                                    kwargs={"max_tokens": 200, "ignore_eos": True})
-                   for model in ("upper", "reverse", "digits")]
-        for thread in threads:
-            thread.start()
-            time.sleep(0.05)
+        # --max-running 1: upper runs, then reverse and digits are sent and wait
+        seen, threads, statuses = [], [], []
+
+        def send(model: str) -> None:
+            with httpx.Client(base_url=proc.url, timeout=60) as own:
+                statuses.append(complete(own, model, max_tokens=200, ignore_eos=True).status_code)
+
+        def start(model: str) -> None:
+            threads.append(threading.Thread(target=send, args=(model,)))
+            threads[-1].start()
+
+        start("upper")
+        deadline = time.monotonic() + 10
+        while (seen[-1:] or [None])[0] != {"running_lora_adapters": "upper",
+                                           "waiting_lora_adapters": "", "max_lora": "32"}:
+            assert time.monotonic() < deadline, seen[-3:]
+            seen.append(lora_info(http.get("/metrics").text))
+        start("reverse")
+        start("digits")
         while any(t.is_alive() for t in threads):
             seen.append(lora_info(http.get("/metrics").text))
             time.sleep(0.05)
         for thread in threads:
             thread.join()
-    assert {"running_lora_adapters": "upper", "waiting_lora_adapters": "digits,reverse",
-            "max_lora": "32"} in seen or {
-        "running_lora_adapters": "reverse", "waiting_lora_adapters": "digits",
-        "max_lora": "32"} in seen, seen
-    assert seen[-1] is not None and seen[-1]["max_lora"] == "32"
+        idle = lora_info(http.get("/metrics").text)
+    assert statuses == [200, 200, 200]
+    waits = [(s["running_lora_adapters"], s["waiting_lora_adapters"]) for s in seen
+             if s and s["waiting_lora_adapters"]]
+    assert ("upper", "digits,reverse") in waits or ("reverse", "digits") in waits or (
+        "digits", "reverse") in waits, seen
+    assert idle is not None and idle["max_lora"] == "32"
