@@ -96,8 +96,8 @@ POLL_S = 0.5
 STATS_SETTLE_S = 1.0  # the scheduler sends /metrics' adapter gauges every 0.5 s
 WEIGHTS_LINE = re.compile(
     r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[worker\] \w+ [\w.]+: weights loaded in ")
-METRICS = ("radixlora_adapter_loads", "radixlora_adapter_evictions", "radixlora_host_adapters",
-           "radixlora_host_adapter_bytes", "radixlora_resident_adapters")
+METRICS = ("radixlora_adapter_loads_total", "radixlora_adapter_evictions_total",
+           "radixlora_host_adapters", "radixlora_host_adapter_bytes", "radixlora_resident_adapters")
 
 
 @dataclass(frozen=True)
@@ -386,13 +386,13 @@ def poll_start(server: Launch, first: str, names: set[str], vocab: int, timeout_
 
 
 def scrape(url: str) -> dict[str, float]:
-    """The METRICS gauges of GET /metrics."""
+    """The METRICS samples of GET /metrics, by name without the prefix and _total."""
     text = httpx.get(url + "/metrics", timeout=30).text
     out = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
         if name in METRICS:
-            out[name.removeprefix("radixlora_")] = float(value)
+            out[name.removeprefix("radixlora_").removesuffix("_total")] = float(value)
     return out
 
 
