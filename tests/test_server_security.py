@@ -312,29 +312,32 @@ def child_pid(parent: int, module: str) -> int:
 
 
 def test_drain_timeout_answers_503_and_stream_error_events(open_server):
+    """A stream that has started and three requests that have not finished when the drain
+    times out: the worker is stopped once the stream's first chunk is out (it cannot finish
+    200 tokens meanwhile), before the others are sent, so none can finish first."""
     long = {"model": BASE, "prompt": "input: a cat\noutput:\n", "max_tokens": 240, "n": 4,
             "ignore_eos": True}
-    answers: list[httpx.Response] = []
-    before = submitted(open_server)
-    threads = [threading.Thread(target=lambda: answers.append(
-        open_server.http.post("/v1/completions", json=long))) for _ in range(3)]
-    for t in threads:
-        t.start()
     chat = {"model": BASE, "messages": [{"role": "user", "content": "a cat"}], "n": 4,
             "max_tokens": 200, "ignore_eos": True, "stream": True}
+    answers: list[httpx.Response] = []
+    before = submitted(open_server)
+    worker = child_pid(open_server.proc.pid, "worker_proc")
     with open_server.http.stream("POST", "/v1/chat/completions", json=chat) as stream:
         lines = stream.iter_lines()
         next(lines)
-        wait_submitted(open_server, before + 4)
-        worker = child_pid(open_server.proc.pid, "worker_proc")
-        os.kill(worker, signal.SIGSTOP)  # no request can finish before the drain times out
+        os.kill(worker, signal.SIGSTOP)
         try:
+            threads = [threading.Thread(target=lambda: answers.append(
+                open_server.http.post("/v1/completions", json=long))) for _ in range(3)]
+            for t in threads:
+                t.start()
+            wait_submitted(open_server, before + 4)
             open_server.proc.send_signal(signal.SIGTERM)
             events = [line[6:] for line in lines if line.startswith("data: ")]
+            for t in threads:
+                t.join()
         finally:
             os.kill(worker, signal.SIGCONT)
-    for t in threads:
-        t.join()
     assert events[-1] == "[DONE]"
     err = msgspec.json.decode(events[-2])["error"]
     assert set(err) == ERROR_FIELDS and err["code"] == "drain_timeout"
