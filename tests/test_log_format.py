@@ -21,6 +21,8 @@ def test_every_line_of_every_process_and_uvicorn_has_one_format(tmp_path):
         assert proc.http.post("/v1/completions", json=body).status_code == 200
         missing = {"model": "radixlora-demo:missing", "prompt": "x", "max_tokens": 2}
         assert proc.http.post("/v1/completions", json=missing).status_code == 404
+        negative = {"model": "radixlora-demo", "prompt": "x", "max_tokens": -1}
+        assert proc.http.post("/v1/completions", json=negative).status_code == 400
     lines = log_path.read_text(errors="replace").splitlines()
     bad = [line for line in lines if not LINE.match(line)]
     assert not bad, "\n".join(bad)
@@ -29,3 +31,6 @@ def test_every_line_of_every_process_and_uvicorn_has_one_format(tmp_path):
     assert ("api", "radixlora.server.stats_log") in seen  # --log-requests
     assert any(name == "worker" for name, _ in seen)
     assert any("finish=error:adapter_not_found" in line for line in lines)
+    rejected = [line.split(": ", 1)[1] for line in lines if ": rejected " in line]
+    assert rejected == ["rejected POST /v1/completions status=400 code=invalid_request "
+                        "param=max_tokens"]

@@ -49,6 +49,7 @@ from radixlora.server.sglang_api import SglangHandlers
 from radixlora.server.utility_api import UtilityHandlers
 
 log = logging.getLogger(__name__)
+ops_log = logging.getLogger("radixlora.server.stats_log")  # the operator lines' logger
 
 CLIENT_CLOSED = 499
 
@@ -61,21 +62,21 @@ def guarded(fn):
         try:
             return await fn(self, request)
         except HttpError as e:
-            return self.error(e.status, e.message, e.code, e.param)
+            return self.reject(request, e.status, e.message, e.code, e.param)
         except InvalidRequestError as e:
-            return self.error(400, e.message, e.code, e.param)
-        except ReqFailed as e:
+            return self.reject(request, 400, e.message, e.code, e.param)
+        except ReqFailed as e:  # the bridge logged it (--log-requests), as its request
             err = e.error
             return self.error(err.status, err.message, err.code, err.param)
         except DuplicateRequestId as e:
-            return self.error(409, str(e), "duplicate_request_id", "rid")
+            return self.reject(request, 409, str(e), "duplicate_request_id", "rid")
         except ServiceUnavailable as e:
-            return self.error(503, e.message, "unavailable")
+            return self.reject(request, 503, e.message, "unavailable")
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         except Exception:
             log.exception("unexpected failure in %s", request.url.path)
-            return self.error(500, "internal server error (logged)", "internal_error")
+            return self.reject(request, 500, "internal server error (logged)", "internal_error")
 
     return wrapper
 
@@ -99,6 +100,16 @@ class Api:
     def error(self, status: int, message: str, code: str, param: str | None = None) -> Response:
         self.metrics.on_error(code)
         return error_response(status, message, code, param)
+
+    def reject(self, request: Request, status: int, message: str, code: str,
+               param: str | None = None) -> Response:  # fmt: skip
+        """An error answered before any request reached the other processes: with
+        --log-requests, its line (method, path, status, code, param; never the message, which
+        may quote the body)."""
+        if self.args.log_requests:
+            ops_log.info("rejected %s %s status=%d code=%s%s", request.method, request.url.path,
+                         status, code, f" param={param}" if param else "")
+        return self.error(status, message, code, param)
 
     def app(self) -> Starlette:
         routes = [
