@@ -123,6 +123,7 @@ class Req:
     last_node: object = None
     prompt_cached: bool = False
     cached_tokens: int = 0  # prefix tokens served from the cache at first admission
+    scheduled_at: float | None = None  # time.monotonic() of its first admission
     finish_reason: str | None = None
     num_retractions: int = 0
     # Prompt logprobs: logprob of prompt_ids[i] given prompt_ids[:i] for i >= logprob_start,

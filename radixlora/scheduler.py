@@ -324,6 +324,8 @@ class Scheduler:
         plan.adapter_loads += loads
         self.waiting.remove(req)
         req.status = ReqStatus.RUNNING
+        if req.scheduled_at is None:
+            req.scheduled_at = time.monotonic()
         self.running.append(req)
         plan.items.append(self._item(req, n))
         return True

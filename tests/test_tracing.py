@@ -107,6 +107,9 @@ def test_demo_server_exports_one_span_per_request_with_genai_attributes(tmp_path
         e2e = attrs["gen_ai.latency.e2e"]
         assert 0 < ttft <= e2e and 0 <= decode <= e2e
         assert abs(ttft + decode - e2e) < 1e-6
+        queued = attrs["gen_ai.latency.time_in_queue"]
+        prefill = attrs["gen_ai.latency.time_in_model_prefill"]
+        assert queued >= 0 and prefill >= 0 and abs(queued + prefill - ttft) < 1e-6
         assert span.end_time_unix_nano - span.start_time_unix_nano == pytest.approx(e2e * 1e9,
                                                                                     abs=1e6)
     span, attrs = spans[chat_reply["id"]]

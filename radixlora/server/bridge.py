@@ -99,6 +99,7 @@ class Generation:
     cached_tokens: int = 0
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    scheduled_at: float | None = None  # the scheduler's first admission (time.monotonic())
     fallback: str | None = None  # served base-only (policy "base"), and why
     owner: str = ""  # who submitted it (a hash of its API key): only they may abort it
     ended: bool = False  # its log line and span are written (once: finished, failed or aborted)
@@ -327,6 +328,8 @@ class ProcessBridge:
         first = gen.first_token_at is None
         if first:
             gen.first_token_at = time.monotonic()
+        if out.scheduled_at and gen.scheduled_at is None:
+            gen.scheduled_at = out.scheduled_at
         self.stats_log.count(out.prompt_tokens if first else 0, len(ids))
         if self.metrics is not None:
             self.metrics.on_output(gen, out, len(ids), first)

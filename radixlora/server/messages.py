@@ -135,6 +135,9 @@ class TokenOut(msgspec.Struct, array_like=True):
     fallback: str | None = None  # why the request is served base-only (policy "base")
     input_logprobs: list[float] = []  # prompt tokens from logprob_start on (first TokenOut)
     input_ids: Int32Array = b""  # the prompt tokens input_logprobs score
+    # with the first token: time.monotonic() (one clock for every process of the host) of the
+    # request's first admission, so the api can tell time queued from time in prefill
+    scheduled_at: float = 0.0
 
 
 class TokenBatch(Message):
@@ -172,6 +175,7 @@ class SampleOutput(msgspec.Struct, array_like=True):
     input_logprobs: list[float] = []
     input_ids: Int32Array = b""  # prompt tokens that input_logprobs score
     input_texts: list[str] | None = None  # input_ids' strings (with token_texts)
+    scheduled_at: float = 0.0  # as in TokenOut: with the first output
 
 
 class OutputBatch(Message):

@@ -184,6 +184,8 @@ class SchedulerService:
             cached_tokens=req.cached_tokens,
             fallback=fallback,
         )
+        if len(req.output_ids) == 1 and req.scheduled_at is not None:
+            out.scheduled_at = req.scheduled_at
         if req.logprob_start is not None and len(req.output_ids) == 1:  # with the first token
             out.input_logprobs = list(req.input_logprobs)
             out.input_ids = ids_to_bytes(req.prompt_ids[req.logprob_start :])

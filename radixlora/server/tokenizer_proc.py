@@ -271,6 +271,7 @@ class TokenizerService:
             input_ids=input_ids,
             input_texts=self._texts(bytes_to_ids(input_ids).tolist())
             if sample.token_texts and input_ids else None,
+            scheduled_at=out.scheduled_at,
         )
 
     def _texts(self, ids: list[int]) -> list[str]:

@@ -94,6 +94,10 @@ class Tracer:
             ttft = gen.first_token_at - gen.created
             attrs["gen_ai.latency.time_to_first_token"] = ttft
             attrs["gen_ai.latency.time_in_model_decode"] = end_mono - gen.first_token_at
+            if gen.scheduled_at is not None:
+                scheduled = min(max(gen.scheduled_at, gen.created), gen.first_token_at)
+                attrs["gen_ai.latency.time_in_queue"] = scheduled - gen.created
+                attrs["gen_ai.latency.time_in_model_prefill"] = gen.first_token_at - scheduled
         span = self.tracer.start_span(f"{operation} {self.model}", start_time=start_ns,
                                       attributes=attrs)  # fmt: skip
         if error is not None:
