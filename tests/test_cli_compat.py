@@ -233,6 +233,26 @@ def test_served_adapters_and_sizes(server):
     assert engine["host_adapter_bytes"] == 6 * engine["max_rank"] * row_bytes
 
 
+def test_the_openai_client_picks_adapters_on_a_vllm_style_server(server):
+    """The server started with vLLM's flags, driven with the official client: an adapter by
+    `model`, by SGLang's `lora_path` through extra_body, and a stack."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+    def chat(model: str = "demo", **extra) -> str:
+        out = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "the red fox ate 42 fish"}],
+            max_tokens=40, temperature=0, extra_body=extra or None)
+        return out.choices[0].message.content.strip()
+
+    assert chat() == "the red fox ate 42 fish"
+    assert chat("upper") == "THE RED FOX ATE 42 FISH"
+    assert chat(lora_path="reverse") == "fish 42 ate fox red the"
+    stack = [{"name": "upper", "weight": 1}, {"name": "reverse", "weight": 1}]
+    assert chat(adapters=stack) == "FISH 42 ATE FOX RED THE"
+
+
 def test_tokenize_detokenize_version(server):
     tokenizer = Tokenizer.from_dir(DEMO_MODEL_DIR)
     got = server.http.post("/tokenize", json={"model": "demo", "prompt": PROMPT,
@@ -284,3 +304,29 @@ def test_offline_stop_strings_equal_the_servers(server, engine, stop):
         assert (offline.text, offline.finish_reason) == (online["text"],
                                                          online["finish_reason"]), adapter
 
+
+
+def test_the_openai_client_on_an_sglang_style_server(tmp_path):
+    """`--model-path` and `--lora-paths` as SGLang takes them, driven with the official client:
+    an adapter by `model` and by `lora_path`."""
+    import openai
+
+    lora = json.dumps({"lora_name": "rev", "lora_path": str(DEMO_ADAPTERS["reverse"])})
+    proc = ServerProcess(None, {}, tmp_path / "server.log", "--model-path", str(DEMO_MODEL_DIR),
+                         "--lora-paths", f"upper={DEMO_ADAPTERS['upper']}", lora,
+                         "--max-loras-per-batch", "2")
+    try:
+        proc.wait_ready()
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+
+        def complete(name: str, **extra) -> str:
+            out = client.completions.create(model=name, prompt=PROMPT, max_tokens=40,
+                                            temperature=0, extra_body=extra or None)
+            return out.choices[0].text.strip()
+
+        assert complete(model) == "the red fox ate 42 fish"
+        assert complete("upper") == "THE RED FOX ATE 42 FISH"
+        assert complete(model, lora_path="rev") == "fish 42 ate fox red the"
+    finally:
+        assert proc.stop() == 0, proc.logs()
