@@ -724,18 +724,24 @@ def raise_fd_limit() -> None:
 
 # ---- main -----------------------------------------------------------------------------------
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workloads", default=",".join(ALL_WORKLOADS),
-                   help="comma-separated subset of b,c,d,e")
-    p.add_argument("--work-dir", default="/tmp/radixlora-bench-e2e")
-    p.add_argument("--tiny", action="store_true",
-                   help="tiny checkpoint and adapters, scaled-down workloads, on the CPU")
+def add_server_args(p: argparse.ArgumentParser, tiny_help: str) -> None:
+    """The flags of the files written and the server started (shared by bench_many_adapters)."""
+    p.add_argument("--work-dir", default="/tmp/radixlora-bench-e2e",
+                   help="checkpoint and adapters, reused by later runs and by the other "
+                        "end-to-end benchmark")
+    p.add_argument("--tiny", action="store_true", help=tiny_help)
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--extra-serve-args", default="",
                    help="more `radixlora serve` flags, one shell-quoted string")
     p.add_argument("--gen-device", default="auto",
                    help="where random weights are drawn (auto: cuda if available)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workloads", default=",".join(ALL_WORKLOADS),
+                   help="comma-separated subset of b,c,d,e")
+    add_server_args(p, "tiny checkpoint and adapters, scaled-down workloads, on the CPU")
     p.add_argument("--ready-timeout", type=float, default=1800.0)
     p.add_argument("--peak-flops", type=float, default=H200_FLOPS,
                    help="peak dense bf16 FLOP/s of the floor (H200: 800e12)")

@@ -545,21 +545,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workloads", default=",".join(ALL_WORKLOADS),
                    help="comma-separated subset of s,c,start")
-    p.add_argument("--work-dir", default="/tmp/radixlora-bench-e2e",
-                   help="shared with bench_e2e.py by default (one checkpoint for both)")
-    p.add_argument("--tiny", action="store_true",
-                   help="tiny checkpoint, 24 adapters, scaled-down workloads, on the CPU")
+    bench_e2e.add_server_args(p, "tiny checkpoint, 24 adapters, scaled-down workloads, on "
+                                 "the CPU")
     p.add_argument("--s-counts", default=None,
                    help="s: adapter counts N' (default 5,1000; --tiny 2,24)")
     p.add_argument("--c-counts", default=None,
                    help="c: MANY,FEW adapters (default 1000,5; --tiny 24,2)")
     p.add_argument("--start-flags", action="store_true",
                    help="start: a second launch with N --adapter flags")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--extra-serve-args", default="",
-                   help="more `radixlora serve` flags, one shell-quoted string")
-    p.add_argument("--gen-device", default="auto",
-                   help="where random weights are drawn (auto: cuda if available)")
     p.add_argument("--write-threads", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--hash-cache-dir", default=None,
                    help="RADIXLORA_CACHE_DIR of the server (default: a fresh empty one per "

@@ -164,22 +164,30 @@ def output(rid: str, tokens: int, finish: str | None) -> SampleOutput:
                         matched_stop=None, prompt_tokens=9, cached_tokens=4)
 
 
-def test_bridge_logs_each_request_once_finished_aborted_or_failed(tmp_path, caplog):
-    args = ServerArgs(model="m", endpoints=Endpoints.in_dir(tmp_path), log_requests=True)
-    bridge = ProcessBridge(args)
+def end_three_ways(bridge: ProcessBridge, reqs: list[GenerateReq]) -> None:
+    """Submit reqs "done", "gone" and "failed" (in that order) and end them: "done" finishes
+    after 5 tokens, "gone" is aborted after 1 (twice), "failed" gets a 503 error. Closes the
+    bridge."""
     bridge.health = Health.OK
     try:
-        gens = [bridge.submit([GenerateReq(rid=rid, params=SamplingParams(), prompt="secret")],
-                              "sql")[0] for rid in ("done", "gone", "failed")]
-        with caplog.at_level(logging.INFO, logger="radixlora.server.stats_log"):
-            bridge._route(OutputBatch(outputs=[output("done", 3, None), output("gone", 1, None)]))
-            bridge._route(OutputBatch(outputs=[output("done", 2, "length")]))
-            bridge.abort("gone")
-            bridge._route(ReqError(rid="failed", message="m", code="drain_timeout", status=503))
-            with pytest.raises(ReqFailed):
-                asyncio.run(bridge.collect(gens[2:]))
+        gens = [bridge.submit([req], "sql")[0] for req in reqs]
+        bridge._route(OutputBatch(outputs=[output("done", 3, None), output("gone", 1, None)]))
+        bridge._route(OutputBatch(outputs=[output("done", 2, "length")]))
+        bridge.abort("gone")
+        bridge.abort("gone")
+        bridge._route(ReqError(rid="failed", message="m", code="drain_timeout", status=503))
+        with pytest.raises(ReqFailed):
+            asyncio.run(bridge.collect(gens[2:]))
     finally:
         bridge.close()
+
+
+def test_bridge_logs_each_request_once_finished_aborted_or_failed(tmp_path, caplog):
+    args = ServerArgs(model="m", endpoints=Endpoints.in_dir(tmp_path), log_requests=True)
+    reqs = [GenerateReq(rid=rid, params=SamplingParams(), prompt="secret")
+            for rid in ("done", "gone", "failed")]  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="radixlora.server.stats_log"):
+        end_three_ways(ProcessBridge(args), reqs)
     lines = [re.sub(r"ttft=\S+ total=\S+", "T", m) for m in caplog.messages]
     assert lines == [
         "request done adapter=sql prompt=9 cached=4 generated=5 finish=length T",

@@ -3,7 +3,6 @@ collector), one per request with the GenAI attributes; the start-up error withou
 
 from __future__ import annotations
 
-import asyncio
 import http.server
 import sys
 import threading
@@ -19,11 +18,11 @@ from radixlora.adapters import AdapterChoice
 from radixlora.errors import RadixLoraError
 from radixlora.sampling import SamplingParams
 from radixlora.server.args import Endpoints, ServerArgs
-from radixlora.server.bridge import Health, ProcessBridge, ReqFailed
-from radixlora.server.messages import GenerateReq, OutputBatch, ReqError
+from radixlora.server.bridge import ProcessBridge
+from radixlora.server.messages import GenerateReq
 from radixlora.server.tracing import Tracer
 from tests.server_harness import free_port, running_server
-from tests.test_stats_log import output
+from tests.test_stats_log import end_three_ways
 
 
 class Collector(http.server.ThreadingHTTPServer):
@@ -138,23 +137,12 @@ def test_bridge_ends_one_span_per_generation_finished_aborted_or_failed(tmp_path
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     args = ServerArgs(model="m", served_model_name="m", endpoints=Endpoints.in_dir(tmp_path))
     bridge = ProcessBridge(args, tracer=Tracer("m", provider))
-    bridge.health = Health.OK
     bridge.adapter_ids = {"sql": "sha-of-sql"}
-    try:
-        params = SamplingParams(max_tokens=7, n=1)
-        gens = [bridge.submit([GenerateReq(rid=rid, params=params, prompt="secret",
-                                           adapters=[AdapterChoice("sql")],
-                                           fill_context=rid == "gone")], "sql")[0]
-                for rid in ("done", "gone", "failed")]  # fmt: skip
-        bridge._route(OutputBatch(outputs=[output("done", 3, None), output("gone", 1, None)]))
-        bridge._route(OutputBatch(outputs=[output("done", 2, "length")]))
-        bridge.abort("gone")
-        bridge.abort("gone")
-        bridge._route(ReqError(rid="failed", message="m", code="drain_timeout", status=503))
-        with pytest.raises(ReqFailed):
-            asyncio.run(bridge.collect(gens[2:]))
-    finally:
-        bridge.close()
+    params = SamplingParams(max_tokens=7, n=1)
+    end_three_ways(bridge, [GenerateReq(rid=rid, params=params, prompt="secret",
+                                        adapters=[AdapterChoice("sql")],
+                                        fill_context=rid == "gone")
+                            for rid in ("done", "gone", "failed")])  # fmt: skip
     spans = {s.attributes["gen_ai.response.id"]: s for s in exporter.get_finished_spans()}
     assert list(spans) == ["done", "gone", "failed"]
     done = spans["done"]
