@@ -199,7 +199,9 @@ def test_burst_admitted_in_name_order_at_bucket_pace(server, env):
     seqs = [e["seq"] for e in added]
     assert seqs == list(range(seqs[0], seqs[0] + 50))
     spread = added[-1]["at"] - added[0]["at"]
-    assert 0.8 * 49 / RATE <= spread <= 49 / RATE + 2.0, spread
+    # never faster than the bucket; slower only by the time examining 50 adapters takes (a
+    # loaded 2-core CI machine took 5.0 s in all)
+    assert 0.8 * 49 / RATE <= spread <= 49 / RATE + 5.0, spread
     assert set(names) <= set(_models(server))
     resp = _complete(server.http, names[-1])
     assert resp.status_code == 200
