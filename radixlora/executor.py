@@ -24,6 +24,7 @@ that no step needs is only logged. Every result lists the adapters whose reads h
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -191,7 +192,7 @@ class StepExecutor:
         pool = self.runner.adapter_pool
         packed = pool.pack(adapter)
         if pool.host.pin:
-            packed = PackedAdapter(packed.adapter_id, packed.rank, packed.data.pin_memory())
+            packed = dataclasses.replace(packed, data=packed.data.pin_memory())
         return packed
 
     # ---- prefetch loads ----------------------------------------------------------------------

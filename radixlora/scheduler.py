@@ -27,7 +27,7 @@ from radixlora.lora.pool import AdapterResidency
 from radixlora.radix_cache import RadixCache
 from radixlora.request import Req, ReqStatus
 from radixlora.step_plan import AdapterLoad, GroupRows, PlanItem, StepPlan, ids_to_bytes
-from radixlora.token_bucket import TokenBucket
+from radixlora.token_bucket import SwapCap
 
 AGING_STEPS = 64
 # Share of a running request's remaining max_tokens kept free when admitting new work, so that
@@ -112,7 +112,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.step_count = 0
         self.num_retractions = 0
-        self.swap_bucket: TokenBucket | None = None  # hard cap on adapter loads per second
+        self.swap_cap: SwapCap | None = None  # hard cap on adapter loads per second
         self.num_swap_deferred = 0  # requests the cap held back in the last schedule()
         self.num_in_flight = 0  # plans made whose results are not folded in yet
         self.num_prefetches = 0  # adapters loaded ahead of the requests that need them
@@ -267,31 +267,32 @@ class Scheduler:
                     continue
                 if rows and rows + adapter.rank > PREFETCH_ROWS_PER_STEP:
                     return
-                if not self._swap_tokens(1):
+                cost = self._swap_cost([adapter])
+                if self.swap_cap is not None and not self.swap_cap.allows(cost):
                     return
                 got = self.residency.prefetch(adapter, needs, position)
                 if got is None:
                     return
-                if self.swap_bucket is not None:
-                    self.swap_bucket.take(time.monotonic(), 1)
+                if self.swap_cap is not None:
+                    self.swap_cap.take(cost)
                 plan.prefetch_loads.append((adapter, got))
                 self.reading[adapter.adapter_id] = plan.made_at
                 rows += adapter.rank
                 self.num_prefetches += 1
 
-    def _swap_tokens(self, n: int) -> bool:
-        return self.swap_bucket is None or self.swap_bucket.available(time.monotonic()) >= n
+    def _swap_cost(self, adapters) -> float:
+        """Swaps the loads of the non-resident ones among `adapters` cost."""
+        if self.swap_cap is None:
+            return 0.0
+        return sum(self.swap_cap.cost(a) for a in adapters
+                   if not self.residency.is_resident(a.adapter_id))
 
     def _swap_allowed(self, req: Req) -> bool:
-        """The swap cap: loads wait for tokens (a request needing more loads than the burst
-        goes once the bucket is full, so it cannot starve)."""
-        if self.swap_bucket is None:
+        """The swap cap: loads wait for tokens (see SwapCap.allows)."""
+        if self.swap_cap is None:
             return True
-        missing = sum(not self.residency.is_resident(a.adapter_id)
-                      for a in req.adapter_set.adapters)
-        if not missing:
-            return True
-        return self.swap_bucket.available(time.monotonic()) >= min(missing, self.swap_bucket.burst)
+        cost = self._swap_cost(req.adapter_set.adapters)
+        return not cost or self.swap_cap.allows(cost)
 
     @staticmethod
     def _decode_reserve(req: Req) -> int:
@@ -318,9 +319,10 @@ class Scheduler:
         if not self._reserve_kv(req, n):
             self._release_kv(req)
             return False
+        cost = self._swap_cost(req.adapter_set.adapters)
         loads = self.residency.acquire(req.adapter_set.adapters, needs)
-        if loads and self.swap_bucket is not None:
-            self.swap_bucket.take(time.monotonic(), len(loads))
+        if loads and self.swap_cap is not None:
+            self.swap_cap.take(cost)
         plan.adapter_loads += loads
         self.waiting.remove(req)
         req.status = ReqStatus.RUNNING

@@ -1,9 +1,10 @@
-"""A token bucket: `rate` tokens per second, at most `burst` saved up."""
+"""A token bucket: `rate` tokens per second, at most `burst` saved up; the swap cap built on it."""
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 
 class TokenBucket:
@@ -26,7 +27,7 @@ class TokenBucket:
         self._refill(now)
         return math.floor(self.tokens + 1e-9)
 
-    def take(self, now: float, n: int = 1) -> None:
+    def take(self, now: float, n: float = 1) -> None:
         if self.rate == 0:
             return
         self._refill(now)
@@ -38,3 +39,27 @@ class TokenBucket:
             return 0.0
         self._refill(now)
         return max(0.0, (1 - self.tokens) / self.rate)
+
+
+class SwapCap:
+    """The hard cap on adapter loads into the device pool: `rate` full-size swaps per second
+    (at most `rate`, at least one, saved up), loads over it wait in the queue. A load costs
+    `cost(adapter)` swaps: the bytes it moves over the host link over those of a full-size
+    adapter (the largest allowed rank on every module group), so that a storm of large loads is
+    held to `rate` per second while small adapters, which move a fraction of the bytes, pass
+    proportionally more often."""
+
+    def __init__(self, rate: float, cost: Callable[[object], float], burst: int | None = None):
+        self.bucket = TokenBucket(rate, burst or max(1, math.ceil(rate)))
+        self.cost = cost
+
+    def allows(self, cost: float) -> bool:
+        """Whether loads of `cost` swaps may start now (a cost above the burst waits only for a
+        full bucket, so it cannot starve)."""
+        if self.bucket.rate == 0:
+            return True
+        self.bucket._refill(time.monotonic())
+        return self.bucket.tokens + 1e-9 >= min(cost, self.bucket.burst)
+
+    def take(self, cost: float) -> None:
+        self.bucket.take(time.monotonic(), cost)

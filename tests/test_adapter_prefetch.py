@@ -25,7 +25,7 @@ from radixlora.lora.pool import AdapterPool, AdapterResidency
 from radixlora.request import AdapterSet, Req, ReqStatus, cache_namespace
 from radixlora.scheduler import AGING_STEPS, BatchPlan, Scheduler
 from radixlora.step_plan import GroupRows, bytes_to_ids
-from radixlora.token_bucket import TokenBucket
+from radixlora.token_bucket import SwapCap
 from scripts.checkpoints import TINY_CONFIG, build_tiny_adapter, build_tiny_model
 from tests.conftest import assert_all_free
 
@@ -233,18 +233,18 @@ def test_eviction_order_unneeded_lru_then_furthest_back_never_pinned_or_referenc
 def test_prefetch_takes_swap_tokens_after_admissions():
     adapters = [fake_adapter(k) for k in range(8)]
     sched = make_scheduler(rows=16, max_running=1)
-    sched.swap_bucket = TokenBucket(1e-9, 3)  # three tokens, no refill within the test
+    sched.swap_cap = SwapCap(1e-9, lambda adapter: 1.0, burst=3)  # no refill within the test
     for k, a in enumerate(adapters):
         sched.add(make_req(f"r{k}", [a], max_tokens=4))
     plan = sched.schedule()
     assert len(plan.adapter_loads) == 1 and len(plan.prefetch_loads) == 2
-    assert sched.swap_bucket.available(0) == 0
+    assert sched.swap_cap.bucket.available(0) == 0
 
 
 def test_no_prefetch_while_the_swap_cap_holds_an_admission_back():
     adapters = [fake_adapter(k) for k in range(4)]
     sched = make_scheduler(rows=16, max_running=4)
-    sched.swap_bucket = TokenBucket(1e-9, 1)
+    sched.swap_cap = SwapCap(1e-9, lambda adapter: 1.0, burst=1)
     for k, a in enumerate(adapters):
         sched.add(make_req(f"r{k}", [a], max_tokens=4))
     plan = sched.schedule()
@@ -492,3 +492,18 @@ def test_a_failed_prefetch_read_fails_the_step_that_needs_its_adapter(many_adapt
         engine_outputs(engine)
     assert any(load.adapter_id == failed_id for p in plans for load in p.prefetch_loads)
     assert all(load.adapter_id != failed_id for p in plans for load in p.adapter_loads)
+
+
+def test_swap_cap_counts_full_size_swaps_not_loads():
+    """Each load costs its share of a full-size swap: a burst of 2 swaps admits 16 loads of
+    1/8 swap; a load costing more than the burst waits for a full bucket, never forever."""
+    sched = make_scheduler(rows=64, max_running=64)
+    sched.swap_cap = SwapCap(1e-9, lambda adapter: adapter.rank / 8, burst=2)
+    for k in range(20):
+        sched.add(make_req(f"s{k}", [fake_adapter(k, rank=1)], max_tokens=4))
+    plan = sched.schedule()
+    assert len(plan.adapter_loads) == 16 and sched.num_swap_deferred == 4
+    big = SwapCap(1e-9, lambda adapter: adapter.rank / 8, burst=2)
+    assert big.allows(3.0)  # full bucket: a 3-swap load may go, taking the bucket below zero
+    big.take(3.0)
+    assert not big.allows(0.125)

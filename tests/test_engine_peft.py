@@ -100,3 +100,21 @@ def test_every_slot_and_row_is_free_afterwards(setup):
     from tests.conftest import assert_all_free
 
     assert_all_free(setup[1])
+
+
+def test_rows_reused_across_adapters_of_other_modules_match_peft(checkpoints, adapters):
+    """A pool of exactly d's 64 rows: d (every module, rank patterns) and b (q, v, o at rank 4)
+    take turns in the same rows. A load writes only the groups and group ranks an adapter has,
+    so b runs over rows whose other groups still hold d's weights; it must read none of them."""
+    from tests.oracle import logprobs
+
+    dirs = {k: adapters["llama"][k] for k in "bd"}
+    engine = Engine(checkpoints["llama"], adapters=dirs, max_rank=64, kv_pages=256,
+                    adapter_rows=64)
+    ref_model = peft_model(checkpoints["llama"], dirs)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
+    for k, spec in enumerate("dbdb"):
+        ids = prompt(20 + k, 7)
+        out = engine.generate(ids, params, adapters=spec)[0].outputs[0]
+        check_against(logprobs(ref_model, ids + out.token_ids, [spec]), ids, out)
+    assert engine.scheduler.residency.num_evictions >= 3

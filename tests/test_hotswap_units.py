@@ -18,6 +18,7 @@ from radixlora import Engine, SamplingParams
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError
 from radixlora.lora.adapter import load_adapter
+from radixlora.lora.pool import AdapterPool
 from radixlora.server.admin import confine
 from radixlora.server.args import ServerArgs
 from radixlora.server.http import HttpError
@@ -460,6 +461,8 @@ def test_worker_host_tier_is_one_bounded_lru_of_packed_adapters(model, versions,
     adapters = {v: load_adapter(v, p, cfg, 64) for v, p in versions.items()}
     probe = make_executor(ServerArgs(model=str(model), engine=ENGINE)).runner.adapter_pool
     size = probe.pack(adapters["v1"]).nbytes  # all three have rank 4
+    # the swap cap's cost is these bytes: only the groups (and group ranks) the adapter has
+    assert size == AdapterPool.load_bytes(cfg, probe.dtype, adapters["v1"].group_ranks)
     worker = make_executor(ServerArgs(model=str(model),
                                       engine={**ENGINE, "host_adapter_bytes": 2 * size}))
     host = worker.runner.adapter_pool.host
@@ -487,7 +490,7 @@ def test_host_cache_keeps_the_newest_whatever_its_size():
     from radixlora.lora.host_cache import HostAdapterCache, PackedAdapter
 
     def packed(name, floats):
-        return PackedAdapter(name, 1, torch.zeros(floats))
+        return PackedAdapter(name, {"qkv": 1}, torch.zeros(floats))
 
     cache = HostAdapterCache(budget_bytes=100, pin=False)
     cache.put(packed("small", 10))

@@ -197,7 +197,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--adapter-quiet", type=positive(float, allow_zero=True), default=0.5,
                    help="seconds --adapter-dir must be quiet before a change is examined")
     p.add_argument("--max-swaps-per-s", type=positive(float, allow_zero=True), default=10.0,
-                   help="hard cap on adapter loads into the device pool per second (0: none)")
+                   help="hard cap on adapter loads into the device pool, in full-size swaps (an "
+                        "adapter of --max-lora-rank on every module) per second; smaller "
+                        "adapters cost their share of the bytes (0: none)")
     p.add_argument("--adapter-failure-policy", choices=("reject", "base"), default="reject",
                    help="a request naming an unknown or rejected adapter: reject it (404), or "
                         "serve it with the base model and say so")

@@ -4,6 +4,7 @@ id within one byte budget, shared by the offline Engine and the worker process."
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -12,11 +13,12 @@ import torch
 
 @dataclass(frozen=True)
 class PackedAdapter:
-    """One adapter version's pool rows for every module group, flattened in AdapterPool.write()
-    order. `rank` rows per group pool."""
+    """One adapter version's pool rows for the module groups it adapts, flattened in
+    AdapterPool.write() order: `group_ranks[g]` rows for each group g it has (the rows the
+    kernels read), none for the others."""
 
     adapter_id: str
-    rank: int
+    group_ranks: dict[str, int]
     data: torch.Tensor
 
     @property
@@ -59,7 +61,7 @@ class HostAdapterCache:
     def put(self, packed: PackedAdapter) -> PackedAdapter:
         """Cache `packed` (pinning it on CUDA) as the most recent entry; returns the cached one."""
         if self.pin and not packed.data.is_pinned():
-            packed = PackedAdapter(packed.adapter_id, packed.rank, packed.data.pin_memory())
+            packed = dataclasses.replace(packed, data=packed.data.pin_memory())
         old = self._entries.pop(packed.adapter_id, None)
         if old is not None:
             self._nbytes -= old.nbytes

@@ -77,16 +77,23 @@ class AdapterPool:
 
     @staticmethod
     def bytes_per_row(cfg: ModelConfig, dtype: torch.dtype) -> int:
+        return AdapterPool.load_bytes(cfg, dtype, dict.fromkeys(MODULE_GROUPS, 1))
+
+    @staticmethod
+    def load_bytes(cfg: ModelConfig, dtype: torch.dtype, group_ranks: Mapping[str, int]) -> int:
+        """Bytes an adapter with these per-group ranks moves into the pool (its packed size)."""
         per_layer = 0
-        for group, modules in MODULE_GROUPS.items():
+        for group, rank in group_ranks.items():
             in_dim, offsets = group_dims(cfg, group)
-            per_layer += len(modules) * in_dim + offsets[-1]
+            per_layer += rank * (len(MODULE_GROUPS[group]) * in_dim + offsets[-1])
         return per_layer * cfg.num_layers * torch.finfo(dtype).bits // 8
 
     def write(self, adapter: LoraAdapter | PackedAdapter, rows: np.ndarray) -> None:
-        """Copy an adapter's weights into `rows` (len == adapter.rank), zeroing what it lacks:
-        one host-to-device copy of the adapter packed in pool layout, then one row scatter per
-        group for all layers. On CUDA this is queued on the load stream (see wait_loads)."""
+        """Copy an adapter's weights into `rows` (len == adapter.rank): one host-to-device copy
+        of the adapter packed in pool layout, then one row scatter per group it adapts, for all
+        layers. A group's first group-rank rows are the only ones the kernels read for it
+        (AdapterResidency.group_rows), so the other rows keep whatever they held. On CUDA this
+        is queued on the load stream (see wait_loads)."""
         self._copy(adapter, rows)
         self._record()
 
@@ -113,12 +120,13 @@ class AdapterPool:
     def _copy(self, adapter: LoraAdapter | PackedAdapter, rows: np.ndarray) -> None:
         packed = adapter if isinstance(adapter, PackedAdapter) else self.packed(adapter)
         if self.load_stream is None:
-            self._scatter(packed.data, rows)
+            self._scatter(packed.data, packed.group_ranks, rows)
             return
         with torch.cuda.stream(self.load_stream):
             # the pinned source stays alive until the copy ends: PyTorch's pinned allocator
             # records this stream's use and reuses the block only after it completes
-            self._scatter(packed.data.to(self.device, non_blocking=True), rows)
+            self._scatter(packed.data.to(self.device, non_blocking=True), packed.group_ranks,
+                          rows)
 
     def _record(self) -> None:
         if self.load_stream is None:
@@ -133,18 +141,19 @@ class AdapterPool:
             (stream or torch.cuda.current_stream(self.device)).wait_event(self._loaded)
             self._loads_pending = False
 
-    def _scatter(self, packed: torch.Tensor, rows: np.ndarray) -> None:
+    def _scatter(self, packed: torch.Tensor, group_ranks: Mapping[str, int],
+                 rows: np.ndarray) -> None:
         idx = torch.as_tensor(rows, dtype=torch.long)
         if self.device.type == "cuda":  # pinned: a pageable source would wait for earlier copies
             idx = idx.pin_memory()
         idx = idx.to(self.device, non_blocking=True)
         offset = 0
-        for group in MODULE_GROUPS:
+        for group, rank in group_ranks.items():
             for pool, row_dim in ((self.a_all[group], 2), (self.b_all[group], 1)):
                 shape = list(pool.shape)
-                shape[row_dim] = len(rows)
+                shape[row_dim] = rank
                 size = int(np.prod(shape))
-                pool.index_copy_(row_dim, idx, packed[offset : offset + size].view(shape))
+                pool.index_copy_(row_dim, idx[:rank], packed[offset : offset + size].view(shape))
                 offset += size
 
     def packed(self, adapter: LoraAdapter) -> PackedAdapter:
@@ -152,13 +161,15 @@ class AdapterPool:
         return self.host.get(adapter.adapter_id) or self.host.put(self.pack(adapter))
 
     def pack(self, adapter: LoraAdapter) -> PackedAdapter:
-        """The adapter's rows for every group pool, flattened in write() order, in the pool's
-        dtype."""
+        """The adapter's rows for each group pool it adapts (its group rank of them), flattened
+        in write() order, in the pool's dtype."""
         pieces = []
-        for group, modules in MODULE_GROUPS.items():
+        group_ranks = {g: adapter.group_ranks[g] for g in MODULE_GROUPS if g in adapter.group_ranks}
+        for group, rank in group_ranks.items():
+            modules = MODULE_GROUPS[group]
             layers, n_slices, _, in_dim = self.a_all[group].shape
-            a = torch.zeros(layers, n_slices, adapter.rank, in_dim)
-            b = torch.zeros(layers, adapter.rank, self.b_all[group].shape[2])
+            a = torch.zeros(layers, n_slices, rank, in_dim)
+            b = torch.zeros(layers, rank, self.b_all[group].shape[2])
             for (layer, module), (lora_a, lora_b) in adapter.weights.items():
                 if module in modules:
                     slice_idx, r = modules.index(module), lora_a.shape[0]
@@ -167,7 +178,7 @@ class AdapterPool:
                     a[layer, slice_idx, :r] = lora_a
                     b[layer, :r, lo:hi] = lora_b.t()
             pieces += [a.flatten(), b.flatten()]
-        return PackedAdapter(adapter.adapter_id, adapter.rank, torch.cat(pieces).to(self.dtype))
+        return PackedAdapter(adapter.adapter_id, group_ranks, torch.cat(pieces).to(self.dtype))
 
 
 class RowAllocator:

@@ -7,7 +7,6 @@ N's tokens; step N's results are folded in while step N+1 runs."""
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -55,7 +54,7 @@ from radixlora.server.messages import (
 )
 from radixlora.step_loop import StepLoop
 from radixlora.step_plan import StepPlan
-from radixlora.token_bucket import TokenBucket
+from radixlora.token_bucket import SwapCap
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +69,13 @@ class SchedulerService:
         self.config = args.engine_config()
         self.model_cfg = ModelConfig.from_dir(args.model)
         self.scheduler = Scheduler(self.config, max_context=self.config.max_context(self.model_cfg))
+        self.row_bytes = AdapterPool.bytes_per_row(self.model_cfg,
+                                                   self.config.torch_dtype(self.model_cfg))
         if args.max_swaps_per_s > 0:
-            self.scheduler.swap_bucket = TokenBucket(args.max_swaps_per_s,
-                                                     max(1, math.ceil(args.max_swaps_per_s)))
+            self.scheduler.swap_cap = SwapCap(args.max_swaps_per_s, self._swap_cost)
         self.adapters = AdapterRegistry(self.model_cfg, self.config.max_rank,
                                         self.config.max_stacked, self.config.adapter_rows,
                                         keep_weights=False, reserved=frozenset({args.model_name}))
-        self.row_bytes = AdapterPool.bytes_per_row(self.model_cfg,
-                                                   self.config.torch_dtype(self.model_cfg))
         self.adapters.load_all(args.adapters, cache=HashCache())
         store = AdapterStore(Path(args.state_dir) / "adapters") if args.state_dir else None
         self.lifecycle = AdapterLifecycle(self.adapters, self.scheduler, store, self.model_cfg,
@@ -95,6 +93,13 @@ class SchedulerService:
         self.reqs: dict[str, list[Req]] = {}
         self.owner: dict[Req, tuple[str, int]] = {}
         self.host_tier = (0, 0)  # (adapters, bytes) in the worker's host tier, last reported
+
+    def _swap_cost(self, adapter) -> float:
+        """Full-size swaps one load of `adapter` is (SwapCap): its packed bytes over those of an
+        adapter of the largest allowed rank on every module group."""
+        dtype = self.config.torch_dtype(self.model_cfg)
+        load = AdapterPool.load_bytes(self.model_cfg, dtype, adapter.group_ranks)
+        return load / (self.config.max_rank * self.row_bytes)
 
     # ---- intake ------------------------------------------------------------------------------
 
