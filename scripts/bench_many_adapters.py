@@ -38,8 +38,8 @@ its max_tokens; a fresh prompt set per run, so runs do not hit each other's pref
          adapter loads into the device pool during the run (/metrics). Also the host tier's
          budget (GET /get_server_info "sizing" -> host_adapter_bytes; on the CPU the engine's
          resolved host_adapter_bytes) and how many of these adapters it holds: host bytes over
-         an adapter's packed size (the pool layout: rank rows on every target module, so 3x
-         the file of a q,k,v,o adapter) and over its file size.
+         an adapter's packed size (as a load moves it: rank rows of the q/k/v/o groups in the
+         pool dtype, about the file's size) and over its file size.
   c      latency under churn: Poisson arrivals at 70% of the request rate of s's run over 1000
          adapters (measured first, the same way, if s did not run), min(600, 60 s worth)
          requests of s's shape, uniform over 1000 adapters; then the same arrival times over
@@ -401,14 +401,13 @@ def host_tier(info: dict, cfg: dict, rank: int, file_bytes: int) -> dict:
     sizing = info.get("sizing") or {}
     engine = info.get("engine") or {}
     budget = sizing.get("host_adapter_bytes") or engine.get("host_adapter_bytes")
-    row_bytes = sizing.get("adapter_row_bytes")
-    if not row_bytes:  # no sizing on the CPU: one rank row of every module in the pool dtype
-        dtype = engine.get("dtype") or "auto"
-        if dtype == "auto":
-            dtype = cfg.get("torch_dtype") or "float32"
-        shape = Shape.from_config(cfg)
-        row_bytes = shape.layers * shape.lora_in_out() * getattr(torch, dtype).itemsize
-    packed = rank * row_bytes
+    dtype = engine.get("dtype") or "auto"
+    if dtype == "auto":
+        dtype = cfg.get("torch_dtype") or "float32"
+    shape = Shape.from_config(cfg)
+    # packed as the pool loads it: rank rows of the q/k/v/o groups only, in the pool dtype
+    in_out = sum(i + o for m, (i, o) in shape.projections().items() if m in QKVO)
+    packed = rank * shape.layers * in_out * getattr(torch, dtype).itemsize
     return {"host_adapter_bytes": budget, "adapter_packed_bytes": packed,
             "adapter_file_bytes": file_bytes,
             "holds_adapters": budget // packed if budget else None,
