@@ -3,6 +3,7 @@ plans: load adapter rows, build the forward batch once, run, sample."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from radixlora.attention import AttentionInputs, TritonAttentionBackend, make_at
 from radixlora.config import EngineConfig, ModelConfig
 from radixlora.cuda_graph import CudaGraphRunner, graph_reserve
 from radixlora.device import to_device
+from radixlora.distributed import TensorParallel
 from radixlora.forward_batch import ForwardBatch
 from radixlora.kernels.lora_ops import LoraBatchMeta, make_lora_backend
 from radixlora.kv_cache import KVPool
@@ -73,13 +75,19 @@ class ModelRunner:
     every pool and batch limit resolved (radixlora.sizing): on CUDA from the memory left after
     the weights and a profiling step, `sizing` saying what was sized."""
 
-    def __init__(self, model_path: str | Path, model_cfg: ModelConfig, config: EngineConfig):
-        self.cfg = model_cfg
-        self.device = torch.device(config.resolved_device())
+    def __init__(self, model_path: str | Path, model_cfg: ModelConfig, config: EngineConfig,
+                 tp: TensorParallel | None = None, device: torch.device | None = None):
+        """tp: this rank of a tensor-parallel group, whose shard of the model, KV heads and
+        adapters the runner holds (`cfg` is then the rank's shape); device: default the
+        config's."""
+        self.tp = tp
+        self.cfg = model_cfg if tp is None else tp.shard.local
+        self.device = device or torch.device(config.resolved_device())
         self.dtype = config.torch_dtype(model_cfg)
         self.attention_name = config.attention_backend
         started = time.perf_counter()
-        self.model = load_model(model_path, model_cfg, self.dtype, self.device, config.load_format)
+        self.model = load_model(model_path, model_cfg, self.dtype, self.device, config.load_format,
+                                tp)
         log.info("weights loaded in %.1f s", time.perf_counter() - started)
         self.lora_backend = make_lora_backend(config.lora_backend, self.device)
         self.graphs = None
@@ -104,7 +112,9 @@ class ModelRunner:
         cfg = self.cfg
         self.kv_pool = KVPool(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim,
                               self.dtype, self.device)  # fmt: skip
-        self.adapter_pool = AdapterPool(cfg, adapter_rows, self.dtype, self.device, host_bytes)
+        shard = self.tp.shard if self.tp is not None else None
+        self.adapter_pool = AdapterPool(cfg, adapter_rows, self.dtype, self.device, host_bytes,
+                                        shard)
         self.attn_backend = make_attention_backend(
             self.attention_name, self.kv_pool, cfg.num_heads, cfg.head_dim,
             cfg.sliding_window, self.device,
@@ -130,6 +140,9 @@ class ModelRunner:
             adapter_row_bytes=AdapterPool.bytes_per_row(self.cfg, self.dtype),
         )  # fmt: skip
         log.info(self.sizing.line())
+        if self.tp is not None:  # every rank's pools hold the same slots and rows
+            config = dataclasses.replace(config, kv_pages=self.tp.min_int(config.kv_pages),
+                                         adapter_rows=self.tp.min_int(config.adapter_rows))
         return config
 
     def _profile_activations(self, config: EngineConfig) -> tuple[int, int]:

@@ -15,9 +15,11 @@ import numpy as np
 import torch
 
 from radixlora.config import ModelConfig
+from radixlora.distributed import Shard
 from radixlora.kernels.lora_ops import LoraBatchMeta
 from radixlora.lora.adapter import MODULE_GROUPS, LoraAdapter
 from radixlora.lora.host_cache import HostAdapterCache, PackedAdapter
+from radixlora.model.parallel import RowParallelLinear
 
 
 def group_dims(cfg: ModelConfig, group: str) -> tuple[int, list[int]]:
@@ -51,7 +53,10 @@ class AdapterPool:
     invariant above: free rows or rows of evicted adapters."""
 
     def __init__(self, cfg: ModelConfig, num_rows: int, dtype: torch.dtype, device,
-                 host_bytes: int = 2 << 30):
+                 host_bytes: int = 2 << 30, shard: Shard | None = None):
+        """cfg: the shape of this rank's modules; shard: under tensor parallel, the rank whose
+        slice of each adapter this pool holds (pack() slices)."""
+        self.shard = shard
         self.num_rows = num_rows
         self.dtype = dtype
         self.device = torch.device(device)
@@ -172,6 +177,8 @@ class AdapterPool:
             b = torch.zeros(layers, rank, self.b_all[group].shape[2])
             for (layer, module), (lora_a, lora_b) in adapter.weights.items():
                 if module in modules:
+                    if self.shard is not None:
+                        lora_a, lora_b = self.shard.lora(module, lora_a, lora_b)
                     slice_idx, r = modules.index(module), lora_a.shape[0]
                     offsets = self.out_offsets[group]
                     lo, hi = offsets[slice_idx], offsets[slice_idx + 1]
@@ -405,6 +412,8 @@ class LoraContext:
         if meta is None:
             return linear(x), None
         a, b, out_offsets = self._pools(layer_id, group)
+        if isinstance(linear, RowParallelLinear):
+            return self._row_parallel(linear, x, a, b, out_offsets, meta), None
         if self.defer:
             delta = self._delta[group]
             y, _ = self._beside_gemm(linear, x, lambda: self.backend.deferred_delta(
@@ -429,6 +438,17 @@ class LoraContext:
         y = x.new_empty(x.shape[0], linear.out_features)
         self.backend.expand(v, b, out_offsets, meta, y, accumulate=False)
         return y.addmm_(x, linear.weight.t())
+
+    def _row_parallel(self, linear: RowParallelLinear, x: torch.Tensor, a, b, out_offsets,
+                      meta) -> torch.Tensor:
+        """Tensor parallel, o and down: x and A hold this rank's input columns, so the shrink
+        is a partial sum; it is all-reduced ([T, r], far smaller than y) and every rank adds
+        the whole delta, with B whole, to the all-reduced base output."""
+        y = linear(x)
+        v = self.backend.shrink(x, a, meta)
+        if v is not None:
+            self.backend.expand(linear.tp.all_reduce(v), b, out_offsets, meta, y)
+        return y
 
     def _beside_gemm(self, linear, x: torch.Tensor, lora_work):
         """(linear(x), lora_work()), the LoRA work on the side stream beside the GEMM if any."""

@@ -13,8 +13,10 @@ import torch
 from safetensors import safe_open
 
 from radixlora.config import ModelConfig
+from radixlora.distributed import Shard, TensorParallel
 from radixlora.errors import ModelLoadError
 from radixlora.model.llama import LlamaForCausalLM
+from radixlora.model.parallel import shard_model
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)$")
 _FUSED = {
@@ -50,12 +52,20 @@ def base_version(path: Path, load_format: str = "safetensors") -> str:
     return h.hexdigest()
 
 
-def load_model(
-    path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device, load_format: str = "safetensors"
-) -> LlamaForCausalLM:
+def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
+               load_format: str = "safetensors",
+               tp: TensorParallel | None = None) -> LlamaForCausalLM:  # fmt: skip
+    """The model of the checkpoint at `path` (shape `cfg`); with `tp`, this rank's shard of it:
+    each tensor is sliced as it is read, so no rank holds the whole model."""
     path = Path(path)
+    shard = tp.shard if tp is not None else None
+    if shard is not None:
+        cfg = shard.local
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg).to(dtype)
+        model = LlamaForCausalLM(cfg)
+        if tp is not None:
+            model = shard_model(model, tp)
+        model = model.to(dtype)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -69,7 +79,7 @@ def load_model(
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                _load_tensor(cfg, params, loaded, name, f.get_tensor(name))
+                _load_tensor(cfg, params, loaded, name, f.get_tensor(name), shard)
     missing = {n for n, p in params.items() if loaded.get(n, 0) != p.shape[0]}
     if cfg.tie_word_embeddings:
         missing.discard("lm_head.weight")
@@ -78,7 +88,7 @@ def load_model(
     return model.eval()
 
 
-def _load_tensor(cfg, params, loaded, name, tensor) -> None:
+def _load_tensor(cfg, params, loaded, name, tensor, shard: Shard | None = None) -> None:
     target, rows = _target(cfg, name)
     if target is None:
         return
@@ -88,10 +98,29 @@ def _load_tensor(cfg, params, loaded, name, tensor) -> None:
     if param is None:
         raise ModelLoadError(f"unexpected tensor {name} in checkpoint")
     dst = param.data if rows is None else param.data[rows[0] : rows[1]]
+    if shard is not None:
+        tensor, dst = _shard_tensor(shard, name, target, tensor, dst)
     if dst.shape != tensor.shape:
         raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
     dst.copy_(tensor)
-    loaded[target] = loaded.get(target, 0) + dst.shape[0]
+    loaded[target] = loaded.get(target, 0) + (param.shape[0] if target in _VOCAB else dst.shape[0])
+
+
+_VOCAB = ("embed_tokens.weight", "lm_head.weight")
+
+
+def _shard_tensor(shard: Shard, name: str, target: str, tensor: torch.Tensor,
+                  dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's slice of a checkpoint tensor, where it goes): a projection's rows or
+    columns, the vocabulary's rows (the last rank's padding rows zeroed), else all of it."""
+    if target in _VOCAB:
+        dst.zero_()
+        rows = tensor[shard.vocab_rows()]
+        return rows, dst[: rows.shape[0]]
+    m = _LAYER.match(name)
+    if m is None:
+        return tensor, dst
+    return shard.weight(f"{m.group(3)}_proj", m.group(4), tensor), dst
 
 
 def _target(cfg: ModelConfig, name: str) -> tuple[str | None, tuple[int, int] | None]:
