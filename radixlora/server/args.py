@@ -49,6 +49,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 30000
     zmq_client_port: int | None = None
     engine: dict[str, object] = {}  # EngineConfig overrides
+    tensor_parallel_size: int = 1  # worker ranks (processes), each holding a shard of the model
     drain_timeout_s: float = 30.0
     step_timeout_s: float = 600.0  # a worker step running longer is a hung worker
     watchdog_timeout_s: float = 30.0  # a child silent this long (no heartbeat) is dead
@@ -82,6 +83,8 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("--watchdog-timeout must be > 0")
         if not self.stats_interval_s >= 0:
             raise ValueError("--stats-interval must be >= 0")
+        if not 1 <= self.tensor_parallel_size <= 256:
+            raise ValueError("--tensor-parallel-size must be in [1, 256]")
 
     @property
     def model_name(self) -> str:

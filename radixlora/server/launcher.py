@@ -30,6 +30,7 @@ import zmq
 
 from radixlora.adapters import AdapterChoice
 from radixlora.config import ModelConfig
+from radixlora.distributed import TP_RANK_ENV, worker_rank_name
 from radixlora.sampling import SamplingParams
 from radixlora.server.api import Api
 from radixlora.server.args import Endpoints, ServerArgs
@@ -73,7 +74,9 @@ class Children:
 
     def __init__(self, args: ServerArgs):
         self.args = args
-        self.names = CHILDREN + (OPTIONAL if args.adapter_dir else ())
+        ranks = tuple(worker_rank_name(r) for r in range(1, args.tensor_parallel_size))
+        self.core = CHILDREN + ranks  # any of them dead: the server stops
+        self.names = self.core + (OPTIONAL if args.adapter_dir else ())
         self.procs: dict[str, subprocess.Popen] = {}
         self.pids: dict[str, int] = {}  # kept up to date (the api shows it)
         self.started: dict[str, float] = {}
@@ -84,13 +87,15 @@ class Children:
         self.relays: dict[str, StderrRelay] = {}
         self.starting = threading.Event()  # set: start-up causes are held back (start_failure)
         self.starting.set()
-        for name in self.names:
-            self.spawn(name, send_args=name == FIRST)
+        for name in self.names:  # the worker ranks meet at start: all get their args at once
+            self.spawn(name, send_args=name == FIRST or name in ranks)
 
     def spawn(self, name: str, send_args: bool = True) -> None:
-        cmd = [sys.executable, "-m", f"radixlora.server.{name}_proc"]
+        module, _, rank = name.partition("-tp")
+        cmd = [sys.executable, "-m", f"radixlora.server.{module}_proc"]
+        env = child_env() | ({TP_RANK_ENV: rank} if rank else {})
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, env=child_env())
+                                start_new_session=True, env=env)
         self.relays[name] = StderrRelay(proc.stderr, self.starting)
         self.procs[name] = proc
         self.pids[name] = proc.pid
@@ -449,7 +454,7 @@ class Launcher:
             for msg in self.inbox.recv_nowait():
                 children.on_beat(msg)
             children.kill_silent(children.names)
-            dead = children.first_dead()
+            dead = children.first_dead(children.core)
             if dead is not None:
                 break
             for name in OPTIONAL:

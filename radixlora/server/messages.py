@@ -46,7 +46,10 @@ MAX_MESSAGE_BYTES = 4 * MAX_IDS + (1 << 20)  # the largest message the client en
 Int32Array = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_IDS)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
 HttpStatus = Annotated[int, msgspec.Meta(ge=100, le=599)]
-ProcName = Literal["tokenizer", "scheduler", "worker", "registry"]
+# worker-tp<r>: rank r > 0 of a tensor-parallel worker (rank 0 is the worker)
+ProcName = Annotated[
+    str, msgspec.Meta(pattern=r"^(tokenizer|scheduler|registry|worker(-tp[1-9][0-9]{0,2})?)$")
+]
 
 
 class InvalidMessage(ValueError):

@@ -10,9 +10,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 import zmq
 
 from radixlora.config import ModelConfig
+from radixlora.distributed import TensorParallel, rank_from_env, worker_rank_name
 from radixlora.errors import AdapterError
 from radixlora.executor import StepExecutor
 from radixlora.lora.adapter import LoraAdapter, load_adapter
@@ -27,13 +29,16 @@ from radixlora.step_plan import AdapterLoad, StepPlan, StepResult
 log = logging.getLogger(__name__)
 
 BEAT_POLL_MS = 250  # an idle worker's loop comes round this often to beat
+TP_RENDEZVOUS = "tp-rendezvous"  # the ranks' file store, beside the private state directory
 PREFETCH_S = 10.0  # start-up adapters read into the host tier before Ready, at most this long
 
 
-def make_executor(args: ServerArgs) -> StepExecutor:
+def make_executor(args: ServerArgs, rank: int = 0) -> StepExecutor:
+    """The executor of tensor-parallel rank `rank` (the only one without tensor parallel)."""
     config = args.engine_config()
     model_cfg = ModelConfig.from_dir(args.model)
-    runner = ModelRunner(Path(args.model), model_cfg, config)
+    tp, device = join_group(args, model_cfg, rank)
+    runner = ModelRunner(Path(args.model), model_cfg, config, tp, device)
 
     def read(load: AdapterLoad) -> LoraAdapter:
         return load_adapter(load.name, load.path, model_cfg, config.max_rank)
@@ -41,9 +46,28 @@ def make_executor(args: ServerArgs) -> StepExecutor:
     return StepExecutor(runner, read)
 
 
+def join_group(args: ServerArgs, model_cfg: ModelConfig,
+               rank: int) -> tuple[TensorParallel | None, torch.device | None]:
+    """(this rank's tensor-parallel group, its device): (None, None) without tensor parallel.
+    The ranks meet at a file in the launcher's private directory; on CUDA rank r drives
+    cuda:r."""
+    size = args.tensor_parallel_size
+    if size == 1:
+        return None, None
+    device = torch.device(args.engine_config().resolved_device())
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+    rendezvous = f"file://{Path(args.state_dir).parent / TP_RENDEZVOUS}"
+    return TensorParallel.init(rank, size, model_cfg, rendezvous, device), device
+
+
 def run(args: ServerArgs, ctx: zmq.Context) -> None:
-    executor = make_executor(args)
+    rank = rank_from_env()
+    executor = make_executor(args, rank)
     runner = executor.runner
+    if rank > 0:
+        follow(executor, args, ctx, rank)
+        return
     send_ready(ctx, args, "worker", ready_info(runner), kind=Sized)
     runner.warm_up()
     prefetch_adapters(runner, args)
@@ -51,7 +75,24 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
     to_scheduler = Outbox(ctx, args.endpoints.scheduler)
     heart = Heartbeats(ctx, args, "worker")
     send_ready(ctx, args, "worker", ready_info(runner))
-    serve(executor, inbox, to_scheduler, heart)
+    serve(executor, inbox, to_scheduler, heart, runner.tp)
+
+
+def follow(executor: StepExecutor, args: ServerArgs, ctx: zmq.Context, rank: int) -> None:
+    """Tensor-parallel rank > 0: run every plan rank 0 hands over, in its order, and drop the
+    results (rank 0 answers the scheduler). Rank 0 sends at least every BEAT_POLL_MS, so this
+    loop beats while the server idles."""
+    runner, name = executor.runner, worker_rank_name(rank)
+    runner.warm_up()
+    prefetch_adapters(runner, args)
+    heart = Heartbeats(ctx, args, name)
+    send_ready(ctx, args, name, ready_info(runner))
+    done = 0
+    while True:
+        heart.beat(done)
+        for plan in runner.tp.recv_plans():
+            submit(executor, plan)
+        done += len(executor.collect(keep=1, done_too=True))
 
 
 def prefetch_adapters(runner: ModelRunner, args: ServerArgs,
@@ -89,16 +130,22 @@ def ready_info(runner: ModelRunner) -> dict:
     }
 
 
-def serve(executor: StepExecutor, inbox: Inbox, to_scheduler: Outbox, heart: Heartbeats) -> None:
+def serve(executor: StepExecutor, inbox: Inbox, to_scheduler: Outbox, heart: Heartbeats,
+          tp: TensorParallel | None = None) -> None:
     """Launch each plan as soon as it arrives, behind the step still running on the device,
     and answer steps in order as they complete: the scheduler plans step N+1 (with placeholders
     for step N's tokens) while step N runs, so the device never waits for the host. The loop
     beats between steps with the number of steps answered, so a step that never ends silences
-    the worker."""
+    the worker. Under tensor parallel, the plans go to the other ranks first (see `follow`),
+    and at least every BEAT_POLL_MS, none if there are none."""
     answered = 0
+    sent_at = time.monotonic()
     while True:
         heart.beat(answered)
         plans = inbox.recv_nowait() if executor.in_flight else inbox.recv_within(BEAT_POLL_MS)
+        if tp is not None and (plans or time.monotonic() - sent_at >= BEAT_POLL_MS / 1000):
+            tp.send_plans(plans)
+            sent_at = time.monotonic()
         for plan in plans:
             submit(executor, plan)
         for result in executor.collect(keep=1, done_too=True):
