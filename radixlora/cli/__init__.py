@@ -160,6 +160,7 @@ def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], serv
         port=args.port,
         zmq_client_port=args.zmq_client_port,
         engine=engine,
+        tensor_parallel_size=args.tensor_parallel_size,
         drain_timeout_s=args.drain_timeout,
         step_timeout_s=args.step_timeout,
         watchdog_timeout_s=args.watchdog_timeout,
@@ -223,6 +224,9 @@ def _serve_parser(sub) -> None:
                    help="seconds in-flight requests may take to finish after SIGTERM")
     p.add_argument("--step-timeout", type=positive(float), default=600.0,
                    help="seconds one worker step may take before the worker counts as hung")
+    p.add_argument("--tensor-parallel-size", "--tp-size", "-tp", type=positive(int), default=1,
+                   metavar="N", help="worker processes, one per device (gloo ranks on the CPU), "
+                                     "each holding 1/N of the model's heads and rows")
     p.add_argument("--watchdog-timeout", type=positive(float), default=30.0,
                    help="seconds a child process may go without a heartbeat before it counts "
                         "as dead (503s, exit; the registry is restarted)")
