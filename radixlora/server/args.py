@@ -24,11 +24,20 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
     worker: str
     client: str
     registry: str = ""  # the registry's PUB socket (AdapterEvents)
+    # data-parallel replicas (none: one, on scheduler, worker and api): replica i's scheduler
+    # and worker, and the api socket its scheduler answers on
+    schedulers: list[str] = []
+    workers: list[str] = []
+    replica_apis: list[str] = []
 
     @classmethod
-    def in_dir(cls, directory: str | Path, client: str | None = None) -> Endpoints:
+    def in_dir(cls, directory: str | Path, client: str | None = None,
+               replicas: int = 1) -> Endpoints:  # fmt: skip
         def ipc(name: str) -> str:
             return f"ipc://{Path(directory) / name}"
+
+        def each(name: str) -> list[str]:
+            return [ipc(f"{name}-dp{i}") for i in range(replicas)] if replicas > 1 else []
 
         return cls(
             launcher=ipc("launcher"),
@@ -38,7 +47,21 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
             worker=ipc("worker"),
             client=client or ipc("client"),
             registry=ipc("registry"),
+            schedulers=each("scheduler"),
+            workers=each("worker"),
+            replica_apis=each("api"),
         )
+
+    @property
+    def scheduler_list(self) -> list[str]:
+        return self.schedulers or [self.scheduler]
+
+    def replica(self, i: int) -> Endpoints:
+        """What replica i's scheduler and worker use: its own scheduler, worker and api."""
+        if not self.schedulers:
+            return self
+        return msgspec.structs.replace(self, scheduler=self.schedulers[i],
+                                       worker=self.workers[i], api=self.replica_apis[i])
 
 
 class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
@@ -50,6 +73,9 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     zmq_client_port: int | None = None
     engine: dict[str, object] = {}  # EngineConfig overrides
     tensor_parallel_size: int = 1  # worker ranks (processes), each holding a shard of the model
+    data_parallel_size: int = 1  # replicas: scheduler + worker groups behind one api
+    router_policy: str = "cache_aware"  # how the replicas share requests (server/router.py)
+    vllm_metric_names: bool = False  # /metrics also under vLLM's names (the endpoint picker's)
     drain_timeout_s: float = 30.0
     step_timeout_s: float = 600.0  # a worker step running longer is a hung worker
     watchdog_timeout_s: float = 30.0  # a child silent this long (no heartbeat) is dead
@@ -85,6 +111,10 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("--stats-interval must be >= 0")
         if not 1 <= self.tensor_parallel_size <= 256:
             raise ValueError("--tensor-parallel-size must be in [1, 256]")
+        if not 1 <= self.data_parallel_size <= 256:
+            raise ValueError("--data-parallel-size must be in [1, 256]")
+        if self.router_policy not in ("cache_aware", "round_robin"):
+            raise ValueError("--router-policy must be 'cache_aware' or 'round_robin'")
 
     @property
     def model_name(self) -> str:

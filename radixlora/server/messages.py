@@ -10,8 +10,10 @@ Channels (sender -> receiver: messages):
   worker -> scheduler:     StepResult
   scheduler -> tokenizer:  TokenBatch, ReqError
   tokenizer -> api:        OutputBatch, ReqError
-  scheduler -> api:        InfoReply, SchedulerStats, AdminReply
+  scheduler -> api:        InfoReply, SchedulerStats, AdminReply (with data-parallel
+                           replicas, each replica's scheduler on its own api socket)
   api -> scheduler:        AdminReq
+  tokenizer -> api:        RouterStats (data-parallel replicas: the router's report)
   registry -> scheduler, api (PUB/SUB): AdapterEvent
   child -> launcher:       Ready, then a Heartbeat about every second
 
@@ -96,6 +98,7 @@ class GenerateReq(Message):
     token_texts: bool = False  # attach per-token strings (for logprobs)
     logprob_start: Count | None = None  # return the logprobs of prompt tokens from here on
     score_only: bool = False  # max_new_tokens 0 with prompt logprobs: drop the sampled token
+    data_parallel_rank: Count | None = None  # run on this replica (None: the router picks)
 
     def validate(self) -> None:
         check_int32(self.input_ids, "input_ids")
@@ -235,6 +238,15 @@ class SchedulerStats(Message):
     registered: list[str] | None = None  # served adapter names; None: as in the previous stats
 
 
+class RouterStats(Message):
+    """The data-parallel router's state (radixlora.server.router.Router.snapshot)."""
+
+    policy: str
+    outstanding: list[Count]  # samples sent to each replica and not finished
+    tree_tokens: list[Count]  # tokens of each replica in the router's prefix tree
+    decisions: dict[str, Count]  # "replica:reason" -> requests routed so (cumulative)
+
+
 class AdapterEvent(Message):
     """One change of the registry's active set. `seq` grows by one per published change and
     survives registry restarts; kind "hello" (a registry that just started and found its
@@ -292,7 +304,7 @@ class Heartbeat(Message):
     progress: Count = 0
 
 
-ApiInbox = OutputBatch | ReqError | InfoReply | SchedulerStats | AdminReply
+ApiInbox = OutputBatch | ReqError | InfoReply | SchedulerStats | AdminReply | RouterStats
 TokenizerInbox = GenerateReq | AbortReq | TokenBatch | ReqError
 SchedulerInbox = TokenizedReq | AbortReq | InfoQuery | StepResult | AdminReq
 WorkerInbox = StepPlan
