@@ -75,6 +75,19 @@ def check_device(overrides: dict) -> None:
         raise StartError("--device cuda: no CUDA device is visible; use --device cpu (or auto)")
 
 
+def check_replicas(overrides: dict, replicas: int) -> None:
+    """On CUDA, replica i runs on device i: there must be as many devices as replicas."""
+    if replicas == 1 or overrides.get("device") == "cpu":
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if (overrides.get("device") == "cuda" or count) and count < replicas:
+        raise StartError(f"--data-parallel-size {replicas} needs {replicas} CUDA devices "
+                         f"(replica i runs on device i), {count} visible; use fewer replicas or "
+                         "--device cpu")
+
+
 def serve(args: argparse.Namespace) -> None:
     from radixlora.server.ipc import setup_logging
 
@@ -121,6 +134,7 @@ def prepare(args: argparse.Namespace):
         model_cfg = ModelConfig.from_dir(model)
         overrides = resolved_overrides(args, model)
         check_device(overrides)
+        check_replicas(overrides, args.data_parallel_size)
         server_args = _server_args(args, model, adapters, served_name, overrides)
         server_args.engine_config().max_context(model_cfg)
     except (ValueError, RadixLoraError) as e:
@@ -161,6 +175,9 @@ def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], serv
         zmq_client_port=args.zmq_client_port,
         engine=engine,
         tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        router_policy=args.router_policy,
+        vllm_metric_names=args.vllm_metric_names,
         drain_timeout_s=args.drain_timeout,
         step_timeout_s=args.step_timeout,
         watchdog_timeout_s=args.watchdog_timeout,
@@ -227,6 +244,19 @@ def _serve_parser(sub) -> None:
     p.add_argument("--tensor-parallel-size", "--tp-size", "-tp", type=positive(int), default=1,
                    metavar="N", help="worker processes, one per device (gloo ranks on the CPU), "
                                      "each holding 1/N of the model's heads and rows")
+    p.add_argument("--data-parallel-size", "--dp-size", "-dp", type=positive(int), default=1,
+                   metavar="N", help="replicas (a scheduler and a worker each) behind one api "
+                                     "and tokenizer; on CUDA replica i runs on device i, on the "
+                                     "CPU every replica uses the CPU")
+    p.add_argument("--router-policy", choices=("cache_aware", "round_robin"),
+                   default="cache_aware",
+                   help="how the replicas share requests: where the request's prefix is cached "
+                        "and its adapters run, bounded by load; or in turn")
+    p.add_argument("--vllm-metric-names", action="store_true",
+                   help="/metrics also exports the queue, KV and LoRA gauges under vLLM's names "
+                        "(vllm:num_requests_waiting, vllm:kv_cache_usage_perc, "
+                        "vllm:lora_requests_info, ...), which the Gateway API inference "
+                        "extension's endpoint picker reads")
     p.add_argument("--watchdog-timeout", type=positive(float), default=30.0,
                    help="seconds a child process may go without a heartbeat before it counts "
                         "as dead (503s, exit; the registry is restarted)")

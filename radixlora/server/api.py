@@ -232,7 +232,19 @@ class Api:
             "adapter_events": [msgspec.structs.asdict(e) for e in self.runtime.recent_events],
             "open_generations": len(self.runtime.generations),
             "scheduler": scheduler,
+            "data_parallel_size": self.runtime.num_replicas,
+            "router": self._router_info(),
         })
+
+    def _router_info(self) -> dict | None:
+        """The router's last report (replicas > 1), with each replica's radix hit counters."""
+        stats = self.runtime.router_stats
+        if stats is None:
+            return None
+        replicas = self.runtime.replica_stats
+        hits = {str(r): {"prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens}
+                for r, s in sorted(replicas.items())}
+        return {**msgspec.structs.asdict(stats), "radix": hits}
 
     @guarded
     async def flush_cache(self, request: Request) -> Response:

@@ -113,6 +113,9 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("--tensor-parallel-size must be in [1, 256]")
         if not 1 <= self.data_parallel_size <= 256:
             raise ValueError("--data-parallel-size must be in [1, 256]")
+        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError("--data-parallel-size with --tensor-parallel-size > 1 is not "
+                             "supported yet")
         if self.router_policy not in ("cache_aware", "round_robin"):
             raise ValueError("--router-policy must be 'cache_aware' or 'round_robin'")
 

@@ -1,6 +1,10 @@
 """The api process's bridge to the other processes: submits GenerateReqs, routes SampleOutputs
 back to per-request queues, answers info queries, tracks health. Outgoing sockets are plain
-PUSH sockets with no high-water mark, so a send never blocks the event loop."""
+PUSH sockets with no high-water mark, so a send never blocks the event loop.
+
+With data-parallel replicas each replica's scheduler answers on its own inbox, so its stats
+and replies are told apart by the socket they arrive on; info queries and admin calls go to
+every replica and their answers are merged (`merge_infos`, `merge_stats`)."""
 
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from radixlora.server.messages import (
     InfoReply,
     OutputBatch,
     ReqError,
+    RouterStats,
     SampleOutput,
     SchedulerStats,
     bytes_to_ids,
@@ -129,14 +134,19 @@ class ProcessBridge:
         self.sync_ctx = zmq.Context()
         endpoints = args.endpoints
         self.inbox = self._bind_inbox(endpoints.api)
+        # replica i's scheduler answers on replica_inboxes[i] (the main inbox when alone)
+        self.replica_inboxes = [self._bind_inbox(e) for e in endpoints.replica_apis]
         self.to_tokenizer = self._outbox(endpoints.tokenizer)
-        self.to_scheduler = self._outbox(endpoints.scheduler)
+        self.to_schedulers = [self._outbox(e) for e in endpoints.scheduler_list]
         self.codec = Codec(ApiInbox)
         self.encoder = msgspec.msgpack.Encoder()
         self.generations: dict[str, Generation] = {}
         self.info_waiters: dict[int, asyncio.Future] = {}
         self.qids = itertools.count(1)
-        self.stats: SchedulerStats | None = None
+        self.stats: SchedulerStats | None = None  # every replica's, merged
+        self.replica_stats: dict[int, SchedulerStats] = {}
+        self.replica_names: dict[int, list[str]] = {}  # the names each replica last sent
+        self.router_stats: RouterStats | None = None
         self.stats_log = StatsLog(args.stats_interval_s)
         self.health = Health.STARTING
         self.dead_reason: str | None = None
@@ -260,14 +270,22 @@ class ProcessBridge:
 
     # ---- inbox -------------------------------------------------------------------------------
 
+    @property
+    def num_replicas(self) -> int:
+        return len(self.to_schedulers)
+
     async def pump(self) -> None:
-        """Forever: route every inbox message (garbage is logged and dropped)."""
+        """Forever: route every message of every inbox (garbage is logged and dropped)."""
+        inboxes = [(self.inbox, 0)] + [(s, r) for r, s in enumerate(self.replica_inboxes)]
+        await asyncio.gather(*(self._pump(sock, replica) for sock, replica in inboxes))
+
+    async def _pump(self, sock: zmq.asyncio.Socket, replica: int) -> None:
         while True:
-            msg = self.codec.decode(await self.inbox.recv())
+            msg = self.codec.decode(await sock.recv())
             if msg is None:
                 continue
             try:
-                self._route(msg)
+                self._route(msg, replica)
             except Exception:
                 log.exception("failed to route %s", type(msg).__name__)
 
@@ -294,7 +312,7 @@ class ProcessBridge:
     def mark_degraded(self, reason: str) -> None:
         self.degraded_reason = reason
 
-    def _route(self, msg) -> None:
+    def _route(self, msg, replica: int = 0) -> None:
         if isinstance(msg, OutputBatch):
             for out in msg.outputs:
                 self._on_output(out)
@@ -303,16 +321,33 @@ class ProcessBridge:
             if gen is not None:
                 gen.queue.put_nowait(msg)
         elif isinstance(msg, SchedulerStats):
-            self.stats = msg
+            self._on_stats(msg, replica)
+        elif isinstance(msg, RouterStats):
+            self.router_stats = msg
             if self.metrics is not None:
-                self.metrics.on_stats(msg)
-            self.stats_log.on_stats(msg)
+                self.metrics.on_router_stats(msg)
         elif isinstance(msg, (InfoReply, AdminReply)):
             if isinstance(msg, InfoReply) and "adapters" in msg.info:
                 self.adapter_ids = {a["name"]: a["adapter_id"] for a in msg.info["adapters"]}
             waiter = self.info_waiters.pop(msg.qid, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg.info if isinstance(msg, InfoReply) else msg)
+
+    def _on_stats(self, msg: SchedulerStats, replica: int) -> None:
+        """One replica's stats: kept, then every replica's merged into the service's."""
+        self.replica_stats[replica] = msg
+        if msg.registered is not None:
+            self.replica_names[replica] = msg.registered
+        merged = msg
+        if self.num_replicas > 1:
+            merged = merge_stats(self.replica_stats, msg.adapter_load_seconds,
+                                 self.replica_names)
+        self.stats = merged
+        if self.metrics is not None:
+            self.metrics.on_stats(merged)
+            if self.num_replicas > 1:
+                self.metrics.on_replica_stats(replica, msg)
+        self.stats_log.on_stats(merged)
 
     def _on_output(self, out: SampleOutput) -> None:
         gen = self.generations.get(out.rid)
@@ -356,23 +391,43 @@ class ProcessBridge:
     # ---- control -----------------------------------------------------------------------------
 
     async def query_info(self, flush_cache: bool = False) -> dict:
-        return await self._ask(lambda qid: InfoQuery(qid=qid, flush_cache=flush_cache))
+        """The scheduler's info; with replicas, theirs merged (`merge_infos`)."""
+        infos = await self._ask_all(lambda qid: InfoQuery(qid=qid, flush_cache=flush_cache))
+        return infos[0] if len(infos) == 1 else merge_infos(infos)
 
     async def admin(self, op: str, name: str, path: str = "") -> AdminReply:
-        """Ask the scheduler to load / unload / pin / unpin an adapter."""
-        reply = await self._ask(lambda qid: AdminReq(qid=qid, op=op, name=name, path=path))
+        """Ask every replica's scheduler to load / unload / pin / unpin an adapter. A load
+        that fails on some replica is unloaded from the others, so they keep one adapter set."""
+        replies = await self._ask_all(
+            lambda qid: AdminReq(qid=qid, op=op, name=name, path=path))
+        failed = [(r, reply) for r, reply in enumerate(replies) if reply.status != 200]
+        if failed and op == "load" and len(replies) > 1:
+            for replica, reply in enumerate(replies):
+                if reply.status == 200:
+                    await self._ask(lambda qid: AdminReq(qid=qid, op="unload", name=name),
+                                    replica)
         if self.tracer.enabled and op in ("load", "unload"):
             await self.query_info()  # the adapters' content hashes for the spans
+        if not failed:
+            return replies[0]
+        replica, reply = failed[0]
+        if len(replies) > 1:
+            reply = msgspec.structs.replace(reply, message=f"replica {replica}: {reply.message}")
         return reply
 
-    async def _ask(self, make_msg):
-        """Send the scheduler the query make_msg(qid) and wait for its reply."""
+    async def _ask_all(self, make_msg) -> list:
+        """make_msg(qid) to every replica's scheduler at once; their replies in replica order."""
+        return list(await asyncio.gather(*(self._ask(make_msg, replica)
+                                           for replica in range(self.num_replicas))))
+
+    async def _ask(self, make_msg, replica: int = 0):
+        """Send replica's scheduler the query make_msg(qid) and wait for its reply."""
         if self.health is Health.DEAD:
             raise ServiceUnavailable(self.dead_reason or "a server process died")
         qid = next(self.qids)
         waiter = asyncio.get_running_loop().create_future()
         self.info_waiters[qid] = waiter
-        self.to_scheduler.send(self.encoder.encode(make_msg(qid)))
+        self.to_schedulers[replica].send(self.encoder.encode(make_msg(qid)))
         try:
             return await asyncio.wait_for(waiter, INFO_TIMEOUT_S)
         except asyncio.TimeoutError as e:
@@ -403,6 +458,68 @@ class ProcessBridge:
         self.closed = True
         self.ctx.destroy(linger=0)
         self.sync_ctx.destroy(linger=0)
+
+
+STATS_SUMS = ("kv_capacity", "kv_used", "kv_cached", "running", "waiting", "prompt_tokens",
+              "cached_tokens", "adapter_loads", "adapter_evictions", "resident_adapters",
+              "resident_bytes", "host_adapters", "host_bytes", "swaps_waiting",
+              "adapter_load_failures", "max_loras")
+
+
+def merge_stats(stats: dict[int, SchedulerStats], load_seconds: list[float],
+                names: dict[int, list[str]]) -> SchedulerStats:
+    """The replicas' latest stats as one service's: counts and totals summed (so max_loras is
+    the adapters the service holds at once), adapter lists united, resident rows summed per
+    name; `load_seconds` are the latencies new in the report that triggered the merge."""
+    rows: dict[str, int] = {}
+    for s in stats.values():
+        for name, count in s.resident_rows.items():
+            rows[name] = rows.get(name, 0) + count
+    every = list(stats.values())
+    return SchedulerStats(
+        **{f: sum(getattr(s, f) for s in every) for f in STATS_SUMS},
+        adapter_load_seconds=load_seconds,
+        running_adapters=sorted({a for s in every for a in s.running_adapters}),
+        waiting_adapters=sorted({a for s in every for a in s.waiting_adapters}),
+        resident_rows=rows,
+        row_bytes=every[0].row_bytes,
+        registered=sorted({a for listed in names.values() for a in listed}),
+    )
+
+
+INFO_MINIMUM = ("adapter_event_seq",)  # the replica furthest behind
+
+
+def merge_infos(infos: list[dict]) -> dict:
+    """The replicas' scheduler infos as one: numbers summed (the event sequence: the lowest),
+    adapter refs summed per id, listed names united, adapters united by name; each replica's
+    own info under "replicas"."""
+    merged: dict = {}
+    for key, first in infos[0].items():
+        values = [info[key] for info in infos]
+        if key in INFO_MINIMUM:
+            merged[key] = min(values)
+        elif isinstance(first, (int, float)) and not isinstance(first, bool):
+            merged[key] = sum(values)
+        elif key == "adapters":
+            merged[key] = unite_by_name(values)
+        elif isinstance(first, dict):
+            merged[key] = {k: sum(v.get(k, 0) for v in values) for v in values for k in v}
+        elif isinstance(first, list):
+            merged[key] = sorted({item for v in values for item in v})
+        else:
+            merged[key] = first
+    merged["replicas"] = infos
+    return merged
+
+
+def unite_by_name(lists: list[list[dict]]) -> list[dict]:
+    """Entries of every list, one per name (the first replica's), in first-seen order."""
+    by_name: dict[str, dict] = {}
+    for entries in lists:
+        for entry in entries:
+            by_name.setdefault(entry["name"], entry)
+    return list(by_name.values())
 
 
 class ReqFailed(Exception):

@@ -5,7 +5,9 @@ and makes the launcher exit non-zero after stopping the others; SIGTERM/SIGINT d
 requests get 503, in-flight ones finish, exit 0. The registry process (with --adapter-dir) is
 not needed to serve: if it dies or falls silent, /health says "degraded" (HTTP 200) and the
 launcher restarts it. The private temporary directory is named after the launcher's pid, so a
-later launcher removes it if this one was killed before it could."""
+later launcher removes it if this one was killed before it could. With --data-parallel-size N
+each replica is a scheduler-dp<i> and a worker-dp<i> (on CUDA, device i), any of them a core
+child; the tokenizer routes between them."""
 
 from __future__ import annotations
 
@@ -75,8 +77,10 @@ class Children:
     def __init__(self, args: ServerArgs):
         self.args = args
         ranks = tuple(worker_rank_name(r) for r in range(1, args.tensor_parallel_size))
-        self.core = CHILDREN + ranks  # any of them dead: the server stops
+        self.core = core_children(args.data_parallel_size) + ranks  # any dead: the server stops
+        self.workers = tuple(n for n in self.core if n.split("-")[0] == FIRST)
         self.names = self.core + (OPTIONAL if args.adapter_dir else ())
+        self.sized: dict[str, ServerArgs] = {}  # replica children: their replica's sized args
         self.procs: dict[str, subprocess.Popen] = {}
         self.pids: dict[str, int] = {}  # kept up to date (the api shows it)
         self.started: dict[str, float] = {}
@@ -88,12 +92,12 @@ class Children:
         self.starting = threading.Event()  # set: start-up causes are held back (start_failure)
         self.starting.set()
         for name in self.names:  # the worker ranks meet at start: all get their args at once
-            self.spawn(name, send_args=name == FIRST or name in ranks)
+            self.spawn(name, send_args=name in self.workers or name in ranks)
 
     def spawn(self, name: str, send_args: bool = True) -> None:
-        module, _, rank = name.partition("-tp")
+        module, rank = name.split("-")[0], name.partition("-tp")[2]
         cmd = [sys.executable, "-m", f"radixlora.server.{module}_proc"]
-        env = child_env() | ({TP_RANK_ENV: rank} if rank else {})
+        env = child_env() | ({TP_RANK_ENV: rank} if rank else {}) | replica_env(name)
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, env=env)
         self.relays[name] = StderrRelay(proc.stderr, self.starting)
@@ -106,16 +110,30 @@ class Children:
         if send_args:
             self.send_args(name)
 
+    def args_of(self, name: str) -> ServerArgs:
+        """A replica child's args name its replica's endpoints (and, once sized, its worker's
+        sizes); the others get the service's."""
+        replica = replica_of(name)
+        if replica is None:
+            return self.args
+        return self.sized.get(name) or replica_args(self.args, replica)
+
     def send_args(self, name: str) -> None:
         stdin = self.procs[name].stdin
         with contextlib.suppress(BrokenPipeError):  # died at once: the watch reports it
-            stdin.write(self.args.to_json().encode())
+            stdin.write(self.args_of(name).to_json().encode())
         with contextlib.suppress(BrokenPipeError):
             stdin.close()
 
-    def start_rest(self, args: ServerArgs) -> None:
-        """Hand every child still waiting for its args these (the sized ones)."""
+    def start_rest(self, args: ServerArgs, sized: dict[str, Sized]) -> None:
+        """Hand every child still waiting for its args these (the sized ones): a replica's
+        children those of its own worker."""
         self.args = args
+        for name in self.names:
+            replica = replica_of(name)
+            if replica is not None:
+                worker = sized[f"{FIRST}-dp{replica}"].info
+                self.sized[name] = sized_args(replica_args(args, replica), worker)
         for name in self.names:
             if not self.procs[name].stdin.closed:
                 self.send_args(name)
@@ -123,11 +141,20 @@ class Children:
     def on_beat(self, msg: Ready | Sized | Heartbeat) -> None:
         """A Ready, Sized or Heartbeat from the current process of that name (not a replaced
         one)."""
-        if self.pids.get(msg.proc) != msg.pid:
+        name = self.name_of(msg)
+        if name is None:
             return
-        self.deadline[msg.proc] = time.monotonic() + self.args.watchdog_timeout_s
+        self.deadline[name] = time.monotonic() + self.args.watchdog_timeout_s
         if isinstance(msg, Heartbeat):
-            self.progress[msg.proc] = msg.progress
+            self.progress[name] = msg.progress
+
+    def name_of(self, msg: Ready | Sized | Heartbeat) -> str | None:
+        """The child that sent msg, by its pid (replicas' children share their proc names);
+        None for a process that is no longer the child of that name."""
+        for name, pid in self.pids.items():
+            if pid == msg.pid and name.split("-")[0] == msg.proc.split("-")[0]:
+                return name
+        return None
 
     def kill_silent(self, names) -> None:
         """Kill every running child past its heartbeat deadline (stopped or stuck: SIGKILL is
@@ -312,10 +339,11 @@ def wait_for(inbox: Inbox, children: Children, timeout_s: float, names: tuple[st
         if inbox.poll(100):
             for msg in inbox.recv_nowait():
                 children.on_beat(msg)
-                if isinstance(msg, (Ready, Sized)):
-                    seen[type(msg)][msg.proc] = msg
-                if isinstance(msg, Ready):
-                    log.info("%s process ready (pid %d)", msg.proc, msg.pid)
+                name = children.name_of(msg)
+                if isinstance(msg, (Ready, Sized)) and name is not None:
+                    seen[type(msg)][name] = msg
+                if isinstance(msg, Ready) and name is not None:
+                    log.info("%s process ready (pid %d)", name, msg.pid)
     return seen[kind]
 
 
@@ -346,7 +374,8 @@ class Launcher:
         state_dir = os.path.join(self.workdir, "state")
         os.mkdir(state_dir)
         self.args = msgspec.structs.replace(
-            args, endpoints=Endpoints.in_dir(self.workdir, client), launcher_pid=os.getpid(),
+            args, endpoints=Endpoints.in_dir(self.workdir, client, args.data_parallel_size),
+            launcher_pid=os.getpid(),
             state_dir=state_dir,
         )
         self.exit_code = 0
@@ -366,12 +395,12 @@ class Launcher:
             started = time.monotonic()
             seen: dict[type, dict] = {Sized: {}, Ready: {}}
             timeout = self.args.ready_timeout_s
-            sized = wait_for(self.inbox, children, timeout, (FIRST,), Sized, seen)
-            self.args = sized_args(self.args, sized[FIRST].info)
-            rest = [name for name in children.names if name != FIRST]
+            sized = wait_for(self.inbox, children, timeout, children.workers, Sized, seen)
+            self.args = sized_args(self.args, sized[children.workers[0]].info)
+            rest = [name for name in children.names if name not in children.workers]
             log.info("pools sized in %.1f s; starting the %s processes while the worker warms "
                      "up", time.monotonic() - started, ", ".join(rest))
-            children.start_rest(self.args)  # they start while the worker warms up
+            children.start_rest(self.args, sized)  # they start while the worker warms up
             ready = wait_for(self.inbox, children, timeout, children.names, Ready, seen)
             children.starting.clear()
             log.info("every process ready in %.1f s", time.monotonic() - started)
@@ -394,10 +423,10 @@ class Launcher:
     async def serve(self, children: Children, ready: dict[str, Ready]) -> int:
         args = self.args
         vocab_size = ModelConfig.from_dir(args.model).vocab_size
-        metrics = Metrics()
+        metrics = Metrics(args.vllm_metric_names)
         tracer = Tracer.for_endpoint(args.otlp_traces_endpoint, args.model_name)
         self.runtime = runtime = ProcessBridge(args, metrics)
-        worker = ready[FIRST].info
+        worker = ready[children.workers[0]].info
         api = Api(args, runtime, metrics, vocab_size, children.pids, worker.get("sizing"))
         gateway = ClientGateway(runtime, args.endpoints.client, vocab_size)
         config = uvicorn.Config(api.app(), host=args.host, port=args.port, loop="none",
@@ -432,8 +461,10 @@ class Launcher:
         ids = np.ones(WARM_PROMPT_TOKENS, dtype="<i4").tobytes()
         params = SamplingParams(max_tokens=WARM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
         choices = [None] + [[AdapterChoice(name)] for name in sorted(self.args.adapters)[:1]]
-        reqs = [GenerateReq(rid=f"warm-up-{k}", params=params, input_ids=ids, adapters=choice)
-                for k, choice in enumerate(choices)]  # fmt: skip
+        replicas = range(self.args.data_parallel_size)
+        reqs = [GenerateReq(rid=f"warm-up-{r}-{k}", params=params, input_ids=ids, adapters=choice,
+                            data_parallel_rank=r if len(replicas) > 1 else None)
+                for r in replicas for k, choice in enumerate(choices)]  # fmt: skip
         try:
             await asyncio.wait_for(runtime.collect(runtime.submit(reqs, "warm-up")),
                                    self.args.ready_timeout_s)  # fmt: skip
@@ -500,6 +531,38 @@ class Launcher:
         if self.runtime.generations:
             await self.runtime.expire()
         self.server.should_exit = True
+
+
+def core_children(replicas: int) -> tuple[str, ...]:
+    """The tokenizer, then each replica's scheduler and worker (unsuffixed when alone)."""
+    if replicas == 1:
+        return CHILDREN
+    return ("tokenizer",) + tuple(f"{proc}-dp{i}" for i in range(replicas)
+                                  for proc in ("scheduler", FIRST))
+
+
+def replica_of(name: str) -> int | None:
+    _, marker, replica = name.partition("-dp")
+    return int(replica) if marker else None
+
+
+def replica_args(args: ServerArgs, replica: int) -> ServerArgs:
+    """Replica `replica`'s view: its scheduler, worker and api endpoints, its own state."""
+    state = os.path.join(args.state_dir, f"dp{replica}") if args.state_dir else ""
+    if state:
+        os.makedirs(state, mode=0o700, exist_ok=True)
+    return msgspec.structs.replace(args, endpoints=args.endpoints.replica(replica),
+                                   state_dir=state)
+
+
+def replica_env(name: str) -> dict[str, str]:
+    """A replica's worker drives device `replica` on CUDA: of CUDA_VISIBLE_DEVICES when set."""
+    replica = replica_of(name)
+    if replica is None or not name.startswith(FIRST):
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(replica + 1)]
+    return {"CUDA_VISIBLE_DEVICES": devices[replica] if replica < len(devices) else ""}
 
 
 def sized_args(args: ServerArgs, worker_info: dict) -> ServerArgs:

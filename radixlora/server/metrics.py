@@ -2,7 +2,12 @@
 request and token counters, TTFT / inter-token / end-to-end latency histograms, and the
 scheduler's KV usage and radix hit rate, and the adapter lifecycle (registry events, loads
 into the device pool, their latency, evictions, residency), and lora_requests_info (vLLM's
-gauge of the running and waiting requests' adapters, which gateways route by).
+gauge of the running and waiting requests' adapters, which gateways route by). With
+data-parallel replicas the unlabelled series are the whole service's (the replicas' stats
+merged by the bridge) and the `replica`-labelled ones each replica's, with the router's
+outstanding samples and decisions. With `vllm_names` (--vllm-metric-names) the queue, KV
+and LoRA gauges are also exported under the names vLLM gives them, which the Gateway API
+inference extension's endpoint picker reads by default.
 
 An `adapter` label is only ever "base", a registered adapter's name, STACK or OTHER, so
 clients cannot add series by naming adapters (docs/observability.md)."""
@@ -14,7 +19,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from radixlora.adapters import AdapterChoice
-from radixlora.server.messages import AdapterEvent, SampleOutput, SchedulerStats
+from radixlora.server.messages import AdapterEvent, RouterStats, SampleOutput, SchedulerStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5, 10, 30, 60)
 LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -23,9 +28,33 @@ STACK = "stack"  # two or more registered adapters stacked in one request
 OTHER = "other"  # any request naming an adapter that is not registered
 
 
+class VllmGauges:
+    """The gauges the endpoint picker reads, under vLLM's names and with its semantics."""
+
+    def __init__(self, r: CollectorRegistry):
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be admitted",
+                             registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Requests running", registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (0 to 1)", registry=r)
+        self.gpu_cache_usage = Gauge("vllm:gpu_cache_usage_perc",
+                                     "KV cache usage (0 to 1), vLLM's older name", registry=r)
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running and waiting requests' "
+                               "adapters; the value is when they were last reported",
+                               ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+                               registry=r)
+
+    def set(self, stats: SchedulerStats) -> None:
+        usage = stats.kv_used / max(stats.kv_capacity, 1)
+        self.waiting.set(stats.waiting)
+        self.running.set(stats.running)
+        self.kv_usage.set(usage)
+        self.gpu_cache_usage.set(usage)
+
+
 class Metrics:
-    def __init__(self):
+    def __init__(self, vllm_names: bool = False):
         r = self.registry = CollectorRegistry()
+        self.vllm = VllmGauges(r) if vllm_names else None
         self.requests = Counter("radixlora_requests", "Requests (prompts) submitted",
                                 ["adapter"], registry=r)
         self.finished = Counter("radixlora_requests_finished", "Requests finished",
@@ -91,6 +120,25 @@ class Metrics:
                                "lora_requests_info); the value is when they were last reported",
                                ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
                                registry=r)
+        self.replica_running = Gauge("radixlora_replica_running_requests",
+                                     "Running requests of one data-parallel replica",
+                                     ["replica"], registry=r)
+        self.replica_waiting = Gauge("radixlora_replica_waiting_requests",
+                                     "Waiting requests of one data-parallel replica",
+                                     ["replica"], registry=r)
+        self.replica_kv_usage = Gauge("radixlora_replica_kv_usage_ratio",
+                                      "Used KV slots / capacity of one data-parallel replica",
+                                      ["replica"], registry=r)
+        self.replica_hit_rate = Gauge("radixlora_replica_radix_hit_rate",
+                                      "Radix cache hit tokens / looked-up prompt tokens of one "
+                                      "data-parallel replica", ["replica"], registry=r)
+        self.replica_outstanding = Gauge("radixlora_replica_outstanding_requests",
+                                         "Samples the router sent to a replica that have not "
+                                         "finished (its load)", ["replica"], registry=r)
+        self.router_decisions = Counter("radixlora_router_decisions",
+                                        "Requests the router sent to a replica, by why "
+                                        "(prefix, adapter, least_loaded, balance, round_robin, "
+                                        "pinned)", ["replica", "reason"], registry=r)
         self._last_token: dict[tuple[str, int], float] = {}
         self.registered: frozenset[str] = frozenset()  # names in the scheduler's last stats
         self.announced: set[str] = set()  # added by registry events, not yet in its stats
@@ -175,13 +223,34 @@ class Metrics:
             self.registered = frozenset(stats.registered)
             self.announced -= self.registered
         self._set_resident(stats)
+        self._set_lora_info(stats)
+        if self.vllm is not None:
+            self.vllm.set(stats)
+
+    def _set_lora_info(self, stats: SchedulerStats) -> None:
         info = (",".join(stats.running_adapters), ",".join(stats.waiting_adapters),
                 str(stats.max_loras))
-        if info != self._lora_info:
-            if self._lora_info is not None:
-                self.lora_info.remove(*self._lora_info)  # one series: the current adapters
-            self._lora_info = info
-        self.lora_info.labels(*info).set_to_current_time()
+        gauges = [self.lora_info] + ([self.vllm.lora_info] if self.vllm is not None else [])
+        for gauge in gauges:
+            if info != self._lora_info and self._lora_info is not None:
+                gauge.remove(*self._lora_info)  # one series: the current adapters
+            gauge.labels(*info).set_to_current_time()
+        self._lora_info = info
+
+    def on_replica_stats(self, replica: int, stats: SchedulerStats) -> None:
+        label = str(replica)
+        self.replica_running.labels(label).set(stats.running)
+        self.replica_waiting.labels(label).set(stats.waiting)
+        self.replica_kv_usage.labels(label).set(stats.kv_used / max(stats.kv_capacity, 1))
+        if stats.prompt_tokens:
+            self.replica_hit_rate.labels(label).set(stats.cached_tokens / stats.prompt_tokens)
+
+    def on_router_stats(self, stats: RouterStats) -> None:
+        for replica, load in enumerate(stats.outstanding):
+            self.replica_outstanding.labels(str(replica)).set(load)
+        for key, total in stats.decisions.items():
+            replica, _, reason = key.partition(":")
+            self._advance(self.router_decisions.labels(replica, reason), f"router:{key}", total)
 
     def _advance(self, counter: Counter, key: str, total: int) -> None:
         """Add what a cumulative total from the scheduler grew by (all of it after a restart

@@ -1,12 +1,16 @@
 """The tokenizer process: prompts in (text, token ids or chat messages) -> token ids to the
 scheduler; sampled tokens in -> text deltas to the api, with stop strings applied here. A stop
-string match aborts the sample at the scheduler so its KV is freed at once."""
+string match aborts the sample at the scheduler so its KV is freed at once. With data-parallel
+replicas it also routes: the Router picks each tokenized request's replica, and every later
+message about that request (aborts) goes to the same replica."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,6 +38,7 @@ from radixlora.server.messages import (
     GenerateReq,
     OutputBatch,
     ReqError,
+    RouterStats,
     SampleOutput,
     TokenBatch,
     TokenizedReq,
@@ -42,6 +47,7 @@ from radixlora.server.messages import (
     bytes_to_ids,
     ids_to_bytes,
 )
+from radixlora.server.router import Router
 from radixlora.tokenizer import MAX_CHAR_BYTES, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -49,6 +55,8 @@ log = logging.getLogger(__name__)
 INLINE_PROMPT_CHARS = 16 * 1024  # longer prompts tokenize on the pool's threads
 TOKENIZE_THREADS = 2
 BEAT_POLL_MS = 250  # the loop comes round at least this often to beat
+ROUTER_STATS_S = 0.5  # how often the router's report goes to the api (replicas > 1)
+RECENT_ROUTES = 4096  # ended requests whose replica is remembered (a late abort finds it)
 
 
 @dataclass
@@ -87,6 +95,9 @@ class TokenizerService:
         self.pending: dict[str, list[AbortReq]] = {}  # in the pool: the aborts held for it
         self.jobs: queue.SimpleQueue[GenerateReq] | None = None
         self.send: Callable[[list, list], None] | None = None
+        self.router = make_router(args)
+        self.routes: dict[str, int] = {}  # rid -> its replica, while the request lives
+        self.ended: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     def start_pool(self, send: Callable[[list, list], None],
                    threads: int = TOKENIZE_THREADS) -> None:
@@ -172,7 +183,29 @@ class TokenizerService:
         head = int(bytes_to_ids(outcome.input_ids)[0]) if req.logprob_start == 0 else None
         with self.lock:
             self.reqs[req.rid] = ReqState(req.params.n, req.stop, req.token_texts, head)
+            self.routes[req.rid] = self.router.route(req.adapters,
+                                                     bytes_to_ids(outcome.input_ids),
+                                                     req.params.n, req.data_parallel_rank)
         return [outcome], []
+
+    def replicas_for(self, msg) -> list[int]:
+        """The replicas a message to the schedulers goes to: its request's, else (a request
+        the tokenizer does not know) every one."""
+        with self.lock:
+            replica = self.routes.get(msg.rid, self.ended.get(msg.rid))
+        return list(range(self.router.num_replicas)) if replica is None else [replica]
+
+    def _end(self, rid: str, samples: int) -> None:
+        """`samples` samples of rid left the replica (finished, aborted, failed)."""
+        replica = self.routes.get(rid)
+        if replica is None:
+            return
+        self.router.release(replica, samples)
+        if rid not in self.reqs:
+            del self.routes[rid]
+            self.ended[rid] = replica
+            if len(self.ended) > RECENT_ROUTES:
+                self.ended.popitem(last=False)
 
     def _work(self) -> None:
         while True:
@@ -287,6 +320,7 @@ class TokenizerService:
         state.samples.pop(index, None)
         if len(state.done) >= state.n:
             del self.reqs[rid]
+        self._end(rid, 1)
 
     def on_abort(self, abort: AbortReq) -> list[AbortReq]:
         """The aborts to forward to the scheduler: none for a request still being tokenized
@@ -305,12 +339,28 @@ class TokenizerService:
             return
         if abort.index is None:
             del self.reqs[abort.rid]
+            self._end(abort.rid, state.n - len(state.done))
         else:
             self._finish_sample(abort.rid, state, abort.index)
 
     def on_error(self, err: ReqError) -> None:
         with self.lock:
-            self.reqs.pop(err.rid, None)
+            state = self.reqs.pop(err.rid, None)
+            if state is not None:
+                self._end(err.rid, state.n - len(state.done))
+
+    def router_stats(self) -> RouterStats:
+        with self.lock:
+            return RouterStats(**self.router.snapshot())
+
+
+def make_router(args: ServerArgs) -> Router:
+    """The router over args' replicas: each replica's tree bounded by its KV capacity, the load
+    bound a quarter of its running batch (64 at the GPU default of 256: SGLang's default)."""
+    config = args.engine_config()
+    kv_tokens = (config.kv_pages or 1 << 16) * config.page_size
+    return Router(args.data_parallel_size, args.router_policy, max_tree_tokens=kv_tokens,
+                  balance_abs=max(2, (config.max_running or 64) // 4))
 
 
 def _req_error(rid: str, e: InvalidRequestError) -> ReqError:
@@ -337,10 +387,14 @@ class LockedOutbox(Outbox):
             super().send(msg)
 
 
-def sender(to_scheduler: Outbox, to_api: Outbox) -> Callable[[list, list], None]:
+def sender(service: TokenizerService, to_schedulers: list[Outbox],
+           to_api: Outbox) -> Callable[[list, list], None]:  # fmt: skip
+    """send(to_sched, to_api): each message to the schedulers goes to its request's replica."""
+
     def send(to_sched: list, to_client: list) -> None:
         for m in to_sched:
-            to_scheduler.send(m)
+            for replica in service.replicas_for(m):
+                to_schedulers[replica].send(m)
         for m in to_client:
             to_api.send(m)
 
@@ -349,22 +403,22 @@ def sender(to_scheduler: Outbox, to_api: Outbox) -> Callable[[list, list], None]
 
 def run(args: ServerArgs, ctx: zmq.Context) -> None:
     service = TokenizerService(args)
-    to_scheduler = LockedOutbox(ctx, args.endpoints.scheduler)
+    to_schedulers = [LockedOutbox(ctx, e) for e in args.endpoints.scheduler_list]
     to_api = LockedOutbox(ctx, args.endpoints.api)
-    service.start_pool(sender(to_scheduler, to_api))
+    send = sender(service, to_schedulers, to_api)
+    service.start_pool(send)
     inbox = Inbox(ctx, args.endpoints.tokenizer, TokenizerInbox, reject=to_api.send)
     heart = Heartbeats(ctx, args, "tokenizer")
     send_ready(ctx, args, "tokenizer")
-    handled = 0
+    handled, next_report = 0, 0.0
     while True:
         heart.beat(handled)
         for msg in inbox.recv_within(BEAT_POLL_MS):
             handled += 1
-            to_sched, to_client = handle(service, msg)
-            for m in to_sched:
-                to_scheduler.send(m)
-            for m in to_client:
-                to_api.send(m)
+            send(*handle(service, msg))
+        if len(to_schedulers) > 1 and time.monotonic() >= next_report:
+            next_report = time.monotonic() + ROUTER_STATS_S
+            to_api.send(service.router_stats())
 
 
 def handle(service: TokenizerService, msg) -> tuple[list, list]:
