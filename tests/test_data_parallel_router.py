@@ -154,3 +154,56 @@ def test_cache_aware_beats_round_robin_on_shared_prefixes():
     # this order, which computes each system prompt twice: 20 hits
     assert cache_aware == pytest.approx(30 * 32 / 1600)
     assert round_robin == pytest.approx(20 * 32 / 1600)
+
+
+# ---- the tokenizer routes -------------------------------------------------------------------
+
+
+@pytest.fixture
+def tokenizer():
+    from radixlora.demo import DEMO_MODEL_DIR
+    from radixlora.server.args import ServerArgs
+    from radixlora.server.tokenizer_proc import TokenizerService
+    from tests.server_harness import sized
+
+    return TokenizerService(sized(ServerArgs(model=str(DEMO_MODEL_DIR), data_parallel_size=2)))
+
+
+def generate(rid: str, adapter: str | None = None, n: int = 1, rank: int | None = None):
+    from radixlora.sampling import SamplingParams
+    from radixlora.server.messages import GenerateReq
+
+    return GenerateReq(rid=rid, params=SamplingParams(max_tokens=4, n=n), adapters=on(adapter),
+                       prompt="input: the red fox ate 42 fish\noutput:\n",
+                       data_parallel_rank=rank)
+
+
+def token_out(rid: str, index: int = 0, finish: str | None = None):
+    from radixlora.server.messages import TokenBatch, TokenOut
+
+    out = TokenOut(rid=rid, index=index, token_ids=ids(5).tobytes(), logprobs=[0.0], top=None,
+                   finish_reason=finish, prompt_tokens=12, cached_tokens=0)
+    return TokenBatch(outputs=[out])
+
+
+def test_the_tokenizer_routes_and_later_messages_follow_the_request(tokenizer):
+    from radixlora.server.messages import AbortReq
+
+    [first], _ = tokenizer.on_generate(generate("r1", "upper", n=2))
+    [second], _ = tokenizer.on_generate(generate("r2", "reverse"))
+    assert tokenizer.routes == {"r1": 0, "r2": 1}  # the second adapter: least loaded
+    assert tokenizer.router.load == [2, 1]  # samples
+    aborts, _ = tokenizer.on_tokens(token_out("r1", 0, finish="length"))
+    assert aborts == [] and tokenizer.router.load == [1, 1]
+    [abort] = tokenizer.on_abort(AbortReq(rid="r2"))
+    assert tokenizer.replicas_for(abort) == [1] and tokenizer.router.load == [1, 0]
+    assert tokenizer.replicas_for(AbortReq(rid="unknown")) == [0, 1]  # every replica
+    stats = tokenizer.router_stats()
+    assert stats.outstanding == [1, 0] and sum(stats.decisions.values()) == 2
+
+
+def test_a_pinned_replica_out_of_range_is_a_400(tokenizer):
+    [pinned], _ = tokenizer.on_generate(generate("p", rank=1))
+    assert tokenizer.replicas_for(pinned) == [1]
+    to_sched, [error] = tokenizer.on_generate(generate("q", rank=2))
+    assert to_sched == [] and (error.status, error.param) == (400, "data_parallel_rank")

@@ -111,6 +111,10 @@ class TokenizerService:
     # ---- prompts -----------------------------------------------------------------------------
 
     def tokenize(self, req: GenerateReq) -> TokenizedReq:
+        replicas = self.router.num_replicas
+        if req.data_parallel_rank is not None and req.data_parallel_rank >= replicas:
+            raise InvalidRequestError(f"data_parallel_rank must be below the {replicas} "
+                                      "replicas", param="data_parallel_rank")
         ids = check_prompt_ids(self._prompt_ids(req), self.model_cfg.vocab_size)
         if len(ids) == 0:
             raise InvalidRequestError("the prompt is empty", param="prompt")
