@@ -74,6 +74,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     engine: dict[str, object] = {}  # EngineConfig overrides
     tensor_parallel_size: int = 1  # worker ranks (processes), each holding a shard of the model
     data_parallel_size: int = 1  # replicas: scheduler + worker groups behind one api
+    dp_rank: int = 0  # the replica a scheduler or worker child serves
     router_policy: str = "cache_aware"  # how the replicas share requests (server/router.py)
     vllm_metric_names: bool = False  # /metrics also under vLLM's names (the endpoint picker's)
     drain_timeout_s: float = 30.0

@@ -127,7 +127,8 @@ def read_args() -> ServerArgs:
 def child_main(proc: str, run) -> None:
     """Entry point of a child: `python -m radixlora.server.X`, ServerArgs as JSON on stdin."""
     args = read_args()
-    setup_logging(args.log_level, proc)
+    replica = args.data_parallel_size > 1 and proc in ("scheduler", "worker")
+    setup_logging(args.log_level, f"{proc}-dp{args.dp_rank}" if replica else proc)
     die_with_parent(args.launcher_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when children stop
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

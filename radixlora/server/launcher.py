@@ -552,7 +552,7 @@ def replica_args(args: ServerArgs, replica: int) -> ServerArgs:
     if state:
         os.makedirs(state, mode=0o700, exist_ok=True)
     return msgspec.structs.replace(args, endpoints=args.endpoints.replica(replica),
-                                   state_dir=state)
+                                   state_dir=state, dp_rank=replica)
 
 
 def replica_env(name: str) -> dict[str, str]:
