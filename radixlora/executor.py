@@ -46,6 +46,9 @@ AdapterSource = Callable[[AdapterLoad], LoraAdapter]
 # Background adapter reads queued or running; each holds one packed adapter in host memory
 # until its copy is written, and a step that needs a queued one cancels it and reads it itself.
 PREFETCH_READS = 4
+# Threads reading registered adapters into the host tier ahead of any need (host_reads): the
+# reading is torch and hashing work that mostly releases the GIL, so several run at once.
+WARM_READERS = 6
 
 
 @dataclass
@@ -81,6 +84,8 @@ class StepExecutor:
         self.owed: dict[str, OwedLoad] = {}  # by adapter id, in plan order
         self.reads: dict[str, Future] = {}  # background reads by adapter id
         self._reader: ThreadPoolExecutor | None = None
+        self.warming: dict[str, Future] = {}  # host_reads by adapter id, not in the tier yet
+        self._warmer: ThreadPoolExecutor | None = None
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.finish(self.launch(plan))
@@ -102,6 +107,7 @@ class StepExecutor:
         started = time.perf_counter()
         ready = []
         try:
+            self._warm(plan.host_reads)
             prefetch = self._claim(plan)
             loads, failed = self._resolve_loads(plan.adapter_loads)
             owed, owed_failed = self._settle_owed(plan)
@@ -177,7 +183,7 @@ class StepExecutor:
         packed = pool.host.get(load.adapter_id)
         if packed is not None:
             return packed
-        read = self.reads.pop(load.adapter_id, None)
+        read = self.reads.pop(load.adapter_id, None) or self.warming.pop(load.adapter_id, None)
         if read is not None and not read.cancel() and read.exception() is None:
             return pool.host.put(read.result())
         return pool.host.put(self._read(load))
@@ -232,6 +238,7 @@ class StepExecutor:
         """The prefetch copies to queue now: owed loads whose read ended and the plan's loads
         whose adapter is in the host tier; the plan's others become owed, and reads start."""
         host = self.runner.adapter_pool.host
+        self._collect_warm()
         done = self._collect_reads()
         ready = []
         for adapter_id, owed in list(self.owed.items()):
@@ -243,10 +250,40 @@ class StepExecutor:
             packed = host.get(load.adapter_id)
             if packed is not None:
                 ready.append((packed, rows))
-            else:
-                self.owed[load.adapter_id] = OwedLoad(load, rows)
+                continue
+            self.owed[load.adapter_id] = OwedLoad(load, rows)
+            if load.adapter_id in self.warming:  # its read becomes the owed load's
+                self.reads[load.adapter_id] = self.warming.pop(load.adapter_id)
         self._start_reads()
         return ready
+
+    # ---- the host tier ahead of need ---------------------------------------------------------
+
+    def _warm(self, loads: list[AdapterLoad]) -> None:
+        """Start background reads of adapters not in the host tier (see StepPlan.host_reads)."""
+        host = self.runner.adapter_pool.host
+        for load in loads:
+            adapter_id = load.adapter_id
+            if adapter_id in host or adapter_id in self.warming or adapter_id in self.reads:
+                continue
+            if self._warmer is None:
+                self._warmer = ThreadPoolExecutor(WARM_READERS, thread_name_prefix="adapter-warm")
+            self.warming[adapter_id] = self._warmer.submit(self._read, load)
+
+    def _collect_warm(self) -> None:
+        """Put ended host_reads into the host tier while it has room: they never evict."""
+        host = self.runner.adapter_pool.host
+        for adapter_id, read in list(self.warming.items()):
+            if not read.done():
+                continue
+            del self.warming[adapter_id]
+            if read.exception() is not None:
+                log.warning("reading adapter %s ahead failed: %s", adapter_id[:12],
+                            read.exception())
+                continue
+            packed = read.result()
+            if adapter_id not in host and host.nbytes + packed.nbytes <= host.budget_bytes:
+                host.put(packed)
 
     def _collect_reads(self) -> dict[str, PackedAdapter]:
         """Ended background reads, their adapters put into the host tier."""

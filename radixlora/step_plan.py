@@ -66,6 +66,9 @@ class StepPlan(msgspec.Struct, tag=True, kw_only=True):
     prefetch_loads: list[AdapterLoad] = []
     # per adapter set of the step: module group -> its rows; {} is the base model
     adapter_sets: list[dict[str, GroupRows]] = []
+    # registered adapters to read into the host tier in the background while it has room,
+    # ahead of any request (rows unused); the executor keeps reading them between steps
+    host_reads: list[AdapterLoad] = []
 
 
 class StepResult(msgspec.Struct, tag=True, kw_only=True):

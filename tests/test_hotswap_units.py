@@ -606,3 +606,36 @@ def test_admin_loads_confine_every_file_and_alias_content(model, versions, tmp_p
     assert not sched.lifecycle.retired  # "two" still names it
     assert _drive(sched, worker, [_req("r3", "two")])[("r3", 0)] == got[("r1", 0)]
     _assert_nothing_held(sched)
+
+
+def test_registered_adapters_are_read_into_the_host_tier_ahead_of_need(model, tmp_path):
+    """Plans carry the registered adapters as host_reads: the worker reads them in the
+    background while its host tier has room (never evicting for them), so a later load is a
+    copy from host memory; a request on one still gives its own tokens."""
+    import time
+
+    names = [f"w{i}" for i in range(6)]
+    paths = {n: build_tiny_adapter(model, tmp_path / "src" / n, rank=4, seed=40 + i)
+             for i, n in enumerate(names)}
+    cfg = ModelConfig.from_dir(model)
+    dtype = ServerArgs(model=str(model)).engine_config().torch_dtype(cfg)
+    size = AdapterPool.load_bytes(cfg, dtype, load_adapter("w0", paths["w0"], cfg,
+                                                           64).group_ranks)
+    engine = {**ENGINE, "host_adapter_bytes": 4 * size}
+    args = ServerArgs(model=str(model), engine=engine, state_dir=str(tmp_path / "state"),
+                      adapters=paths)
+    sched, worker = SchedulerService(sized(args)), make_executor(args)
+    host = worker.runner.adapter_pool.host
+    _drive(sched, worker, [_req("first", "w5")])
+    assert sorted(sched.warm_sent) == sorted(sched.adapters.by_name[n].adapter_id
+                                             for n in names[:4])  # the budget: four
+    deadline = time.monotonic() + 30
+    while worker.warming and time.monotonic() < deadline:
+        time.sleep(0.05)
+    got = _drive(sched, worker, [_req("second", "w2")])
+    ids = {n: sched.adapters.by_name[n].adapter_id for n in names}
+    assert len(host.ids()) == 4 and host.nbytes <= 4 * size
+    # w5 and w2 were loaded for requests; w0, w1 and w3 were only ever read ahead
+    assert len(set(host.ids()) & {ids["w0"], ids["w1"], ids["w3"]}) >= 2
+    assert got[("second", 0)] == _want(model, paths["w2"])
+    _assert_nothing_held(sched)

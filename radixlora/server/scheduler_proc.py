@@ -53,12 +53,14 @@ from radixlora.server.messages import (
     ids_to_bytes,
 )
 from radixlora.step_loop import StepLoop
-from radixlora.step_plan import StepPlan
+from radixlora.step_plan import AdapterLoad, StepPlan
 from radixlora.token_bucket import SwapCap
 
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.5
+WARM_SCAN_S = 0.5  # how often plans look for registered adapters to read ahead
+WARM_PER_PLAN = 256
 IDLE_POLL_MS = 100
 
 
@@ -93,6 +95,9 @@ class SchedulerService:
         self.reqs: dict[str, list[Req]] = {}
         self.owner: dict[Req, tuple[str, int]] = {}
         self.host_tier = (0, 0)  # (adapters, bytes) in the worker's host tier, last reported
+        self.warm_sent: set[str] = set()  # adapter ids sent as host_reads
+        self.warm_bytes = 0  # their packed bytes
+        self.warm_scan_at = 0.0
 
     def _swap_cost(self, adapter) -> float:
         """Full-size swaps one load of `adapter` is (SwapCap): its packed bytes over those of an
@@ -152,7 +157,32 @@ class SchedulerService:
     # ---- steps -------------------------------------------------------------------------------
 
     def next_plan(self) -> StepPlan | None:
-        return self.loop.next_plan()
+        plan = self.loop.next_plan()
+        if plan is not None and time.monotonic() >= self.warm_scan_at:
+            plan.host_reads = self._host_reads()
+        return plan
+
+    def _host_reads(self) -> list[AdapterLoad]:
+        """Registered adapters not sent for reading into the worker's host tier yet, in
+        registration order, while their packed bytes fit its budget (StepPlan.host_reads): with
+        every adapter in host memory, a load into the pool is one host-to-device copy."""
+        self.warm_scan_at = time.monotonic() + WARM_SCAN_S
+        budget = self.config.host_adapter_bytes or 0
+        dtype = self.config.torch_dtype(self.model_cfg)
+        reads = []
+        for adapter in self.adapters.by_name.values():
+            if len(reads) >= WARM_PER_PLAN:
+                break
+            if adapter.adapter_id in self.warm_sent:
+                continue
+            size = AdapterPool.load_bytes(self.model_cfg, dtype, adapter.group_ranks)
+            if self.warm_bytes + size > budget:
+                break
+            self.warm_sent.add(adapter.adapter_id)
+            self.warm_bytes += size
+            reads.append(AdapterLoad(adapter_id=adapter.adapter_id, name=adapter.name,
+                                     path=adapter.path, rows=b""))
+        return reads
 
     def on_result(self, result: StepResult) -> tuple[TokenBatch | None, list[ReqError]]:
         folded = self.loop.fold(result)
