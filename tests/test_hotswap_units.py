@@ -125,6 +125,29 @@ def test_a_full_directory_at_start_is_published_at_once(model, tmp_path):
     assert [e.name for e in events[10:]] == ["late1", "late2"]
 
 
+def test_the_directory_at_start_is_validated_while_subscribers_connect(model, tmp_path):
+    """validate_ahead (called while the registry waits for its subscribers) validates the
+    directory at start; publishing then uses those results, and one whose files change in
+    between is validated again, so its event carries the content it has now."""
+    root = tmp_path / "dir"
+    root.mkdir()
+    for i in range(3):
+        build_tiny_adapter(model, root / f"p{i}", rank=2, seed=400 + i)
+    (root / "broken").mkdir()
+    core, events = _core(model, root, tmp_path / "state")
+    assert core.validate_ahead() and not core.validate_ahead()
+    assert sorted(core.prevalidated) == ["p0", "p1", "p2"] and not events
+    ahead = {n: a.adapter_id for n, a in core.prevalidated.items()}
+    build_tiny_adapter(model, root / "p1", rank=2, seed=500)  # changed after validation
+    core.on_changed(core.names_on_disk())
+    core.admit(0.0)
+    published = {e.name: e.adapter_id for e in events if e.kind == "added"}
+    assert published["p0"] == ahead["p0"] and published["p2"] == ahead["p2"]
+    assert published["p1"] != ahead["p1"]
+    assert [e.name for e in events if e.kind == "rejected"] == ["broken"]
+    assert not core.prevalidated
+
+
 def _write_bad(model, root: Path, versions) -> dict[str, str]:
     """One adapter per way validation must catch, each with the reason label expected."""
     good = versions["v1"]

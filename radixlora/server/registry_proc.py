@@ -174,6 +174,8 @@ class RegistryCore:
         self.retry: list[str] = []  # names whose files changed while read
         self.counts: collections.Counter = collections.Counter()
         self.cache = HashCache()
+        self.prevalidated: dict[str, LoraAdapter] = {}  # at-start names validated ahead
+        self.tried_ahead: set[str] = set()
 
     @property
     def active(self) -> dict[str, Published]:
@@ -218,12 +220,25 @@ class RegistryCore:
                 if tokens < 1:
                     return
                 batch = sorted(self.pending)[:min(tokens, REGISTER_BATCH[1])]
-            prevalidated = self._prevalidate(batch) if len(batch) >= REGISTER_BATCH[0] else {}
+            prevalidated = {n: self.prevalidated.pop(n) for n in batch if n in self.prevalidated}
+            rest = [n for n in batch if n not in prevalidated]
+            if len(rest) >= REGISTER_BATCH[0]:
+                prevalidated |= self._prevalidate(rest)
             for name in batch:
                 self.pending.discard(name)
                 self.at_start.discard(name)
                 if self.examine(name, prevalidated.get(name)) and paced:
                     self.bucket.take(now)
+
+    def validate_ahead(self) -> bool:
+        """Validate the next batch of the names in the directory at start, to publish later
+        (while the subscribers connect); False once none is left."""
+        todo = sorted(self.at_start - self.prevalidated.keys() - self.tried_ahead)
+        batch = todo[:REGISTER_BATCH[1]]
+        self.tried_ahead.update(batch)
+        if batch:
+            self.prevalidated |= self._prevalidate(batch)
+        return bool(batch)
 
     def _prevalidate(self, names: list[str]) -> dict[str, LoraAdapter]:
         outcomes = load_adapters({name: self.root / name for name in names}, self.model_cfg,
@@ -311,14 +326,19 @@ class RegistryCore:
         self._save_state()
 
 
-def wait_subscribers(pub: zmq.Socket, count: int, timeout_s: float, heart: Heartbeats) -> None:
-    """XPUB sees each SUB's subscription: publish nothing before both listen (slow joiner)."""
+def wait_subscribers(pub: zmq.Socket, count: int, timeout_s: float, heart: Heartbeats,
+                     work: Callable[[], bool] = lambda: False) -> None:
+    """XPUB sees each SUB's subscription: publish nothing before both listen (slow joiner).
+    Meanwhile `work` is called, one piece per turn, until it says it has no more."""
     seen = 0
     deadline = time.monotonic() + timeout_s
+    working = True
     while seen < count and time.monotonic() < deadline:
         heart.beat()
-        if pub.poll(100) and pub.recv()[:1] == b"\x01":
+        if pub.poll(0 if working else 100) and pub.recv()[:1] == b"\x01":
             seen += 1
+        elif working:
+            working = work()
     if seen < count:
         log.warning("only %d of %d subscribers after %.0f s; publishing anyway", seen, count,
                     timeout_s)
@@ -355,7 +375,7 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
     watch.mark(set(core.names_on_disk()) | set(core.active))
     heart = Heartbeats(ctx, args, "registry")
     send_ready(ctx, args, "registry", {"adapter_dir": str(core.root)})
-    wait_subscribers(pub, SUBSCRIBERS, SUBSCRIBE_TIMEOUT_S, heart)
+    wait_subscribers(pub, SUBSCRIBERS, SUBSCRIBE_TIMEOUT_S, heart, core.validate_ahead)
     pub.send(encoder.encode(AdapterEvent(seq=core.state.seq, kind="hello")))
     log.info("watching %s (%d adapters published so far)", core.root, len(core.active))
     try:
