@@ -78,7 +78,8 @@ class Children:
         self.args = args
         ranks = tuple(worker_rank_name(r) for r in range(1, args.tensor_parallel_size))
         self.core = core_children(args.data_parallel_size) + ranks  # any dead: the server stops
-        self.workers = tuple(n for n in self.core if n.split("-")[0] == FIRST)
+        self.workers = tuple(n for n in self.core  # those that size the pools (not TP ranks)
+                             if n.split("-")[0] == FIRST and n not in ranks)
         self.names = self.core + (OPTIONAL if args.adapter_dir else ())
         self.sized: dict[str, ServerArgs] = {}  # replica children: their replica's sized args
         self.procs: dict[str, subprocess.Popen] = {}
