@@ -9,13 +9,13 @@ gathered before sampling, so sampling is the single-device code). KV heads are s
 the query heads that read them: a rank holds num_kv_heads / size of them, or, when there are
 fewer KV heads than ranks, the one KV head its query heads use (replicated).
 
-LoRA (the S-LoRA / Punica split): for a column-parallel module A is replicated and B sliced
-by output rows as the base weight is, so the shrink runs in full on every rank and the expand
-writes only the rank's columns, no communication. For a row-parallel module A is sliced by
-input columns and B replicated: the rank's shrink is a partial sum of the rank-space
-activations v [T, r], all-reduced (r numbers a token, not hidden_size), after which each rank
-adds the whole delta v B to the all-reduced base output. Every rank lays its slices out at the
-same pool rows, so the scheduler sees one pool.
+LoRA: for a column-parallel module A is replicated and B sliced by output rows as the base
+weight is, so the shrink runs in full on every rank and the expand writes only the rank's
+columns, no communication. For a row-parallel module A is sliced by input columns and B
+replicated: the rank's shrink is a partial sum of the rank-space activations, and since the
+expand is linear, its expand with the whole B is the rank's partial delta, added to the rank's
+partial base output before the all-reduce that output needs anyway: no collective of its own.
+Every rank lays its slices out at the same pool rows, so the scheduler sees one pool.
 
 The process group is gloo on the CPU and NCCL on CUDA (model collectives on the device); the
 plan broadcast always runs on a gloo group, as msgpack bytes (never pickled)."""

@@ -441,14 +441,15 @@ class LoraContext:
 
     def _row_parallel(self, linear: RowParallelLinear, x: torch.Tensor, a, b, out_offsets,
                       meta) -> torch.Tensor:
-        """Tensor parallel, o and down: x and A hold this rank's input columns, so the shrink
-        is a partial sum; it is all-reduced ([T, r], far smaller than y) and every rank adds
-        the whole delta, with B whole, to the all-reduced base output."""
-        y = linear(x)
+        """Tensor parallel, o and down: x and A hold this rank's input columns, so both the
+        base product and the shrink are partial sums; the expand is linear in the shrink, so
+        each rank's partial delta (its partial shrink times the whole B) is added to its partial
+        product and the one all-reduce of the output sums both: no collective of its own."""
+        y = linear.partial(x)
         v = self.backend.shrink(x, a, meta)
         if v is not None:
-            self.backend.expand(linear.tp.all_reduce(v), b, out_offsets, meta, y)
-        return y
+            self.backend.expand(v, b, out_offsets, meta, y)
+        return linear.reduce(y)
 
     def _beside_gemm(self, linear, x: torch.Tensor, lora_work):
         """(linear(x), lora_work()), the LoRA work on the side stream beside the GEMM if any."""

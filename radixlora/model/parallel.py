@@ -15,16 +15,25 @@ from radixlora.model.llama import LlamaForCausalLM
 
 
 class RowParallelLinear(nn.Linear):
-    """A projection whose input features are split over the ranks: the partial products are
-    all-reduced, then the (whole) bias added once. LoRA deltas of its input are handled by
-    LoraContext, which all-reduces the shrink instead of adding a delta per rank."""
+    """A projection whose input features are split over the ranks: each rank's partial product
+    is all-reduced, then the (whole) bias added once. LoraContext adds each rank's partial LoRA
+    delta to its partial product before the all-reduce (`partial`, then `reduce`), so the
+    deltas ride on the all-reduce the base output needs anyway."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
         super().__init__(in_features, out_features, bias=bias)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return self.reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output: x (its input columns) times its weight columns."""
+        return F.linear(x, self.weight)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The output from every rank's partial output (in place)."""
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
