@@ -3,13 +3,15 @@ outputs equal the offline Engine's (so a single replica's) through the official 
 a 10-adapter workload with shared prefixes hits the replicas' radix caches more under the
 cache-aware router than under round-robin (measured from the replicas' own counters); a burst
 on one adapter and prefix spreads over both replicas, neither holding more than it can run;
-admin loads reach every replica, an abort the replica that holds the request, SIGTERM drains
-both, and a killed replica worker stops the server like any core child."""
+admin loads and hot-swapped adapters reach every replica, an abort the replica that holds the
+request, SIGTERM drains both, and a killed replica worker stops the server like any core
+child."""
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import threading
 import time
@@ -135,8 +137,11 @@ def test_cache_aware_router(checkpoints, tmp_path):
 def test_round_robin_router_then_a_dead_replica(checkpoints, tmp_path):
     work = shared_prefix_workload()
     model, adapters = checkpoints
+    watched = tmp_path / "watched"
+    watched.mkdir()
     server = ServerProcess(model, adapters, tmp_path / "log", "--data-parallel-size", "2",
-                           "--router-policy", "round_robin")
+                           "--router-policy", "round_robin", "--adapter-dir", str(watched),
+                           "--adapter-quiet", "0.1")
     try:
         server.wait_ready()
         hit_rate = measure_hit_rate(server, work, "round_robin")
@@ -144,6 +149,8 @@ def test_round_robin_router_then_a_dead_replica(checkpoints, tmp_path):
         # the router has 30 (hit rate 0.431 against 0.615)
         assert expected_hits(work, "round_robin") == 21
         assert hit_rate == pytest.approx(21 * PREFIX_TOKENS / (40 * 39), abs=1e-9)
+        shutil.copytree(adapters["a4"], watched / "hot")
+        wait_on_every_replica(server, "hot")
         pids = server.info()["pids"]
         os.kill(pids["worker-dp1"], signal.SIGKILL)
         assert wait_status(server) == 503
@@ -151,6 +158,17 @@ def test_round_robin_router_then_a_dead_replica(checkpoints, tmp_path):
         assert "worker-dp1 process" in server.logs()
     finally:
         server.stop()
+
+
+def wait_on_every_replica(server, name: str, timeout_s: float = 20) -> None:
+    """The registry's event for a hot-swapped adapter reaches every replica's scheduler."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        replicas = server.info()["scheduler"]["replicas"]
+        if all(name in {a["name"] for a in r["adapters"]} for r in replicas):
+            return
+        assert time.monotonic() < deadline, replicas
+        time.sleep(0.1)
 
 
 def wait_status(server, timeout_s: float = 10) -> int:
