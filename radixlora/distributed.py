@@ -159,6 +159,12 @@ class TensorParallel:
         dist.all_gather(parts, logits.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)[:, : self.shard.full.vocab_size]
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether any rank's flag is set."""
+        t = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
+        return bool(t.item())
+
     def min_int(self, value: int) -> int:
         """The smallest of every rank's value (pool sizes all ranks must share)."""
         t = torch.tensor([value], dtype=torch.int64)

@@ -115,16 +115,32 @@ class StepExecutor:
             failed.update(owed_failed)
             load_s = (time.perf_counter() - started) / len(loads) if loads else 0.0
             ready = self._ready_prefetch(prefetch)
-            if failed:
+            elsewhere = self._failed_elsewhere(plan, failed)
+            if failed or elsewhere:
                 self.runner.adapter_pool.write_all(loads)
-                return self.unrun(StepResult(step=plan.step, failed_adapters=failed))
+                return self.unrun(StepResult(step=plan.step, failed_adapters=failed,
+                                             error=elsewhere))  # fmt: skip
             launched = self.runner.launch(plan, loads)
         except Exception as e:
+            if self.runner.tp is not None:  # the ranks are out of step: end this one
+                raise
             log.exception("step %d failed", plan.step)
             return self.unrun(StepResult(step=plan.step, error=f"{type(e).__name__}: {e}"))
         finally:  # the scheduler counts them resident whether the step runs or not
             self.runner.adapter_pool.prefetch(ready)  # behind the step's loads and event
         return InFlight(plan.step, launched, load_seconds=[load_s] * len(loads))
+
+    def _failed_elsewhere(self, plan: StepPlan, failed: dict[str, str]) -> str | None:
+        """Tensor parallel: a step runs on every rank or on none (one running it alone would
+        wait in its collectives for the others). Adapter reads are what can fail on one rank
+        alone, so before a step that loads or reads adapter rows the ranks agree (one small
+        all-reduce); the reason when another rank's load failed and this one's did not."""
+        tp = self.runner.tp
+        if tp is None or not (plan.adapter_loads or any(plan.adapter_sets)):
+            return None
+        if not tp.any_rank(bool(failed)) or failed:
+            return None
+        return "an adapter failed to load on another tensor-parallel rank"
 
     def unrun(self, result: StepResult) -> InFlight:
         """A step answered without running: the next step's placeholders have no tokens."""

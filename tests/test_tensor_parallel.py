@@ -23,7 +23,7 @@ import torch
 from radixlora import Engine, SamplingParams
 from radixlora.config import EngineConfig, ModelConfig
 from radixlora.distributed import TensorParallel, check_shardable
-from radixlora.errors import ModelLoadError
+from radixlora.errors import AdapterError, ModelLoadError
 from radixlora.step_plan import StepPlan, StepResult
 from scripts.checkpoints import build_peft_adapter
 from tests.oracle import logprobs, merged_logprobs, peft_model
@@ -70,13 +70,15 @@ def record_engine_run(engine: Engine, swapped: Path) -> tuple[Recorded, list, li
         (prompts[1], "a", after[0].outputs[0])]
 
 
-def run_ranks(tmp: Path, model: Path, config: EngineConfig, rec: Recorded, size: int) -> list:
-    """Start `size` worker ranks on the recorded plans; rank 0's results."""
+def run_ranks(tmp: Path, model: Path, config: EngineConfig, rec: Recorded, size: int,
+              unreadable: str | None = None) -> list:
+    """Start `size` worker ranks on the recorded plans; rank 0's results. unreadable: an
+    adapter the last rank fails to read."""
     plans_path, out_path = tmp / f"plans-{size}.msgpack", tmp / f"results-{size}.msgpack"
     plans_path.write_bytes(msgspec.msgpack.encode(rec.plans))
     job = {"model": str(model), "size": size, "rendezvous": f"file://{tmp}/rendezvous-{size}",
            "plans": str(plans_path), "out": str(out_path),
-           "config": msgspec.to_builtins(config)}  # fmt: skip
+           "config": msgspec.to_builtins(config), "unreadable": unreadable}  # fmt: skip
     job_path = tmp / f"job-{size}.json"
     job_path.write_text(json.dumps(job))
     root = Path(__file__).resolve().parent.parent
@@ -110,8 +112,13 @@ def serve_rank(job_path: str, rank: int) -> None:
     model_cfg = ModelConfig.from_dir(job["model"])
     tp = TensorParallel.init(rank, job["size"], model_cfg, job["rendezvous"], torch.device("cpu"))
     runner = ModelRunner(job["model"], model_cfg, config, tp)
-    executor = StepExecutor(runner, lambda load: load_adapter(load.name, load.path, model_cfg,
-                                                              config.max_rank))  # fmt: skip
+
+    def read(load):
+        if load.name == job["unreadable"] and rank == job["size"] - 1:
+            raise AdapterError(load.name, "unreadable on this rank")
+        return load_adapter(load.name, load.path, model_cfg, config.max_rank)
+
+    executor = StepExecutor(runner, read)
     plans = msgspec.msgpack.decode(Path(job["plans"]).read_bytes(), type=list[StepPlan])
     results = []
     for plan in plans:
@@ -169,6 +176,25 @@ def test_two_ranks_match_single_device_and_peft(arch, checkpoints, adapters, swa
                            rec.results)
     check_oracle(peft_model(checkpoints[arch], adapters[arch]), before)
     check_oracle(peft_model(checkpoints[arch], {"a": swapped[arch]}), after)
+
+
+def test_a_load_failing_on_one_rank_fails_the_step_on_every_rank(checkpoints, adapters,
+                                                                  tmp_path):
+    """The ranks agree before a step that loads adapters: the step whose load fails on rank 1
+    alone runs nowhere (rank 0 answers an error) and the ranks stay in step, ending normally;
+    the steps before it are unaffected."""
+    engine = Engine(checkpoints["llama"], adapters=adapters["llama"], dtype="float32",
+                    kv_pages=256, max_running=8, adapter_rows=160)  # fmt: skip
+    rec = Recorded([], [])
+    launch = engine.executor.launch
+    engine.executor.launch = lambda plan: rec.plans.append(plan) or launch(plan)
+    engine.generate([prompt(1, 7), prompt(2, 5)], GREEDY, adapters=[None, None])
+    engine.generate(prompt(3, 6), GREEDY, adapters="b")
+    first_b = next(k for k, p in enumerate(rec.plans) if p.adapter_loads)
+    results = run_ranks(tmp_path, checkpoints["llama"], engine.config, rec, 2, unreadable="b")
+    assert all(r.error is None for r in results[:first_b])
+    assert "another tensor-parallel rank" in results[first_b].error
+    assert not results[first_b].token_ids
 
 
 def test_unshardable_model_is_refused(checkpoints):
