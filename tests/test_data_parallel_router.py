@@ -207,3 +207,9 @@ def test_a_pinned_replica_out_of_range_is_a_400(tokenizer):
     assert tokenizer.replicas_for(pinned) == [1]
     to_sched, [error] = tokenizer.on_generate(generate("q", rank=2))
     assert to_sched == [] and (error.status, error.param) == (400, "data_parallel_rank")
+
+
+def test_one_replica_or_round_robin_keeps_no_tree():
+    for router in (Router(1), Router(2, "round_robin")):
+        router.route(on("upper"), ids(1, 2, 3))
+        assert router.tree.roots == {} and router.tree.size == [0] * router.num_replicas

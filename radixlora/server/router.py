@@ -200,7 +200,8 @@ class Router:
             decision = Decision(next(self.rotation), "round_robin")
         else:
             decision = self.bounded(self.preferred(ns, ids))
-        self.tree.insert(ns, ids, decision.replica, time.monotonic())
+        if self.policy == "cache_aware" and self.num_replicas > 1:
+            self.tree.insert(ns, ids, decision.replica, time.monotonic())
         self.load[decision.replica] += samples
         self.decisions[(decision.replica, decision.reason)] += 1
         return decision.replica
