@@ -233,6 +233,8 @@ class SchedulerStats(Message):
     max_loras: Count = 0  # --max-loras (lora_requests_info's max_lora)
     running_adapters: list[str] = []  # adapter names of the running requests, sorted, distinct
     waiting_adapters: list[str] = []  # and of the waiting ones
+    running_per_adapter: dict[str, Count] = {}  # adapter name -> its running requests
+    waiting_per_adapter: dict[str, Count] = {}  # and its waiting ones
     resident_rows: dict[str, Count] = {}  # adapter name -> device pool rows it holds
     row_bytes: Count = 0  # device pool bytes of one row
     registered: list[str] | None = None  # served adapter names; None: as in the previous stats

@@ -6,6 +6,7 @@ N's tokens; step N's results are folded in while step N+1 runs."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from pathlib import Path
@@ -284,6 +285,8 @@ class SchedulerService:
             max_loras=self.config.max_loras,
             running_adapters=adapter_names(sched.running),
             waiting_adapters=adapter_names(sched.waiting),
+            running_per_adapter=adapter_counts(sched.running),
+            waiting_per_adapter=adapter_counts(sched.waiting),
             resident_rows=self._resident_rows(),
             row_bytes=self.row_bytes,
             registered=self._changed_names(),
@@ -450,6 +453,11 @@ class SchedulerLoop:
 def adapter_names(reqs) -> list[str]:
     """The distinct adapter names of reqs, sorted (a stack gives each of its names)."""
     return sorted({a.name for req in reqs for a in req.adapter_set.adapters})
+
+
+def adapter_counts(reqs) -> dict[str, int]:
+    """Requests per adapter name (a stack counts for each of its names)."""
+    return dict(collections.Counter(a.name for req in reqs for a in req.adapter_set.adapters))
 
 
 def subscribe(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
