@@ -470,21 +470,28 @@ def merge_stats(stats: dict[int, SchedulerStats], load_seconds: list[float],
                 names: dict[int, list[str]]) -> SchedulerStats:
     """The replicas' latest stats as one service's: counts and totals summed (so max_loras is
     the adapters the service holds at once), adapter lists united, resident rows summed per
-    name; `load_seconds` are the latencies new in the report that triggered the merge."""
-    rows: dict[str, int] = {}
-    for s in stats.values():
-        for name, count in s.resident_rows.items():
-            rows[name] = rows.get(name, 0) + count
+    name, as are the requests per adapter; `load_seconds` are the latencies new in the report
+    that triggered the merge."""
     every = list(stats.values())
     return SchedulerStats(
         **{f: sum(getattr(s, f) for s in every) for f in STATS_SUMS},
         adapter_load_seconds=load_seconds,
         running_adapters=sorted({a for s in every for a in s.running_adapters}),
         waiting_adapters=sorted({a for s in every for a in s.waiting_adapters}),
-        resident_rows=rows,
+        resident_rows=add_up([s.resident_rows for s in every]),
+        running_per_adapter=add_up([s.running_per_adapter for s in every]),
+        waiting_per_adapter=add_up([s.waiting_per_adapter for s in every]),
         row_bytes=every[0].row_bytes,
         registered=sorted({a for listed in names.values() for a in listed}),
     )
+
+
+def add_up(counts: list[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for each in counts:
+        for name, count in each.items():
+            total[name] = total.get(name, 0) + count
+    return total
 
 
 INFO_MINIMUM = ("adapter_event_seq",)  # the replica furthest behind

@@ -120,6 +120,12 @@ class Metrics:
                                "lora_requests_info); the value is when they were last reported",
                                ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
                                registry=r)
+        self.adapter_running = Gauge("radixlora_adapter_running_requests",
+                                     "Running requests on an adapter (a stack counts for each "
+                                     "of its adapters)", ["adapter"], registry=r)
+        self.adapter_waiting = Gauge("radixlora_adapter_waiting_requests",
+                                     "Waiting requests on an adapter (a stack counts for each "
+                                     "of its adapters)", ["adapter"], registry=r)
         self.replica_running = Gauge("radixlora_replica_running_requests",
                                      "Running requests of one data-parallel replica",
                                      ["replica"], registry=r)
@@ -143,7 +149,7 @@ class Metrics:
         self.registered: frozenset[str] = frozenset()  # names in the scheduler's last stats
         self.announced: set[str] = set()  # added by registry events, not yet in its stats
         self._totals: dict[str, int] = {}  # last cumulative value of each counter from stats
-        self._resident: set[str] = set()  # adapter labels of the per-adapter gauges
+        self._labels: dict[Gauge, set[str]] = {}  # per-adapter gauge -> its adapter labels
         self._lora_info: tuple[str, str, str] | None = None
 
     def adapter_label(self, choices: list[AdapterChoice] | None) -> str:
@@ -260,17 +266,29 @@ class Metrics:
         self._totals[key] = total
 
     def _set_resident(self, stats: SchedulerStats) -> None:
-        rows: dict[str, int] = {}
-        for name, count in stats.resident_rows.items():
+        rows = self._by_label(stats.resident_rows)
+        self._set_per_adapter(self.adapter_rows, rows)
+        self._set_per_adapter(self.adapter_bytes, {k: v * stats.row_bytes
+                                                   for k, v in rows.items()})
+        self._set_per_adapter(self.adapter_running, self._by_label(stats.running_per_adapter))
+        self._set_per_adapter(self.adapter_waiting, self._by_label(stats.waiting_per_adapter))
+
+    def _by_label(self, counts: dict[str, int]) -> dict[str, int]:
+        """counts by adapter name -> by bounded label (unregistered names add up as OTHER)."""
+        out: dict[str, int] = {}
+        for name, count in counts.items():
             label = name if name in self.registered else OTHER
-            rows[label] = rows.get(label, 0) + count
-        for label in self._resident - rows.keys():
-            self.adapter_rows.remove(label)
-            self.adapter_bytes.remove(label)
-        for label, count in rows.items():
-            self.adapter_rows.labels(label).set(count)
-            self.adapter_bytes.labels(label).set(count * stats.row_bytes)
-        self._resident = set(rows)
+            out[label] = out.get(label, 0) + count
+        return out
+
+    def _set_per_adapter(self, gauge: Gauge, values: dict[str, float]) -> None:
+        """One series per adapter in values; the series of adapters no longer there go."""
+        previous = self._labels.get(gauge, set())
+        for label in previous - values.keys():
+            gauge.remove(label)
+        for label, value in values.items():
+            gauge.labels(label).set(value)
+        self._labels[gauge] = set(values)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
