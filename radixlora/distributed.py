@@ -36,7 +36,6 @@ from radixlora.step_plan import StepPlan
 
 TP_RANK_ENV = "RADIXLORA_TP_RANK"  # set by the launcher on each worker rank's process
 COLUMN_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_MODULES = ("o_proj", "down_proj")
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # rank 0 ticks the others far more often
 
 
