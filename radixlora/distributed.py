@@ -95,12 +95,13 @@ class Shard:
         return slice(self.rank * n, (self.rank + 1) * n)
 
     def weight(self, module: str, kind: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a checkpoint projection tensor (kind: weight or bias). A
-        row-parallel bias is added once, after the all-reduce, so every rank keeps it whole."""
+        """This rank's part of a checkpoint projection tensor (kind: weight or bias; a tensor or
+        a safetensors slice, read by the indexing). A row-parallel bias is added once, after the
+        all-reduce, so every rank keeps it whole."""
         if module in COLUMN_MODULES:
             return tensor[self.features(module)]
         if kind == "bias":
-            return tensor
+            return tensor[:]
         return tensor[:, self.features(module)]
 
     def lora(self, module: str, a: torch.Tensor, b: torch.Tensor):

@@ -79,7 +79,9 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                _load_tensor(cfg, params, loaded, name, f.get_tensor(name), shard)
+                # a rank reads only its slice of each tensor from the file
+                tensor = f.get_tensor(name) if shard is None else f.get_slice(name)
+                _load_tensor(cfg, params, loaded, name, tensor, shard)
     missing = {n for n, p in params.items() if loaded.get(n, 0) != p.shape[0]}
     if cfg.tie_word_embeddings:
         missing.discard("lm_head.weight")
@@ -112,14 +114,15 @@ _VOCAB = ("embed_tokens.weight", "lm_head.weight")
 def _shard_tensor(shard: Shard, name: str, target: str, tensor: torch.Tensor,
                   dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's slice of a checkpoint tensor, where it goes): a projection's rows or
-    columns, the vocabulary's rows (the last rank's padding rows zeroed), else all of it."""
+    columns, the vocabulary's rows (the last rank's padding rows zeroed), else all of it.
+    `tensor` may be a safetensors slice: only what is indexed is read."""
     if target in _VOCAB:
         dst.zero_()
         rows = tensor[shard.vocab_rows()]
         return rows, dst[: rows.shape[0]]
     m = _LAYER.match(name)
     if m is None:
-        return tensor, dst
+        return tensor[:], dst
     return shard.weight(f"{m.group(3)}_proj", m.group(4), tensor), dst
 
 
