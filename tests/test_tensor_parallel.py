@@ -25,7 +25,7 @@ from radixlora.config import EngineConfig, ModelConfig
 from radixlora.distributed import TensorParallel, check_shardable
 from radixlora.errors import AdapterError, ModelLoadError
 from radixlora.step_plan import StepPlan, StepResult
-from scripts.checkpoints import build_peft_adapter
+from scripts.checkpoints import build_peft_adapter, hf_config
 from tests.oracle import logprobs, merged_logprobs, peft_model
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
@@ -195,6 +195,24 @@ def test_a_load_failing_on_one_rank_fails_the_step_on_every_rank(checkpoints, ad
     assert all(r.error is None for r in results[:first_b])
     assert "another tensor-parallel rank" in results[first_b].error
     assert not results[first_b].token_ids
+
+
+def test_a_vocabulary_that_does_not_split_evenly(tmp_path):
+    """251 ids over 2 ranks: the last rank's embedding and LM head rows are padded, the padding
+    logits cut off after the gather; greedy tokens equal the single-device run's."""
+    import transformers
+
+    torch.manual_seed(0)
+    model_dir = tmp_path / "odd-vocab"
+    config = hf_config("llama", vocab_size=251, intermediate_size=128, initializer_range=0.1)
+    transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
+    engine = Engine(model_dir, dtype="float32", kv_pages=128, max_running=4)
+    rec = Recorded([], [])
+    launch, finish = engine.executor.launch, engine.executor.finish
+    engine.executor.launch = lambda plan: rec.plans.append(plan) or launch(plan)
+    engine.executor.finish = lambda step: rec.results.append(finish(step)) or rec.results[-1]
+    engine.generate([[i % 251 for i in prompt(4, 9)], [250, 249, 3, 125, 126]], GREEDY)
+    check_same_results(run_ranks(tmp_path, model_dir, engine.config, rec, 2), rec.results)
 
 
 def test_unshardable_model_is_refused(checkpoints):
