@@ -180,4 +180,4 @@ def check_ranges(plan: StepPlan, runner: ModelRunner) -> None:
 
 
 if __name__ == "__main__":
-    child_main("worker", run)
+    child_main(worker_rank_name(rank_from_env()), run)  # rank r > 0 logs as worker-tp<r>
