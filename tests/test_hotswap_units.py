@@ -104,16 +104,24 @@ def test_admission_is_sorted_and_paced(model, versions, tmp_path):
     assert times[-1] == pytest.approx(10 / 4.0, abs=0.02)  # then 4 per second
 
 
-def test_a_full_directory_at_start_is_published_at_once(model, tmp_path):
+def test_a_full_directory_at_start_is_published_at_once(model, tmp_path, monkeypatch):
     """The adapters already in the directory when the registry starts skip the bucket (they
-    are validated together); one added later waits for a token."""
+    are validated together, and published a few per loop turn so the registry beats between
+    turns); one added later waits for a token."""
+    from radixlora.server import registry_proc
+
+    monkeypatch.setattr(registry_proc, "PUBLISH_PER_CALL", 4)
     root = tmp_path / "dir"
     root.mkdir()
     for i in range(10):
         build_tiny_adapter(model, root / f"s{i}", rank=2, seed=200 + i)
     core, events = _core(model, root, tmp_path / "state", rate=1.0, burst=1)
     core.on_changed(core.names_on_disk())
-    core.admit(0.0)
+    published = []
+    for _ in range(3):
+        core.admit(0.0)
+        published.append(len(events))
+    assert published == [4, 8, 10]
     assert sorted(e.name for e in events) == [f"s{i}" for i in range(10)]
     assert {e.kind for e in events} == {"added"}
     build_tiny_adapter(model, root / "late1", rank=2, seed=300)

@@ -54,6 +54,9 @@ SUBSCRIBE_TIMEOUT_S = 60.0
 # names validated together when the bucket has tokens for them: at least the first (fewer are
 # not worth reading twice, once to validate and once to snapshot), at most the second
 REGISTER_BATCH = (16, 256)
+# names examined (re-read, hashed against their validation, snapshotted, published) per loop
+# turn: the loop beats between turns, and one name takes up to ~40 ms for 14 MB on an H200 host
+PUBLISH_PER_CALL = 32
 
 REJECT_REASONS = (  # (substring of the AdapterError, label), first match wins
     ("at `$.r`", "bad_rank"),
@@ -211,24 +214,25 @@ class RegistryCore:
         """Examine pending names in sorted order: those in the directory at start at once, the
         others while the bucket has a token. Many at once (a full directory at start-up, or a
         bucket with many tokens) are validated together first, in parallel and through the
-        hash cache."""
-        while self.pending:
-            batch = sorted(self.pending & self.at_start)[:REGISTER_BATCH[1]]
-            paced = not batch
-            if paced:
-                tokens = self.bucket.available(now)
-                if tokens < 1:
-                    return
-                batch = sorted(self.pending)[:min(tokens, REGISTER_BATCH[1])]
-            prevalidated = {n: self.prevalidated.pop(n) for n in batch if n in self.prevalidated}
-            rest = [n for n in batch if n not in prevalidated]
-            if len(rest) >= REGISTER_BATCH[0]:
-                prevalidated |= self._prevalidate(rest)
-            for name in batch:
-                self.pending.discard(name)
-                self.at_start.discard(name)
-                if self.examine(name, prevalidated.get(name)) and paced:
-                    self.bucket.take(now)
+        hash cache. At most PUBLISH_PER_CALL names are examined per call, so that the loop
+        beats between calls."""
+        batch = sorted(self.pending & self.at_start)[:REGISTER_BATCH[1]]
+        paced = not batch
+        if paced:
+            tokens = self.bucket.available(now)
+            if tokens < 1:
+                return
+            batch = sorted(self.pending)[:min(tokens, REGISTER_BATCH[1])]
+        rest = [n for n in batch if n not in self.prevalidated and n not in self.tried_ahead]
+        self.tried_ahead.update(rest)
+        if len(rest) >= REGISTER_BATCH[0]:
+            self.prevalidated |= self._prevalidate(rest)
+        for name in batch[:PUBLISH_PER_CALL]:
+            self.pending.discard(name)
+            self.at_start.discard(name)
+            self.tried_ahead.discard(name)
+            if self.examine(name, self.prevalidated.pop(name, None)) and paced:
+                self.bucket.take(now)
 
     def validate_ahead(self) -> bool:
         """Validate the next batch of the names in the directory at start, to publish later
