@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from radixlora.server.bridge import merge_infos, merge_stats
 from radixlora.server.messages import RouterStats, SchedulerStats
 from radixlora.server.metrics import Metrics
@@ -92,3 +94,19 @@ def test_replica_gauges_and_router_decisions():
     assert got['radixlora_replica_outstanding_requests{replica="1"}'] == 1
     assert got['radixlora_router_decisions_total{reason="prefix",replica="0"}'] == 7
     assert got['radixlora_router_decisions_total{reason="balance",replica="1"}'] == 1
+
+
+def test_replicas_need_as_many_cuda_devices_and_no_tensor_parallel():
+    import torch
+
+    from radixlora.cli import StartError, check_replicas
+    from radixlora.server.args import ServerArgs
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    check_replicas({"device": "cpu"}, 4)  # every replica on the CPU
+    wanted = visible + 2  # more than visible, and more than one
+    with pytest.raises(StartError, match=rf"^--data-parallel-size {wanted} needs {wanted} CUDA "
+                                         rf"devices .* {visible} visible"):
+        check_replicas({"device": "cuda"}, wanted)
+    with pytest.raises(ValueError, match="--data-parallel-size with --tensor-parallel-size"):
+        ServerArgs(model="m", data_parallel_size=2, tensor_parallel_size=2)
