@@ -1,6 +1,7 @@
 """How the api merges data-parallel replicas' reports (stats, info) and what /metrics shows of
 them: service-wide sums and unions, replica-labelled gauges, the router's decisions, and the
-per-adapter running and waiting gauges an external router reads."""
+per-adapter running and waiting gauges an external router reads; and the start-up checks of
+--data-parallel-size."""
 
 from __future__ import annotations
 
