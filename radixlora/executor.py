@@ -46,12 +46,9 @@ AdapterSource = Callable[[AdapterLoad], LoraAdapter]
 # Background adapter reads queued or running; each holds one packed adapter in host memory
 # until its copy is written, and a step that needs a queued one cancels it and reads it itself.
 PREFETCH_READS = 4
-# Threads reading adapters: a step's own loads and the owed loads it reads (all started
-# before the step waits for the first), and registered adapters ahead of any need
-# (host_reads). Reading is torch and hashing work that mostly releases the GIL, so several
-# run at once.
-STEP_READERS = 8
-WARM_READERS = 8
+# Threads reading registered adapters into the host tier ahead of any need (host_reads): the
+# reading is torch and hashing work that mostly releases the GIL, so several run at once.
+WARM_READERS = 6
 
 
 @dataclass
@@ -87,7 +84,6 @@ class StepExecutor:
         self.owed: dict[str, OwedLoad] = {}  # by adapter id, in plan order
         self.reads: dict[str, Future] = {}  # background reads by adapter id
         self._reader: ThreadPoolExecutor | None = None
-        self._step_reader: ThreadPoolExecutor | None = None
         self.warming: dict[str, Future] = {}  # host_reads by adapter id, not in the tier yet
         self._warmer: ThreadPoolExecutor | None = None
 
@@ -113,7 +109,6 @@ class StepExecutor:
         try:
             self._warm(plan.host_reads)
             prefetch = self._claim(plan)
-            self._read_now(plan)
             loads, failed = self._resolve_loads(plan.adapter_loads)
             owed, owed_failed = self._settle_owed(plan)
             loads += owed
@@ -186,23 +181,6 @@ class StepExecutor:
             host_bytes=host.nbytes,
             unread_adapters=self.unread(),
         )
-
-    def _read_now(self, plan: StepPlan) -> None:
-        """Start reading, in parallel, every adapter this step loads or reads owed rows of that
-        is neither in the host tier nor being read, so the step waits for the slowest read,
-        not their sum."""
-        reads = {r for groups in plan.adapter_sets for g in groups.values() for r in g.rows}
-        needed = list(plan.adapter_loads) + [owed.load for owed in self.owed.values()
-                                             if not reads.isdisjoint(owed.rows.tolist())]
-        host = self.runner.adapter_pool.host
-        for load in needed:
-            adapter_id = load.adapter_id
-            if adapter_id in host or adapter_id in self.reads or adapter_id in self.warming:
-                continue
-            if self._step_reader is None:
-                self._step_reader = ThreadPoolExecutor(STEP_READERS,
-                                                       thread_name_prefix="adapter-read")
-            self.reads[adapter_id] = self._step_reader.submit(self._read, load)
 
     def _resolve_loads(self, loads: list[AdapterLoad]):
         resolved, failed = [], {}
@@ -346,6 +324,5 @@ class StepExecutor:
                 return
             if adapter_id not in self.reads and not owed.failed:
                 if self._reader is None:
-                    self._reader = ThreadPoolExecutor(PREFETCH_READS,
-                                                      thread_name_prefix="adapter-prefetch")
+                    self._reader = ThreadPoolExecutor(1, thread_name_prefix="adapter-prefetch")
                 self.reads[adapter_id] = self._reader.submit(self._read, owed.load)

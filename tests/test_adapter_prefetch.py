@@ -507,33 +507,3 @@ def test_swap_cap_counts_full_size_swaps_not_loads():
     assert big.allows(3.0)  # full bucket: a 3-swap load may go, taking the bucket below zero
     big.take(3.0)
     assert not big.allows(0.125)
-
-
-def test_a_step_reads_its_cold_adapters_in_parallel(many_adapters):
-    """A step that loads several adapters missing from the host tier starts all their reads
-    before it waits for the first (on the executor's read threads), and outputs match."""
-    model, adapters = many_adapters
-    engine = Engine(model, adapters=adapters, adapter_rows=96, max_running=4, kv_pages=512,
-                    max_batch_tokens=64)
-    source = engine.executor.source
-    active, peak = [0], [0]
-    lock = threading.Lock()
-
-    def slow_read(load):
-        with lock:
-            active[0] += 1
-            peak[0] = max(peak[0], active[0])
-        time.sleep(0.2)
-        with lock:
-            active[0] -= 1
-        return source(load)
-
-    engine.executor.source = slow_read
-    names = ["n1", "n2", "n3", "n4"]
-    out = engine.generate(prompts()[:4], PARAMS, adapters=names)
-    assert peak[0] == 4
-    for name, result in zip(names, out):
-        alone = Engine(model, adapters={name: adapters[name]}, kv_pages=512)
-        want = alone.generate(prompts()[names.index(name)], PARAMS, adapters=name)
-        assert result.outputs[0].token_ids == want[0].outputs[0].token_ids
-    assert_all_free(engine)
