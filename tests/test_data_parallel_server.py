@@ -221,7 +221,7 @@ def check_burst_spreads(server) -> None:
     would queue them all on one replica; the load bound spreads them, so both replicas run
     some and neither ever holds more than it can run at once (MAX_RUNNING)."""
     prefix = list(range(100, 100 + PREFIX_TOKENS))
-    bodies = [{"model": "a0", "prompt": prefix + [300 + k], "max_tokens": 16, "ignore_eos": True}
+    bodies = [{"model": "a0", "prompt": prefix + [300 + k], "max_tokens": 32, "ignore_eos": True}
               for k in range(BURST)]  # fmt: skip
     before = decisions_per_replica(server)
     peaks, stop = {"0": 0, "1": 0}, threading.Event()
