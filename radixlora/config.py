@@ -12,6 +12,7 @@ from radixlora.errors import ModelLoadError
 
 SUPPORTED_ARCHS = {"llama", "qwen2", "mistral"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LORA_DTYPES = ("auto", "int8")  # the adapter pool's storage: the model's dtype, or int8 rows
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ class EngineConfig:
     max_stacked: int = 8
     max_adapter_sets_per_batch: int | None = None  # None: as many as the pool's rows hold
     lora_backend: str = "auto"
+    lora_dtype: str = "auto"  # adapter pool storage: "auto" (the model's dtype) or "int8"
     attention_backend: str = "auto"
     enable_radix_cache: bool = True
     cuda_graph: bool = True  # decode steps replay captured graphs (CUDA only)
@@ -185,6 +187,9 @@ class EngineConfig:
     def __post_init__(self):
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {list(LORA_DTYPES)}, "
+                             f"got {self.lora_dtype!r}")
         if self.host_adapter_bytes is not None and self.host_adapter_bytes < 0:
             raise ValueError(f"host_adapter_bytes must be >= 0, got {self.host_adapter_bytes}")
         for name in ("kv_pages", "adapter_rows", "max_running", "max_batch_tokens",
@@ -218,6 +223,11 @@ class EngineConfig:
         if name not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or auto, got {name!r}")
         return DTYPES[name]
+
+    def lora_pool_dtype(self, model: ModelConfig) -> torch.dtype:
+        """The adapter pool's storage dtype: int8 (rows dequantized in the LoRA kernels) or
+        the model's compute dtype."""
+        return torch.int8 if self.lora_dtype == "int8" else self.torch_dtype(model)
 
     def resolved_device(self) -> str:
         if self.device != "auto":
