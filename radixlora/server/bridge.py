@@ -124,8 +124,20 @@ class Generation:
         return ",".join(dict.fromkeys(r for r in reasons if r is not None))
 
 
+def subscribe(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """A SUB socket for every message of `endpoint` (the registry's events), unbounded."""
+    check_local(endpoint)
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(endpoint)
+    return sock
+
+
 class ProcessBridge:
-    def __init__(self, args: ServerArgs, metrics=None, tracer: Tracer | None = None):
+    def __init__(self, args: ServerArgs, metrics=None, tracer: Tracer | None = None,
+                 event_sub: zmq.Socket | None = None):
         self.args = args
         self.metrics = metrics
         self.tracer = tracer or Tracer(args.model_name)
@@ -151,7 +163,12 @@ class ProcessBridge:
         self.health = Health.STARTING
         self.dead_reason: str | None = None
         self.degraded_reason: str | None = None  # the registry is down; serving goes on
-        self.event_sub = self._subscribe(endpoints.registry) if args.adapter_dir else None
+        # the registry's events: on `event_sub` when the launcher subscribed before the
+        # registry started (see subscribe_registry), else subscribed here
+        if event_sub is not None:
+            self.event_sub = zmq.asyncio.Socket.from_socket(event_sub)
+        else:
+            self.event_sub = self._subscribe(endpoints.registry) if args.adapter_dir else None
         self.event_codec = Codec(AdapterEvent)
         self.recent_events: collections.deque[AdapterEvent] = collections.deque(maxlen=256)
         self.closed = False
@@ -164,13 +181,7 @@ class ProcessBridge:
         return sock
 
     def _subscribe(self, endpoint: str) -> zmq.asyncio.Socket:
-        check_local(endpoint)
-        sock = self.ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(endpoint)
-        return sock
+        return subscribe(self.ctx, endpoint)
 
     def _outbox(self, endpoint: str) -> zmq.Socket:
         check_local(endpoint)

@@ -36,7 +36,7 @@ from radixlora.distributed import TP_RANK_ENV, worker_rank_name
 from radixlora.sampling import SamplingParams
 from radixlora.server.api import Api
 from radixlora.server.args import Endpoints, ServerArgs
-from radixlora.server.bridge import Health, ProcessBridge, ReqFailed
+from radixlora.server.bridge import Health, ProcessBridge, ReqFailed, subscribe
 from radixlora.server.gateway import ClientGateway
 from radixlora.server.ipc import Inbox, setup_logging
 from radixlora.server.messages import GenerateReq, Heartbeat, LauncherInbox, Ready, Sized
@@ -383,6 +383,7 @@ class Launcher:
         self.server: DrainingServer | None = None
         self.runtime: ProcessBridge | None = None
         self.restart_at: dict[str, float] = {}  # dead optional child -> when to restart it
+        self.registry_events: zmq.Socket | None = None
 
     def run(self) -> int:
         ctx = zmq.Context()
@@ -391,6 +392,10 @@ class Launcher:
         previous = signal.signal(signal.SIGTERM, stop_starting)
         try:
             self.inbox = Inbox(ctx, self.args.endpoints.launcher, LauncherInbox)
+            # subscribed before the registry starts, so that it need not wait for the api
+            # (which serves only once every process is ready) to publish what it validated
+            if self.args.adapter_dir:
+                self.registry_events = subscribe(ctx, self.args.endpoints.registry)
             log.info("starting the worker process: it loads the model and sizes the pools")
             children = Children(self.args)
             started = time.monotonic()
@@ -426,7 +431,7 @@ class Launcher:
         vocab_size = ModelConfig.from_dir(args.model).vocab_size
         metrics = Metrics(args.vllm_metric_names)
         tracer = Tracer.for_endpoint(args.otlp_traces_endpoint, args.model_name)
-        self.runtime = runtime = ProcessBridge(args, metrics)
+        self.runtime = runtime = ProcessBridge(args, metrics, event_sub=self.registry_events)
         worker = ready[children.workers[0]].info
         api = Api(args, runtime, metrics, vocab_size, children.pids, worker.get("sizing"))
         gateway = ClientGateway(runtime, args.endpoints.client, vocab_size)

@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.02
 MAX_DIRTY_S = 10.0  # a directory that never goes quiet is still examined this often
-SUBSCRIBERS = 2  # the scheduler and the api
 SUBSCRIBE_TIMEOUT_S = 60.0
 # names validated together when the bucket has tokens for them: at least the first (fewer are
 # not worth reading twice, once to validate and once to snapshot), at most the second
@@ -379,7 +378,8 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
     watch.mark(set(core.names_on_disk()) | set(core.active))
     heart = Heartbeats(ctx, args, "registry")
     send_ready(ctx, args, "registry", {"adapter_dir": str(core.root)})
-    wait_subscribers(pub, SUBSCRIBERS, SUBSCRIBE_TIMEOUT_S, heart, core.validate_ahead)
+    subscribers = args.data_parallel_size + 1  # every replica's scheduler and the api
+    wait_subscribers(pub, subscribers, SUBSCRIBE_TIMEOUT_S, heart, core.validate_ahead)
     pub.send(encoder.encode(AdapterEvent(seq=core.state.seq, kind="hello")))
     log.info("watching %s (%d adapters published so far)", core.root, len(core.active))
     try:
