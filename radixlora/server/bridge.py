@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from radixlora.server.args import ServerArgs
-from radixlora.server.ipc import check_local
+from radixlora.server.ipc import check_local, subscribe
 from radixlora.server.messages import (
     AbortReq,
     AdapterEvent,
@@ -124,17 +124,6 @@ class Generation:
         return ",".join(dict.fromkeys(r for r in reasons if r is not None))
 
 
-def subscribe(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
-    """A SUB socket for every message of `endpoint` (the registry's events), unbounded."""
-    check_local(endpoint)
-    sock = ctx.socket(zmq.SUB)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.SUBSCRIBE, b"")
-    sock.connect(endpoint)
-    return sock
-
-
 class ProcessBridge:
     def __init__(self, args: ServerArgs, metrics=None, tracer: Tracer | None = None,
                  event_sub: zmq.Socket | None = None):
@@ -168,7 +157,7 @@ class ProcessBridge:
         if event_sub is not None:
             self.event_sub = zmq.asyncio.Socket.from_socket(event_sub)
         else:
-            self.event_sub = self._subscribe(endpoints.registry) if args.adapter_dir else None
+            self.event_sub = subscribe(self.ctx, endpoints.registry) if args.adapter_dir else None
         self.event_codec = Codec(AdapterEvent)
         self.recent_events: collections.deque[AdapterEvent] = collections.deque(maxlen=256)
         self.closed = False
@@ -179,9 +168,6 @@ class ProcessBridge:
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(endpoint)
         return sock
-
-    def _subscribe(self, endpoint: str) -> zmq.asyncio.Socket:
-        return subscribe(self.ctx, endpoint)
 
     def _outbox(self, endpoint: str) -> zmq.Socket:
         check_local(endpoint)

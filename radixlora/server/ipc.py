@@ -34,6 +34,17 @@ def check_local(endpoint: str) -> None:
     raise ValueError(f"refusing ZeroMQ endpoint {endpoint!r}: use ipc:// or tcp://127.0.0.1")
 
 
+def subscribe(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """A SUB socket for every message of `endpoint` (the registry's events), unbounded."""
+    check_local(endpoint)
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(endpoint)
+    return sock
+
+
 class Inbox:
     """A bound PULL socket decoding one inbox union; garbage is logged and skipped."""
 

@@ -36,9 +36,9 @@ from radixlora.distributed import TP_RANK_ENV, worker_rank_name
 from radixlora.sampling import SamplingParams
 from radixlora.server.api import Api
 from radixlora.server.args import Endpoints, ServerArgs
-from radixlora.server.bridge import Health, ProcessBridge, ReqFailed, subscribe
+from radixlora.server.bridge import Health, ProcessBridge, ReqFailed
 from radixlora.server.gateway import ClientGateway
-from radixlora.server.ipc import Inbox, setup_logging
+from radixlora.server.ipc import Inbox, setup_logging, subscribe
 from radixlora.server.messages import GenerateReq, Heartbeat, LauncherInbox, Ready, Sized
 from radixlora.server.metrics import Metrics
 from radixlora.server.tracing import Tracer

@@ -29,11 +29,11 @@ from radixlora.server.ipc import (
     Heartbeats,
     Inbox,
     Outbox,
-    check_local,
     child_main,
     failure_error,
     log_failure,
     send_ready,
+    subscribe,
 )
 from radixlora.server.messages import (
     AbortReq,
@@ -458,16 +458,6 @@ def adapter_names(reqs) -> list[str]:
 def adapter_counts(reqs) -> dict[str, int]:
     """Requests per adapter name (a stack counts for each of its names)."""
     return dict(collections.Counter(a.name for req in reqs for a in req.adapter_set.adapters))
-
-
-def subscribe(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
-    check_local(endpoint)
-    sock = ctx.socket(zmq.SUB)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.SUBSCRIBE, b"")
-    sock.connect(endpoint)
-    return sock
 
 
 def run(args: ServerArgs, ctx: zmq.Context) -> None:
