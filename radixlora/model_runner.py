@@ -84,6 +84,7 @@ class ModelRunner:
         self.cfg = model_cfg if tp is None else tp.shard.local
         self.device = device or torch.device(config.resolved_device())
         self.dtype = config.torch_dtype(model_cfg)
+        self.lora_dtype = config.lora_pool_dtype(model_cfg)  # the adapter pool's storage
         self.attention_name = config.attention_backend
         started = time.perf_counter()
         self.model = load_model(model_path, model_cfg, self.dtype, self.device, config.load_format,
@@ -113,8 +114,8 @@ class ModelRunner:
         self.kv_pool = KVPool(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim,
                               self.dtype, self.device)  # fmt: skip
         shard = self.tp.shard if self.tp is not None else None
-        self.adapter_pool = AdapterPool(cfg, adapter_rows, self.dtype, self.device, host_bytes,
-                                        shard)
+        self.adapter_pool = AdapterPool(cfg, adapter_rows, self.lora_dtype, self.device,
+                                        host_bytes, shard)
         self.attn_backend = make_attention_backend(
             self.attention_name, self.kv_pool, cfg.num_heads, cfg.head_dim,
             cfg.sliding_window, self.device,
@@ -137,7 +138,7 @@ class ModelRunner:
             activation_bytes=max(prefill, decode), graph_bytes=graphs,
             kv_slot_bytes=KVPool.bytes_per_slot(self.cfg.num_layers, self.cfg.num_kv_heads,
                                                 self.cfg.head_dim, self.dtype),
-            adapter_row_bytes=AdapterPool.bytes_per_row(self.cfg, self.dtype),
+            adapter_row_bytes=AdapterPool.bytes_per_row(self.cfg, self.lora_dtype),
         )  # fmt: skip
         log.info(self.sizing.line())
         if self.tp is not None:  # every rank's pools hold the same slots and rows
