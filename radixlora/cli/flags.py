@@ -13,6 +13,7 @@ from pathlib import Path
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's and SGLang's spellings
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", *DTYPE_ALIASES)
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
+LORA_DTYPE_CHOICES = ("auto", "int8")
 
 # EngineConfig field -> (type, its flags: ours first, then vLLM's and SGLang's spellings, help)
 ENGINE_FLAGS = {
@@ -49,8 +50,12 @@ ENGINE_FLAGS = {
     "dtype": (str, ("--dtype",), "weights' and pools' dtype; auto: the checkpoint's on a GPU, "
                                  "float32 on the CPU; half = float16, float = float32 "
                                  "(default auto)"),
+    "lora_dtype": (str, ("--lora-dtype",), "adapter pool storage; auto: the model's dtype; int8: "
+                                           "A and B rows in int8 with a scale per row, "
+                                           "dequantized in the LoRA kernels, about half the "
+                                           "bytes per adapter (default auto)"),
 }
-CHOICES = {"device": DEVICE_CHOICES, "dtype": DTYPE_CHOICES}
+CHOICES = {"device": DEVICE_CHOICES, "dtype": DTYPE_CHOICES, "lora_dtype": LORA_DTYPE_CHOICES}
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -111,7 +116,7 @@ def engine_overrides(args: argparse.Namespace) -> dict:
 
 def resolved_overrides(args: argparse.Namespace, model: str | Path) -> dict:
     """engine_overrides plus what needs the model: --max-cpu-loras as host tier bytes (that many
-    adapters of --max-lora-rank on every target module, packed in the pools' dtype)."""
+    adapters of --max-lora-rank on every target module, packed in the adapter pool's dtype)."""
     out = engine_overrides(args)
     count = getattr(args, "max_cpu_loras", None)
     if count is None:
@@ -123,7 +128,7 @@ def resolved_overrides(args: argparse.Namespace, model: str | Path) -> dict:
 
     config = EngineConfig(**out)
     model_cfg = ModelConfig.from_dir(model)
-    row_bytes = AdapterPool.bytes_per_row(model_cfg, config.torch_dtype(model_cfg))
+    row_bytes = AdapterPool.bytes_per_row(model_cfg, config.lora_pool_dtype(model_cfg))
     out["host_adapter_bytes"] = count * config.max_rank * row_bytes
     return out
 
