@@ -73,7 +73,7 @@ class SchedulerService:
         self.model_cfg = ModelConfig.from_dir(args.model)
         self.scheduler = Scheduler(self.config, max_context=self.config.max_context(self.model_cfg))
         self.row_bytes = AdapterPool.bytes_per_row(self.model_cfg,
-                                                   self.config.torch_dtype(self.model_cfg))
+                                                   self.config.lora_pool_dtype(self.model_cfg))
         if args.max_swaps_per_s > 0:
             self.scheduler.swap_cap = SwapCap(args.max_swaps_per_s, self._swap_cost)
         self.adapters = AdapterRegistry(self.model_cfg, self.config.max_rank,
@@ -103,7 +103,7 @@ class SchedulerService:
     def _swap_cost(self, adapter) -> float:
         """Full-size swaps one load of `adapter` is (SwapCap): its packed bytes over those of an
         adapter of the largest allowed rank on every module group."""
-        dtype = self.config.torch_dtype(self.model_cfg)
+        dtype = self.config.lora_pool_dtype(self.model_cfg)
         load = AdapterPool.load_bytes(self.model_cfg, dtype, adapter.group_ranks)
         return load / (self.config.max_rank * self.row_bytes)
 
@@ -169,7 +169,7 @@ class SchedulerService:
         every adapter in host memory, a load into the pool is one host-to-device copy."""
         self.warm_scan_at = time.monotonic() + WARM_SCAN_S
         budget = self.config.host_adapter_bytes or 0
-        dtype = self.config.torch_dtype(self.model_cfg)
+        dtype = self.config.lora_pool_dtype(self.model_cfg)
         reads = []
         for adapter in self.adapters.by_name.values():
             if len(reads) >= WARM_PER_PLAN:
