@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,12 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    # the served base's weight format: "nf4" (bitsandbytes 4-bit), "fp8", or None (dense); a
+    # checkpoint's own quantization_config, or what EngineConfig.quantization asks at load
+    quantization: str | None = None
+    # an adapter trained on another weight format than `quantization`: "refuse" or "serve"
+    # (served, the mismatch reported); radixlora.lora.adapter checks it at validation
+    qlora_mismatch: str = "refuse"
 
     @property
     def q_dim(self) -> int:
@@ -109,7 +116,37 @@ class ModelConfig:
             sliding_window=sliding,
             eos_token_ids=_eos_ids(cfg, gen or {}),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            quantization=checkpoint_quantization(cfg.get("quantization_config")),
         )
+
+    def served(self, engine: EngineConfig) -> ModelConfig:
+        """This base as `engine` serves it: quantized at load (--quantization) and with its
+        policy for adapters trained on another weight format (--qlora-mismatch)."""
+        quantization = self.quantization
+        if engine.quantization is not None:
+            if quantization not in (None, engine.quantization):
+                raise ModelLoadError(f"the checkpoint is already {quantization}; "
+                                     f"--quantization {engine.quantization} cannot apply")
+            quantization = engine.quantization
+        return dataclasses.replace(self, quantization=quantization,
+                                   qlora_mismatch=engine.qlora_mismatch)
+
+
+def checkpoint_quantization(qc: dict | None) -> str | None:
+    """The weight format a config.json's quantization_config declares: "nf4" (bitsandbytes
+    4-bit NF4), "fp8" (compressed-tensors or vLLM's fp8), None without one; others refused."""
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "bitsandbytes" and qc.get("load_in_4bit"):
+        if qc.get("bnb_4bit_quant_type", "fp4") != "nf4":
+            raise ModelLoadError("bitsandbytes 4-bit checkpoints: nf4 only, got "
+                                 f"{qc.get('bnb_4bit_quant_type')!r}")
+        return "nf4"
+    if method in ("fp8", "compressed-tensors"):
+        return "fp8"
+    raise ModelLoadError(f"quantization_config with quant_method {method!r} is not supported "
+                         "(bitsandbytes nf4, fp8, compressed-tensors fp8)")
 
 
 def _read_optional_json(path: Path) -> dict | None:
@@ -175,6 +212,8 @@ class EngineConfig:
     max_adapter_sets_per_batch: int | None = None  # None: as many as the pool's rows hold
     lora_backend: str = "auto"
     lora_dtype: str = "auto"  # adapter pool storage: "auto" (the model's dtype) or "int8"
+    quantization: str | None = None  # "nf4": quantize a dense base at load (bitsandbytes')
+    qlora_mismatch: str = "refuse"  # an adapter trained on another base format: or "serve"
     attention_backend: str = "auto"
     enable_radix_cache: bool = True
     cuda_graph: bool = True  # decode steps replay captured graphs (CUDA only)
@@ -187,6 +226,11 @@ class EngineConfig:
     def __post_init__(self):
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.quantization not in (None, "nf4"):
+            raise ValueError(f"quantization must be nf4 or None, got {self.quantization!r}")
+        if self.qlora_mismatch not in ("refuse", "serve"):
+            raise ValueError(f"qlora_mismatch must be refuse or serve, got "
+                             f"{self.qlora_mismatch!r}")
         if self.lora_dtype not in LORA_DTYPES:
             raise ValueError(f"lora_dtype must be one of {list(LORA_DTYPES)}, "
                              f"got {self.lora_dtype!r}")
