@@ -131,6 +131,20 @@ def alive(pid: int) -> bool:
         return False
 
 
+def wait_health_503(server, timeout_s: float) -> None:
+    """Poll /health until it answers 503 (a core child died) or the server stops answering;
+    fail with the server's logs if it answers anything else for `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if server.http.get("/health", timeout=1).status_code == 503:
+                return
+        except httpx.TransportError:
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"/health never answered 503:\n{server.logs()}")
+
+
 def assert_all_kv_free(sched: dict) -> None:
     assert sched["running"] == 0 and sched["waiting"] == 0 and sched["open_requests"] == 0
     assert sched["kv_protected_tokens"] == 0

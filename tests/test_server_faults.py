@@ -14,7 +14,13 @@ import time
 import httpx
 import pytest
 
-from tests.server_harness import MODEL_NAME, ServerProcess, alive, build_checkpoints
+from tests.server_harness import (
+    MODEL_NAME,
+    ServerProcess,
+    alive,
+    build_checkpoints,
+    wait_health_503,
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +61,7 @@ def test_sigkill_worker(checkpoints, tmp_path):
     t.start()
     time.sleep(0.3)
     os_kill(pids["worker"])
-    saw_503 = False
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and not saw_503:
-        try:
-            saw_503 = server.http.get("/health", timeout=1).status_code == 503
-        except httpx.TransportError:
-            break
-        time.sleep(0.05)
-    assert saw_503, server.logs()
+    wait_health_503(server, 5)
     t.join(10)
     assert in_flight["status"] in (503, "RemoteProtocolError", "ReadError")  # not left hanging
     assert server.proc.wait(15) != 0

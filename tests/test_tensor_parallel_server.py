@@ -10,12 +10,11 @@ import os
 import signal
 import time
 
-import httpx
 import pytest
 
 from radixlora import Engine, SamplingParams
 from radixlora.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR
-from tests.server_harness import ServerProcess, alive, assert_all_kv_free
+from tests.server_harness import ServerProcess, alive, assert_all_kv_free, wait_health_503
 
 TEXT = "the red fox ate 42 fish"
 SPECS = [None, "upper", "reverse", [("upper", 1.0), ("reverse", 1.0)], [("digits", 0.6)]]
@@ -84,15 +83,7 @@ def test_a_dying_rank_stops_the_server(server):
     assert set(pids) >= {"worker", "worker-tp1"}
     children = [pid for name, pid in pids.items() if name != "api"]
     os.kill(pids["worker-tp1"], signal.SIGKILL)
-    saw_503 = False
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not saw_503:
-        try:
-            saw_503 = server.http.get("/health", timeout=1).status_code == 503
-        except httpx.TransportError:
-            break
-        time.sleep(0.05)
-    assert saw_503, server.logs()
+    wait_health_503(server, 10)
     assert server.proc.wait(20) == 1, server.logs()
     assert "worker-tp1 process" in server.logs()
     deadline = time.monotonic() + 10
