@@ -86,7 +86,8 @@ class Intake:
         base_seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         reqs = build_requests(
             rid, ids, params, adapter_set,
-            cache_namespace(self.base_version, adapter_set, cache_salt), base_seed,
+            cache_namespace(self.base_version, adapter_set, cache_salt,
+                            self.scheduler.config.lora_dtype), base_seed,
             self.eos_ids, share_prompt=self.scheduler.tree is not None,
         )
         for req in reqs:

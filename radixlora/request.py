@@ -39,10 +39,16 @@ class AdapterSet:
         return "+".join(a.name if w == 1.0 else f"{a.name}*{w:g}" for a, w in self.entries)
 
 
-def cache_namespace(base_version: str, adapter_set: AdapterSet, cache_salt: str | None) -> tuple:
+def cache_namespace(base_version: str, adapter_set: AdapterSet, cache_salt: str | None,
+                    lora_dtype: str = "auto") -> tuple:  # fmt: skip
     """Radix-tree namespace: every component tagged by its kind, so no salt or name can
-    impersonate another component; compared in full by the tree, never only by hash."""
-    return (("base", base_version), ("adapters", adapter_set.key), ("salt", cache_salt or ""))
+    impersonate another component; compared in full by the tree, never only by hash. An
+    adapter set served from an int8 pool (lora_dtype) computes other KV than from the
+    model-dtype pool, so its namespace says so; the base model's does not depend on it."""
+    namespace = (("base", base_version), ("adapters", adapter_set.key), ("salt", cache_salt or ""))
+    if adapter_set.entries and lora_dtype != "auto":
+        namespace += (("adapter_pool", lora_dtype),)
+    return namespace
 
 
 def uses_adapter(namespace: tuple, adapter_id: str) -> bool:
