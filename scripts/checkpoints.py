@@ -216,3 +216,19 @@ def build_peft_adapter(base_path: Path, path: Path, seed: int, **lora_kwargs) ->
     model.save_pretrained(path)
     assert json.loads((path / "adapter_config.json").read_text()).get("r") is not None
     return path
+
+
+def build_nf4_model(path: Path, arch: str, double_quant: bool = True, seed: int = 0) -> Path:
+    """build_hf_model(arch) loaded by transformers with a bitsandbytes NF4 config (blocksize
+    64, bitsandbytes' own) on the CPU and saved 4-bit: packed weights, absmaxes and quant
+    states as transformers writes them."""
+    import transformers
+
+    dense = build_hf_model(Path(path).with_name(Path(path).name + "-dense"), arch, seed=seed)
+    config = transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quant,
+        bnb_4bit_compute_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        dense, quantization_config=config, dtype=torch.float32, device_map="cpu")
+    model.save_pretrained(path)
+    return Path(path)

@@ -17,8 +17,20 @@ from radixlora.distributed import Shard, TensorParallel
 from radixlora.errors import ModelLoadError
 from radixlora.model.llama import LlamaForCausalLM
 from radixlora.model.parallel import shard_model
+from radixlora.model.quant import (
+    NF4Linear,
+    attach_scratch,
+    nf4_from_bnb,
+    nf4_modules,
+    quantize_projections,
+)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)$")
+_BNB_PART = re.compile(
+    r"^(model\.layers\.\d+\.(?:self_attn|mlp)\.\w+_proj\.weight)"
+    r"(?:\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.bitsandbytes__nf4))?$"
+)
+AT_LOAD_BLOCKSIZE = 64  # --quantization nf4: bitsandbytes' default blocksize
 _FUSED = {
     "q": ("qkv_proj", 0),
     "k": ("qkv_proj", 1),
@@ -56,9 +68,12 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
                load_format: str = "safetensors",
                tp: TensorParallel | None = None) -> LlamaForCausalLM:  # fmt: skip
     """The model of the checkpoint at `path` (shape `cfg`); with `tp`, this rank's shard of it:
-    each tensor is sliced as it is read, so no rank holds the whole model."""
+    each tensor is sliced as it is read, so no rank holds the whole model. cfg.quantization
+    "nf4": a bitsandbytes NF4 checkpoint's projections stay NF4; a dense one's are quantized
+    after loading (bitsandbytes' default blocksize, no double quantization)."""
     path = Path(path)
     shard = tp.shard if tp is not None else None
+    blocksize = _nf4_blocksize(path, cfg, load_format, tp)
     if shard is not None:
         cfg = shard.local
     with torch.device("meta"):
@@ -66,28 +81,96 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
         if tp is not None:
             model = shard_model(model, tp)
         model = model.to(dtype)
+        if blocksize is not None:
+            model = nf4_modules(model, blocksize)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary.reset_parameters()
     if load_format == "dummy":
-        return _randomize(model).eval()
-    if load_format != "safetensors":
+        model = _randomize(model)
+    elif load_format == "safetensors":
+        _load_weights(model, cfg, path, shard)
+    else:
         raise ModelLoadError(f"unknown load_format {load_format!r}: safetensors or dummy")
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: dict[str, int] = {}  # parameter -> rows loaded (fused weights load in slices)
+    if cfg.quantization == "nf4" and blocksize is None:
+        model = quantize_projections(model, AT_LOAD_BLOCKSIZE)
+    attach_scratch(model, dtype, device)
+    return model.eval()
+
+
+def _nf4_blocksize(path: Path, cfg: ModelConfig, load_format: str,
+                   tp: TensorParallel | None) -> int | None:  # fmt: skip
+    """The blocksize of a bitsandbytes NF4 checkpoint's weights (None: a dense checkpoint)."""
+    if cfg.quantization is None:
+        return None
+    if cfg.quantization != "nf4":
+        raise ModelLoadError(f"{cfg.quantization} bases are not supported yet")
+    if tp is not None:
+        raise ModelLoadError("NF4 bases under tensor parallel are not supported yet")
+    if load_format != "safetensors":
+        return None
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name.endswith(".quant_state.bitsandbytes__nf4"):
+                    return nf4_from_bnb(_bnb_parts(f, name.removesuffix(
+                        ".quant_state.bitsandbytes__nf4"))).blocksize
+    return None
+
+
+def _bnb_parts(f, weight: str) -> dict[str, torch.Tensor]:
+    """The bitsandbytes tensors of one weight, by part name ("weight", "absmax", ...)."""
+    parts = {}
+    for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+        m = _BNB_PART.match(name)
+        if m is not None and m.group(1) == weight:
+            parts[m.group(2) or "weight"] = f.get_tensor(name)
+    return parts
+
+
+def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, path: Path,
+                  shard: Shard | None) -> None:  # fmt: skip
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: dict[str, int] = {}  # parameter -> rows loaded (fused weights load in slices)
+    nf4_parts: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint weight -> its parts
+    quantized = any(isinstance(m, NF4Linear) for m in model.modules())
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                part = _BNB_PART.match(name) if quantized else None
+                if part is not None:
+                    nf4_parts.setdefault(part.group(1), {})[part.group(2) or "weight"] = (
+                        f.get_tensor(name))
+                    continue
                 # a rank reads only its slice of each tensor from the file
                 tensor = f.get_tensor(name) if shard is None else f.get_slice(name)
                 _load_tensor(cfg, params, loaded, name, tensor, shard)
+    _load_nf4(model, cfg, nf4_parts, loaded)
     missing = {n for n, p in params.items() if loaded.get(n, 0) != p.shape[0]}
+    missing |= {n for n, m in model.named_modules()
+                if isinstance(m, NF4Linear) and loaded.get(n, 0) != m.out_features}
     if cfg.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         raise ModelLoadError(f"checkpoint {path} lacks tensors: {sorted(missing)[:5]}")
-    return model.eval()
+
+
+def _load_nf4(model, cfg: ModelConfig, nf4_parts: dict, loaded: dict[str, int]) -> None:
+    """Each bitsandbytes weight into its rows of the NF4Linear that holds it."""
+    modules = dict(model.named_modules())
+    for name, parts in nf4_parts.items():
+        target, rows = _target(cfg, name)
+        module_name = target.removesuffix(".weight")
+        module = modules.get(module_name)
+        if not isinstance(module, NF4Linear):
+            raise ModelLoadError(f"unexpected 4-bit tensor {name} in checkpoint")
+        rows = rows or (0, module.out_features)
+        try:
+            module.load_rows(rows, nf4_from_bnb(parts))
+        except (KeyError, ValueError) as e:
+            raise ModelLoadError(f"{name}: not a bitsandbytes NF4 weight: {e}") from e
+        loaded[module_name] = loaded.get(module_name, 0) + rows[1] - rows[0]
 
 
 def _load_tensor(cfg, params, loaded, name, tensor, shard: Shard | None = None) -> None:
