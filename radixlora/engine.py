@@ -73,7 +73,7 @@ class Engine:
     ):
         self.config = dataclasses.replace(config or EngineConfig(), **overrides)
         self.model_path = Path(model)
-        self.model_cfg = ModelConfig.from_dir(self.model_path)
+        self.model_cfg = ModelConfig.from_dir(self.model_path).served(self.config)
         self.base_version = base_version(self.model_path, self.config.load_format)
         self.tokenizer = Tokenizer.from_dir(self.model_path)
         self.runner = ModelRunner(self.model_path, self.model_cfg, self.config)
