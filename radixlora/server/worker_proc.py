@@ -36,7 +36,7 @@ PREFETCH_S = 10.0  # start-up adapters read into the host tier before Ready, at 
 def make_executor(args: ServerArgs, rank: int = 0) -> StepExecutor:
     """The executor of tensor-parallel rank `rank` (the only one without tensor parallel)."""
     config = args.engine_config()
-    model_cfg = ModelConfig.from_dir(args.model)
+    model_cfg = ModelConfig.from_dir(args.model).served(config)
     tp, device = join_group(args, model_cfg, rank)
     runner = ModelRunner(Path(args.model), model_cfg, config, tp, device)
 
