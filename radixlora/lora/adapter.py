@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import math
 import os
 import re
@@ -22,8 +23,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from radixlora.config import ModelConfig
-from radixlora.errors import AdapterError
+from radixlora.config import ModelConfig, checkpoint_quantization
+from radixlora.errors import AdapterError, ModelLoadError
+
+log = logging.getLogger(__name__)
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MODULE_GROUPS: dict[str, tuple[str, ...]] = {
@@ -76,6 +79,11 @@ class LoraConfig(msgspec.Struct, kw_only=True):
     modules_to_save: list[str] | None = None
     fan_in_fan_out: bool | None = False
     trainable_token_indices: list[int] | dict[str, list[int]] | None = None
+    base_model_name_or_path: str | None = None
+    # radixlora's own key: the weight format of the base the adapter was trained on ("nf4" for
+    # QLoRA, "none" for a dense base); without it, the format its base_model_name_or_path's
+    # config.json declares when that is a local directory, else a dense base
+    base_quantization: Literal["nf4", "fp8", "none"] | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,10 @@ class LoraAdapter:
     group_ranks: dict[str, int]
     # (layer, module) -> (A [r, in] fp32, B [out, r] fp32 with alpha/r folded in)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    trained_on: str | None = None  # the base's weight format in training: "nf4", "fp8", None
+    # non-empty: trained on another weight format than the served base's, served anyway
+    # (ModelConfig.qlora_mismatch "serve"); says which
+    base_mismatch: str = ""
 
     @property
     def adapter_id(self) -> str:
@@ -117,7 +129,9 @@ def adapter_from_bytes(
     weights = _build_weights(name, config, tensors, model, max_rank)
     group_ranks = _group_ranks((module, a.shape[0]) for (_, module), (a, _) in weights.items())
     digest = digest or content_hash(config_bytes, tensor_bytes)
-    return LoraAdapter(name, str(path), digest, max(group_ranks.values()), group_ranks, weights)
+    trained_on, mismatch = check_base_format(name, config, model)
+    return LoraAdapter(name, str(path), digest, max(group_ranks.values()), group_ranks, weights,
+                       trained_on, mismatch)
 
 
 def content_hash(config_bytes: bytes, tensor_bytes: bytes) -> str:
@@ -140,7 +154,43 @@ def adapter_from_header(name: str, path: str | Path, model: ModelConfig, max_ran
                             functools.partial(_tensor_header, name))
     pairs = _checked_pairs(name, config, tensors, model, max_rank)
     group_ranks = _group_ranks((module, a.shape[0]) for (_, module, _), (a, _), _ in pairs)
-    return LoraAdapter(name, str(path), digest, max(group_ranks.values()), group_ranks, {})
+    trained_on, mismatch = check_base_format(name, config, model)
+    return LoraAdapter(name, str(path), digest, max(group_ranks.values()), group_ranks, {},
+                       trained_on, mismatch)
+
+
+def check_base_format(name: str, config: LoraConfig, model: ModelConfig) -> tuple[str | None, str]:
+    """(the base weight format the adapter was trained on, the mismatch with the served base's
+    or ""). A QLoRA adapter's deltas were fitted to the NF4-rounded weights, not the dense ones
+    (and the other way round): under model.qlora_mismatch "refuse" a mismatch is an
+    AdapterError, under "serve" it is logged and kept on the adapter to be reported."""
+    trained_on = trained_base_format(config)
+    if trained_on == model.quantization:
+        return trained_on, ""
+    mismatch = (f"trained on a {trained_on or 'dense'} base, served on a "
+                f"{model.quantization or 'dense'} base")
+    if model.qlora_mismatch != "serve":
+        raise AdapterError(name, f"{mismatch}; its outputs would drift (serve it on a matching "
+                           "base, or start with --qlora-mismatch serve)",
+                           code="quantization_mismatch")
+    log.warning("adapter %r is %s (--qlora-mismatch serve)", name, mismatch)
+    return trained_on, mismatch
+
+
+def trained_base_format(config: LoraConfig) -> str | None:
+    """The weight format of the base an adapter was trained on: its base_quantization, else
+    what its base_model_name_or_path's config.json declares (a local directory), else dense."""
+    if config.base_quantization is not None:
+        return None if config.base_quantization == "none" else config.base_quantization
+    base = config.base_model_name_or_path
+    if not base or not os.path.isfile(os.path.join(base, "config.json")):
+        return None
+    try:
+        with open(os.path.join(base, "config.json"), "rb") as f:
+            qc = msgspec.json.decode(f.read(MAX_CONFIG_BYTES)).get("quantization_config")
+        return checkpoint_quantization(qc)
+    except (OSError, msgspec.DecodeError, AttributeError, ModelLoadError):
+        return None
 
 
 def _group_ranks(module_ranks) -> dict[str, int]:

@@ -1,0 +1,94 @@
+"""QLoRA adapters (seed incident 4): an adapter trained by PEFT on a bitsandbytes NF4 base is
+served on the NF4 base with PEFT + bitsandbytes' outputs; on the dense base its outputs drift,
+so that mismatch is refused by default and, under --qlora-mismatch serve, served and reported."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from radixlora import Engine, SamplingParams
+from radixlora.errors import AdapterError
+from scripts.checkpoints import TARGETS, build_nf4_model
+from tests.test_quant_nf4 import TOL, greedy_against, transformers_bnb
+
+PROMPT = [5, 9, 17, 33, 65, 129, 7]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+
+
+def train_qlora(model, steps: int = 8, seed: int = 0):
+    """A LoRA on every projection of a bitsandbytes NF4 model, trained a few Adam steps on one
+    random sequence (PEFT's zero-initialised B must move for the adapter to matter)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=list(TARGETS)))
+    ids = torch.randint(2, 256, (1, 24), generator=torch.Generator().manual_seed(seed))
+    opt = torch.optim.Adam([p for p in peft.parameters() if p.requires_grad], lr=2e-2)
+    peft.train()
+    for _ in range(steps):
+        opt.zero_grad()
+        peft(ids, labels=ids).loss.backward()
+        opt.step()
+    return peft.eval()
+
+
+@pytest.fixture(scope="module")
+def qlora(tmp_path_factory):
+    """(NF4 base, its dense original, the QLoRA adapter, PEFT + bitsandbytes with it)."""
+    root = tmp_path_factory.mktemp("qlora")
+    nf4 = build_nf4_model(root / "nf4", "llama")
+    peft = train_qlora(transformers_bnb(nf4))
+    peft.save_pretrained(root / "adapter")
+    return nf4, root / "nf4-dense", root / "adapter", peft
+
+
+def test_qlora_adapter_on_the_nf4_base_matches_peft_bitsandbytes(qlora):
+    nf4, _, adapter, peft = qlora
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(nf4)  # how the NF4 training is detected
+    engine = Engine(nf4, adapters={"q": adapter}, kv_pages=128)
+    assert engine.adapters["q"].trained_on == "nf4"
+    assert engine.adapters["q"].base_mismatch == ""
+    assert greedy_against(AdapterSpec(engine, "q"), peft, PROMPT) <= TOL
+
+
+def test_qlora_adapter_on_the_dense_base_is_refused_by_default(qlora):
+    _, dense, adapter, _ = qlora
+    with pytest.raises(AdapterError, match="trained on a nf4 base, served on a dense base") as e:
+        Engine(dense, adapters={"q": adapter}, kv_pages=128)
+    assert e.value.code == "quantization_mismatch"
+
+
+def test_qlora_adapter_served_on_the_dense_base_drifts_and_says_so(qlora):
+    nf4, dense, adapter, _ = qlora
+    matched = Engine(nf4, adapters={"q": adapter}, kv_pages=128)
+    served = Engine(dense, adapters={"q": adapter}, kv_pages=128, qlora_mismatch="serve")
+    assert served.adapters["q"].base_mismatch == "trained on a nf4 base, served on a dense base"
+    right = matched.generate(PROMPT, GREEDY, adapters="q")[0].outputs[0]
+    drifted = served.generate(PROMPT, GREEDY, adapters="q")[0].outputs[0]
+    assert drifted.token_ids != right.token_ids
+
+
+def test_explicit_base_quantization_key_marks_a_qlora_adapter(qlora, tmp_path):
+    nf4, dense, adapter, _ = qlora
+    marked = shutil.copytree(adapter, tmp_path / "marked")
+    config = json.loads((marked / "adapter_config.json").read_text())
+    config.update(base_model_name_or_path="some-org/some-hub-model", base_quantization="nf4")
+    (marked / "adapter_config.json").write_text(json.dumps(config))
+    assert Engine(nf4, adapters={"q": marked}, kv_pages=128).adapters["q"].trained_on == "nf4"
+    with pytest.raises(AdapterError, match="quantization_mismatch|trained on a nf4 base"):
+        Engine(dense, adapters={"q": marked}, kv_pages=128)
+
+
+class AdapterSpec:
+    """An Engine whose generate always uses one adapter (for greedy_against)."""
+
+    def __init__(self, engine: Engine, adapter: str):
+        self.engine, self.adapter = engine, adapter
+
+    def generate(self, prompt, params):
+        return self.engine.generate(prompt, params, adapters=self.adapter)
