@@ -241,6 +241,7 @@ class LoraBackend(ABC):
         b_pool: torch.Tensor,
         out_offsets: Sequence[int],
         meta: LoraBatchMeta,
+        qscales: torch.Tensor | None = None,
     ) -> None:
         """Semantics (mutates y only):
             for s in range(S):
@@ -249,23 +250,33 @@ class LoraBackend(ABC):
                 rows, sc = row_ids[r0:r1], row_scales[r0:r1]
                 for i in range(n_slices):
                     cols = slice(out_offsets[i], out_offsets[i + 1])
+                    if qscales is not None:  # an int8 pool
+                        sc = sc * qscales[i, rows]
                     v = (x[t0:t1].float() @ a_pool[i, rows].float().T) * sc
                     y[t0:t1, cols] += v @ b_pool[rows, cols].float()
 
         Args:
             x: [T, in_dim]; y: [T, out_total], updated in place.
-            a_pool: [n_slices, num_rows, in_dim]; b_pool: [num_rows, out_total] (scaling folded).
+            a_pool: [n_slices, num_rows, in_dim]; b_pool: [num_rows, out_total] (scaling folded),
+                both in x's dtype or both int8.
             out_offsets: n_slices + 1 python ints, the column range of each slice in y/b_pool.
             meta: the batch's segments and rows (num_tokens == T).
+            qscales: [n_slices, num_rows] float32, given exactly for int8 pools: the
+                dequantization scale of each (slice, row), A's row scale times B's
+                (AdapterPool.pack).
         """
         _check_tokens(meta, x, y)
-        v = self.shrink(x, a_pool, meta)
+        v = self.shrink(x, a_pool, meta, qscales)
         if v is not None:
             self.expand(v, b_pool, out_offsets, meta, y)
 
     @abstractmethod
     def shrink(
-        self, x: torch.Tensor, a_pool: torch.Tensor, meta: LoraBatchMeta
+        self,
+        x: torch.Tensor,
+        a_pool: torch.Tensor,
+        meta: LoraBatchMeta,
+        qscales: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """The first phase of `apply`: the scaled rank-space activations, in the layout this
         backend's expand reads (None: the batch has no rows, nothing to add)."""
@@ -291,12 +302,13 @@ class LoraBackend(ABC):
         out_offsets: Sequence[int],
         meta: LoraBatchMeta,
         delta: torch.Tensor,
+        qscales: torch.Tensor | None = None,
     ) -> None:
         """delta [T, out_total] float32 := the deltas `apply` would add to y. delta comes zeroed
         from a workspace; rows of tokens with no adapter must stay zero, so a delta buffer can
         serve every layer."""
         delta.zero_()
-        self.apply(x, delta, a_pool, b_pool, out_offsets, meta)
+        self.apply(x, delta, a_pool, b_pool, out_offsets, meta, qscales)
 
 
 class TorchLoraBackend(LoraBackend):
@@ -305,12 +317,16 @@ class TorchLoraBackend(LoraBackend):
 
     name = "torch"
 
-    def shrink(self, x, a_pool, meta) -> torch.Tensor | None:
+    def shrink(self, x, a_pool, meta, qscales=None) -> torch.Tensor | None:
         _check_tokens(meta, x)
         if meta.num_rows == 0:
             return None
-        v = x.float() @ a_pool[:, meta.row_ids.long()].float().transpose(1, 2)
-        return v * token_row_weights(meta)  # [n_slices, T, N]
+        rows = meta.row_ids.long()
+        v = x.float() @ a_pool[:, rows].float().transpose(1, 2)
+        weights = token_row_weights(meta)  # [T, N]
+        if qscales is not None:
+            weights = weights * qscales[:, None, rows]  # [n_slices, T, N]
+        return v * weights  # [n_slices, T, N]
 
     def expand(self, v, b_pool, out_offsets, meta, y, accumulate=True) -> None:
         _check_tokens(meta, y)
@@ -348,18 +364,18 @@ class TritonLoraBackend(LoraBackend):
         self._grouped = sgmv_grouped
         self.tuning, self.side_tuning = tuning, side_tuning
 
-    def shrink(self, x, a_pool, meta) -> torch.Tensor | None:
+    def shrink(self, x, a_pool, meta, qscales=None) -> torch.Tensor | None:
         _check_tokens(meta, x)
         if (g := meta.groups) is not None:
             return self._grouped.grouped_shrink(
                 x, a_pool, *_group_index(g), g.row_scales, meta.max_rows,
-                tuning=self._tuning(meta),
+                tuning=self._tuning(meta), qscales=qscales,
             )  # fmt: skip
         if meta.num_rows == 0:
             return None
         return self._shrink(
             x, a_pool, meta.seg_indptr, meta.row_indptr, meta.row_ids, meta.row_scales,
-            meta.max_rows, max_seg_len=meta.max_seg_len, split_k=self.split_k,
+            meta.max_rows, max_seg_len=meta.max_seg_len, split_k=self.split_k, qscales=qscales,
         )  # fmt: skip
 
     def expand(self, v, b_pool, out_offsets, meta, y, accumulate=True) -> None:
@@ -376,18 +392,18 @@ class TritonLoraBackend(LoraBackend):
         self._expand(v, b_pool, out_offsets, *index, y, max_seg_len=meta.max_seg_len,
                      accumulate=accumulate)  # fmt: skip
 
-    def deferred_delta(self, x, a_pool, b_pool, out_offsets, meta, delta) -> None:
+    def deferred_delta(self, x, a_pool, b_pool, out_offsets, meta, delta, qscales=None) -> None:
         """Grouped: the expand overwrites the rows of the groups' tokens only, so no launch
         zeroes anything."""
         g = meta.groups
         if g is None:
-            super().deferred_delta(x, a_pool, b_pool, out_offsets, meta, delta)
+            super().deferred_delta(x, a_pool, b_pool, out_offsets, meta, delta, qscales)
             return
         _check_tokens(meta, x, delta)
         tuning = self.side_tuning or self._grouped.tuning_for_rows(meta.max_rows, beside_gemm=True)
         index = _group_index(g)
         v = self._grouped.grouped_shrink(x, a_pool, *index, g.row_scales, meta.max_rows,
-                                         tuning=tuning)  # fmt: skip
+                                         tuning=tuning, qscales=qscales)  # fmt: skip
         self._grouped.grouped_expand(v, b_pool, out_offsets, *index, delta, tuning=tuning,
                                      accumulate=False)  # fmt: skip
 

@@ -12,6 +12,7 @@ from .sgmv_shrink import check_batch_meta, fp32_dot, pow2_block
 from .triton_compat import tl, triton
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_B_DTYPES = (*_FLOAT_DTYPES, torch.int8)
 MAX_SLICES = 3
 
 
@@ -64,6 +65,7 @@ def _sgmv_expand_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    INT8_B: tl.constexpr,
     ACCUMULATE: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -99,6 +101,8 @@ def _sgmv_expand_kernel(
         b = tl.load(b_ptrs, mask=j_mask[:, None] & n_mask[None, :], other=0.0)
         if FP32_DOT:
             acc += tl.dot(v, b.to(tl.float32), input_precision="ieee")
+        elif INT8_B:  # int8 values are exact in bfloat16; v carries B's row scales
+            acc += tl.dot(v.to(tl.bfloat16), b.to(tl.bfloat16))
         else:
             acc += tl.dot(v.to(b.dtype), b)
 
@@ -129,8 +133,9 @@ def check_expand_args(v: torch.Tensor, b_pool: torch.Tensor, y: torch.Tensor) ->
         )
     if v.dtype != torch.float32:
         raise ValueError(f"v must be float32 (the sgmv_shrink output), got {v.dtype}")
-    if b_pool.dtype not in _FLOAT_DTYPES or y.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"b_pool and y must be float tensors, got {b_pool.dtype}, {y.dtype}")
+    if b_pool.dtype not in _B_DTYPES or y.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"b_pool must be float or int8 and y float, got {b_pool.dtype}, "
+                         f"{y.dtype}")
     if y.shape[0] != v.shape[1] or y.shape[1] != b_pool.shape[1]:
         raise ValueError(
             f"y {tuple(y.shape)} must be [T={v.shape[1]}, out_total={b_pool.shape[1]}]"
@@ -169,11 +174,12 @@ def sgmv_expand(
     to y's dtype. One launch for every segment and slice; slices may have different widths
     (q/k/v under GQA); when accumulating, segments with no rows leave y untouched (overwriting,
     they get zeros). With a 16-bit b_pool, v is rounded to b_pool's dtype before the product
-    (tensor cores), as in Punica.
+    (tensor cores), as in Punica; with an int8 b_pool (its row scales already in v: the
+    shrink's qscales) on CUDA, v is rounded to bfloat16 and B read as bfloat16 (exact).
 
     Args:
         v: [n_slices, T, max_rows] float32, from `sgmv_shrink` (scales already applied).
-        b_pool: [num_rows, out_total], float16/bfloat16/float32 (any strides).
+        b_pool: [num_rows, out_total], float16/bfloat16/float32/int8 (any strides).
         out_offsets: n_slices + 1 python ints, 0 = out_offsets[0] <= ... <= out_total;
             slice i is b_pool[:, out_offsets[i]:out_offsets[i + 1]]. 1 <= n_slices <= 3.
         seg_indptr: [S + 1] int32, token offsets of the segments (seg_indptr[S] <= T).
@@ -209,6 +215,6 @@ def sgmv_expand(
         b_pool.stride(0), b_pool.stride(1),
         y.stride(0), y.stride(1),
         BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_N=block_n,
-        FP32_DOT=fp32_dot(b_pool.dtype, b_pool.device), ACCUMULATE=accumulate,
-        num_warps=num_warps,
+        FP32_DOT=fp32_dot(b_pool.dtype, b_pool.device), INT8_B=b_pool.dtype == torch.int8,
+        ACCUMULATE=accumulate, num_warps=num_warps,
     )  # fmt: skip

@@ -28,7 +28,15 @@ from itertools import pairwise
 import torch
 
 from .sgmv_expand import MAX_SLICES, check_expand_args, check_offsets
-from .sgmv_shrink import check_index_tensors, check_shrink_args, fp32_dot, pow2_block, sm_count
+from .sgmv_shrink import (
+    check_index_tensors,
+    check_shrink_args,
+    dequantized_rows,
+    fp32_dot,
+    pow2_block,
+    qscale_strides,
+    sm_count,
+)
 from .triton_compat import gdc_launch_dependents, gdc_wait, tl, triton
 
 _CPU_PROGRAMS = 3  # the interpreter runs programs one by one: a few exercise the striding
@@ -92,6 +100,7 @@ def grouped_shrink_ref(
     row_ids: torch.Tensor,
     row_scales: torch.Tensor,
     max_rows: int,
+    qscales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference of `grouped_shrink` (a loop over groups; zero where unspecified)."""
     v = torch.zeros(a_pool.shape[0], x.shape[0], max_rows, dtype=torch.float32, device=x.device)
@@ -99,7 +108,7 @@ def grouped_shrink_ref(
     for g in range(int(num_groups.item())):
         tokens = token_ids[tok_at[g] : tok_at[g + 1]].long()
         r0, r1 = rows_at[g], rows_at[g + 1]
-        a_rows = a_pool[:, row_ids[r0:r1].long()].float()
+        a_rows = dequantized_rows(a_pool, row_ids[r0:r1].long(), qscales)
         delta = (x[tokens].float() @ a_rows.transpose(1, 2)) * row_scales[r0:r1]
         v[:, tokens, : r1 - r0] = delta
     return v
@@ -144,6 +153,7 @@ def _grouped_shrink_kernel(
     row_indptr_ptr,
     row_ids_ptr,
     row_scales_ptr,
+    qscales_ptr,
     in_dim,
     max_rows,
     n_slices,
@@ -157,6 +167,8 @@ def _grouped_shrink_kernel(
     stride_as,
     stride_ar,
     stride_ak,
+    stride_qs,
+    stride_qr,
     stride_vp,
     stride_vs,
     stride_vt,
@@ -166,6 +178,7 @@ def _grouped_shrink_kernel(
     SLICE_TILE: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    DEQUANT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     _launch_next_kernel(PDL)
@@ -188,6 +201,9 @@ def _grouped_shrink_kernel(
         j_mask = (offs_j < num_rows) & (in_item < slices_per_item) & (slice_ids < n_slices)
         rows = tl.load(row_ids_ptr + r0 + offs_j, mask=j_mask, other=0).to(tl.int64)
         scales = tl.load(row_scales_ptr + r0 + offs_j, mask=j_mask, other=0.0)
+        if DEQUANT:
+            qs_ptrs = qscales_ptr + slice_ids.to(tl.int64) * stride_qs + rows * stride_qr
+            scales *= tl.load(qs_ptrs, mask=j_mask, other=0.0)
         k_lo = split * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, in_dim)
         offs_k = tl.arange(0, BLOCK_K)
@@ -214,7 +230,7 @@ def _grouped_shrink_kernel(
                     if FP32_DOT:
                         acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
                     else:
-                        acc += tl.dot(x, a)
+                        acc += tl.dot(x, a.to(x.dtype))  # a no-op cast unless the pool is int8
                 v_ptrs = (
                     v_ptr
                     + split * stride_vp
@@ -258,6 +274,7 @@ def _grouped_expand_kernel(
     ONE_ROW_TILE: tl.constexpr,
     PARTS_PER_STEP: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    INT8_B: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,
@@ -293,7 +310,7 @@ def _grouped_expand_kernel(
                     offs_n = n + tl.arange(0, BLOCK_N)
                     n_mask = offs_n < n_hi
                     b = _load_b_tile(b_ptr, rows, j_mask, offs_n, n_mask, stride_br, stride_bn)
-                    acc = _dot_vb(v, b, FP32_DOT)
+                    acc = _dot_vb(v, b, FP32_DOT, INT8_B)
                     _write_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn,
                              ACCUMULATE)  # fmt: skip
         else:
@@ -314,7 +331,7 @@ def _grouped_expand_kernel(
                                     PARTS_PER_STEP)  # fmt: skip
                         b = _load_b_tile(b_ptr, rows.to(tl.int64), j_mask, offs_n, n_mask,
                                          stride_br, stride_bn)  # fmt: skip
-                        acc += _dot_vb(v, b, FP32_DOT)
+                        acc += _dot_vb(v, b, FP32_DOT, INT8_B)
                     _write_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn,
                              ACCUMULATE)  # fmt: skip
     _wait_for_previous_kernel(PDL)  # a program with no work item must wait too
@@ -363,9 +380,11 @@ def _load_b_tile(b_ptr, rows, j_mask, offs_n, n_mask, stride_br, stride_bn):
 
 
 @triton.jit
-def _dot_vb(v, b, FP32_DOT: tl.constexpr):
+def _dot_vb(v, b, FP32_DOT: tl.constexpr, INT8_B: tl.constexpr):
     if FP32_DOT:
         out = tl.dot(v, b.to(tl.float32), input_precision="ieee")
+    elif INT8_B:  # int8 values are exact in bfloat16; v carries B's row scales
+        out = tl.dot(v.to(tl.bfloat16), b.to(tl.bfloat16))
     else:
         out = tl.dot(v.to(b.dtype), b)
     return out
@@ -449,6 +468,7 @@ def grouped_shrink(
     max_rows: int,
     *,
     tuning: GroupedTuning = DEFAULT_TUNING,
+    qscales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Semantics:
         # ks_list: P column ranges that tile in_dim (chunks of k_chunk, see below)
@@ -458,9 +478,11 @@ def grouped_shrink(
             r0, r1 = row_indptr[g], row_indptr[g + 1]
             rows, sc = row_ids[r0:r1], row_scales[r0:r1]
             for i in range(n_slices):
+                a_rows = a_pool[i, rows].float()
+                if qscales is not None:  # an int8 pool
+                    a_rows *= qscales[i, rows, None]
                 for p, ks in enumerate(ks_list):
-                    v[p, i, tokens, :r1 - r0] = (
-                        x[tokens, ks].float() @ a_pool[i, rows][:, ks].float().T) * sc
+                    v[p, i, tokens, :r1 - r0] = (x[tokens, ks].float() @ a_rows[:, ks].T) * sc
         # v.sum(0)[i, tokens, :r1 - r0] is the group's x @ A.T * sc
 
     Only those entries are defined; every other entry of v is unspecified (grouped_expand never
@@ -471,18 +493,20 @@ def grouped_shrink(
 
     Args:
         x: [T, in_dim], float16/bfloat16/float32.
-        a_pool: [n_slices, num_rows, in_dim], same dtype as x (any strides).
+        a_pool: [n_slices, num_rows, in_dim], same dtype as x, or int8 (any strides).
         num_groups: [1] int32 on the device, groups in use (<= max_groups).
         group_indptr: [max_groups + 1] int32, offsets into token_ids.
         token_ids: [M] int32, tokens of each group (M <= T, no token twice).
         row_indptr: [max_groups + 1] int32, offsets into row_ids.
         row_ids: [N] int32, pool rows of each group; row_scales: [N] float32, their weights.
         max_rows: int, >= r1 - r0 for every group; the width of v.
+        qscales: [n_slices, num_rows] float32, given exactly for an int8 a_pool (as for
+            sgmv_shrink).
 
     Returns:
         v: [P, n_slices, T, max_rows] float32, the partial sums of the P in_dim splits.
     """
-    check_shrink_args(x, a_pool, max_rows, None)
+    check_shrink_args(x, a_pool, max_rows, None, qscales)
     check_groups(num_groups, group_indptr, token_ids, row_indptr, row_ids, x.device, row_scales)
     n_slices, num_tokens, in_dim = a_pool.shape[0], x.shape[0], x.shape[1]
     max_groups = group_indptr.numel() - 1
@@ -504,13 +528,16 @@ def grouped_shrink(
     programs = _num_programs(max_groups * items_per_group, x.device, tuning)
     _grouped_shrink_kernel[(programs,)](
         x, a_pool, v, num_groups, group_indptr, token_ids, row_indptr, row_ids, row_scales,
+        row_scales if qscales is None else qscales,
         in_dim, max_rows, n_slices, slices_per_item, k_per_split, items_per_group,
         num_row_tiles, split_k,
         x.stride(0), x.stride(1),
         a_pool.stride(0), a_pool.stride(1), a_pool.stride(2),
+        *qscale_strides(qscales),
         v.stride(0), v.stride(1), v.stride(2), v.stride(3),
         BLOCK_M=tuning.block_m, BLOCK_R=block_r, SLICE_TILE=slice_tile, BLOCK_K=block_k,
-        FP32_DOT=fp32_dot(x.dtype, x.device), PDL=_use_pdl(x.device, tuning),
+        FP32_DOT=fp32_dot(x.dtype, x.device), DEQUANT=qscales is not None,
+        PDL=_use_pdl(x.device, tuning),
         num_warps=tuning.shrink_warps, num_stages=tuning.shrink_stages,
         **_launch_options(x.device, tuning),
     )  # fmt: skip
@@ -544,12 +571,12 @@ def grouped_expand(
     Accumulates into y in place, or overwrites (accumulate=False), with fp32 accumulation and
     one rounding to y's dtype; tokens of no group and groups with no rows leave y untouched.
     With a 16-bit b_pool, v is rounded to b_pool's dtype before the product (tensor cores), as
-    in sgmv_expand.
+    in sgmv_expand, which also says how an int8 b_pool is read.
 
     Args:
         v: [n_slices, T, max_rows] float32, or [P, n_slices, T, max_rows]: `grouped_shrink`'s
             P partial sums, which are added in order (the Semantics' v is their sum).
-        b_pool: [num_rows, out_total], float16/bfloat16/float32 (any strides).
+        b_pool: [num_rows, out_total], float16/bfloat16/float32/int8 (any strides).
         out_offsets: n_slices + 1 python ints rising from 0 to out_total; 1 <= n_slices <= 3.
         num_groups, group_indptr, token_ids, row_indptr, row_ids: as for `grouped_shrink`.
         y: [T, out_total], float16/bfloat16/float32, updated in place.
@@ -585,7 +612,7 @@ def grouped_expand(
         y.stride(0), y.stride(1),
         BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_N=block_n, ONE_ROW_TILE=max_rows <= block_r,
         PARTS_PER_STEP=min(MAX_PARTS_PER_STEP, triton.next_power_of_2(parts.shape[0])),
-        FP32_DOT=fp32_dot(b_pool.dtype, b_pool.device), ACCUMULATE=accumulate,
-        NUM_STAGES=tuning.expand_stages, PDL=_use_pdl(v.device, tuning),
+        FP32_DOT=fp32_dot(b_pool.dtype, b_pool.device), INT8_B=b_pool.dtype == torch.int8,
+        ACCUMULATE=accumulate, NUM_STAGES=tuning.expand_stages, PDL=_use_pdl(v.device, tuning),
         num_warps=tuning.expand_warps, **_launch_options(v.device, tuning),
     )  # fmt: skip

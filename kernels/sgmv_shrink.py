@@ -21,6 +21,7 @@ def sgmv_shrink_ref(
     row_ids: torch.Tensor,
     row_scales: torch.Tensor,
     max_rows: int,
+    qscales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference of `sgmv_shrink` (a loop over segments; slow, exact)."""
     v = torch.zeros(a_pool.shape[0], x.shape[0], max_rows, dtype=torch.float32, device=x.device)
@@ -28,9 +29,17 @@ def sgmv_shrink_ref(
     for s in range(len(seg) - 1):
         t0, t1, r0, r1 = seg[s], seg[s + 1], rows_at[s], rows_at[s + 1]
         rows = row_ids[r0:r1].long()
-        a_rows = a_pool[:, rows].float()
+        a_rows = dequantized_rows(a_pool, rows, qscales)
         v[:, t0:t1, : r1 - r0] = (x[t0:t1].float() @ a_rows.transpose(1, 2)) * row_scales[r0:r1]
     return v
+
+
+def dequantized_rows(
+    a_pool: torch.Tensor, rows: torch.Tensor, qscales: torch.Tensor | None
+) -> torch.Tensor:
+    """a_pool[:, rows] in float32, times each (slice, row)'s dequantization scale if any."""
+    a_rows = a_pool[:, rows].float()
+    return a_rows if qscales is None else a_rows * qscales[:, rows, None]
 
 
 # sizes that change from step to step are not specialized on (divisible by 16, equal to 1), so an
@@ -44,6 +53,7 @@ def _sgmv_shrink_kernel(
     row_indptr_ptr,
     row_ids_ptr,
     row_scales_ptr,
+    qscales_ptr,
     num_tokens,
     in_dim,
     max_rows,
@@ -56,6 +66,8 @@ def _sgmv_shrink_kernel(
     stride_as,
     stride_ar,
     stride_ak,
+    stride_qs,
+    stride_qr,
     stride_vs,
     stride_vt,
     stride_vr,
@@ -63,6 +75,7 @@ def _sgmv_shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    DEQUANT: tl.constexpr,
 ):
     # the slices and splits of one token tile are neighbours in launch order, so the programs
     # reading the same x tile run together and all but the first find it in L2
@@ -99,11 +112,14 @@ def _sgmv_shrink_kernel(
         if FP32_DOT:
             acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(x, a)
+            acc += tl.dot(x, a.to(x.dtype))  # a no-op cast unless the pool is int8
         x_ptrs += BLOCK_K * stride_xk
         a_ptrs += BLOCK_K * stride_ak
 
     scales = tl.load(row_scales_ptr + r0 + offs_j, mask=j_mask, other=0.0)
+    if DEQUANT:
+        qs_ptrs = qscales_ptr + slice_id * stride_qs + rows * stride_qr
+        scales *= tl.load(qs_ptrs, mask=j_mask, other=0.0)
     acc = acc * scales[None, :]
     v_ptrs = (
         v_ptr
@@ -158,7 +174,11 @@ def check_index_tensors(
 
 
 def check_shrink_args(
-    x: torch.Tensor, a_pool: torch.Tensor, max_rows: int, split_k: int | None
+    x: torch.Tensor,
+    a_pool: torch.Tensor,
+    max_rows: int,
+    split_k: int | None,
+    qscales: torch.Tensor | None = None,
 ) -> None:
     if x.dim() != 2 or a_pool.dim() != 3:
         raise ValueError(
@@ -167,14 +187,31 @@ def check_shrink_args(
         )
     if a_pool.shape[2] != x.shape[1]:
         raise ValueError(f"a_pool in_dim {a_pool.shape[2]} != x in_dim {x.shape[1]}")
-    if x.dtype not in _FLOAT_DTYPES or a_pool.dtype != x.dtype:
-        raise ValueError(f"x and a_pool must share a float dtype, got {x.dtype}, {a_pool.dtype}")
+    if x.dtype not in _FLOAT_DTYPES or a_pool.dtype not in (x.dtype, torch.int8):
+        raise ValueError(
+            f"a_pool must be int8 or share x's float dtype, got {x.dtype}, {a_pool.dtype}"
+        )
     if a_pool.device != x.device:
         raise ValueError(f"a_pool is on {a_pool.device}, x on {x.device}")
+    check_qscales(a_pool, qscales)
     if max_rows < 0:
         raise ValueError(f"max_rows must be >= 0, got {max_rows}")
     if split_k is not None and split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
+
+
+def check_qscales(a_pool: torch.Tensor, qscales: torch.Tensor | None) -> None:
+    """An int8 a_pool comes with float32 qscales [n_slices, num_rows]; a float one without."""
+    if (a_pool.dtype == torch.int8) != (qscales is not None):
+        raise ValueError(f"qscales must be given exactly for an int8 a_pool, got {a_pool.dtype}")
+    if qscales is None:
+        return
+    shape = tuple(a_pool.shape[:2])
+    if tuple(qscales.shape) != shape or qscales.dtype != torch.float32:
+        raise ValueError(f"qscales must be float32 {shape}, got {qscales.dtype} "
+                         f"{tuple(qscales.shape)}")
+    if qscales.device != a_pool.device:
+        raise ValueError(f"qscales is on {qscales.device}, a_pool on {a_pool.device}")
 
 
 def pow2_block(n: int, lo: int, hi: int) -> int:
@@ -220,6 +257,7 @@ def sgmv_shrink(
     max_seg_len: int | None = None,
     split_k: int | None = None,
     out: torch.Tensor | None = None,
+    qscales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Semantics:
         v = zeros(n_slices, T, max_rows, dtype=float32)
@@ -228,7 +266,10 @@ def sgmv_shrink(
             r0, r1 = row_indptr[s], row_indptr[s + 1]
             rows, sc = row_ids[r0:r1], row_scales[r0:r1]
             for i in range(n_slices):
-                v[i, t0:t1, :r1 - r0] = (x[t0:t1].float() @ a_pool[i, rows].float().T) * sc
+                a_rows = a_pool[i, rows].float()
+                if qscales is not None:  # an int8 pool
+                    a_rows *= qscales[i, rows, None]
+                v[i, t0:t1, :r1 - r0] = (x[t0:t1].float() @ a_rows.T) * sc
 
     One launch for every segment, slice and adapter stack; a segment's rows may be any rows of
     the pool in any order (paged, no padding), and a segment with no rows is skipped.
@@ -238,7 +279,7 @@ def sgmv_shrink(
 
     Args:
         x: [T, in_dim], float16/bfloat16/float32.
-        a_pool: [n_slices, num_rows, in_dim], same dtype as x (any strides).
+        a_pool: [n_slices, num_rows, in_dim], same dtype as x, or int8 (any strides).
         seg_indptr: [S + 1] int32, token offsets of the segments (seg_indptr[S] <= T).
         row_indptr: [S + 1] int32, offsets into row_ids.
         row_ids: [N] int32, pool rows of each segment (a stack is its adapters' rows joined).
@@ -247,11 +288,13 @@ def sgmv_shrink(
         max_seg_len: int | None, >= t1 - t0 for every segment (None: T); sizes the grid only.
         split_k: int | None, in_dim splits (None: enough programs to fill the GPU; 1 on CPU).
         out: [n_slices, T, max_rows] float32 | None; overwritten when given.
+        qscales: [n_slices, num_rows] float32, given exactly for an int8 a_pool: the
+            dequantization scale of each (slice, row), applied to the fp32 accumulator.
 
     Returns:
         v: [n_slices, T, max_rows] float32, zero beyond each segment's rows and outside segments.
     """
-    check_shrink_args(x, a_pool, max_rows, split_k)
+    check_shrink_args(x, a_pool, max_rows, split_k, qscales)
     check_batch_meta(seg_indptr, row_indptr, row_ids, x.device, row_scales)
     n_slices, num_tokens, in_dim = a_pool.shape[0], x.shape[0], x.shape[1]
     v = _zeroed_output(out, (n_slices, num_tokens, max_rows), x.device)
@@ -271,14 +314,21 @@ def sgmv_shrink(
     grid = (tiles * split_k * n_slices, num_segments)
     _sgmv_shrink_kernel[grid](
         x, a_pool, v, seg_indptr, row_indptr, row_ids, row_scales,
+        row_scales if qscales is None else qscales,
         num_tokens, in_dim, max_rows, k_per_split, split_k, num_row_tiles, n_slices,
         x.stride(0), x.stride(1),
         a_pool.stride(0), a_pool.stride(1), a_pool.stride(2),
+        *qscale_strides(qscales),
         v.stride(0), v.stride(1), v.stride(2),
         BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k,
-        FP32_DOT=fp32_dot(x.dtype, x.device),
+        FP32_DOT=fp32_dot(x.dtype, x.device), DEQUANT=qscales is not None,
     )  # fmt: skip
     return v
+
+
+def qscale_strides(qscales: torch.Tensor | None) -> tuple[int, int]:
+    """(slice, row) strides of qscales; (0, 0) when there are none (the kernel reads none)."""
+    return (0, 0) if qscales is None else (qscales.stride(0), qscales.stride(1))
 
 
 def _zeroed_output(

@@ -36,7 +36,7 @@ from radixlora.kernels.sgmv_grouped import (  # noqa: E402
     grouped_shrink_ref,
 )
 from radixlora.kernels.sgmv_shrink import sgmv_shrink, sgmv_shrink_ref  # noqa: E402
-from radixlora.lora.pool import LoraContext  # noqa: E402
+from radixlora.lora.pool import LoraContext, quantize_rows  # noqa: E402
 
 RANKS = [4, 8, 16, 32, 64, 12, 4, 8, 16, 24]
 SLICE_WIDTHS = {1: [96], 2: [48, 32], 3: [40, 16, 24]}  # q/k/v unequal, as under GQA
@@ -523,17 +523,23 @@ def test_deferred_delta_equals_what_apply_adds(split):
     torch.testing.assert_close(torch_delta, delta, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["float_pool", "int8_pool"])
 @pytest.mark.parametrize("defer", [False, True], ids=["after_gemm", "deferred"])
-def test_lora_context_projects_linear_plus_deltas(defer):
+def test_lora_context_projects_linear_plus_deltas(defer, int8):
     """LoraContext over two layers gives linear(x) plus the LoRA deltas, added into y or
     returned as a delta for y's consumer, in the workspace `begin` zeroed. A group no request
-    uses costs no LoRA work."""
+    uses costs no LoRA work. An int8 pool's layers hand their qscales to the kernels."""
     pool, x, y0, segs = build_grouped_case("stacks_1_to_8", 3)
     meta = grouped_meta(segs)
     tuning = GroupedTuning(k_chunk=16, block_k=16)
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(pool.out_offsets[-1], x.shape[1], generator=gen)
-    layers = SimpleNamespace(a=[{"qkv": pool.a}] * 2, b=[{"qkv": pool.b}] * 2,
+    stored, qscales = pool, {}
+    if int8:
+        stored, scales, pool = int8_pool(pool)
+        qscales = {"qkv": scales}
+    layers = SimpleNamespace(a=[{"qkv": stored.a}] * 2, b=[{"qkv": stored.b}] * 2,
+                             qscales=[qscales] * 2,
                              out_offsets={"qkv": pool.out_offsets})  # fmt: skip
     ctx = LoraContext(layers, TritonLoraBackend(tuning=tuning, side_tuning=tuning),
                       {"qkv": meta, "o": None}, defer=defer)  # fmt: skip
@@ -556,7 +562,7 @@ def test_lora_context_prefill_batch_gives_linear_plus_deltas(backend, bias):
     linear(x) plus the deltas, and tokens with no adapter get linear(x) alone."""
     pool, x, _, segs = build_case("no_adapter_mix", 3)
     meta = LoraBatchMeta.from_segments(*segs, device="cpu", grouped=False)
-    layers = SimpleNamespace(a=[{"qkv": pool.a}], b=[{"qkv": pool.b}],
+    layers = SimpleNamespace(a=[{"qkv": pool.a}], b=[{"qkv": pool.b}], qscales=[{}],
                              out_offsets={"qkv": pool.out_offsets})  # fmt: skip
     lora = TritonLoraBackend(split_k=2) if backend == "triton" else TorchLoraBackend()
     overwrites = []
@@ -673,3 +679,76 @@ def test_grouped_launchers_reject_bad_metadata(case):
     with pytest.raises(ValueError):
         grouped_expand(torch.zeros(1, x.shape[0], meta.max_rows), pool.b, pool.out_offsets,
                        y=y0, **kw)  # fmt: skip
+
+
+def int8_pool(pool: Pool) -> tuple[Pool, torch.Tensor, Pool]:
+    """(the pool quantized as AdapterPool.pack quantizes: per (slice, row), A over in_dim and B
+    over the slice's columns; its qscales [n_slices, num_rows]; the float pool those int8 rows
+    and scales stand for: A times qscales, B as is)."""
+    qa, a_scales = quantize_rows(pool.a.float())
+    off = pool.out_offsets
+    b_parts = [quantize_rows(pool.b[:, lo:hi].float()) for lo, hi in zip(off[:-1], off[1:])]
+    qb = torch.cat([q for q, _ in b_parts], 1)
+    qscales = a_scales * torch.stack([s for _, s in b_parts])
+    quant = dataclasses.replace(pool, a=qa, b=qb)
+    dequant = dataclasses.replace(pool, a=qa.float() * qscales[:, :, None], b=qb.float())
+    return quant, qscales, dequant
+
+
+INT8_CASES = [("triton", "stacks", False), ("triton", "skewed", False),
+              ("triton", "decode_distinct", True), ("triton", "stacks", True),
+              ("torch", "stacks", False), ("torch", "skewed", True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend,name,grouped", INT8_CASES)
+def test_int8_pool_equals_its_dequantized_float_pool(backend, name, grouped):
+    """An int8 pool with its qscales gives what the loop reference gives on the float pool its
+    rows and scales stand for (fp32 rounding apart), on the per-segment and grouped kernels;
+    and stays within int8's error of the unquantized pool."""
+    pool, x, y0, segs = build_case(name, 3)
+    quant, qscales, dequant = int8_pool(pool)
+    meta = LoraBatchMeta.from_segments(*segs, device="cpu", grouped=grouped)
+    tuning = GroupedTuning(k_chunk=16, block_k=16)  # 3 in_dim splits
+    triton_lora = TritonLoraBackend(split_k=2, tuning=tuning)
+    lora = triton_lora if backend == "triton" else TorchLoraBackend()
+    y = y0.clone()
+    lora.apply(x, y, quant.a, quant.b, quant.out_offsets, meta, qscales)
+    torch.testing.assert_close(y, expected(dequant, x, y0, segs), rtol=1e-4, atol=1e-4)
+    exact = expected(pool, x, y0, segs)
+    assert (y - exact).abs().max() <= 0.02 * (exact - y0).abs().max()
+
+
+def test_int8_kernels_match_their_references():
+    """sgmv_shrink/grouped_shrink with qscales against their torch references; the expands
+    read int8 B as it is."""
+    pool, x, y0, segs = build_case("stacks", 2, in_dim=32)
+    quant, qscales, _ = int8_pool(pool)
+    meta = LoraBatchMeta.from_segments(*segs, device="cpu", grouped=True)
+    seg_args = (*_meta_args(meta), meta.row_scales, meta.max_rows)
+    v = sgmv_shrink(x, quant.a, *seg_args, qscales=qscales)
+    torch.testing.assert_close(v, sgmv_shrink_ref(x, quant.a, *seg_args, qscales))
+    y, y_ref = y0.clone(), y0.clone()
+    sgmv_expand(v, quant.b, quant.out_offsets, *_meta_args(meta), y)
+    sgmv_expand_ref(v, quant.b, quant.out_offsets, *_meta_args(meta), y_ref)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    args = (*_group_args(meta), meta.groups.row_scales, meta.max_rows)
+    v = grouped_shrink(x, quant.a, *args, qscales=qscales).sum(0)
+    v_ref = grouped_shrink_ref(x, quant.a, *args, qscales)
+    tok_at, rows_at = meta.groups.group_indptr.tolist(), meta.groups.row_indptr.tolist()
+    for g in range(int(meta.groups.num_groups)):  # only the groups' tokens and rows are defined
+        tokens = meta.groups.token_ids[tok_at[g] : tok_at[g + 1]].long()
+        cols = slice(0, rows_at[g + 1] - rows_at[g])
+        torch.testing.assert_close(v[:, tokens, cols], v_ref[:, tokens, cols])
+
+
+def test_int8_pool_needs_its_qscales_and_only_it_has_them():
+    pool, x, _, segs = build_case("stacks", 1)
+    quant, qscales, _ = int8_pool(pool)
+    meta = LoraBatchMeta.from_segments(*segs, device="cpu", grouped=False)
+    seg_args = (*_meta_args(meta), meta.row_scales, meta.max_rows)
+    with pytest.raises(ValueError, match="qscales must be given exactly for an int8 a_pool"):
+        sgmv_shrink(x, quant.a, *seg_args)
+    with pytest.raises(ValueError, match="qscales must be given exactly for an int8 a_pool"):
+        sgmv_shrink(x, pool.a, *seg_args, qscales=qscales)
+    with pytest.raises(ValueError, match=rf"qscales must be float32 \(1, {pool.a.shape[1]}\)"):
+        sgmv_shrink(x, quant.a, *seg_args, qscales=qscales[:, :-1])

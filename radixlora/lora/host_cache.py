@@ -1,5 +1,6 @@
 """The host tier of adapters: each adapter packed once in the device pool's layout and dtype
-(pinned on CUDA), so loading it into the pool is one host-to-device copy. One LRU by adapter
+(int8 pools: int8 rows and their scales; pinned on CUDA), so loading it into the pool is one
+host-to-device copy. One LRU by adapter
 id within one byte budget, shared by the offline Engine and the worker process."""
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import torch
 class PackedAdapter:
     """One adapter version's pool rows for the module groups it adapts, flattened in
     AdapterPool.write() order: `group_ranks[g]` rows for each group g it has (the rows the
-    kernels read), none for the others."""
+    kernels read), none for the others. For an int8 pool `data` is one int8 tensor: the
+    groups' float32 dequantization scales as bytes, then the int8 rows (AdapterPool.pack), so
+    a load stays one host-to-device copy and nbytes counts the scales."""
 
     adapter_id: str
     group_ranks: dict[str, int]

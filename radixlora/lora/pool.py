@@ -2,7 +2,16 @@
   a_pool [n_slices, num_rows, in_dim] and b_pool [num_rows, out_total];
 an adapter of rank r takes r rank rows from a free list shared by all layers, so any mix of ranks
 fits without padding to a max rank and loads/unloads never fragment memory. The scheduler owns
-row bookkeeping (RowAllocator, AdapterResidency); the worker owns the tensors (AdapterPool)."""
+row bookkeeping (RowAllocator, AdapterResidency); the worker owns the tensors (AdapterPool).
+
+An int8 pool (--lora-dtype int8) stores both as int8 with a symmetric absmax scale per rank
+row of each module (slice): A's over in_dim, B's over the module's output columns. Both lie on
+the rank axis, the shrink's output axis and the expand's reduction axis, so they factor out of
+both products: the shrink multiplies its fp32 accumulator by qscales[slice, row] (A's scale
+times B's) along with the stacking weight, and the expand reads int8 B as it is, with no scale
+of its own. (A scale per output column of B could not work: the columns are shared by every
+adapter in the pool.) Paging never splits a rank row and tensor parallel never slices the rank
+axis, so the scales survive both: modules are quantized whole, then sliced."""
 
 from __future__ import annotations
 
@@ -21,6 +30,9 @@ from radixlora.lora.adapter import MODULE_GROUPS, LoraAdapter
 from radixlora.lora.host_cache import HostAdapterCache, PackedAdapter
 from radixlora.model.parallel import RowParallelLinear
 
+QMAX = 127  # symmetric int8: -127..127, so a row's absmax maps to +-127 exactly
+SCALE_BYTES = 4  # float32 dequantization scales
+
 
 def group_dims(cfg: ModelConfig, group: str) -> tuple[int, list[int]]:
     """(in_dim, out_offsets) of a fused module group."""
@@ -35,8 +47,10 @@ def group_dims(cfg: ModelConfig, group: str) -> tuple[int, list[int]]:
 class AdapterPool:
     """Device tensors of the paged adapter pool: per module group one A tensor
     [num_layers, n_slices, num_rows, in_dim] and one B tensor [num_layers, num_rows, out_total];
-    a[layer][group] / b[layer][group] are (contiguous) views of one layer. `host` is the host
-    tier: adapters packed for write(), by adapter id.
+    a[layer][group] / b[layer][group] are (contiguous) views of one layer. With dtype int8,
+    qscales[layer][group] [n_slices, num_rows] float32 are the rows' dequantization scales
+    (module docstring); otherwise qscales[layer] is empty. `host` is the host tier: adapters
+    packed for write(), by adapter id.
 
     On CUDA, write() runs on a side stream (`load_stream`), so a load overlaps the compute work
     already queued; the compute stream must call wait_loads() before a forward that reads the
@@ -54,8 +68,9 @@ class AdapterPool:
 
     def __init__(self, cfg: ModelConfig, num_rows: int, dtype: torch.dtype, device,
                  host_bytes: int = 2 << 30, shard: Shard | None = None):
-        """cfg: the shape of this rank's modules; shard: under tensor parallel, the rank whose
-        slice of each adapter this pool holds (pack() slices)."""
+        """cfg: the shape of this rank's modules; dtype: the storage dtype, the model's or
+        torch.int8; shard: under tensor parallel, the rank whose slice of each adapter this pool
+        holds (pack() slices)."""
         self.shard = shard
         self.num_rows = num_rows
         self.dtype = dtype
@@ -63,14 +78,19 @@ class AdapterPool:
         self.out_offsets = {g: group_dims(cfg, g)[1] for g in MODULE_GROUPS}
         self.a_all: dict[str, torch.Tensor] = {}
         self.b_all: dict[str, torch.Tensor] = {}
+        self.qscales_all: dict[str, torch.Tensor] = {}
         for group, modules in MODULE_GROUPS.items():
             in_dim, offsets = group_dims(cfg, group)
             shape_a = (cfg.num_layers, len(modules), num_rows, in_dim)
             self.a_all[group] = torch.zeros(shape_a, dtype=dtype, device=device)
             shape_b = (cfg.num_layers, num_rows, offsets[-1])
             self.b_all[group] = torch.zeros(shape_b, dtype=dtype, device=device)
+            if self.quantized:
+                self.qscales_all[group] = torch.zeros(shape_a[:3], device=device)
         self.a = [{g: t[layer] for g, t in self.a_all.items()} for layer in range(cfg.num_layers)]
         self.b = [{g: t[layer] for g, t in self.b_all.items()} for layer in range(cfg.num_layers)]
+        self.qscales = [{g: t[layer] for g, t in self.qscales_all.items()}
+                        for layer in range(cfg.num_layers)]  # fmt: skip
         cuda = self.device.type == "cuda"
         self.host = HostAdapterCache(host_bytes, pin=cuda)
         self.load_stream = torch.cuda.Stream(self.device) if cuda else None
@@ -80,18 +100,28 @@ class AdapterPool:
         if cuda:  # the zero fill above must land before any load
             self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
 
+    @property
+    def quantized(self) -> bool:
+        return self.dtype == torch.int8
+
     @staticmethod
     def bytes_per_row(cfg: ModelConfig, dtype: torch.dtype) -> int:
+        """Device bytes of one rank row on every module group of every layer (int8: with its
+        scales)."""
         return AdapterPool.load_bytes(cfg, dtype, dict.fromkeys(MODULE_GROUPS, 1))
 
     @staticmethod
     def load_bytes(cfg: ModelConfig, dtype: torch.dtype, group_ranks: Mapping[str, int]) -> int:
-        """Bytes an adapter with these per-group ranks moves into the pool (its packed size)."""
+        """Bytes an adapter with these per-group ranks moves into the pool (its packed size):
+        its A and B rows, and for an int8 pool a float32 scale per (slice, row)."""
         per_layer = 0
         for group, rank in group_ranks.items():
             in_dim, offsets = group_dims(cfg, group)
-            per_layer += rank * (len(MODULE_GROUPS[group]) * in_dim + offsets[-1])
-        return per_layer * cfg.num_layers * torch.finfo(dtype).bits // 8
+            n_slices = len(MODULE_GROUPS[group])
+            per_layer += rank * (n_slices * in_dim + offsets[-1]) * dtype.itemsize
+            if dtype == torch.int8:
+                per_layer += rank * n_slices * SCALE_BYTES
+        return per_layer * cfg.num_layers
 
     def write(self, adapter: LoraAdapter | PackedAdapter, rows: np.ndarray) -> None:
         """Copy an adapter's weights into `rows` (len == adapter.rank): one host-to-device copy
@@ -152,14 +182,24 @@ class AdapterPool:
         if self.device.type == "cuda":  # pinned: a pageable source would wait for earlier copies
             idx = idx.pin_memory()
         idx = idx.to(self.device, non_blocking=True)
+        if self.quantized:
+            scale_bytes = self._num_scales(group_ranks) * SCALE_BYTES
+            self._scatter_pools(self.qscales_all, 2, packed[:scale_bytes].view(torch.float32),
+                                group_ranks, idx)  # fmt: skip
+            packed = packed[scale_bytes:]
         offset = 0
         for group, rank in group_ranks.items():
             for pool, row_dim in ((self.a_all[group], 2), (self.b_all[group], 1)):
-                shape = list(pool.shape)
-                shape[row_dim] = rank
-                size = int(np.prod(shape))
-                pool.index_copy_(row_dim, idx[:rank], packed[offset : offset + size].view(shape))
-                offset += size
+                offset += _scatter_rows(pool, row_dim, packed[offset:], rank, idx)
+
+    def _scatter_pools(self, pools: dict[str, torch.Tensor], row_dim: int, packed: torch.Tensor,
+                       group_ranks: Mapping[str, int], idx: torch.Tensor) -> None:
+        offset = 0
+        for group, rank in group_ranks.items():
+            offset += _scatter_rows(pools[group], row_dim, packed[offset:], rank, idx)
+
+    def _num_scales(self, group_ranks: Mapping[str, int]) -> int:
+        return sum(math.prod(self.qscales_all[g].shape[:2]) * r for g, r in group_ranks.items())
 
     def packed(self, adapter: LoraAdapter) -> PackedAdapter:
         """The adapter from the host tier, packed and cached there on a miss."""
@@ -167,25 +207,63 @@ class AdapterPool:
 
     def pack(self, adapter: LoraAdapter) -> PackedAdapter:
         """The adapter's rows for each group pool it adapts (its group rank of them), flattened
-        in write() order, in the pool's dtype."""
-        pieces = []
+        in write() order, in the pool's dtype. An int8 pool's packing is one byte tensor: first
+        the float32 qscales of every group ([layers, n_slices, rank] each), then the int8 A and
+        B rows as above."""
         group_ranks = {g: adapter.group_ranks[g] for g in MODULE_GROUPS if g in adapter.group_ranks}
-        for group, rank in group_ranks.items():
-            modules = MODULE_GROUPS[group]
-            layers, n_slices, _, in_dim = self.a_all[group].shape
-            a = torch.zeros(layers, n_slices, rank, in_dim)
-            b = torch.zeros(layers, rank, self.b_all[group].shape[2])
-            for (layer, module), (lora_a, lora_b) in adapter.weights.items():
-                if module in modules:
-                    if self.shard is not None:
-                        lora_a, lora_b = self.shard.lora(module, lora_a, lora_b)
-                    slice_idx, r = modules.index(module), lora_a.shape[0]
-                    offsets = self.out_offsets[group]
-                    lo, hi = offsets[slice_idx], offsets[slice_idx + 1]
-                    a[layer, slice_idx, :r] = lora_a
-                    b[layer, :r, lo:hi] = lora_b.t()
-            pieces += [a.flatten(), b.flatten()]
-        return PackedAdapter(adapter.adapter_id, group_ranks, torch.cat(pieces).to(self.dtype))
+        groups = [self._group_rows(adapter, g, r) for g, r in group_ranks.items()]
+        rows = torch.cat([t.flatten() for a, b, _ in groups for t in (a, b)])
+        if not self.quantized:
+            return PackedAdapter(adapter.adapter_id, group_ranks, rows.to(self.dtype))
+        scales = torch.cat([qs.flatten() for _, _, qs in groups]).view(torch.int8)
+        return PackedAdapter(adapter.adapter_id, group_ranks, torch.cat([scales, rows]))
+
+    def _group_rows(self, adapter: LoraAdapter, group: str, rank: int):
+        """(a [layers, n_slices, rank, in_dim], b [layers, rank, out_total], qscales) of one
+        group: float32 with qscales None, or for an int8 pool int8 with qscales
+        [layers, n_slices, rank] float32. Each module is quantized whole, then sliced for this
+        tensor-parallel rank: slicing cuts A's columns or B's output rows, never a rank row,
+        so the scales hold for every slice and every TP degree stores the same values."""
+        modules = MODULE_GROUPS[group]
+        layers, n_slices, _, in_dim = self.a_all[group].shape
+        dtype = torch.int8 if self.quantized else torch.float32
+        a = torch.zeros(layers, n_slices, rank, in_dim, dtype=dtype)
+        b = torch.zeros(layers, rank, self.b_all[group].shape[2], dtype=dtype)
+        qscales = torch.zeros(layers, n_slices, rank) if self.quantized else None
+        offsets = self.out_offsets[group]
+        for (layer, module), (lora_a, lora_b) in adapter.weights.items():
+            if module not in modules:
+                continue
+            slice_idx, r = modules.index(module), lora_a.shape[0]
+            if self.quantized:
+                (lora_a, a_scale), (b_t, b_scale) = quantize_rows(lora_a), quantize_rows(lora_b.t())
+                lora_b = b_t.t()
+                qscales[layer, slice_idx, :r] = a_scale * b_scale
+            if self.shard is not None:
+                lora_a, lora_b = self.shard.lora(module, lora_a, lora_b)
+            a[layer, slice_idx, :r] = lora_a
+            b[layer, :r, offsets[slice_idx] : offsets[slice_idx + 1]] = lora_b.t()
+        return a, b, qscales
+
+
+def _scatter_rows(pool: torch.Tensor, row_dim: int, packed: torch.Tensor, rank: int,
+                  idx: torch.Tensor) -> int:
+    """Copy the first rows of `packed` (the pool's shape with `rank` along row_dim) into the
+    pool's rows idx[:rank]; returns how many elements of `packed` they took."""
+    shape = list(pool.shape)
+    shape[row_dim] = rank
+    size = math.prod(shape)
+    pool.index_copy_(row_dim, idx[:rank], packed[:size].view(shape))
+    return size
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax int8 over the last axis: (q, scale) with t ~= q * scale[..., None]; an
+    all-zero row gets scale 1 (q is zero)."""
+    amax = t.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    q = torch.round(t / scale[..., None]).clamp(-QMAX, QMAX).to(torch.int8)
+    return q, scale
 
 
 class RowAllocator:
@@ -411,28 +489,29 @@ class LoraContext:
         meta = self.metas[group]
         if meta is None:
             return linear(x), None
-        a, b, out_offsets = self._pools(layer_id, group)
+        a, b, out_offsets, qs = self._pools(layer_id, group)
         if isinstance(linear, RowParallelLinear):
-            return self._row_parallel(linear, x, a, b, out_offsets, meta), None
+            return self._row_parallel(linear, x, a, b, out_offsets, meta, qs), None
         if self.defer:
             delta = self._delta[group]
             y, _ = self._beside_gemm(linear, x, lambda: self.backend.deferred_delta(
-                x, a, b, out_offsets, meta, delta))  # fmt: skip
+                x, a, b, out_offsets, meta, delta, qs))  # fmt: skip
             return y, delta
         plain = isinstance(linear, torch.nn.Linear) and linear.bias is None
         if self.side_stream is None and meta.groups is None and plain:
-            return self._delta_then_gemm(linear, x, a, b, out_offsets, meta), None
-        y, v = self._beside_gemm(linear, x, lambda: self.backend.shrink(x, a, meta))
+            return self._delta_then_gemm(linear, x, a, b, out_offsets, meta, qs), None
+        y, v = self._beside_gemm(linear, x, lambda: self.backend.shrink(x, a, meta, qs))
         if v is not None:
             self.backend.expand(v, b, out_offsets, meta, y)
         return y, None
 
-    def _delta_then_gemm(self, linear, x: torch.Tensor, a, b, out_offsets, meta) -> torch.Tensor:
+    def _delta_then_gemm(self, linear, x: torch.Tensor, a, b, out_offsets, meta,
+                         qs) -> torch.Tensor:  # fmt: skip
         """linear(x) plus the deltas, written first and added by the GEMM (beta = 1): the expand
         only stores, and the GEMM reads them in its epilogue instead of an expand reading and
         rewriting y after it. Every row of y is written first: the segments of a
         LoraBatchMeta cover all its tokens, and tokens with no adapter get zeros."""
-        v = self.backend.shrink(x, a, meta)
+        v = self.backend.shrink(x, a, meta, qs)
         if v is None:
             return linear(x)
         y = x.new_empty(x.shape[0], linear.out_features)
@@ -440,13 +519,13 @@ class LoraContext:
         return y.addmm_(x, linear.weight.t())
 
     def _row_parallel(self, linear: RowParallelLinear, x: torch.Tensor, a, b, out_offsets,
-                      meta) -> torch.Tensor:
+                      meta, qs) -> torch.Tensor:
         """Tensor parallel, o and down: x and A hold this rank's input columns, so both the
         base product and the shrink are partial sums; the expand is linear in the shrink, so
         each rank's partial delta (its partial shrink times the whole B) is added to its partial
         product and the one all-reduce of the output sums both: no collective of its own."""
         y = linear.partial(x)
-        v = self.backend.shrink(x, a, meta)
+        v = self.backend.shrink(x, a, meta, qs)
         if v is not None:
             self.backend.expand(v, b, out_offsets, meta, y)
         return linear.reduce(y)
@@ -464,8 +543,11 @@ class LoraContext:
         return y, out
 
     def _pools(self, layer_id: int, group: str):
+        """(a_pool, b_pool, out_offsets, qscales) of one layer's group; qscales None unless the
+        pool is int8."""
         pool = self.pool
-        return pool.a[layer_id][group], pool.b[layer_id][group], pool.out_offsets[group]
+        qscales = pool.qscales[layer_id].get(group)
+        return pool.a[layer_id][group], pool.b[layer_id][group], pool.out_offsets[group], qscales
 
 
 def high_priority_stream(device) -> torch.cuda.Stream:
