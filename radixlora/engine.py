@@ -61,6 +61,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     cached_tokens: int = 0
     prompt_logprobs: list[float] = field(default_factory=list)  # from logprob_start on
+    # adapters trained on another base weight format than the served base's, served under
+    # qlora_mismatch "serve": "name: trained on a nf4 base, served on a dense base"; else ""
+    base_mismatch: str = ""
 
 
 class Engine:
@@ -265,6 +268,8 @@ class Engine:
             first.adapter_set.label,
             cached_tokens=first.cached_tokens,
             prompt_logprobs=list(first.input_logprobs),
+            base_mismatch="; ".join(f"{a.name}: {a.base_mismatch}"
+                                    for a in first.adapter_set.adapters if a.base_mismatch),
         )
         for i, req in enumerate(group):
             assert req.status is ReqStatus.FINISHED

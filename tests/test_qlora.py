@@ -68,9 +68,12 @@ def test_qlora_adapter_served_on_the_dense_base_drifts_and_says_so(qlora):
     matched = Engine(nf4, adapters={"q": adapter}, kv_pages=128)
     served = Engine(dense, adapters={"q": adapter}, kv_pages=128, qlora_mismatch="serve")
     assert served.adapters["q"].base_mismatch == "trained on a nf4 base, served on a dense base"
-    right = matched.generate(PROMPT, GREEDY, adapters="q")[0].outputs[0]
-    drifted = served.generate(PROMPT, GREEDY, adapters="q")[0].outputs[0]
-    assert drifted.token_ids != right.token_ids
+    right = matched.generate(PROMPT, GREEDY, adapters="q")[0]
+    drifted = served.generate(PROMPT, GREEDY, adapters="q")[0]
+    assert drifted.outputs[0].token_ids != right.outputs[0].token_ids
+    assert drifted.base_mismatch == "q: trained on a nf4 base, served on a dense base"
+    assert right.base_mismatch == ""
+    assert served.generate(PROMPT, GREEDY)[0].base_mismatch == ""  # the base alone: no claim
 
 
 def test_explicit_base_quantization_key_marks_a_qlora_adapter(qlora, tmp_path):
