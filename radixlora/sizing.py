@@ -4,9 +4,10 @@ On the CPU they are small fixed values. On CUDA, after the weights are loaded an
 step has measured what activations take: a `gpu_memory_utilization` share of the device's
 memory, less what is in use (weights, CUDA context, other processes), the activations and the
 CUDA graphs, is split between the adapter pool (`max_loras` adapters of rank `max_rank` on every
-target module, or `adapter_rows` rows) and the KV pool (the rest, or `kv_pages`). Batch limits
-follow the device's size: `max_running` decodes (the largest graph bucket) and a chunked-prefill
-budget of `max_batch_tokens` tokens per step.
+target module, or `adapter_rows` rows, at the byte size of a row in the pool's dtype: an int8
+pool's `max_loras` cost about half a bf16 pool's) and the KV pool (the rest, or `kv_pages`).
+Batch limits follow the device's size: `max_running` decodes (the largest graph bucket) and a
+chunked-prefill budget of `max_batch_tokens` tokens per step.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ class PoolSizing:
     kv_bytes: int
     adapter_rows: int
     adapter_bytes: int
-    adapter_row_bytes: int  # one rank row on every target module of every layer
+    # one rank row on every target module of every layer, in the pool's storage dtype (an int8
+    # row counts its int8 values and its float32 scales: AdapterPool.bytes_per_row)
+    adapter_row_bytes: int
     host_adapter_bytes: int  # the pinned host tier's budget
     max_running: int
     max_batch_tokens: int
