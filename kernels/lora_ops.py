@@ -266,7 +266,9 @@ class LoraBackend(ABC):
                 (AdapterPool.pack).
         """
         _check_tokens(meta, x, y)
-        v = self.shrink(x, a_pool, meta, qscales)
+        # a backend with no int8 path (scripts/bench_sgmv.py's baseline) takes no qscales
+        v = self.shrink(x, a_pool, meta) if qscales is None else self.shrink(x, a_pool, meta,
+                                                                             qscales)
         if v is not None:
             self.expand(v, b_pool, out_offsets, meta, y)
 
