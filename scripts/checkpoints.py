@@ -232,3 +232,47 @@ def build_nf4_model(path: Path, arch: str, double_quant: bool = True, seed: int 
         dense, quantization_config=config, dtype=torch.float32, device_map="cpu")
     model.save_pretrained(path)
     return Path(path)
+
+
+def build_fp8_model(path: Path, dense: Path, strategy: str = "channel") -> tuple[Path, Path]:
+    """The dense checkpoint at `dense` (transformers, float32) with its projections in FP8 e4m3
+    as compressed-tensors stores them (`weight` e4m3, `weight_scale` [out, 1] per channel or
+    [1] per tensor, dynamic per-token activations), and beside it (path + "-ref") the same
+    model with those weights dequantized (W8 * scale, float32): its exact reference."""
+    from safetensors.torch import load_file
+
+    path, ref = Path(path), Path(str(path) + "-ref")
+    tensors = load_file(str(Path(dense) / "model.safetensors"))
+    fp8, dequantized = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        if name.endswith("_proj.weight"):
+            absmax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().max()
+            scale = (absmax / 448.0).float().reshape(-1, 1) if strategy == "channel" else (
+                (absmax / 448.0).float().reshape(1))
+            w8 = (w / scale).to(torch.float8_e4m3fn)
+            fp8[name], fp8[name + "_scale"] = w8, scale
+            dequantized[name] = w8.float() * scale
+    config = json.loads((Path(dense) / "config.json").read_text())
+    for out, weights, qc in ((path, fp8, _compressed_tensors_fp8(strategy)), (ref, dequantized,
+                                                                             None)):
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(weights, str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps({**config, "quantization_config": qc}
+                                                    if qc else config))
+    return path, ref
+
+
+def _compressed_tensors_fp8(strategy: str) -> dict:
+    """compressed-tensors' quantization_config of llm-compressor's FP8_DYNAMIC scheme."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
+                        "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                  "symmetric": True, "dynamic": True},
+        }},
+        "ignore": ["lm_head"],
+    }

@@ -24,11 +24,15 @@ from radixlora.model.quant import (
     nf4_modules,
     quantize_projections,
 )
+from radixlora.model.quant_fp8 import Fp8Linear, attach_fp8_path, fp8_modules, fp8_scheme
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)$")
 _BNB_PART = re.compile(
     r"^(model\.layers\.\d+\.(?:self_attn|mlp)\.\w+_proj\.weight)"
     r"(?:\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.bitsandbytes__nf4))?$"
+)
+_FP8_PART = re.compile(
+    r"^(model\.layers\.\d+\.(?:self_attn|mlp)\.\w+_proj)\.(weight|weight_scale|input_scale)$"
 )
 AT_LOAD_BLOCKSIZE = 64  # --quantization nf4: bitsandbytes' default blocksize
 _FUSED = {
@@ -73,7 +77,8 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
     after loading (bitsandbytes' default blocksize, no double quantization)."""
     path = Path(path)
     shard = tp.shard if tp is not None else None
-    blocksize = _nf4_blocksize(path, cfg, load_format, tp)
+    _check_quantized(path, cfg, load_format, tp)
+    blocksize = _nf4_blocksize(path, cfg, load_format)
     if shard is not None:
         cfg = shard.local
     with torch.device("meta"):
@@ -83,6 +88,8 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
         model = model.to(dtype)
         if blocksize is not None:
             model = nf4_modules(model, blocksize)
+        if cfg.quantization == "fp8":
+            model = fp8_modules(model)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -96,19 +103,29 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
     if cfg.quantization == "nf4" and blocksize is None:
         model = quantize_projections(model, AT_LOAD_BLOCKSIZE)
     attach_scratch(model, dtype, device)
+    attach_fp8_path(model, device)
     return model.eval()
 
 
-def _nf4_blocksize(path: Path, cfg: ModelConfig, load_format: str,
-                   tp: TensorParallel | None) -> int | None:  # fmt: skip
-    """The blocksize of a bitsandbytes NF4 checkpoint's weights (None: a dense checkpoint)."""
+def _check_quantized(path: Path, cfg: ModelConfig, load_format: str,
+                     tp: TensorParallel | None) -> None:  # fmt: skip
     if cfg.quantization is None:
-        return None
-    if cfg.quantization != "nf4":
-        raise ModelLoadError(f"{cfg.quantization} bases are not supported yet")
+        return
     if tp is not None:
-        raise ModelLoadError("NF4 bases under tensor parallel are not supported yet")
-    if load_format != "safetensors":
+        raise ModelLoadError(f"{cfg.quantization} bases under tensor parallel are not supported "
+                             "yet")
+    if cfg.quantization == "fp8":
+        if load_format != "safetensors":
+            raise ModelLoadError("fp8 bases load from safetensors only")
+        try:
+            fp8_scheme(json.loads((path / "config.json").read_text())["quantization_config"])
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from e
+
+
+def _nf4_blocksize(path: Path, cfg: ModelConfig, load_format: str) -> int | None:
+    """The blocksize of a bitsandbytes NF4 checkpoint's weights (None: not one)."""
+    if cfg.quantization != "nf4" or load_format != "safetensors":
         return None
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
@@ -133,43 +150,52 @@ def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, path: Path,
                   shard: Shard | None) -> None:  # fmt: skip
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: dict[str, int] = {}  # parameter -> rows loaded (fused weights load in slices)
-    nf4_parts: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint weight -> its parts
-    quantized = any(isinstance(m, NF4Linear) for m in model.modules())
+    parts: dict[str, dict[str, torch.Tensor]] = {}  # quantized weight -> its tensors
+    kind = _quantized_kind(model)
+    pattern = {NF4Linear: _BNB_PART, Fp8Linear: _FP8_PART}.get(kind)
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                part = _BNB_PART.match(name) if quantized else None
+                part = pattern.match(name) if pattern is not None else None
                 if part is not None:
-                    nf4_parts.setdefault(part.group(1), {})[part.group(2) or "weight"] = (
+                    parts.setdefault(part.group(1), {})[part.group(2) or "weight"] = (
                         f.get_tensor(name))
                     continue
                 # a rank reads only its slice of each tensor from the file
                 tensor = f.get_tensor(name) if shard is None else f.get_slice(name)
                 _load_tensor(cfg, params, loaded, name, tensor, shard)
-    _load_nf4(model, cfg, nf4_parts, loaded)
+    _load_quantized(model, cfg, parts, loaded)
     missing = {n for n, p in params.items() if loaded.get(n, 0) != p.shape[0]}
     missing |= {n for n, m in model.named_modules()
-                if isinstance(m, NF4Linear) and loaded.get(n, 0) != m.out_features}
+                if isinstance(m, (NF4Linear, Fp8Linear)) and loaded.get(n, 0) != m.out_features}
     if cfg.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         raise ModelLoadError(f"checkpoint {path} lacks tensors: {sorted(missing)[:5]}")
 
 
-def _load_nf4(model, cfg: ModelConfig, nf4_parts: dict, loaded: dict[str, int]) -> None:
-    """Each bitsandbytes weight into its rows of the NF4Linear that holds it."""
+def _quantized_kind(model) -> type | None:
+    return next((type(m) for m in model.modules() if isinstance(m, (NF4Linear, Fp8Linear))),
+                None)
+
+
+def _load_quantized(model, cfg: ModelConfig, parts: dict, loaded: dict[str, int]) -> None:
+    """Each quantized weight (its tensors by part name) into its rows of the module holding it."""
     modules = dict(model.named_modules())
-    for name, parts in nf4_parts.items():
-        target, rows = _target(cfg, name)
+    for name, tensors in parts.items():
+        target, rows = _target(cfg, name if name.endswith(".weight") else name + ".weight")
         module_name = target.removesuffix(".weight")
         module = modules.get(module_name)
-        if not isinstance(module, NF4Linear):
-            raise ModelLoadError(f"unexpected 4-bit tensor {name} in checkpoint")
-        rows = rows or (0, module.out_features)
+        rows = rows or (0, getattr(module, "out_features", 0))
         try:
-            module.load_rows(rows, nf4_from_bnb(parts))
+            if isinstance(module, NF4Linear):
+                module.load_rows(rows, nf4_from_bnb(tensors))
+            elif isinstance(module, Fp8Linear):
+                module.load_rows(rows, tensors["weight"], tensors["weight_scale"])
+            else:
+                raise ModelLoadError(f"unexpected quantized tensor {name} in checkpoint")
         except (KeyError, ValueError) as e:
-            raise ModelLoadError(f"{name}: not a bitsandbytes NF4 weight: {e}") from e
+            raise ModelLoadError(f"{name}: not a {cfg.quantization} weight: {e}") from e
         loaded[module_name] = loaded.get(module_name, 0) + rows[1] - rows[0]
 
 

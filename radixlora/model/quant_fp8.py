@@ -1,0 +1,117 @@
+"""FP8 (e4m3) bases in the formats vLLM serves: compressed-tensors "float-quantized" checkpoints
+and quant_method "fp8" ones, with a weight scale per tensor or per output channel and dynamic
+activation scales.
+
+A weight is stored as float8_e4m3fn W8 with float32 scales s (one per output row; a tensor's one
+scale is repeated over its rows, which is exact), and means W = W8 * s. On CUDA devices of
+compute capability 8.9 or more, `Fp8Linear` quantizes each token of x to e4m3 with its own scale
+(absmax / 448) and multiplies in FP8 through torch._scaled_mm with both scale vectors (W8A8, as
+vLLM does); elsewhere it dequantizes W to x's dtype and runs the dense GEMM (the reference)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def fp8_scheme(qc: dict) -> None:
+    """Refuse an FP8 quantization_config radixlora cannot serve: block-wise weight scales,
+    static activation scales, or compressed-tensors groups that are not 8-bit floats."""
+    if qc.get("quant_method") == "fp8":
+        if qc.get("weight_block_size"):
+            raise ValueError("fp8 checkpoints with block-wise weight scales are not supported")
+        if qc.get("activation_scheme", "dynamic") != "dynamic":
+            raise ValueError("fp8 checkpoints with static activation scales are not supported")
+        return
+    for name, group in (qc.get("config_groups") or {}).items():
+        weights, acts = group.get("weights") or {}, group.get("input_activations")
+        if (weights.get("type"), weights.get("num_bits")) != ("float", 8):
+            raise ValueError(f"compressed-tensors group {name}: 8-bit float weights only")
+        if weights.get("strategy") not in ("tensor", "channel"):
+            raise ValueError(f"compressed-tensors group {name}: weight strategy "
+                             f"{weights.get('strategy')!r} (tensor or channel only)")
+        if acts is not None and not acts.get("dynamic", False):
+            raise ValueError(f"compressed-tensors group {name}: static activation scales are "
+                             "not supported")
+
+
+def scaled_mm_supported(device: torch.device) -> bool:
+    """FP8 tensor-core GEMMs: CUDA devices of compute capability 8.9 (Ada) or more."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in e4m3, its float32 scale per token [T, 1]): x = x8 * scale, scale = absmax / 448."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_linear_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """x @ (weight * weight_scale[:, None]).T + bias with x quantized per token to e4m3 and the
+    product in FP8 (torch._scaled_mm, fp32 accumulation, scales applied in its epilogue)."""
+    x8, x_scale = quantize_per_token(x)
+    y = torch._scaled_mm(x8, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                         out_dtype=x.dtype)
+    return y if bias is None else y + bias
+
+
+class Fp8Linear(nn.Module):
+    """A projection with an e4m3 weight [out, in] and a float32 scale per output row (a fused
+    projection's parts concatenated along the rows, each with its own scales)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8))
+        self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self.use_scaled_mm = False  # set once the device is known (attach_fp8_path)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_scaled_mm:
+            return fp8_linear_w8a8(x, self.weight, self.weight_scale, self.bias)
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """W8 * s in float32, rounded once to `dtype` (the reference)."""
+        return (self.weight.float() * self.weight_scale.view(-1, 1)).to(dtype)
+
+    def load_rows(self, rows: tuple[int, int], weight: torch.Tensor, scale: torch.Tensor) -> None:
+        """One part (rows [start, end)): its e4m3 weight and its scale (one, or one per row)."""
+        n = rows[1] - rows[0]
+        if weight.dtype != FP8 or tuple(weight.shape) != (n, self.in_features):
+            raise ValueError(f"expected a float8_e4m3fn [{n}, {self.in_features}] weight, got "
+                             f"{weight.dtype} {tuple(weight.shape)}")
+        if scale.numel() not in (1, n):
+            raise ValueError(f"a weight scale per tensor or per row, got {scale.numel()} values")
+        self.weight[rows[0] : rows[1]].copy_(weight)
+        self.weight_scale[rows[0] : rows[1]].copy_(scale.float().reshape(-1).expand(n))
+
+
+def fp8_modules(model: nn.Module) -> nn.Module:
+    """Swap every projection of `model` (on the meta device, after its dtype is set) for an
+    empty Fp8Linear of the same shape."""
+    dtype = model.embed_tokens.weight.dtype
+    for layer in model.layers:
+        for block in (layer.self_attn, layer.mlp):
+            for name in PROJECTIONS:
+                linear = getattr(block, name, None)
+                if linear is not None:
+                    setattr(block, name, Fp8Linear(linear.in_features, linear.out_features,
+                                                   linear.bias is not None, dtype))
+    return model
+
+
+def attach_fp8_path(model: nn.Module, device) -> None:
+    """FP8 GEMMs where the device has them (a model in float32 keeps the reference)."""
+    fast = scaled_mm_supported(torch.device(device)) and model.embed_tokens.weight.dtype in (
+        torch.bfloat16, torch.float16)
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            m.use_scaled_mm = fast

@@ -1,0 +1,78 @@
+"""FP8 bases (compressed-tensors, FP8_DYNAMIC): a tiny checkpoint with e4m3 projections and a
+weight scale per channel or per tensor gives, on the CPU (the reference path: weights
+dequantized to the compute dtype), exactly the outputs of the same model saved dense with
+those weights dequantized, LoRA beside it included; the GPU path's W8A8 product (dynamic
+per-token activation scales, torch._scaled_mm) stays within FP8's error of that reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixlora import Engine, SamplingParams
+from radixlora.errors import ModelLoadError
+from radixlora.model.quant_fp8 import (
+    Fp8Linear,
+    fp8_linear_w8a8,
+    quantize_per_token,
+    scaled_mm_supported,
+)
+from scripts.checkpoints import build_fp8_model, build_peft_adapter
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+PROMPT = [4, 8, 15, 16, 23, 42]
+
+
+@pytest.fixture(scope="module", params=["channel", "tensor"])
+def fp8(request, tmp_path_factory, checkpoints):
+    """(FP8 checkpoint, its dequantized dense twin, an adapter of the dense base)."""
+    root = tmp_path_factory.mktemp(f"fp8-{request.param}")
+    path, ref = build_fp8_model(root / "fp8", checkpoints["llama"], request.param)
+    adapter = build_peft_adapter(checkpoints["llama"], root / "adapter", seed=3, r=8,
+                                 lora_alpha=16)
+    return path, ref, adapter
+
+
+def test_fp8_checkpoint_equals_its_dequantized_reference(fp8):
+    path, ref, adapter = fp8
+    engine = Engine(path, adapters={"a": adapter}, kv_pages=128)
+    reference = Engine(ref, adapters={"a": adapter}, kv_pages=128)
+    assert engine.model_cfg.quantization == "fp8"
+    assert isinstance(engine.runner.model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    for spec in (None, "a"):  # LoRA stays in the model's dtype beside the FP8 projections
+        ours = engine.generate(PROMPT, GREEDY, adapters=spec)[0].outputs[0]
+        theirs = reference.generate(PROMPT, GREEDY, adapters=spec)[0].outputs[0]
+        assert ours.token_ids == theirs.token_ids
+        assert max(abs(a - b) for a, b in zip(ours.logprobs, theirs.logprobs)) <= 1e-6
+
+
+def test_w8a8_product_is_within_fp8_error_of_the_reference():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 256, generator=g, dtype=torch.float32)
+    w = torch.randn(96, 256, generator=g) * 0.05
+    scale = w.abs().amax(dim=1) / 448.0
+    w8 = (w / scale[:, None]).to(torch.float8_e4m3fn)
+    reference = x @ (w8.float() * scale[:, None]).T
+    y = fp8_linear_w8a8(x, w8, scale, None)
+    # e4m3 keeps 3 mantissa bits (relative error <= 1/16 per activation); over 256 terms the
+    # errors average out to about 1% of the output's scale
+    assert (y - reference).norm() / reference.norm() < 0.03
+    x8, x_scale = quantize_per_token(x)
+    assert torch.equal(x8.float().abs().amax(dim=1), torch.full((6,), 448.0))
+    assert torch.allclose(x8.float() * x_scale, x, rtol=1 / 16)
+
+
+def test_the_fp8_gemm_path_is_chosen_only_on_cuda_89():
+    assert not scaled_mm_supported(torch.device("cpu"))
+
+
+def test_fp8_block_scales_are_refused(fp8, tmp_path):
+    import json
+    import shutil
+
+    path = shutil.copytree(fp8[0], tmp_path / "blocked")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "block"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="weight strategy 'block'"):
+        Engine(path, kv_pages=128)
