@@ -162,10 +162,11 @@ def adapter_from_header(name: str, path: str | Path, model: ModelConfig, max_ran
 def check_base_format(name: str, config: LoraConfig, model: ModelConfig) -> tuple[str | None, str]:
     """(the base weight format the adapter was trained on, the mismatch with the served base's
     or ""). A QLoRA adapter's deltas were fitted to the NF4-rounded weights, not the dense ones
-    (and the other way round): under model.qlora_mismatch "refuse" a mismatch is an
-    AdapterError, under "serve" it is logged and kept on the adapter to be reported."""
+    (and the other way round; an fp8 base stands for its dense original, as in vLLM): under
+    model.qlora_mismatch "refuse" a mismatch is an AdapterError, under "serve" it is logged and
+    kept on the adapter to be reported."""
     trained_on = trained_base_format(config)
-    if trained_on == model.quantization:
+    if (trained_on == "nf4") == (model.quantization == "nf4"):  # fp8 approximates dense
         return trained_on, ""
     mismatch = (f"trained on a {trained_on or 'dense'} base, served on a "
                 f"{model.quantization or 'dense'} base")
