@@ -695,9 +695,12 @@ def int8_pool(pool: Pool) -> tuple[Pool, torch.Tensor, Pool]:
     return quant, qscales, dequant
 
 
+# grouped: the scenario is a grouped_scenario; no_adapter_rows (at most 16 rows) merges the 3
+# slices into one shrink tile
 INT8_CASES = [("triton", "stacks", False), ("triton", "skewed", False),
-              ("triton", "decode_distinct", True), ("triton", "stacks", True),
-              ("torch", "stacks", False), ("torch", "skewed", True)]  # fmt: skip
+              ("triton", "distinct_mixed_ranks", True), ("triton", "stacks_1_to_8", True),
+              ("triton", "no_adapter_rows", True), ("torch", "stacks", False),
+              ("torch", "skewed", True)]  # fmt: skip
 
 
 @pytest.mark.parametrize("backend,name,grouped", INT8_CASES)
@@ -705,7 +708,7 @@ def test_int8_pool_equals_its_dequantized_float_pool(backend, name, grouped):
     """An int8 pool with its qscales gives what the loop reference gives on the float pool its
     rows and scales stand for (fp32 rounding apart), on the per-segment and grouped kernels;
     and stays within int8's error of the unquantized pool."""
-    pool, x, y0, segs = build_case(name, 3)
+    pool, x, y0, segs = (build_grouped_case if grouped else build_case)(name, 3)
     quant, qscales, dequant = int8_pool(pool)
     meta = LoraBatchMeta.from_segments(*segs, device="cpu", grouped=grouped)
     tuning = GroupedTuning(k_chunk=16, block_k=16)  # 3 in_dim splits
