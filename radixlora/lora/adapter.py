@@ -184,10 +184,18 @@ def trained_base_format(config: LoraConfig) -> str | None:
     if config.base_quantization is not None:
         return None if config.base_quantization == "none" else config.base_quantization
     base = config.base_model_name_or_path
-    if not base or not os.path.isfile(os.path.join(base, "config.json")):
+    return _declared_format(base) if base else None
+
+
+@functools.lru_cache(maxsize=64)
+def _declared_format(base: str) -> str | None:
+    """The weight format a local checkpoint's config.json declares (cached: many adapters name
+    one base, and a registry validates thousands)."""
+    config = os.path.join(base, "config.json")
+    if not os.path.isfile(config):
         return None
     try:
-        with open(os.path.join(base, "config.json"), "rb") as f:
+        with open(config, "rb") as f:
             qc = msgspec.json.decode(f.read(MAX_CONFIG_BYTES)).get("quantization_config")
         return checkpoint_quantization(qc)
     except (OSError, msgspec.DecodeError, AttributeError, ModelLoadError):
