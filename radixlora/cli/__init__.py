@@ -136,7 +136,8 @@ def prepare(args: argparse.Namespace):
         check_device(overrides)
         check_replicas(overrides, args.data_parallel_size)
         server_args = _server_args(args, model, adapters, served_name, overrides)
-        server_args.engine_config().max_context(model_cfg)
+        engine = server_args.engine_config()
+        engine.max_context(model_cfg.served(engine))
     except (ValueError, RadixLoraError) as e:
         raise StartError(_flag_hint(str(e))) from e
     from radixlora.adapters import check_adapter_name
