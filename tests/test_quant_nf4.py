@@ -5,6 +5,8 @@ bitsandbytes giving transformers' greedy tokens and logprobs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import bitsandbytes.functional as bnb_functional
 import pytest
 import torch
@@ -116,3 +118,16 @@ def test_quantization_nf4_at_load_matches_bitsandbytes_quantizing_the_dense_base
         if isinstance(module, bitsandbytes.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False
     assert greedy_against(engine, model.eval(), [7, 3, 250, 11, 42]) <= TOL
+
+
+def test_quantization_flag_on_an_already_quantized_checkpoint_is_refused(tmp_path):
+    from radixlora.config import EngineConfig, ModelConfig
+    from radixlora.errors import ModelLoadError
+
+    path = build_nf4_model(tmp_path / "nf4", "llama")
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.served(EngineConfig(quantization="nf4")).quantization == "nf4"
+    assert cfg.served(EngineConfig()).quantization == "nf4"  # the checkpoint's own
+    fp8_like = dataclasses.replace(cfg, quantization="fp8")
+    with pytest.raises(ModelLoadError, match="already fp8"):
+        fp8_like.served(EngineConfig(quantization="nf4"))
