@@ -212,7 +212,8 @@ class EngineConfig:
     max_adapter_sets_per_batch: int | None = None  # None: as many as the pool's rows hold
     lora_backend: str = "auto"
     lora_dtype: str = "auto"  # adapter pool storage: "auto" (the model's dtype) or "int8"
-    quantization: str | None = None  # "nf4": quantize a dense base at load (bitsandbytes')
+    # quantize a dense base at load: "nf4" (bitsandbytes'), "fp8" (e4m3, a scale per channel)
+    quantization: str | None = None
     qlora_mismatch: str = "refuse"  # an adapter trained on another base format: or "serve"
     attention_backend: str = "auto"
     enable_radix_cache: bool = True
@@ -226,8 +227,9 @@ class EngineConfig:
     def __post_init__(self):
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if self.quantization not in (None, "nf4"):
-            raise ValueError(f"quantization must be nf4 or None, got {self.quantization!r}")
+        if self.quantization not in (None, "nf4", "fp8"):
+            raise ValueError(f"quantization must be nf4, fp8 or None, got "
+                             f"{self.quantization!r}")
         if self.qlora_mismatch not in ("refuse", "serve"):
             raise ValueError(f"qlora_mismatch must be refuse or serve, got "
                              f"{self.qlora_mismatch!r}")

@@ -54,17 +54,18 @@ ENGINE_FLAGS = {
                                            "A and B rows in int8 with a scale per row, "
                                            "dequantized in the LoRA kernels, about half the "
                                            "bytes per adapter (default auto)"),
-    "quantization": (str, ("--quantization",), "nf4: quantize a dense base's projections to "
-                                               "NF4 at load, as bitsandbytes does (blocksize "
-                                               "64); a checkpoint's own quantization_config "
-                                               "needs no flag (default: none)"),
+    "quantization": (str, ("--quantization",), "quantize a dense base's projections at load: "
+                                               "nf4 as bitsandbytes does (blocksize 64), fp8 "
+                                               "as e4m3 with a scale per output channel; a "
+                                               "checkpoint's own quantization_config needs no "
+                                               "flag (default: none)"),
     "qlora_mismatch": (str, ("--qlora-mismatch",), "an adapter trained on another base weight "
                                                    "format (a QLoRA adapter on a dense base, or "
                                                    "the reverse): refuse it, or serve it and "
                                                    "report the mismatch (default refuse)"),
 }
 CHOICES = {"device": DEVICE_CHOICES, "dtype": DTYPE_CHOICES, "lora_dtype": LORA_DTYPE_CHOICES,
-           "quantization": ("nf4",), "qlora_mismatch": ("refuse", "serve")}
+           "quantization": ("nf4", "fp8"), "qlora_mismatch": ("refuse", "serve")}
 
 
 class HelpFormatter(argparse.HelpFormatter):
