@@ -46,6 +46,16 @@ def test_fp8_checkpoint_equals_its_dequantized_reference(fp8):
         assert max(abs(a - b) for a, b in zip(ours.logprobs, theirs.logprobs)) <= 1e-6
 
 
+def test_quantization_fp8_at_load_equals_the_per_channel_checkpoint(tmp_path, checkpoints):
+    _, ref = build_fp8_model(tmp_path / "fp8", checkpoints["llama"], "channel")
+    engine = Engine(checkpoints["llama"], kv_pages=128, quantization="fp8")
+    assert engine.model_cfg.quantization == "fp8"
+    ours = engine.generate(PROMPT, GREEDY)[0].outputs[0]
+    theirs = Engine(ref, kv_pages=128).generate(PROMPT, GREEDY)[0].outputs[0]
+    assert ours.token_ids == theirs.token_ids
+    assert max(abs(a - b) for a, b in zip(ours.logprobs, theirs.logprobs)) <= 1e-6
+
+
 def test_w8a8_product_is_within_fp8_error_of_the_reference():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 256, generator=g, dtype=torch.float32)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from radixlora.config import ModelConfig
+from radixlora.config import ModelConfig, checkpoint_quantization
 from radixlora.distributed import Shard, TensorParallel
 from radixlora.errors import ModelLoadError
 from radixlora.model.llama import LlamaForCausalLM
@@ -24,7 +24,13 @@ from radixlora.model.quant import (
     nf4_modules,
     quantize_projections,
 )
-from radixlora.model.quant_fp8 import Fp8Linear, attach_fp8_path, fp8_modules, fp8_scheme
+from radixlora.model.quant_fp8 import (
+    Fp8Linear,
+    attach_fp8_path,
+    fp8_modules,
+    fp8_projections,
+    fp8_scheme,
+)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)$")
 _BNB_PART = re.compile(
@@ -73,12 +79,14 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
                tp: TensorParallel | None = None) -> LlamaForCausalLM:  # fmt: skip
     """The model of the checkpoint at `path` (shape `cfg`); with `tp`, this rank's shard of it:
     each tensor is sliced as it is read, so no rank holds the whole model. cfg.quantization
-    "nf4": a bitsandbytes NF4 checkpoint's projections stay NF4; a dense one's are quantized
-    after loading (bitsandbytes' default blocksize, no double quantization)."""
+    "nf4" / "fp8": a checkpoint stored so keeps its projections NF4 (bitsandbytes) / FP8; a
+    dense one's are quantized after loading (NF4: bitsandbytes' default blocksize, no double
+    quantization; FP8: e4m3 with a scale per output channel)."""
     path = Path(path)
     shard = tp.shard if tp is not None else None
-    _check_quantized(path, cfg, load_format, tp)
-    blocksize = _nf4_blocksize(path, cfg, load_format)
+    stored = _stored_format(path, load_format)
+    _check_quantized(path, cfg, stored, tp)
+    blocksize = _nf4_blocksize(path) if stored == "nf4" else None
     if shard is not None:
         cfg = shard.local
     with torch.device("meta"):
@@ -88,7 +96,7 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
         model = model.to(dtype)
         if blocksize is not None:
             model = nf4_modules(model, blocksize)
-        if cfg.quantization == "fp8":
+        if stored == "fp8":
             model = fp8_modules(model)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
@@ -100,33 +108,39 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
         _load_weights(model, cfg, path, shard)
     else:
         raise ModelLoadError(f"unknown load_format {load_format!r}: safetensors or dummy")
-    if cfg.quantization == "nf4" and blocksize is None:
+    if cfg.quantization == "nf4" and stored is None:
         model = quantize_projections(model, AT_LOAD_BLOCKSIZE)
+    if cfg.quantization == "fp8" and stored is None:
+        model = fp8_projections(model)
     attach_scratch(model, dtype, device)
     attach_fp8_path(model, device)
     return model.eval()
 
 
-def _check_quantized(path: Path, cfg: ModelConfig, load_format: str,
+def _stored_format(path: Path, load_format: str) -> str | None:
+    """The weight format the checkpoint's config.json declares (None: dense, or no checkpoint)."""
+    if load_format != "safetensors":
+        return None
+    config = json.loads((path / "config.json").read_text())
+    return checkpoint_quantization(config.get("quantization_config"))
+
+
+def _check_quantized(path: Path, cfg: ModelConfig, stored: str | None,
                      tp: TensorParallel | None) -> None:  # fmt: skip
     if cfg.quantization is None:
         return
     if tp is not None:
         raise ModelLoadError(f"{cfg.quantization} bases under tensor parallel are not supported "
                              "yet")
-    if cfg.quantization == "fp8":
-        if load_format != "safetensors":
-            raise ModelLoadError("fp8 bases load from safetensors only")
+    if stored == "fp8":
         try:
             fp8_scheme(json.loads((path / "config.json").read_text())["quantization_config"])
         except ValueError as e:
             raise ModelLoadError(str(e)) from e
 
 
-def _nf4_blocksize(path: Path, cfg: ModelConfig, load_format: str) -> int | None:
-    """The blocksize of a bitsandbytes NF4 checkpoint's weights (None: not one)."""
-    if cfg.quantization != "nf4" or load_format != "safetensors":
-        return None
+def _nf4_blocksize(path: Path) -> int | None:
+    """The blocksize of a bitsandbytes NF4 checkpoint's weights (its first quant state)."""
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)

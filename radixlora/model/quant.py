@@ -148,8 +148,9 @@ class NF4Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, blocksize: int) -> NF4Linear:
         """`linear` quantized as bitsandbytes quantizes a dense weight (quantize_nf4)."""
         weight = linear.weight.detach()
-        out = cls(linear.in_features, linear.out_features, linear.bias is not None, blocksize,
-                  weight.dtype).to(weight.device)
+        with torch.device(weight.device):
+            out = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                      blocksize, weight.dtype)
         w = quantize_nf4(weight, blocksize)
         out.packed.copy_(w.packed)
         out.absmax.copy_(w.absmax)

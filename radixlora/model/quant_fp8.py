@@ -94,6 +94,36 @@ class Fp8Linear(nn.Module):
         self.weight_scale[rows[0] : rows[1]].copy_(scale.float().reshape(-1).expand(n))
 
 
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W8, s) of a dense weight [out, in]: s = absmax of each row / 448 (float32), W8 = W / s
+    rounded to e4m3."""
+    scale = (weight.abs().amax(dim=1).float() / FP8_MAX).clamp(min=1e-12)
+    return (weight.float() / scale[:, None]).to(FP8), scale
+
+
+@torch.no_grad()
+def fp8_projections(model: nn.Module) -> nn.Module:
+    """Every dense projection of a loaded model quantized to FP8 (--quantization fp8)."""
+    for layer in model.layers:
+        for block in (layer.self_attn, layer.mlp):
+            for name in PROJECTIONS:
+                linear = getattr(block, name, None)
+                if linear is not None:
+                    setattr(block, name, _fp8_from_linear(linear))
+    return model
+
+
+def _fp8_from_linear(linear: nn.Linear) -> Fp8Linear:
+    weight = linear.weight.detach()
+    with torch.device(weight.device):
+        out = Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None,
+                        weight.dtype)
+    out.load_rows((0, linear.out_features), *quantize_fp8(weight))
+    if linear.bias is not None:
+        out.bias.data.copy_(linear.bias.detach())
+    return out
+
+
 def fp8_modules(model: nn.Module) -> nn.Module:
     """Swap every projection of `model` (on the meta device, after its dtype is set) for an
     empty Fp8Linear of the same shape."""
