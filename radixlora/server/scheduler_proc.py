@@ -84,8 +84,9 @@ class SchedulerService:
         self.lifecycle = AdapterLifecycle(self.adapters, self.scheduler, store, self.model_cfg,
                                           self.config.max_rank, self._in_use,
                                           allowed_roots=args.allowed_adapter_roots)
-        self.intake = Intake(self.model_cfg, base_version(Path(args.model)), self.adapters,
-                             self.scheduler, self.config.seed,
+        base = base_version(Path(args.model), self.config.load_format)
+        self.intake = Intake(self.model_cfg, base, self.adapters, self.scheduler,
+                             self.config.seed,
                              fallback_to_base=args.adapter_failure_policy == "base")
         self.loop = StepLoop(self.scheduler, self.config.overlap_schedule)
         self.num_loads = 0
