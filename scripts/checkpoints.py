@@ -218,7 +218,8 @@ def build_peft_adapter(base_path: Path, path: Path, seed: int, **lora_kwargs) ->
     return path
 
 
-def build_nf4_model(path: Path, arch: str, double_quant: bool = True, seed: int = 0) -> Path:
+def build_nf4_model(path: Path, arch: str, double_quant: bool = True, seed: int = 0,
+                    sharded: bool = False) -> Path:  # fmt: skip
     """build_hf_model(arch) loaded by transformers with a bitsandbytes NF4 config (blocksize
     64, bitsandbytes' own) on the CPU and saved 4-bit: packed weights, absmaxes and quant
     states as transformers writes them."""
@@ -230,7 +231,7 @@ def build_nf4_model(path: Path, arch: str, double_quant: bool = True, seed: int 
         bnb_4bit_compute_dtype=torch.float32)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         dense, quantization_config=config, dtype=torch.float32, device_map="cpu")
-    model.save_pretrained(path)
+    model.save_pretrained(path, max_shard_size="20KB" if sharded else "5GB")
     return Path(path)
 
 

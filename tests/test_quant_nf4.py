@@ -94,12 +94,15 @@ def greedy_against(engine: Engine, model, prompt: list[int], max_tokens: int = 1
                enumerate(zip(out.token_ids, out.logprobs)))  # fmt: skip
 
 
-@pytest.mark.parametrize("double_quant", [True, False])
-def test_nf4_checkpoint_matches_transformers_bitsandbytes(tmp_path, double_quant):
+@pytest.mark.parametrize("arch,double_quant", [("llama", True), ("llama", False),
+                                               ("mistral", True)])
+def test_nf4_checkpoint_matches_transformers_bitsandbytes(tmp_path, arch, double_quant):
     # blocksize 64 (what transformers quantizes with): bitsandbytes' CPU kernel indexes the
     # blocks of a row shorter than a block per row, unlike its CUDA kernel and its quantizer;
-    # the tiny model's 64-wide rows keep the oracle out of that case
-    path = build_nf4_model(tmp_path / "nf4", "llama", double_quant=double_quant)
+    # the tiny model's 64-wide rows keep the oracle out of that case. Mistral's checkpoint is
+    # sharded: a weight's quant-state tensors may sit in other files than the weight
+    path = build_nf4_model(tmp_path / "nf4", arch, double_quant=double_quant,
+                           sharded=arch == "mistral")
     engine = Engine(path, kv_pages=128)
     assert engine.model_cfg.quantization == "nf4"
     assert greedy_against(engine, transformers_bnb(path), [5, 9, 17, 33, 65, 129]) <= TOL

@@ -145,19 +145,8 @@ def _nf4_blocksize(path: Path) -> int | None:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if name.endswith(".quant_state.bitsandbytes__nf4"):
-                    return nf4_from_bnb(_bnb_parts(f, name.removesuffix(
-                        ".quant_state.bitsandbytes__nf4"))).blocksize
+                    return json.loads(bytes(f.get_tensor(name).tolist()))["blocksize"]
     return None
-
-
-def _bnb_parts(f, weight: str) -> dict[str, torch.Tensor]:
-    """The bitsandbytes tensors of one weight, by part name ("weight", "absmax", ...)."""
-    parts = {}
-    for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-        m = _BNB_PART.match(name)
-        if m is not None and m.group(1) == weight:
-            parts[m.group(2) or "weight"] = f.get_tensor(name)
-    return parts
 
 
 def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, path: Path,
