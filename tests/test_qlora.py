@@ -13,6 +13,8 @@ import torch
 from radixlora import Engine, SamplingParams
 from radixlora.errors import AdapterError
 from scripts.checkpoints import TARGETS, build_nf4_model
+from tests.server_harness import free_port
+from tests.test_cli_compat import last_line, run_cli
 from tests.test_quant_nf4 import TOL, greedy_against, transformers_bnb
 
 PROMPT = [5, 9, 17, 33, 65, 129, 7]
@@ -85,6 +87,15 @@ def test_explicit_base_quantization_key_marks_a_qlora_adapter(qlora, tmp_path):
     assert Engine(nf4, adapters={"q": marked}, kv_pages=128).adapters["q"].trained_on == "nf4"
     with pytest.raises(AdapterError, match="quantization_mismatch|trained on a nf4 base"):
         Engine(dense, adapters={"q": marked}, kv_pages=128)
+
+
+def test_the_server_refuses_a_qlora_adapter_on_the_dense_base_at_start(qlora):
+    _, dense, adapter, _ = qlora
+    done = run_cli("serve", str(dense), "--adapter", f"q={adapter}", "--port", str(free_port()),
+                   "--kv-pages", "64", timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert ("cannot start: adapter 'q': trained on a nf4 base, served on a dense base"
+            in last_line(done.stderr))
 
 
 class AdapterSpec:
