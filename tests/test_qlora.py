@@ -106,3 +106,34 @@ class AdapterSpec:
 
     def generate(self, prompt, params):
         return self.engine.generate(prompt, params, adapters=self.adapter)
+
+
+def test_the_scheduler_and_registry_apply_quantization_at_load(qlora, tmp_path):
+    """--quantization nf4 on a dense checkpoint reaches the scheduler's and the registry's
+    adapter validation (not only the worker's): the QLoRA adapter is registered and published;
+    without it the registry rejects the adapter under its own label."""
+    import msgspec
+
+    from radixlora.server.args import ServerArgs
+    from radixlora.server.registry_proc import make_core
+    from radixlora.server.scheduler_proc import SchedulerService
+    from tests.server_harness import sized
+
+    _, dense, adapter, _ = qlora
+    watched = tmp_path / "watched"
+    shutil.copytree(adapter, watched / "q")
+    for quantization, kind in (("nf4", "added"), (None, "rejected")):
+        state = tmp_path / f"state-{quantization}"
+        state.mkdir()
+        engine = {"kv_pages": 64} | ({"quantization": quantization} if quantization else {})
+        args = sized(ServerArgs(model=str(dense), engine=engine, state_dir=str(state)))
+        if quantization:
+            service = SchedulerService(msgspec.structs.replace(args, adapters={"q": str(adapter)}))
+            assert service.adapters.by_name["q"].base_mismatch == ""
+        events = []
+        core = make_core(msgspec.structs.replace(args, adapter_dir=str(watched)), events.append)
+        core.on_changed(core.names_on_disk())
+        core.admit(0.0)
+        assert [e.kind for e in events] == [kind]
+        if kind == "rejected":
+            assert events[0].reason == "quantization_mismatch"

@@ -60,6 +60,7 @@ PUBLISH_PER_CALL = 32
 PUBLISH_READERS = 8  # threads reading and hashing a turn's names
 
 REJECT_REASONS = (  # (substring of the AdapterError, label), first match wins
+    ("served on a", "quantization_mismatch"),
     ("at `$.r`", "bad_rank"),
     ("at `$.rank_pattern", "bad_rank"),
     ("invalid field", "bad_config"),
@@ -380,7 +381,7 @@ def make_core(args: ServerArgs, publish) -> RegistryCore:
     config = args.engine_config()
     root = Path(args.adapter_dir).resolve()
     bucket = TokenBucket(args.adapter_rate, args.adapter_burst)
-    return RegistryCore(root, Path(args.state_dir), ModelConfig.from_dir(args.model),
+    return RegistryCore(root, Path(args.state_dir), ModelConfig.from_dir(args.model).served(config),
                         config.max_rank, config.adapter_rows, bucket, publish,
                         reserved=frozenset({args.model_name}))
 

@@ -70,7 +70,7 @@ class SchedulerService:
 
     def __init__(self, args: ServerArgs):
         self.config = args.engine_config()
-        self.model_cfg = ModelConfig.from_dir(args.model)
+        self.model_cfg = ModelConfig.from_dir(args.model).served(self.config)
         self.scheduler = Scheduler(self.config, max_context=self.config.max_context(self.model_cfg))
         self.row_bytes = AdapterPool.bytes_per_row(self.model_cfg,
                                                    self.config.lora_pool_dtype(self.model_cfg))
