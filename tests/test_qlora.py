@@ -137,3 +137,25 @@ def test_the_scheduler_and_registry_apply_quantization_at_load(qlora, tmp_path):
         assert [e.kind for e in events] == [kind]
         if kind == "rejected":
             assert events[0].reason == "quantization_mismatch"
+
+
+def test_the_server_serves_a_mismatched_adapter_and_says_so(qlora, tmp_path):
+    """--qlora-mismatch serve: the QLoRA adapter runs on the dense base and every response on it
+    names the mismatch (OpenAI body field, /generate meta_info, a metric); the base's do not."""
+    from tests.server_harness import running_server
+
+    _, dense, adapter, _ = qlora
+    note = "q: trained on a nf4 base, served on a dense base"
+    with running_server(dense, {"q": adapter}, tmp_path / "server.log",
+                        "--qlora-mismatch", "serve") as server:
+        body = {"model": "q", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+        reply = server.http.post("/v1/completions", json=body).json()
+        assert reply.get("adapter_base_mismatch") == note and "adapter_fallback" not in reply, reply
+        base = server.http.post("/v1/completions", json={**body, "model": dense.name})
+        assert "adapter_base_mismatch" not in base.json()
+        native = server.http.post("/generate", json={
+            "input_ids": PROMPT, "lora_path": "q",
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()
+        assert native["meta_info"]["adapter_base_mismatch"] == note
+        metrics = server.http.get("/metrics").text
+        assert 'radixlora_base_mismatch_requests_total{adapter="q"} 2.0' in metrics

@@ -106,6 +106,7 @@ class Generation:
     first_token_at: float | None = None
     scheduled_at: float | None = None  # the scheduler's first admission (time.monotonic())
     fallback: str | None = None  # served base-only (policy "base"), and why
+    base_mismatch: str = ""  # adapters served on another weight format (--qlora-mismatch serve)
     owner: str = ""  # who submitted it (a hash of its API key): only they may abort it
     ended: bool = False  # its log line and span are written (once: finished, failed or aborted)
 
@@ -357,6 +358,8 @@ class ProcessBridge:
             gen.prompt_tokens, gen.cached_tokens = out.prompt_tokens, out.cached_tokens
         if out.fallback:
             gen.fallback = out.fallback
+        if out.base_mismatch:
+            gen.base_mismatch = out.base_mismatch
         first = gen.first_token_at is None
         if first:
             gen.first_token_at = time.monotonic()

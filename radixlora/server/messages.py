@@ -144,6 +144,9 @@ class TokenOut(msgspec.Struct, array_like=True):
     # with the first token: time.monotonic() (one clock for every process of the host) of the
     # request's first admission, so the api can tell time queued from time in prefill
     scheduled_at: float = 0.0
+    # with the first token: its adapters served on another weight format than they were
+    # trained on (--qlora-mismatch serve), "name: why; ..."
+    base_mismatch: str = ""
 
 
 class TokenBatch(Message):
@@ -182,6 +185,7 @@ class SampleOutput(msgspec.Struct, array_like=True):
     input_ids: Int32Array = b""  # prompt tokens that input_logprobs score
     input_texts: list[str] | None = None  # input_ids' strings (with token_texts)
     scheduled_at: float = 0.0  # as in TokenOut: with the first output
+    base_mismatch: str = ""  # as in TokenOut: with the first output
 
 
 class OutputBatch(Message):

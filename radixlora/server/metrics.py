@@ -63,6 +63,10 @@ class Metrics:
                                ["adapter"], registry=r)
         self.errors = Counter("radixlora_request_errors", "Requests answered with an error",
                               ["code"], registry=r)
+        self.base_mismatch = Counter(
+            "radixlora_base_mismatch_requests",
+            "Requests served with an adapter trained on another weight format than the base's "
+            "(--qlora-mismatch serve)", ["adapter"], registry=r)
         self.prompt_tokens = Counter("radixlora_prompt_tokens", "Prompt tokens",
                                      ["adapter"], registry=r)
         self.cached_tokens = Counter("radixlora_cached_prompt_tokens",
@@ -194,6 +198,8 @@ class Metrics:
         key = (out.rid, out.index)
         if first:
             self.ttft.labels(adapter).observe(gen.first_token_at - gen.created)
+            if out.base_mismatch:
+                self.base_mismatch.labels(adapter).inc()
             self.prompt_tokens.labels(adapter).inc(out.prompt_tokens)
             self.cached_tokens.labels(adapter).inc(out.cached_tokens)
         last = self._last_token.get(key)

@@ -181,16 +181,22 @@ FALLBACK_HEADER = "x-radixlora-adapter-fallback"
 
 
 def fallback_fields(gens: list[Generation]) -> dict:
-    """Policy "base": a request whose adapter was unavailable says it was served base-only."""
+    """Policy "base": a request whose adapter was unavailable says it was served base-only;
+    --qlora-mismatch serve: one whose adapters run on another weight format than they were
+    trained on says which."""
+    fields = {}
     reason = next((g.fallback for g in gens if g.fallback), None)
-    if reason is None:
-        return {}
-    return {"system_fingerprint": FALLBACK_FINGERPRINT, "adapter_fallback": reason}
+    if reason is not None:
+        fields |= {"system_fingerprint": FALLBACK_FINGERPRINT, "adapter_fallback": reason}
+    mismatch = next((g.base_mismatch for g in gens if g.base_mismatch), None)
+    if mismatch is not None:
+        fields["adapter_base_mismatch"] = mismatch
+    return fields
 
 
 def fallback_response(body: dict, gens: list[Generation]):
     fields = fallback_fields(gens)
-    headers = {FALLBACK_HEADER: "base"} if fields else None
+    headers = {FALLBACK_HEADER: "base"} if "adapter_fallback" in fields else None
     return json_response({**body, **fields}, headers=headers)
 
 

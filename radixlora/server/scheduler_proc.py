@@ -223,6 +223,9 @@ class SchedulerService:
         )
         if len(req.output_ids) == 1 and req.scheduled_at is not None:
             out.scheduled_at = req.scheduled_at
+        if len(req.output_ids) == 1:
+            out.base_mismatch = "; ".join(f"{a.name}: {a.base_mismatch}"
+                                          for a in req.adapter_set.adapters if a.base_mismatch)
         if req.logprob_start is not None and len(req.output_ids) == 1:  # with the first token
             out.input_logprobs = list(req.input_logprobs)
             out.input_ids = ids_to_bytes(req.prompt_ids[req.logprob_start :])

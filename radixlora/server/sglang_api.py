@@ -190,6 +190,8 @@ def meta_output(gen: Generation, s: Sample, req: GenerateRequest, latency: float
     }
     if gen.fallback:
         meta["adapter_fallback"] = gen.fallback
+    if gen.base_mismatch:
+        meta["adapter_base_mismatch"] = gen.base_mismatch
     if gen.req.score_only:  # max_new_tokens 0: the token sampled to finish the step is dropped
         s = Sample(s.index, finish_reason="length", input_logprobs=s.input_logprobs,
                    input_ids=s.input_ids, input_texts=s.input_texts)

@@ -304,6 +304,7 @@ class TokenizerService:
             prompt_tokens=out.prompt_tokens,
             cached_tokens=out.cached_tokens,
             fallback=out.fallback,
+            base_mismatch=out.base_mismatch,
             input_logprobs=out.input_logprobs,
             input_ids=input_ids,
             input_texts=self._texts(bytes_to_ids(input_ids).tolist())

@@ -90,6 +90,8 @@ class Tracer:
             attrs["gen_ai.adapter.id"] = ids[0] if len(ids) == 1 else ",".join(ids)
         if gen.fallback:
             attrs["radixlora.adapter.fallback"] = gen.fallback
+        if gen.base_mismatch:
+            attrs["radixlora.adapter.base_mismatch"] = gen.base_mismatch
         if gen.first_token_at is not None:
             ttft = gen.first_token_at - gen.created
             attrs["gen_ai.latency.time_to_first_token"] = ttft
