@@ -157,5 +157,8 @@ def test_the_server_serves_a_mismatched_adapter_and_says_so(qlora, tmp_path):
             "input_ids": PROMPT, "lora_path": "q",
             "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()
         assert native["meta_info"]["adapter_base_mismatch"] == note
-        metrics = server.http.get("/metrics").text
-        assert 'radixlora_base_mismatch_requests_total{adapter="q"} 2.0' in metrics
+        counted = [float(line.rsplit(" ", 1)[1])
+                   for line in server.http.get("/metrics").text.splitlines()
+                   if line.startswith("radixlora_base_mismatch_requests_total{")]
+        # labelled "q", or "other" while the api has not yet heard the adapter's name
+        assert sum(counted) == 2.0

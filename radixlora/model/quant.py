@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlora.kernels.nf4_dequant import nf4_dequant, nf4_dequant_ref
+from radixlora.model.quant_fp8 import swap_projections
 
 # The NF4 code: quantiles of N(0, 1) normalised to [-1, 1], with an exact zero (QLoRA, App. E).
 NF4_CODE = torch.tensor([
@@ -159,33 +160,18 @@ class NF4Linear(nn.Module):
         return out
 
 
-PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
-
 def nf4_modules(model: nn.Module, blocksize: int) -> nn.Module:
     """Swap every projection of `model` (on the meta device, after its dtype is set) for an
     empty NF4Linear of the same shape."""
-    for layer in model.layers:
-        for block in (layer.self_attn, layer.mlp):
-            for name in PROJECTIONS:
-                linear = getattr(block, name, None)
-                if linear is not None:
-                    setattr(block, name, NF4Linear(linear.in_features, linear.out_features,
-                                                   linear.bias is not None, blocksize,
-                                                   model.embed_tokens.weight.dtype))
-    return model
+    dtype = model.embed_tokens.weight.dtype
+    return swap_projections(model, lambda linear: NF4Linear(
+        linear.in_features, linear.out_features, linear.bias is not None, blocksize, dtype))
 
 
 @torch.no_grad()
 def quantize_projections(model: nn.Module, blocksize: int) -> nn.Module:
     """Every dense projection of a loaded model quantized to NF4 (--quantization nf4)."""
-    for layer in model.layers:
-        for block in (layer.self_attn, layer.mlp):
-            for name in PROJECTIONS:
-                linear = getattr(block, name, None)
-                if linear is not None:
-                    setattr(block, name, NF4Linear.from_linear(linear, blocksize))
-    return model
+    return swap_projections(model, lambda linear: NF4Linear.from_linear(linear, blocksize))
 
 
 def attach_scratch(model: nn.Module, dtype: torch.dtype, device) -> None:

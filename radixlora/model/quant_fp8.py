@@ -10,6 +10,8 @@ vLLM does); elsewhere it dequantizes W to x's dtype and runs the dense GEMM (the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -102,15 +104,20 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def fp8_projections(model: nn.Module) -> nn.Module:
-    """Every dense projection of a loaded model quantized to FP8 (--quantization fp8)."""
+def swap_projections(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> nn.Module:
+    """Replace every projection of `model`'s decoder layers by make(that projection)."""
     for layer in model.layers:
         for block in (layer.self_attn, layer.mlp):
             for name in PROJECTIONS:
                 linear = getattr(block, name, None)
                 if linear is not None:
-                    setattr(block, name, _fp8_from_linear(linear))
+                    setattr(block, name, make(linear))
     return model
+
+
+def fp8_projections(model: nn.Module) -> nn.Module:
+    """Every dense projection of a loaded model quantized to FP8 (--quantization fp8)."""
+    return swap_projections(model, _fp8_from_linear)
 
 
 def _fp8_from_linear(linear: nn.Linear) -> Fp8Linear:
@@ -128,14 +135,8 @@ def fp8_modules(model: nn.Module) -> nn.Module:
     """Swap every projection of `model` (on the meta device, after its dtype is set) for an
     empty Fp8Linear of the same shape."""
     dtype = model.embed_tokens.weight.dtype
-    for layer in model.layers:
-        for block in (layer.self_attn, layer.mlp):
-            for name in PROJECTIONS:
-                linear = getattr(block, name, None)
-                if linear is not None:
-                    setattr(block, name, Fp8Linear(linear.in_features, linear.out_features,
-                                                   linear.bias is not None, dtype))
-    return model
+    return swap_projections(model, lambda linear: Fp8Linear(
+        linear.in_features, linear.out_features, linear.bias is not None, dtype))
 
 
 def attach_fp8_path(model: nn.Module, device) -> None:
