@@ -192,7 +192,10 @@ class TensorParallel:
         return data if data is not None else buf.numpy().tobytes()
 
     def close(self) -> None:
+        """Leave the group together: a rank destroying its gloo pairs while a peer still uses
+        them aborts that peer's process ("terminate called without an active exception")."""
         if dist.is_initialized():
+            dist.barrier(group=self.control)
             dist.destroy_process_group()
 
 
