@@ -22,10 +22,14 @@ class TokenBucket:
             self.stamp = now
 
     def available(self, now: float) -> int:
+        return math.floor(self.level(now) + 1e-9)
+
+    def level(self, now: float) -> float:
+        """The tokens saved up now (fractional; negative after taking more than there were)."""
         if self.rate == 0:
-            return 1 << 30
+            return float(1 << 30)
         self._refill(now)
-        return math.floor(self.tokens + 1e-9)
+        return self.tokens
 
     def take(self, now: float, n: float = 1) -> None:
         if self.rate == 0:
@@ -56,10 +60,7 @@ class SwapCap:
     def allows(self, cost: float) -> bool:
         """Whether loads of `cost` swaps may start now (a cost above the burst waits only for a
         full bucket, so it cannot starve)."""
-        if self.bucket.rate == 0:
-            return True
-        self.bucket._refill(time.monotonic())
-        return self.bucket.tokens + 1e-9 >= min(cost, self.bucket.burst)
+        return self.bucket.level(time.monotonic()) + 1e-9 >= min(cost, self.bucket.burst)
 
     def take(self, cost: float) -> None:
         self.bucket.take(time.monotonic(), cost)
