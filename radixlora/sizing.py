@@ -94,11 +94,14 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def with_host_tier(config: EngineConfig, available: int) -> EngineConfig:
-    """The host tier's budget, unless set: HOST_TIER_SHARE of the available host memory."""
+def with_host_tier(config: EngineConfig, available: int, workers: int = 1) -> EngineConfig:
+    """The host tier's budget, unless set: HOST_TIER_SHARE of the available host memory, split
+    evenly between the `workers` worker processes of the host (data-parallel replicas times
+    tensor-parallel ranks), each of which keeps a tier of its own."""
     if config.host_adapter_bytes is not None:
         return config
-    return dataclasses.replace(config, host_adapter_bytes=int(HOST_TIER_SHARE * available))
+    share = int(HOST_TIER_SHARE * available / workers)
+    return dataclasses.replace(config, host_adapter_bytes=share)
 
 
 def cpu_config(config: EngineConfig, available: int | None = None) -> EngineConfig:

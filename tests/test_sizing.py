@@ -102,6 +102,22 @@ def test_prefill_budget_follows_device_memory(gib, tokens):
 def test_host_tier_is_a_share_of_available_host_memory():
     assert with_host_tier(EngineConfig(), 100 * GIB).host_adapter_bytes == 25 * GIB
     assert with_host_tier(EngineConfig(host_adapter_bytes=5), 100 * GIB).host_adapter_bytes == 5
+    # four worker processes on the host (replicas x ranks): a quarter of the share each
+    assert with_host_tier(EngineConfig(), 100 * GIB, workers=4).host_adapter_bytes == 25 * GIB // 4
+
+
+def test_each_replica_worker_takes_its_part_of_the_host_tier(tmp_path, monkeypatch):
+    """Replicas size at the same moment from the same free memory: each takes 1/N of the
+    share, so N replicas pin no more than one would."""
+    from radixlora.server import worker_proc
+    from radixlora.server.args import ServerArgs
+    from scripts.checkpoints import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model")
+    monkeypatch.setattr(worker_proc, "available_host_bytes", lambda: 100 * GIB)
+    budgets = [worker_proc.make_executor(ServerArgs(model=str(model), data_parallel_size=n))
+               .runner.adapter_pool.host.budget_bytes for n in (2, 4)]
+    assert budgets == [25 * GIB // 2, 25 * GIB // 4]
     assert available_host_bytes() > 0
     assert size_8b(EngineConfig())[1].host_adapter_bytes == 25 * GIB
     assert "host tier 25.0 GiB" in size_8b(EngineConfig())[1].line()

@@ -23,7 +23,7 @@ from radixlora.model_runner import ModelRunner
 from radixlora.server.args import ServerArgs
 from radixlora.server.ipc import Heartbeats, Inbox, Outbox, child_main, send_ready
 from radixlora.server.messages import InvalidMessage, Sized, WorkerInbox
-from radixlora.sizing import SIZED_FIELDS
+from radixlora.sizing import SIZED_FIELDS, available_host_bytes, with_host_tier
 from radixlora.step_plan import AdapterLoad, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,10 @@ PREFETCH_S = 10.0  # start-up adapters read into the host tier before Ready, at 
 
 def make_executor(args: ServerArgs, rank: int = 0) -> StepExecutor:
     """The executor of tensor-parallel rank `rank` (the only one without tensor parallel)."""
+    workers = args.data_parallel_size * args.tensor_parallel_size
     config = args.engine_config()
+    if workers > 1:  # every worker of the host measures the same free memory at start
+        config = with_host_tier(config, available_host_bytes(), workers)
     model_cfg = ModelConfig.from_dir(args.model).served(config)
     tp, device = join_group(args, model_cfg, rank)
     runner = ModelRunner(Path(args.model), model_cfg, config, tp, device)
