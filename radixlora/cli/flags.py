@@ -158,10 +158,7 @@ def lora_modules(values: list[str]) -> dict[str, str]:
     pairs = {}
     for value in values:
         if value.lstrip().startswith("{"):
-            spec = _json_object(value, "--lora-modules")
-            name, path = spec.get("name"), spec.get("path")
-            if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
-                raise SystemExit(f'--lora-modules JSON needs "name" and "path", got {value!r}')
+            name, path, _ = _json_pair(value, "--lora-modules", "name", "path")
             pairs[name] = path
         else:
             pairs.update(adapter_pairs([value], "--lora-modules"))
@@ -174,11 +171,7 @@ def lora_paths(values: list[str]) -> dict[str, str]:
     pairs = {}
     for value in values:
         if value.lstrip().startswith("{"):
-            spec = _json_object(value, "--lora-paths")
-            name, path = spec.get("lora_name"), spec.get("lora_path")
-            if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
-                raise SystemExit(f'--lora-paths JSON needs "lora_name" and "lora_path", got '
-                                 f"{value!r}")
+            name, path, spec = _json_pair(value, "--lora-paths", "lora_name", "lora_path")
             if spec.get("pinned"):
                 raise SystemExit(f"--lora-paths: pinning at start-up is not supported ({name}); "
                                  "pin it with POST /v1/pin_lora_adapter once the server runs")
@@ -188,6 +181,15 @@ def lora_paths(values: list[str]) -> dict[str, str]:
         else:
             pairs[Path(value.rstrip(os.sep)).name or value] = value
     return pairs
+
+
+def _json_pair(value: str, flag: str, name_key: str, path_key: str) -> tuple[str, str, dict]:
+    """(name, path, the whole object) of a JSON adapter spec; both keys non-empty strings."""
+    spec = _json_object(value, flag)
+    name, path = spec.get(name_key), spec.get(path_key)
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise SystemExit(f'{flag} JSON needs "{name_key}" and "{path_key}", got {value!r}')
+    return name, path, spec
 
 
 def _json_object(value: str, flag: str) -> dict:
