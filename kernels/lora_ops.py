@@ -380,26 +380,33 @@ class TritonLoraBackend(LoraBackend):
             meta.max_rows, max_seg_len=meta.max_seg_len, split_k=self.split_k, qscales=qscales,
         )  # fmt: skip
 
-    def expand(self, v, b_pool, out_offsets, meta, y, accumulate=True) -> None:
+    def expand(self, v, b_pool, out_offsets, meta, y, accumulate=True, act_dtype=None) -> None:
+        """act_dtype: the model's activation dtype where y is not in it (a float32 delta):
+        an int8 b_pool's product is fp32 only for float32 activations (expand_fp32_dot)."""
         _check_tokens(meta, y)
         if (g := meta.groups) is not None:
             if not accumulate:
                 y.zero_()  # grouped kernels leave rows of tokens in no group untouched
             self._grouped.grouped_expand(
                 v, b_pool, out_offsets, *_group_index(g), y,
-                tuning=self._tuning(meta), accumulate=accumulate,
+                tuning=self._tuning(meta), accumulate=accumulate, act_dtype=act_dtype,
             )  # fmt: skip
             return
         index = (meta.seg_indptr, meta.row_indptr, meta.row_ids)
         self._expand(v, b_pool, out_offsets, *index, y, max_seg_len=meta.max_seg_len,
-                     accumulate=accumulate)  # fmt: skip
+                     accumulate=accumulate, act_dtype=act_dtype)  # fmt: skip
 
     def deferred_delta(self, x, a_pool, b_pool, out_offsets, meta, delta, qscales=None) -> None:
         """Grouped: the expand overwrites the rows of the groups' tokens only, so no launch
-        zeroes anything."""
+        zeroes anything. The float32 delta is x's deltas: an int8 pool's expand multiplies in
+        x's precision, not delta's."""
         g = meta.groups
         if g is None:
-            super().deferred_delta(x, a_pool, b_pool, out_offsets, meta, delta, qscales)
+            _check_tokens(meta, x, delta)
+            delta.zero_()
+            v = self.shrink(x, a_pool, meta, qscales)
+            if v is not None:
+                self.expand(v, b_pool, out_offsets, meta, delta, act_dtype=x.dtype)
             return
         _check_tokens(meta, x, delta)
         tuning = self.side_tuning or self._grouped.tuning_for_rows(meta.max_rows, beside_gemm=True)
@@ -407,7 +414,7 @@ class TritonLoraBackend(LoraBackend):
         v = self._grouped.grouped_shrink(x, a_pool, *index, g.row_scales, meta.max_rows,
                                          tuning=tuning, qscales=qscales)  # fmt: skip
         self._grouped.grouped_expand(v, b_pool, out_offsets, *index, delta, tuning=tuning,
-                                     accumulate=False)  # fmt: skip
+                                     accumulate=False, act_dtype=x.dtype)  # fmt: skip
 
     def _tuning(self, meta: LoraBatchMeta):
         return self.tuning or self._grouped.tuning_for_rows(meta.max_rows)

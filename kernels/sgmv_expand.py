@@ -113,6 +113,13 @@ def _sgmv_expand_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
+def expand_fp32_dot(b_dtype: torch.dtype, act_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether an expand multiplies in fp32: as fp32_dot says for a float b_pool; an int8 b_pool
+    takes the activations' precision (fp32 for a float32 model; otherwise v is rounded to
+    bfloat16, in which int8 values are exact)."""
+    return fp32_dot(act_dtype if b_dtype == torch.int8 else b_dtype, device)
+
+
 def check_offsets(out_offsets: Sequence[int], n_slices: int, out_total: int) -> list[int]:
     off = [int(o) for o in out_offsets]
     if not 1 <= n_slices <= MAX_SLICES or len(off) != n_slices + 1:
@@ -158,6 +165,7 @@ def sgmv_expand(
     block_n: int | None = None,
     num_warps: int = 4,
     accumulate: bool = True,
+    act_dtype: torch.dtype | None = None,
 ) -> None:
     """Semantics:
         for s in range(S):
@@ -175,7 +183,8 @@ def sgmv_expand(
     (q/k/v under GQA); when accumulating, segments with no rows leave y untouched (overwriting,
     they get zeros). With a 16-bit b_pool, v is rounded to b_pool's dtype before the product
     (tensor cores), as in Punica; with an int8 b_pool (its row scales already in v: the
-    shrink's qscales) on CUDA, v is rounded to bfloat16 and B read as bfloat16 (exact).
+    shrink's qscales) on CUDA and 16-bit activations, v is rounded to bfloat16 and B read as
+    bfloat16 (exact); with float32 activations the product is fp32 (expand_fp32_dot).
 
     Args:
         v: [n_slices, T, max_rows] float32, from `sgmv_shrink` (scales already applied).
@@ -189,6 +198,8 @@ def sgmv_expand(
         max_seg_len: int | None, >= t1 - t0 for every segment (None: T); sizes the grid only.
         block_t, block_n, num_warps: launch settings (tokens and columns per program; None:
             by segment length and slice width), for sweeps.
+        act_dtype: the model's activation dtype (None: y's); it sets an int8 b_pool's product
+            precision where y is a float32 delta buffer of a 16-bit model.
     """
     check_expand_args(v, b_pool, y)
     check_batch_meta(seg_indptr, row_indptr, row_ids, v.device)
@@ -215,6 +226,6 @@ def sgmv_expand(
         b_pool.stride(0), b_pool.stride(1),
         y.stride(0), y.stride(1),
         BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_N=block_n,
-        FP32_DOT=fp32_dot(b_pool.dtype, b_pool.device), INT8_B=b_pool.dtype == torch.int8,
-        ACCUMULATE=accumulate, num_warps=num_warps,
+        FP32_DOT=expand_fp32_dot(b_pool.dtype, act_dtype or y.dtype, b_pool.device),
+        INT8_B=b_pool.dtype == torch.int8, ACCUMULATE=accumulate, num_warps=num_warps,
     )  # fmt: skip

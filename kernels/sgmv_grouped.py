@@ -27,7 +27,7 @@ from itertools import pairwise
 
 import torch
 
-from .sgmv_expand import MAX_SLICES, check_expand_args, check_offsets
+from .sgmv_expand import MAX_SLICES, check_expand_args, check_offsets, expand_fp32_dot
 from .sgmv_shrink import (
     check_index_tensors,
     check_shrink_args,
@@ -557,6 +557,7 @@ def grouped_expand(
     *,
     tuning: GroupedTuning = DEFAULT_TUNING,
     accumulate: bool = True,
+    act_dtype: torch.dtype | None = None,
 ) -> None:
     """Semantics:
         for g in range(num_groups):
@@ -580,6 +581,7 @@ def grouped_expand(
         out_offsets: n_slices + 1 python ints rising from 0 to out_total; 1 <= n_slices <= 3.
         num_groups, group_indptr, token_ids, row_indptr, row_ids: as for `grouped_shrink`.
         y: [T, out_total], float16/bfloat16/float32, updated in place.
+        act_dtype: the model's activation dtype (None: y's), as for sgmv_expand.
     """
     parts = v if v.dim() == 4 else v.unsqueeze(0)
     check_expand_args(parts[0], b_pool, y)
@@ -612,7 +614,8 @@ def grouped_expand(
         y.stride(0), y.stride(1),
         BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_N=block_n, ONE_ROW_TILE=max_rows <= block_r,
         PARTS_PER_STEP=min(MAX_PARTS_PER_STEP, triton.next_power_of_2(parts.shape[0])),
-        FP32_DOT=fp32_dot(b_pool.dtype, b_pool.device), INT8_B=b_pool.dtype == torch.int8,
-        ACCUMULATE=accumulate, NUM_STAGES=tuning.expand_stages, PDL=_use_pdl(v.device, tuning),
+        FP32_DOT=expand_fp32_dot(b_pool.dtype, act_dtype or y.dtype, b_pool.device),
+        INT8_B=b_pool.dtype == torch.int8, ACCUMULATE=accumulate,
+        NUM_STAGES=tuning.expand_stages, PDL=_use_pdl(v.device, tuning),
         num_warps=tuning.expand_warps, **_launch_options(v.device, tuning),
     )  # fmt: skip

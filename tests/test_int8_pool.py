@@ -214,3 +214,39 @@ def test_cache_namespace_names_the_int8_pool(checkpoints, adapters):
     assert namespaces["auto", "a"] != namespaces["int8", "a"]
     assert dict(namespaces["int8", "a"])["adapter_pool"] == "int8"
     assert uses_adapter(namespaces["int8", "a"], engine.registry.by_name["a"].adapter_id)
+
+
+def test_int8_expand_multiplies_in_the_activations_precision():
+    """On CUDA the expands once rounded v to bfloat16 for every int8 b_pool, float32 models
+    included: Triton and the torch backend then differed by up to 0.149 in logprob on an fp32
+    model (scripts/check_quant_gpu.py measures it). A float32 model's product is fp32; a 16-bit
+    model's rounds v to bfloat16 (as a 16-bit pool rounds it to its own dtype), also where the
+    deltas go to a float32 buffer."""
+    from radixlora.kernels.sgmv_expand import expand_fp32_dot
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert expand_fp32_dot(torch.int8, torch.float32, cuda)
+    assert not expand_fp32_dot(torch.int8, torch.bfloat16, cuda)
+    assert not expand_fp32_dot(torch.int8, torch.float16, cuda)
+    assert not expand_fp32_dot(torch.bfloat16, torch.float32, cuda)  # a bf16 pool's own dtype
+    assert expand_fp32_dot(torch.float32, torch.float32, cuda)
+    assert expand_fp32_dot(torch.int8, torch.bfloat16, cpu)  # the interpreter: always fp32
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["per_segment", "grouped"])
+def test_int8_deferred_delta_equals_the_torch_backend(grouped):
+    """The Triton backend's deferred delta on an int8 pool (a float32 delta buffer) equals the
+    torch backend's on the same pool, per-segment and grouped."""
+    from radixlora.kernels.lora_ops import LoraBatchMeta, TorchLoraBackend, TritonLoraBackend
+    from tests.test_kernels_sgmv import build_case, build_grouped_case, int8_pool
+
+    build = build_grouped_case if grouped else build_case
+    pool, x, _, segs = build("stacks_1_to_8" if grouped else "stacks", 3)
+    quant, qscales, _ = int8_pool(pool)
+    meta = LoraBatchMeta.from_segments(*segs, device="cpu", grouped=grouped)
+    deltas = []
+    for backend in (TritonLoraBackend(split_k=2), TorchLoraBackend()):
+        delta = torch.zeros(x.shape[0], quant.b.shape[1])  # a zeroed workspace
+        backend.deferred_delta(x, quant.a, quant.b, quant.out_offsets, meta, delta, qscales)
+        deltas.append(delta)
+    torch.testing.assert_close(deltas[0], deltas[1], rtol=1e-5, atol=1e-5)
