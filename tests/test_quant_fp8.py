@@ -15,6 +15,7 @@ from radixlora.model.quant_fp8 import (
     Fp8Linear,
     fp8_linear_w8a8,
     quantize_per_token,
+    quantize_per_token_ref,
     scaled_mm_supported,
 )
 from scripts.checkpoints import build_fp8_model, build_peft_adapter
@@ -67,9 +68,30 @@ def test_w8a8_product_is_within_fp8_error_of_the_reference():
     # e4m3 keeps 3 mantissa bits (relative error <= 1/16 per activation); over 256 terms the
     # errors average out to about 1% of the output's scale
     assert (y - reference).norm() / reference.norm() < 0.03
-    x8, x_scale = quantize_per_token(x)
+    x8, x_scale = quantize_per_token_ref(x)
     assert torch.equal(x8.float().abs().amax(dim=1), torch.full((6,), 448.0))
     assert torch.allclose(x8.float() * x_scale, x, rtol=1 / 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("in_dim", [40, 4096 + 48])  # one loop step; two, the last masked
+def test_triton_activation_quantization_equals_the_torch_one(dtype, in_dim):
+    """The one-launch Triton quantizer of the GPU path (interpreted here) gives the torch
+    spelling's e4m3 values and scales bit for bit: tokens spanning e4m3's subnormal range
+    (values below 2**-6 of the scale), exact ties between two e4m3 values, an all-zero token
+    and negative zeros."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, in_dim, generator=g) * torch.logspace(-6, 2, in_dim).flip(0)
+    x[1] = torch.linspace(-448, 448, in_dim).round()  # absmax 448: scale 1, e4m3 ties
+    x[2] = 0.0
+    x[3, : in_dim // 2] = -0.0
+    x[4, 0] = 3e4  # everything else falls below e4m3's smallest normal
+    x = x.to(dtype)
+    x8, scale = quantize_per_token(x)
+    ref8, ref_scale = quantize_per_token_ref(x)
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(x8.view(torch.uint8), ref8.view(torch.uint8))
+    assert (x8.view(torch.uint8) & 0x7F).ne(0).sum() > in_dim  # not all rounded to zero
 
 
 def test_the_fp8_gemm_path_is_chosen_only_on_cuda_89():

@@ -6,7 +6,10 @@ A weight is stored as float8_e4m3fn W8 with float32 scales s (one per output row
 scale is repeated over its rows, which is exact), and means W = W8 * s. On CUDA devices of
 compute capability 8.9 or more, `Fp8Linear` quantizes each token of x to e4m3 with its own scale
 (absmax / 448) and multiplies in FP8 through torch._scaled_mm with both scale vectors (W8A8, as
-vLLM does); elsewhere it dequantizes W to x's dtype and runs the dense GEMM (the reference)."""
+vLLM does); elsewhere it dequantizes W to x's dtype and runs the dense GEMM (the reference).
+On CUDA the activations are quantized by one Triton kernel (a program per token), not by the
+nine elementwise and reduction launches of the torch spelling: at decode those launches cost
+more than the FP8 GEMM's weight read."""
 
 from __future__ import annotations
 
@@ -16,8 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlora.kernels.triton_compat import tl, triton
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
+E4M3_MIN_NORMAL = 2.0**-6  # below it e4m3 values are multiples of 2**-9
+MAX_QUANT_BLOCK = 4096  # activations per step of the quantization kernel's loops
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -47,17 +54,68 @@ def scaled_mm_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in e4m3, its float32 scale per token [T, 1]): x = x8 * scale, scale = absmax / 448."""
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+@triton.jit
+def _quantize_per_token_kernel(x_ptr, q_ptr, scale_ptr, in_dim, stride_xt, stride_qt,
+                               BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    x_row, q_row = x_ptr + row * stride_xt, q_ptr + row * stride_qt
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(0, in_dim, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < in_dim, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)
+    tl.store(scale_ptr + row, scale)
+    for k in range(0, in_dim, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        mask = offs < in_dim
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+        tl.store(q_row + offs, _round_to_e4m3(q).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v (|v| <= 448) rounded to the nearest e4m3 value (ties to even) and kept in fp32, as
+    torch rounds; the cast that follows is then exact on the GPU and in the interpreter,
+    whose own cast truncates. Normal values keep 3 mantissa bits; below 2**-6 the values are
+    the multiples of 2**-9 (the rounding of |v| * 512 + 2**23 in fp32 is that of rint)."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    sub = ((tl.abs(v) * 512.0 + 8388608.0) - 8388608.0) * 0.001953125
+    sub = tl.where(bits < 0, -sub, sub)
+    return tl.where(tl.abs(v) >= 0.015625, normal, sub)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_per_token_ref in one Triton launch, bit for bit: x [T, K] (last dim
+    contiguous) -> (x8 [T, K] e4m3, scale [T, 1] float32)."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [T, K] with contiguous rows, got {tuple(x.shape)} strides "
+                         f"{x.stride()}")
+    x8 = torch.empty(x.shape, dtype=FP8, device=x.device)
+    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    if x.shape[0] == 0:
+        return x8, scale
+    block = min(MAX_QUANT_BLOCK, triton.next_power_of_2(max(x.shape[1], 16)))
+    _quantize_per_token_kernel[(x.shape[0],)](x, x8, scale, x.shape[1], x.stride(0),
+                                              x8.stride(0), BLOCK=block)  # fmt: skip
+    return x8, scale
+
+
 def fp8_linear_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """x @ (weight * weight_scale[:, None]).T + bias with x quantized per token to e4m3 and the
-    product in FP8 (torch._scaled_mm, fp32 accumulation, scales applied in its epilogue)."""
-    x8, x_scale = quantize_per_token(x)
+    product in FP8 (torch._scaled_mm, fp32 accumulation, scales applied in its epilogue).
+    weight [out, in] row-major: weight.t() is the column-major operand _scaled_mm wants, a
+    view (no copy per call)."""
+    x8, x_scale = quantize_per_token(x) if x.is_cuda else quantize_per_token_ref(x)
     y = torch._scaled_mm(x8, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
                          out_dtype=x.dtype)
     return y if bias is None else y + bias
