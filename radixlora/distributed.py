@@ -18,7 +18,8 @@ partial base output before the all-reduce that output needs anyway: no collectiv
 Every rank lays its slices out at the same pool rows, so the scheduler sees one pool.
 
 The process group is gloo on the CPU and NCCL on CUDA (model collectives on the device); the
-plan broadcast always runs on a gloo group, as msgpack bytes (never pickled)."""
+plan broadcast always runs on a gloo group, as msgpack bytes (never pickled). The ranks may span
+nodes (node_ranks): their collectives and that broadcast are the only traffic between hosts."""
 
 from __future__ import annotations
 
@@ -197,6 +198,20 @@ class TensorParallel:
         if dist.is_initialized():
             dist.barrier(group=self.control)
             dist.destroy_process_group()
+
+
+def node_ranks(size: int, nnodes: int, node_rank: int) -> range:
+    """The ranks node `node_rank` of `nnodes` runs: size / nnodes consecutive ones, so node 0
+    holds rank 0 (the one the scheduler talks to)."""
+    per_node = size // nnodes
+    return range(node_rank * per_node, (node_rank + 1) * per_node)
+
+
+def local_device(device: torch.device, rank: int, size: int, nnodes: int) -> torch.device:
+    """The device rank `rank` drives: on CUDA its node's cuda:<local rank>."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", rank % (size // nnodes))
 
 
 def rank_from_env() -> int:

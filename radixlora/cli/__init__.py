@@ -18,8 +18,10 @@ from radixlora.cli.flags import (
     HelpFormatter,
     add_engine_flags,
     add_model_flags,
+    add_multinode_flags,
     engine_overrides,
     model_and_adapters,
+    multinode,
     positive,
     resolved_overrides,
 )
@@ -116,9 +118,11 @@ def prepare(args: argparse.Namespace):
         EngineConfig(**engine_overrides(args))
     except ValueError as e:
         raise StartError(_flag_hint(str(e))) from e
-    check_port(args.host, args.port, "--port")
-    if args.zmq_client_port is not None:
-        check_port("127.0.0.1", args.zmq_client_port, "--zmq-client-port")
+    nodes = multinode(args)
+    if nodes[1] == 0:  # a node > 0 serves neither HTTP nor ZeroMQ clients
+        check_port(args.host, args.port, "--port")
+        if args.zmq_client_port is not None:
+            check_port("127.0.0.1", args.zmq_client_port, "--zmq-client-port")
     if args.adapter_dir is not None and not os.path.isdir(args.adapter_dir):
         raise StartError(f"--adapter-dir {args.adapter_dir} is not a directory")
     if args.otlp_traces_endpoint:
@@ -135,7 +139,7 @@ def prepare(args: argparse.Namespace):
         overrides = resolved_overrides(args, model)
         check_device(overrides)
         check_replicas(overrides, args.data_parallel_size)
-        server_args = _server_args(args, model, adapters, served_name, overrides)
+        server_args = _server_args(args, model, adapters, served_name, overrides, nodes)
         engine = server_args.engine_config()
         engine.max_context(model_cfg.served(engine))
     except (ValueError, RadixLoraError) as e:
@@ -164,7 +168,7 @@ def _flag_hint(message: str) -> str:
 
 
 def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], served_name,
-                 engine: dict):
+                 engine: dict, nodes: tuple[int, int, str | None]):
     from radixlora.server.args import ServerArgs
 
     return ServerArgs(
@@ -176,6 +180,9 @@ def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], serv
         zmq_client_port=args.zmq_client_port,
         engine=engine,
         tensor_parallel_size=args.tensor_parallel_size,
+        nnodes=nodes[0],
+        node_rank=nodes[1],
+        dist_init_addr=nodes[2],
         data_parallel_size=args.data_parallel_size,
         router_policy=args.router_policy,
         vllm_metric_names=args.vllm_metric_names,
@@ -245,6 +252,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--tensor-parallel-size", "--tp-size", "-tp", type=positive(int), default=1,
                    metavar="N", help="worker processes, one per device (gloo ranks on the CPU), "
                                      "each holding 1/N of the model's heads and rows")
+    add_multinode_flags(p)
     p.add_argument("--data-parallel-size", "--dp-size", "-dp", type=positive(int), default=1,
                    metavar="N", help="replicas (a scheduler and a worker each) behind one api "
                                      "and tokenizer; on CUDA replica i runs on device i, on the "

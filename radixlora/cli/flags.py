@@ -261,3 +261,53 @@ def model_and_adapters(args: argparse.Namespace) -> tuple[str | Path, dict[str, 
         model = local
     adapters = {name: str(resolve(path, f"adapter {name}")) for name, path in adapters.items()}
     return model, adapters, served_name
+
+
+TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"  # torchrun sets it in every process it starts
+
+
+def add_multinode_flags(p: argparse.ArgumentParser) -> None:
+    """SGLang's multi-node tensor-parallel flags; under torchrun its environment gives them."""
+    p.add_argument("--nnodes", type=positive(int), default=None, metavar="N",
+                   help="nodes the tensor-parallel ranks span, tensor-parallel-size / N on each "
+                        "(default 1; under torchrun: its GROUP_WORLD_SIZE)")
+    p.add_argument("--node-rank", type=positive(int, allow_zero=True), default=None,
+                   metavar="R",
+                   help="this node: 0 serves HTTP and schedules, another only runs its worker "
+                        "ranks, R * tensor-parallel-size / nnodes onwards (default 0; under "
+                        "torchrun: its GROUP_RANK)")
+    p.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="where every node's ranks meet: a TCPStore that rank 0 on node 0 hosts "
+                        "(needed with --nnodes > 1; default: a file in the server's private "
+                        "directory; under torchrun: MASTER_ADDR:MASTER_PORT)")
+
+
+def multinode(args: argparse.Namespace, environ=os.environ) -> tuple[int, int, str | None]:
+    """(nnodes, node_rank, dist_init_addr): the flags'; under torchrun (one `radixlora serve`
+    per node) its environment's, which a flag given too must equal."""
+    flags = {"--nnodes": args.nnodes, "--node-rank": args.node_rank,
+             "--dist-init-addr": args.dist_init_addr}
+    if TORCHRUN_ENV not in environ:
+        return args.nnodes or 1, args.node_rank or 0, args.dist_init_addr
+    resolved = torchrun_nodes(environ)
+    for (flag, value), env_value in zip(flags.items(), resolved):
+        if value is not None and value != env_value:
+            raise SystemExit(f"{flag} {value} disagrees with torchrun's environment "
+                             f"({env_value}); leave it out under torchrun")
+    return resolved
+
+
+def torchrun_nodes(environ) -> tuple[int, int, str | None]:
+    """(nnodes, node_rank, dist_init_addr) of the environment torchrun gives its processes:
+    GROUP_WORLD_SIZE, GROUP_RANK and MASTER_ADDR:MASTER_PORT (torchrun's own store, which the
+    ranks join; with one node they meet in the private directory instead)."""
+    if environ.get("LOCAL_WORLD_SIZE", "1") != "1":
+        raise SystemExit("under torchrun, run one radixlora serve per node (--nproc-per-node 1)"
+                         ": it starts the node's tensor-parallel ranks itself")
+    try:
+        nnodes, node_rank = int(environ["GROUP_WORLD_SIZE"]), int(environ["GROUP_RANK"])
+        addr = f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}" if nnodes > 1 else None
+    except (KeyError, ValueError) as e:
+        raise SystemExit(f"{TORCHRUN_ENV} is set but torchrun's environment is not "
+                         f"complete: {e}") from None
+    return nnodes, node_rank, addr

@@ -5,6 +5,7 @@ since it holds the keys)."""
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from pathlib import Path
 
 import msgspec
@@ -73,6 +74,10 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     zmq_client_port: int | None = None
     engine: dict[str, object] = {}  # EngineConfig overrides
     tensor_parallel_size: int = 1  # worker ranks (processes), each holding a shard of the model
+    nnodes: int = 1  # hosts the tensor-parallel ranks span, tensor_parallel_size / nnodes each
+    node_rank: int = 0  # 0: the head (HTTP, scheduler, rank 0); others: only their worker ranks
+    dist_init_addr: str | None = None  # HOST:PORT where every node's ranks meet (a TCPStore)
+    dist_init_method: str = ""  # the rendezvous URL the launcher hands its worker ranks
     data_parallel_size: int = 1  # replicas: scheduler + worker groups behind one api
     dp_rank: int = 0  # the replica a scheduler or worker child serves
     router_policy: str = "cache_aware"  # how the replicas share requests (server/router.py)
@@ -117,8 +122,32 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError("--data-parallel-size with --tensor-parallel-size > 1 is not "
                              "supported yet")
+        self._check_nodes()
         if self.router_policy not in ("cache_aware", "round_robin"):
             raise ValueError("--router-policy must be 'cache_aware' or 'round_robin'")
+
+    def _check_nodes(self) -> None:
+        """--nnodes, --node-rank and --dist-init-addr make one group of
+        --tensor-parallel-size ranks, split evenly over the nodes."""
+        n, tp = self.nnodes, self.tensor_parallel_size
+        if not 1 <= n <= 256:
+            raise ValueError("--nnodes must be in [1, 256]")
+        if not 0 <= self.node_rank < n:
+            raise ValueError(f"--node-rank {self.node_rank} is out of range: --nnodes {n} "
+                             f"numbers the nodes 0 to {n - 1}")
+        if tp % n:
+            raise ValueError(f"--tensor-parallel-size {tp} does not split over --nnodes {n}: "
+                             "every node runs tensor-parallel-size / nnodes ranks")
+        if n > 1 and not self.dist_init_addr:
+            raise ValueError(f"--nnodes {n} needs --dist-init-addr HOST:PORT, an address of "
+                             "node 0 every node can reach (the ranks meet there)")
+        if self.dist_init_addr is None:
+            return
+        host, _ = split_host_port(self.dist_init_addr)
+        if n == 1 and not is_loopback(host):
+            raise ValueError(f"--dist-init-addr {self.dist_init_addr} is not a loopback address "
+                             "but --nnodes is 1: one node's ranks meet on this host (give "
+                             "--nnodes for a multi-node launch)")
 
     @property
     def model_name(self) -> str:
@@ -136,3 +165,21 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def from_json(cls, raw: str | bytes) -> ServerArgs:
         return msgspec.json.decode(raw, type=cls)
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """("HOST", PORT) of --dist-init-addr HOST:PORT (an IPv6 host in brackets: [::1]:29500)."""
+    host, sep, port = addr.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--dist-init-addr expects HOST:PORT (port 1-65535), got {addr!r}")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False

@@ -7,7 +7,11 @@ not needed to serve: if it dies or falls silent, /health says "degraded" (HTTP 2
 launcher restarts it. The private temporary directory is named after the launcher's pid, so a
 later launcher removes it if this one was killed before it could. With --data-parallel-size N
 each replica is a scheduler-dp<i> and a worker-dp<i> (on CUDA, device i), any of them a core
-child; the tokenizer routes between them."""
+child; the tokenizer routes between them. With --nnodes N the tensor-parallel ranks span N
+hosts: node 0 runs everything above with its share of the ranks, every other node
+(--node-rank R) only its ranks, which meet node 0's at --dist-init-addr and run what rank 0
+broadcasts; that node's launcher watches them like core children and exits 1 when one dies
+(as each does once rank 0 is gone), 0 on SIGTERM."""
 
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ import zmq
 
 from radixlora.adapters import AdapterChoice
 from radixlora.config import ModelConfig
-from radixlora.distributed import TP_RANK_ENV, worker_rank_name
+from radixlora.distributed import TP_RANK_ENV, node_ranks, worker_rank_name
 from radixlora.sampling import SamplingParams
 from radixlora.server.api import Api
 from radixlora.server.args import Endpoints, ServerArgs
@@ -60,6 +64,7 @@ WORKDIR_NAME = re.compile(r"radixlora-(\d+)-\w+")  # radixlora-<launcher pid>-<r
 CANNOT_START = " process cannot start: "  # a child's start-up failure line (ipc.child_main)
 EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit)\b.*")
 RELAY_DRAIN_S = 2.0  # how long a failed start-up waits for the dead child's last lines
+TP_RENDEZVOUS = "tp-rendezvous"  # the ranks' file store in the private directory (one node)
 
 
 class StartupError(Exception):
@@ -76,11 +81,15 @@ class Children:
 
     def __init__(self, args: ServerArgs):
         self.args = args
-        ranks = tuple(worker_rank_name(r) for r in range(1, args.tensor_parallel_size))
-        self.core = core_children(args.data_parallel_size) + ranks  # any dead: the server stops
+        head = args.node_rank == 0
+        ranks = tuple(worker_rank_name(r) for r in node_ranks(args.tensor_parallel_size,
+                                                              args.nnodes, args.node_rank)
+                      if r > 0)  # fmt: skip
+        # any dead: the server stops; a node > 0 runs only its worker ranks
+        self.core = (core_children(args.data_parallel_size) if head else ()) + ranks
         self.workers = tuple(n for n in self.core  # those that size the pools (not TP ranks)
                              if n.split("-")[0] == FIRST and n not in ranks)
-        self.names = self.core + (OPTIONAL if args.adapter_dir else ())
+        self.names = self.core + (OPTIONAL if args.adapter_dir and head else ())
         self.sized: dict[str, ServerArgs] = {}  # replica children: their replica's sized args
         self.procs: dict[str, subprocess.Popen] = {}
         self.pids: dict[str, int] = {}  # kept up to date (the api shows it)
@@ -378,6 +387,8 @@ class Launcher:
             args, endpoints=Endpoints.in_dir(self.workdir, client, args.data_parallel_size),
             launcher_pid=os.getpid(),
             state_dir=state_dir,
+            dist_init_method=(f"tcp://{args.dist_init_addr}" if args.dist_init_addr
+                              else f"file://{os.path.join(self.workdir, TP_RENDEZVOUS)}"),
         )
         self.exit_code = 0
         self.server: DrainingServer | None = None
@@ -394,22 +405,19 @@ class Launcher:
             self.inbox = Inbox(ctx, self.args.endpoints.launcher, LauncherInbox)
             # subscribed before the registry starts, so that it need not wait for the api
             # (which serves only once every process is ready) to publish what it validated
-            if self.args.adapter_dir:
+            if self.args.adapter_dir and self.head:
                 self.registry_events = subscribe(ctx, self.args.endpoints.registry)
-            log.info("starting the worker process: it loads the model and sizes the pools")
-            children = Children(self.args)
+            children = self.start_children()
             started = time.monotonic()
             seen: dict[type, dict] = {Sized: {}, Ready: {}}
-            timeout = self.args.ready_timeout_s
-            sized = wait_for(self.inbox, children, timeout, children.workers, Sized, seen)
-            self.args = sized_args(self.args, sized[children.workers[0]].info)
-            rest = [name for name in children.names if name not in children.workers]
-            log.info("pools sized in %.1f s; starting the %s processes while the worker warms "
-                     "up", time.monotonic() - started, ", ".join(rest))
-            children.start_rest(self.args, sized)  # they start while the worker warms up
-            ready = wait_for(self.inbox, children, timeout, children.names, Ready, seen)
+            if self.head:
+                self.size_pools(children, seen, started)
+            ready = wait_for(self.inbox, children, self.args.ready_timeout_s, children.names,
+                             Ready, seen)  # fmt: skip
             children.starting.clear()
             log.info("every process ready in %.1f s", time.monotonic() - started)
+            if not self.head:
+                return self.follow_head(children, previous)
             signal.signal(signal.SIGTERM, previous)
             return uvloop.run(self.serve(children, ready))
         except StartupError as e:
@@ -425,6 +433,51 @@ class Launcher:
             log.log(level, "stopped")
             if failure is not None:
                 log.error("start-up failed: %s", failure)
+
+    @property
+    def head(self) -> bool:
+        return self.args.node_rank == 0
+
+    def start_children(self) -> Children:
+        args = self.args
+        if self.head:
+            log.info("starting the worker process: it loads the model and sizes the pools")
+        else:
+            ranks = node_ranks(args.tensor_parallel_size, args.nnodes, args.node_rank)
+            log.info("node %d of %d: starting worker ranks %d-%d of %d; they meet node 0's at "
+                     "%s", args.node_rank, args.nnodes, ranks[0], ranks[-1],
+                     args.tensor_parallel_size, args.dist_init_addr)
+        return Children(args)
+
+    def size_pools(self, children: Children, seen: dict[type, dict], started: float) -> None:
+        """Wait for the worker's pool sizes, then hand them to the other children, which start
+        while the worker warms up."""
+        sized = wait_for(self.inbox, children, self.args.ready_timeout_s, children.workers,
+                         Sized, seen)  # fmt: skip
+        self.args = sized_args(self.args, sized[children.workers[0]].info)
+        rest = [name for name in children.names if name not in children.workers]
+        log.info("pools sized in %.1f s; starting the %s processes while the worker warms "
+                 "up", time.monotonic() - started, ", ".join(rest))
+        children.start_rest(self.args, sized)
+
+    def follow_head(self, children: Children, previous_sigterm) -> int:
+        """A node > 0 once its ranks are ready: watch them until SIGTERM/SIGINT (exit 0) or
+        until one dies or falls silent (exit 1). They follow node 0's rank 0, so the head
+        stopping ends them too (their collectives fail)."""
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        log.info("node %d ready: its worker ranks follow node 0", self.args.node_rank)
+        while not stop.wait(WATCH_INTERVAL_S):
+            for msg in self.inbox.recv_nowait():
+                children.on_beat(msg)
+            children.kill_silent(children.names)
+            dead = children.first_dead(children.core)
+            if dead is not None:
+                log.error("%s; stopping node %d", dead, self.args.node_rank)
+                return 1
+        signal.signal(signal.SIGTERM, previous_sigterm)
+        return 0
 
     async def serve(self, children: Children, ready: dict[str, Ready]) -> int:
         args = self.args
@@ -581,5 +634,5 @@ def stop_starting(*_) -> None:
 
 
 def serve(args: ServerArgs) -> int:
-    setup_logging(args.log_level, "api")
+    setup_logging(args.log_level, "api" if args.node_rank == 0 else f"node{args.node_rank}")
     return Launcher(args).run()

@@ -14,7 +14,7 @@ import torch
 import zmq
 
 from radixlora.config import ModelConfig
-from radixlora.distributed import TensorParallel, rank_from_env, worker_rank_name
+from radixlora.distributed import TensorParallel, local_device, rank_from_env, worker_rank_name
 from radixlora.errors import AdapterError
 from radixlora.executor import StepExecutor
 from radixlora.lora.adapter import LoraAdapter, load_adapter
@@ -29,7 +29,6 @@ from radixlora.step_plan import AdapterLoad, StepPlan, StepResult
 log = logging.getLogger(__name__)
 
 BEAT_POLL_MS = 250  # an idle worker's loop comes round this often to beat
-TP_RENDEZVOUS = "tp-rendezvous"  # the ranks' file store, beside the private state directory
 PREFETCH_S = 10.0  # start-up adapters read into the host tier before Ready, at most this long
 
 
@@ -52,16 +51,14 @@ def make_executor(args: ServerArgs, rank: int = 0) -> StepExecutor:
 def join_group(args: ServerArgs, model_cfg: ModelConfig,
                rank: int) -> tuple[TensorParallel | None, torch.device | None]:
     """(this rank's tensor-parallel group, its device): (None, None) without tensor parallel.
-    The ranks meet at a file in the launcher's private directory; on CUDA rank r drives
-    cuda:r."""
+    The ranks meet where the launcher says (a file in its private directory, or node 0's
+    --dist-init-addr); on CUDA each node's ranks drive its cuda:0, cuda:1, ..."""
     size = args.tensor_parallel_size
     if size == 1:
         return None, None
     device = torch.device(args.engine_config().resolved_device())
-    if device.type == "cuda":
-        device = torch.device("cuda", rank)
-    rendezvous = f"file://{Path(args.state_dir).parent / TP_RENDEZVOUS}"
-    return TensorParallel.init(rank, size, model_cfg, rendezvous, device), device
+    device = local_device(device, rank, size, args.nnodes)
+    return TensorParallel.init(rank, size, model_cfg, args.dist_init_method, device), device
 
 
 def run(args: ServerArgs, ctx: zmq.Context) -> None:
@@ -84,7 +81,8 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
 def follow(executor: StepExecutor, args: ServerArgs, ctx: zmq.Context, rank: int) -> None:
     """Tensor-parallel rank > 0: run every plan rank 0 hands over, in its order, and drop the
     results (rank 0 answers the scheduler). Rank 0 sends at least every BEAT_POLL_MS, so this
-    loop beats while the server idles."""
+    loop beats while the server idles; once rank 0 is gone (its connection closes, or the
+    broadcast times out) the rank exits 1."""
     runner, name = executor.runner, worker_rank_name(rank)
     runner.warm_up()
     prefetch_adapters(runner, args)
@@ -93,7 +91,13 @@ def follow(executor: StepExecutor, args: ServerArgs, ctx: zmq.Context, rank: int
     done = 0
     while True:
         heart.beat(done)
-        for plan in runner.tp.recv_plans():
+        try:
+            plans = runner.tp.recv_plans()
+        except RuntimeError as e:  # what torch.distributed raises when a peer is lost
+            log.error("rank %d lost rank 0 (node 0's worker stopped, or the network between "
+                      "them failed): %s", rank, e)
+            raise SystemExit(1) from None
+        for plan in plans:
             submit(executor, plan)
         done += len(executor.collect(keep=1, done_too=True))
 

@@ -1,0 +1,210 @@
+"""Multi-node tensor parallel on the CPU (gloo), two "nodes" on this machine: a head
+`radixlora serve --tp-size 2 --nnodes 2 --node-rank 0 --dist-init-addr 127.0.0.1:PORT` and a
+headless `... --node-rank 1`, whose ranks meet at the head's TCPStore. Through the official
+openai client the pair answers the single-device Engine's greedy tokens and logprobs, for the
+base and an adapter; killing either node stops the other (the head answers 503 and exits 1,
+node 1 exits 1), nothing hangs. The flags' checks and torchrun's environment need no process."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixlora import SamplingParams
+from radixlora.cli import main
+from radixlora.cli.flags import multinode
+from radixlora.distributed import local_device, node_ranks
+from radixlora.server.args import ServerArgs
+from tests.server_harness import (
+    ENGINE_FLAGS,
+    MODEL_NAME,
+    ServerProcess,
+    alive,
+    build_checkpoints,
+    engine_like_server,
+    free_port,
+    wait_health_503,
+)
+
+PROMPT = "A radix cache shares prefix KV"
+MAX_TOKENS = 6
+TOL = 1e-4
+STOP_S = 20  # a node must be gone this long after the other one died
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return build_checkpoints(tmp_path_factory.mktemp("multinode"))
+
+
+class Node:
+    """A headless `radixlora serve --node-rank R` (no HTTP, only its worker ranks)."""
+
+    def __init__(self, model: Path, adapters: dict[str, Path], log_path: Path, *flags: str):
+        cmd = [sys.executable, "-m", "radixlora.cli", "serve", "--log-level", "info",
+               *ENGINE_FLAGS, "--model", str(model), *flags]
+        for name, path in adapters.items():
+            cmd += ["--adapter", f"{name}={path}"]
+        self.log_path = log_path
+        self.log = open(log_path, "wb")  # noqa: SIM115 (lives as long as the node)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "ready: its worker ranks follow node 0" not in self.logs():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"node exited or never got ready:\n{self.logs()}")
+            time.sleep(0.1)
+
+    def logs(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def start_pair(checkpoints, tmp: Path) -> tuple[ServerProcess, Node]:
+    model, adapters = checkpoints
+    group = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}",
+             "--dtype", "float32"]
+    node = Node(model, adapters, tmp / "node1.log", *group, "--node-rank", "1")
+    head = ServerProcess(model, adapters, tmp / "head.log", *group, "--node-rank", "0")
+    return head, node
+
+
+@pytest.fixture
+def pair(checkpoints, tmp_path):
+    head, node = start_pair(checkpoints, tmp_path)
+    try:
+        head.wait_ready()
+        node.wait_ready()
+        yield head, node
+    finally:
+        head.stop()
+        node.stop()
+
+
+def test_two_nodes_serve_the_single_device_tokens_and_stop_together(pair, checkpoints):
+    import openai
+
+    head, node = pair
+    engine = engine_like_server(*checkpoints)
+    client = openai.OpenAI(base_url=head.url + "/v1", api_key="none", max_retries=0)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+    for model, adapters in ((MODEL_NAME, None), ("support", "support")):
+        want = engine.generate(PROMPT, params, adapters=adapters)[0].outputs[0]
+        got = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                        temperature=0, logprobs=1,
+                                        extra_body={"ignore_eos": True}).choices[0]  # fmt: skip
+        assert got.text == want.text, model
+        assert got.logprobs.token_logprobs == pytest.approx(want.logprobs, abs=TOL), model
+    ranks = children(node.proc.pid)
+    assert ranks, node.logs()
+    node.proc.send_signal(signal.SIGKILL)  # the whole node: its ranks die with their launcher
+    wait_health_503(head, 10)
+    assert head.proc.wait(STOP_S) == 1, head.logs()
+    assert "worker process" in head.logs()
+    assert not any(alive(pid) for pid in ranks)
+
+
+def test_node_1_exits_when_the_head_dies(pair):
+    head, node = pair
+    head.proc.send_signal(signal.SIGKILL)
+    assert node.proc.wait(STOP_S) == 1, node.logs()
+    assert "lost rank 0" in node.logs()
+
+
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid`."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if ppid == pid:
+                out.append(int(entry))
+    return out
+
+
+def test_each_node_runs_its_share_of_the_ranks_on_its_own_devices():
+    assert [list(node_ranks(8, 2, n)) for n in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert list(node_ranks(2, 1, 0)) == [0, 1]
+    assert local_device(torch.device("cuda"), 6, 8, 2) == torch.device("cuda", 2)
+    assert local_device(torch.device("cpu"), 6, 8, 2) == torch.device("cpu")
+
+
+@pytest.mark.parametrize(("flags", "error"), [
+    ({"tensor_parallel_size": 3, "nnodes": 2, "dist_init_addr": "h:1"}, "does not split over"),
+    ({"tensor_parallel_size": 2, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"},
+     "--node-rank 2 is out of range"),
+    ({"tensor_parallel_size": 2, "nnodes": 2}, "needs --dist-init-addr"),
+    ({"tensor_parallel_size": 2, "dist_init_addr": "10.0.0.1:29500"}, "not a loopback"),
+    ({"tensor_parallel_size": 2, "dist_init_addr": "head:29500"}, "not a loopback"),
+    ({"tensor_parallel_size": 2, "nnodes": 2, "dist_init_addr": "head"}, "expects HOST:PORT"),
+    ({"tensor_parallel_size": 2, "nnodes": 2, "dist_init_addr": "head:0"}, "expects HOST:PORT"),
+    ({"tensor_parallel_size": 4, "nnodes": 2, "data_parallel_size": 2, "dist_init_addr": "h:1"},
+     "--data-parallel-size"),
+])  # fmt: skip
+def test_bad_node_flags_are_refused(flags, error):
+    with pytest.raises(ValueError, match=error):
+        ServerArgs(model="m", **flags)
+
+
+@pytest.mark.parametrize("flags", [
+    {"tensor_parallel_size": 2, "dist_init_addr": "127.0.0.1:29500"},
+    {"tensor_parallel_size": 2, "dist_init_addr": "[::1]:29500"},
+    {"tensor_parallel_size": 2, "dist_init_addr": "localhost:29500"},
+    {"tensor_parallel_size": 2, "nnodes": 2, "node_rank": 1, "dist_init_addr": "head:29500"},
+    {"tensor_parallel_size": 4, "nnodes": 4, "node_rank": 3, "dist_init_addr": "[fd00::1]:1"},
+])  # fmt: skip
+def test_good_node_flags_are_accepted(flags):
+    ServerArgs(model="m", **flags)
+
+
+def test_bad_flags_fail_before_anything_starts(checkpoints):
+    model, _ = checkpoints
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--model", str(model), "--tp-size", "3", "--nnodes", "2",
+              "--dist-init-addr", "127.0.0.1:29500"])
+    assert "radixlora serve: error: --tensor-parallel-size 3 does not split" in str(exc.value)
+
+
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "2",
+            "GROUP_RANK": "1", "MASTER_ADDR": "head", "MASTER_PORT": "29500"}
+
+
+def flags(nnodes=None, node_rank=None, dist_init_addr=None) -> argparse.Namespace:
+    return argparse.Namespace(nnodes=nnodes, node_rank=node_rank, dist_init_addr=dist_init_addr)
+
+
+def test_nodes_come_from_the_flags_without_torchrun():
+    assert multinode(flags(), {"MASTER_ADDR": "x", "RANK": "3"}) == (1, 0, None)
+    assert multinode(flags(2, 1, "head:1"), {}) == (2, 1, "head:1")
+
+
+def test_nodes_come_from_torchruns_environment():
+    assert multinode(flags(), TORCHRUN) == (2, 1, "head:29500")
+    assert multinode(flags(2, 1, "head:29500"), TORCHRUN) == (2, 1, "head:29500")
+    one_node = TORCHRUN | {"GROUP_WORLD_SIZE": "1", "GROUP_RANK": "0"}
+    assert multinode(flags(), one_node) == (1, 0, None)  # the ranks meet in a private file
+    with pytest.raises(SystemExit, match="--node-rank 0 disagrees"):
+        multinode(flags(node_rank=0), TORCHRUN)
+    with pytest.raises(SystemExit, match="--nproc-per-node 1"):
+        multinode(flags(), TORCHRUN | {"LOCAL_WORLD_SIZE": "2"})
+    with pytest.raises(SystemExit, match="not complete"):
+        multinode(flags(), {k: v for k, v in TORCHRUN.items() if k != "GROUP_RANK"})
