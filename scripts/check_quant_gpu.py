@@ -467,7 +467,7 @@ def decode_base(shape: dict, device: str, quantization: str | None, smoke: bool)
     result = {"weight_bytes": weights, "floor_ms": weights / HBM_BYTES_PER_S * 1e3}
     prompt, new = (16, 6) if smoke else (128, 32)
     for batch in (1, 32):
-        decode_step_ms(engine, batch, [None], 16, 3, rng)  # compiles, captures extend graphs
+        decode_step_ms(engine, batch, [None], 16, 4, rng)  # compiles, captures extend graphs
         result[f"bs{batch}_step_ms"] = decode_step_ms(engine, batch, [None], prompt, new, rng)
         replay = graph_replay_ms(engine, rows=0, batch=batch) if graphs is not None else None
         result[f"bs{batch}_replay_ms"] = replay
