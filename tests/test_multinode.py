@@ -2,8 +2,9 @@
 `radixlora serve --tp-size 2 --nnodes 2 --node-rank 0 --dist-init-addr 127.0.0.1:PORT` and a
 headless `... --node-rank 1`, whose ranks meet at the head's TCPStore. Through the official
 openai client the pair answers the single-device Engine's greedy tokens and logprobs, for the
-base and an adapter; killing either node stops the other (the head answers 503 and exits 1,
-node 1 exits 1), nothing hangs. The flags' checks and torchrun's environment need no process."""
+base, a start-up adapter and one loaded over HTTP (snapshotted in --state-dir, which every
+node reads); killing either node stops the other (the head answers 503 and exits 1, node 1
+exits 1), nothing hangs. The flags' checks and torchrun's environment need no process."""
 
 from __future__ import annotations
 
@@ -76,11 +77,15 @@ class Node:
 
 
 def start_pair(checkpoints, tmp: Path) -> tuple[ServerProcess, Node]:
+    """Node 1 and the head, "support" given at start-up, "legal" loadable over HTTP."""
     model, adapters = checkpoints
+    start = {"support": adapters["support"]}
     group = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}",
-             "--dtype", "float32"]
-    node = Node(model, adapters, tmp / "node1.log", *group, "--node-rank", "1")
-    head = ServerProcess(model, adapters, tmp / "head.log", *group, "--node-rank", "0")
+             "--dtype", "float32", "--state-dir", str(tmp / "shared")]
+    (tmp / "shared").mkdir()
+    node = Node(model, start, tmp / "node1.log", *group, "--node-rank", "1")
+    head = ServerProcess(model, start, tmp / "head.log", *group, "--node-rank", "0",
+                         "--allowed-adapter-root", str(adapters["legal"].parent))  # fmt: skip
     return head, node
 
 
@@ -96,14 +101,20 @@ def pair(checkpoints, tmp_path):
         node.stop()
 
 
-def test_two_nodes_serve_the_single_device_tokens_and_stop_together(pair, checkpoints):
+def test_two_nodes_serve_the_single_device_tokens_and_stop_together(pair, checkpoints, tmp_path):
     import openai
 
     head, node = pair
     engine = engine_like_server(*checkpoints)
+    load = {"lora_name": "legal", "lora_path": str(checkpoints[1]["legal"])}
+    loaded = head.http.post("/v1/load_lora_adapter", json=load,
+                            headers={"authorization": f"Bearer {head.admin_key}"})
+    assert loaded.status_code == 200, loaded.text
+    (state,) = (tmp_path / "shared").iterdir()
+    assert any((state / "adapters").iterdir())  # the snapshot node 1's rank reads
     client = openai.OpenAI(base_url=head.url + "/v1", api_key="none", max_retries=0)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
-    for model, adapters in ((MODEL_NAME, None), ("support", "support")):
+    for model, adapters in ((MODEL_NAME, None), ("support", "support"), ("legal", "legal")):
         want = engine.generate(PROMPT, params, adapters=adapters)[0].outputs[0]
         got = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
                                         temperature=0, logprobs=1,
@@ -117,6 +128,7 @@ def test_two_nodes_serve_the_single_device_tokens_and_stop_together(pair, checkp
     assert head.proc.wait(STOP_S) == 1, head.logs()
     assert "worker process" in head.logs()
     assert not any(alive(pid) for pid in ranks)
+    assert not state.exists()
 
 
 def test_node_1_exits_when_the_head_dies(pair):
@@ -176,12 +188,17 @@ def test_good_node_flags_are_accepted(flags):
     ServerArgs(model="m", **flags)
 
 
-def test_bad_flags_fail_before_anything_starts(checkpoints):
+@pytest.mark.parametrize(("flags", "error"), [
+    (["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:29500"],
+     "--tensor-parallel-size 3 does not split"),
+    (["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "h:1", "--state-dir", "/nowhere"],
+     "--state-dir /nowhere is not a directory"),
+])  # fmt: skip
+def test_bad_flags_fail_before_anything_starts(checkpoints, flags, error):
     model, _ = checkpoints
     with pytest.raises(SystemExit) as exc:
-        main(["serve", "--model", str(model), "--tp-size", "3", "--nnodes", "2",
-              "--dist-init-addr", "127.0.0.1:29500"])
-    assert "radixlora serve: error: --tensor-parallel-size 3 does not split" in str(exc.value)
+        main(["serve", "--model", str(model), *flags])
+    assert f"radixlora serve: error: {error}" in str(exc.value)
 
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "2",

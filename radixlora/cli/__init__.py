@@ -125,6 +125,8 @@ def prepare(args: argparse.Namespace):
             check_port("127.0.0.1", args.zmq_client_port, "--zmq-client-port")
     if args.adapter_dir is not None and not os.path.isdir(args.adapter_dir):
         raise StartError(f"--adapter-dir {args.adapter_dir} is not a directory")
+    if args.state_dir is not None and not os.path.isdir(args.state_dir):
+        raise StartError(f"--state-dir {args.state_dir} is not a directory")
     if args.otlp_traces_endpoint:
         from radixlora.server.tracing import check_available
 
@@ -183,6 +185,7 @@ def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], serv
         nnodes=nodes[0],
         node_rank=nodes[1],
         dist_init_addr=nodes[2],
+        state_root=args.state_dir,
         data_parallel_size=args.data_parallel_size,
         router_policy=args.router_policy,
         vllm_metric_names=args.vllm_metric_names,

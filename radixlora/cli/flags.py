@@ -280,6 +280,11 @@ def add_multinode_flags(p: argparse.ArgumentParser) -> None:
                    help="where every node's ranks meet: a TCPStore that rank 0 on node 0 hosts "
                         "(needed with --nnodes > 1; default: a file in the server's private "
                         "directory; under torchrun: MASTER_ADDR:MASTER_PORT)")
+    p.add_argument("--state-dir", default=None, metavar="DIR",
+                   help="keep the server's state (snapshots of adapters loaded while serving, "
+                        "which every rank reads) in a new private directory in DIR, removed at "
+                        "exit; with --nnodes > 1, a DIR every node mounts at the same path "
+                        "(default: in the server's private temporary directory)")
 
 
 def multinode(args: argparse.Namespace, environ=os.environ) -> tuple[int, int, str | None]:

@@ -94,6 +94,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     endpoints: Endpoints | None = None
     launcher_pid: int = 0
     state_dir: str = ""  # private to this server: adapter snapshots, registry state
+    state_root: str | None = None  # --state-dir: where the launcher makes state_dir
     # hot-swap (docs/server.md, "Hot-swap")
     adapter_dir: str | None = None  # watched by the registry process
     adapter_rate: float = 1.0  # new adapters admitted per second (token bucket)

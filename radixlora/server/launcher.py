@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -304,6 +305,19 @@ def make_workdir() -> str:
     return workdir
 
 
+def make_state_dir(workdir: str, root: str | None) -> str:
+    """The server's state directory (adapter snapshots, registry state): a new private one in
+    `root` (--state-dir, which other nodes may read), else in the private directory."""
+    if root is None:
+        state_dir = os.path.join(workdir, "state")
+        os.mkdir(state_dir)
+        return state_dir
+    prefix = f"{WORKDIR_PREFIX}state-{socket.gethostname()}-{os.getpid()}-"
+    state_dir = tempfile.mkdtemp(prefix=prefix, dir=root)
+    os.chmod(state_dir, 0o700)
+    return state_dir
+
+
 def remove_stale_workdirs(tmp: str) -> list[str]:
     """Remove radixlora-<pid>-* directories of this user whose pid is no live process."""
     removed = []
@@ -381,8 +395,7 @@ class Launcher:
         self.workdir = make_workdir()
         client = (f"tcp://127.0.0.1:{args.zmq_client_port}"
                   if args.zmq_client_port is not None else None)
-        state_dir = os.path.join(self.workdir, "state")
-        os.mkdir(state_dir)
+        state_dir = make_state_dir(self.workdir, args.state_root if args.node_rank == 0 else None)
         self.args = msgspec.structs.replace(
             args, endpoints=Endpoints.in_dir(self.workdir, client, args.data_parallel_size),
             launcher_pid=os.getpid(),
@@ -430,6 +443,7 @@ class Launcher:
                 children.stop()
             ctx.destroy(linger=0)
             shutil.rmtree(self.workdir, ignore_errors=True)
+            shutil.rmtree(self.args.state_dir, ignore_errors=True)
             log.log(level, "stopped")
             if failure is not None:
                 log.error("start-up failed: %s", failure)
@@ -441,6 +455,12 @@ class Launcher:
     def start_children(self) -> Children:
         args = self.args
         if self.head:
+            if args.nnodes > 1 and args.state_root is None and (args.adapter_dir
+                                                                 or args.enable_admin):
+                log.warning("--nnodes %d without --state-dir: adapters loaded while serving are "
+                            "kept on this host only, so the other nodes' ranks fail to load "
+                            "them; give a --state-dir every node mounts at the same path",
+                            args.nnodes)
             log.info("starting the worker process: it loads the model and sizes the pools")
         else:
             ranks = node_ranks(args.tensor_parallel_size, args.nnodes, args.node_rank)
