@@ -37,6 +37,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -98,11 +99,29 @@ class Report:
     def line(self, text: str) -> None:
         print(text, flush=True)
 
+    def write_json(self) -> None:
+        if out := os.environ.get("OUT"):
+            Path(out).mkdir(parents=True, exist_ok=True)
+            Path(out, "check_quant_gpu.json").write_text(json.dumps(self.data, indent=2,
+                                                                    default=str))
+
     def check(self, name: str, ok: bool, detail: str) -> None:
         self.line(f"  {'PASS' if ok else 'FAIL'}  {name}: {detail}")
         self.data.setdefault("checks", {})[name] = {"ok": ok, "detail": detail}
         if not ok:
             self.failed.append(name)
+
+
+def attempt(rep: Report, name: str, fn) -> bool:
+    """fn(); an exception is printed and recorded as a failed check, and the run goes on (one
+    GPU call should bring back every section that works)."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        rep.check(name, False, f"raised {type(e).__name__}: {e}")
+        return False
+    return True
 
 
 def timed(fn, device: str) -> dict:
@@ -382,14 +401,21 @@ def check_fp8(rep: Report, name: str, shape, batch: int, device: str, w8, scale,
               "Triton == torch spelling bit for bit" if same else "Triton != torch spelling")
     w_t, row_scale = w8.t(), scale.view(1, -1)
     one = torch.ones((), device=device)
-    return {"rel_err": rel,
+
+    def mm(scale_a, scale_b, fast_accum: bool = False) -> torch.Tensor:
+        return torch._scaled_mm(x8, w_t, scale_a=scale_a, scale_b=scale_b,
+                                out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+
+    fast = mm(x_scale, row_scale, True)
+    rel_fast = float((fast.float() - ref.float()).norm() / ref.float().norm())
+    rep.line(f"  info  fp8 {name} bs{batch} row-wise with use_fast_accum=True: relative error "
+             f"{rel_fast:.4f}")
+    return {"rel_err": rel, "rel_err_fast_accum": rel_fast,
             "quant_triton": timed(lambda: quant_fp8.quantize_per_token(x), device),
             "quant_torch": timed(lambda: quant_fp8.quantize_per_token_ref(x), device),
-            "mm_rowwise": timed(lambda: torch._scaled_mm(x8, w_t, scale_a=x_scale,
-                                                         scale_b=row_scale,
-                                                         out_dtype=torch.bfloat16), device),
-            "mm_tensorwise": timed(lambda: torch._scaled_mm(x8, w_t, scale_a=one, scale_b=one,
-                                                            out_dtype=torch.bfloat16), device),
+            "mm_rowwise": timed(lambda: mm(x_scale, row_scale), device),
+            "mm_rowwise_fast_accum": timed(lambda: mm(x_scale, row_scale, True), device),
+            "mm_tensorwise": timed(lambda: mm(one, one), device),
             "w8a8": timed(lambda: quant_fp8.fp8_linear_w8a8(x, w8, scale, None), device),
             "bf16_gemm": timed(lambda: F.linear(x, ref_w), device)}  # fmt: skip
 
@@ -398,25 +424,29 @@ def section_proj(rep: Report, shape: dict, device: str) -> None:
     rep.line("\n== proj: one projection, us eager / graph (graph: what a decode step pays)")
     if device == "cuda" and not quant_fp8.scaled_mm_supported(torch.device(device)):
         rep.line("  note: no FP8 tensor cores here (compute capability < 8.9)")
-    out = {}
+    out = rep.data["proj"] = {}
     for name, pshape in projection_shapes(shape).items():
-        nf4 = check_nf4(rep, name, pshape, device)
-        w8, scale, ref_w = fp8_case(pshape, device)
-        out[name] = {"shape": list(pshape), "nf4": nf4,
-                     "floor_bf16_us": floor_us(ref_w.numel() * 2),
-                     "floor_fp8_us": floor_us(w8.numel() + scale.numel() * 4)}  # fmt: skip
-        for batch in (1, 32):
-            out[name][f"fp8_bs{batch}"] = check_fp8(rep, name, pshape, batch, device, w8, scale,
-                                                    ref_w)  # fmt: skip
-        del w8, scale, ref_w
-    rep.data["proj"] = out
+        attempt(rep, f"proj {name}", lambda name=name, pshape=pshape: measure_projection(
+            rep, out, name, pshape, device))
     print_proj_table(rep, out)
+
+
+def measure_projection(rep: Report, out: dict, name: str, pshape, device: str) -> None:
+    """out[name]: NF4 and FP8 checks and times of one projection, floors."""
+    nf4 = check_nf4(rep, name, pshape, device)
+    w8, scale, ref_w = fp8_case(pshape, device)
+    result = {"shape": list(pshape), "nf4": nf4, "floor_bf16_us": floor_us(ref_w.numel() * 2),
+              "floor_fp8_us": floor_us(w8.numel() + scale.numel() * 4)}
+    for batch in (1, 32):
+        result[f"fp8_bs{batch}"] = check_fp8(rep, name, pshape, batch, device, w8, scale, ref_w)
+    out[name] = result
 
 
 def print_proj_table(rep: Report, out: dict) -> None:
     rows = [("fp8 quantize: Triton kernel", "quant_triton"),
             ("fp8 quantize: torch spelling", "quant_torch"),
             ("fp8 _scaled_mm row-wise scales", "mm_rowwise"),
+            ("fp8 _scaled_mm row-wise, fast accum", "mm_rowwise_fast_accum"),
             ("fp8 _scaled_mm tensor-wise (cuBLASLt)", "mm_tensorwise"),
             ("fp8 W8A8 total (fp8_linear_w8a8)", "w8a8"), ("bf16 GEMM", "bf16_gemm")]
     for name, o in out.items():
@@ -485,8 +515,15 @@ def section_decode(rep: Report, shape: dict, device: str, smoke: bool) -> None:
     out = {}
     for base in ("bf16", "nf4", "fp8"):
         start = time.perf_counter()
-        out[base] = decode_base(shape, device, None if base == "bf16" else base, smoke)
-        out[base]["seconds"] = time.perf_counter() - start
+
+        def run(base=base) -> None:
+            out[base] = decode_base(shape, device, None if base == "bf16" else base, smoke)
+
+        if attempt(rep, f"decode {base} base", run):
+            out[base]["seconds"] = time.perf_counter() - start
+    rep.data["decode"] = out
+    if "bf16" not in out:
+        return
     for base, r in out.items():
         rep.line(f"  {base}: weights read {r['weight_bytes'] / 1e9:.2f} GB, floor "
                  f"{r['floor_ms']:.3f} ms ({r['seconds']:.0f} s to build and time)")
@@ -499,7 +536,6 @@ def section_decode(rep: Report, shape: dict, device: str, smoke: bool) -> None:
                 f"{replay / base_replay:.2f})")
             rep.line(f"    batch {batch:>2}: step {step:.3f} (/ floor {step / r['floor_ms']:.2f}, "
                      f"/ bf16 {step / base_step:.2f}); graph replay {replay_text}")
-    rep.data["decode"] = out
 
 
 def main() -> int:
@@ -523,27 +559,22 @@ def main() -> int:
     rep.line(f"check_quant_gpu: {env}")
     if args.smoke:
         rep.line("smoke: tiny shapes on the CPU, Triton interpreted; its times mean nothing")
+    runs = {"pool": lambda: section_pool(rep, shape, device),
+            "int8": lambda: section_int8(rep, sgmv_cfg, args.smoke),
+            "sgmv": lambda: section_sgmv(rep, sgmv_cfg),
+            "proj": lambda: section_proj(rep, shape, device),
+            "decode": lambda: section_decode(rep, shape, device, args.smoke)}
+    seconds = rep.data["seconds"] = {}
     start = time.perf_counter()
     for section in sections:
         begin = time.perf_counter()
         torch.manual_seed(0)
-        if section == "pool":
-            section_pool(rep, shape, device)
-        elif section == "int8":
-            section_int8(rep, sgmv_cfg, args.smoke)
-        elif section == "sgmv":
-            section_sgmv(rep, sgmv_cfg)
-        elif section == "proj":
-            section_proj(rep, shape, device)
-        else:
-            section_decode(rep, shape, device, args.smoke)
-        rep.data.setdefault("seconds", {})[section] = time.perf_counter() - begin
-    rep.data["seconds"]["total"] = time.perf_counter() - start
-    if out := os.environ.get("OUT"):
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "check_quant_gpu.json").write_text(json.dumps(rep.data, indent=2, default=str))
+        attempt(rep, f"section {section}", runs[section])
+        seconds[section] = time.perf_counter() - begin
+        seconds["total"] = time.perf_counter() - start
+        rep.write_json()  # after every section: a run cut short keeps what it measured
     verdict = "FAIL: " + ", ".join(rep.failed) if rep.failed else "PASS"
-    rep.line(f"\n{verdict} ({rep.data['seconds']['total']:.0f} s)")
+    rep.line(f"\n{verdict} ({seconds.get('total', 0.0):.0f} s)")
     return 1 if rep.failed else 0
 
 
