@@ -2,8 +2,10 @@
 loop, shared by the offline Engine (in process) and the worker process (over ZeroMQ).
 
 An adapter load takes the adapter's packed rows from the pool's host tier, else from the
-executor's adapter source (the Engine's registered versions; the worker reads the files and
-checks they still hash to the version the scheduler validated), packing them into the tier.
+adapter's packed file for this pool's layout if its path is a snapshot of the server's store
+(one file read into pinned memory: radixlora.lora.host_cache), else from the executor's adapter
+source (the Engine's registered versions; the worker reads the files and checks they still
+hash to the version the scheduler validated), packing them into the tier.
 A plan whose loads fail does not run: its result names the failed adapters, and the scheduler
 fails only the requests that use them (its other loads are written all the same: the scheduler
 keeps their adapters resident).
@@ -26,17 +28,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from radixlora.errors import AdapterError
 from radixlora.lora.adapter import LoraAdapter
-from radixlora.lora.host_cache import PackedAdapter
+from radixlora.lora.host_cache import PackedAdapter, read_packed
 from radixlora.model_runner import LaunchedStep, ModelRunner
 from radixlora.step_plan import AdapterLoad, StepPlan, StepResult, bytes_to_ids, ids_to_bytes
 
@@ -77,9 +81,13 @@ class StepExecutor:
     """Steps are launched as they are submitted, each behind the one still running on the
     device, and their results collected in submission order."""
 
-    def __init__(self, runner: ModelRunner, source: AdapterSource):
+    def __init__(self, runner: ModelRunner, source: AdapterSource,
+                 snapshot_roots: tuple[Path, ...] = ()):
+        """snapshot_roots: the server's snapshot stores, whose adapters' packed files are
+        read (radixlora.server.adapter_store.snapshot_roots)."""
         self.runner = runner
         self.source = source
+        self.snapshot_roots = {os.path.realpath(root) for root in snapshot_roots}
         self.in_flight: deque[InFlight] = deque()  # oldest first
         self.owed: dict[str, OwedLoad] = {}  # by adapter id, in plan order
         self.reads: dict[str, Future] = {}  # background reads by adapter id
@@ -205,13 +213,18 @@ class StepExecutor:
         return pool.host.put(self._read(load))
 
     def _read(self, load: AdapterLoad) -> PackedAdapter:
-        """Read, check and pack an adapter (in the step loop or the background thread)."""
+        """Read an adapter's packed file, else read, check and pack the adapter (in the step
+        loop or a background thread)."""
+        pool = self.runner.adapter_pool
+        if os.path.realpath(Path(load.path).parent) in self.snapshot_roots:
+            packed = read_packed(load.path, pool.layout.key, load.adapter_id, pool.host.pin)
+            if packed is not None:
+                return packed
         adapter = self.source(load)
         if adapter.adapter_id != load.adapter_id:
             raise AdapterError(
                 load.name, "its files changed on disk after validation (content hash differs)"
             )
-        pool = self.runner.adapter_pool
         packed = pool.pack(adapter)
         if pool.host.pin:
             packed = dataclasses.replace(packed, data=packed.data.pin_memory())

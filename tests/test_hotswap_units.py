@@ -18,6 +18,7 @@ from radixlora import Engine, SamplingParams
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError
 from radixlora.lora.adapter import load_adapter
+from radixlora.lora.host_cache import packed_name
 from radixlora.lora.pool import AdapterPool
 from radixlora.server.admin import confine
 from radixlora.server.args import ServerArgs
@@ -414,12 +415,15 @@ def test_snapshot_outlives_the_step_that_loads_it(model, versions, tmp_path):
 
 
 def test_version_that_fails_to_load_is_forgotten(model, versions, tmp_path):
-    """The worker finds a snapshot that no longer hashes to its id: the requests on it fail,
-    its name, rows and snapshot are gone, and the service serves the next version."""
+    """The worker finds a snapshot that no longer hashes to its id (and no packed file): the
+    requests on it fail, its name, rows and snapshot are gone, and the service serves the next
+    version."""
     sched, worker = _services(model, tmp_path)
     assert sched.lifecycle.admin(AdminReq(qid=1, op="load", name="a",
                                           path=str(versions["v1"]))).status == 200
     snapshot = Path(sched.adapters.by_name["a"].path)
+    for packed in snapshot.glob(packed_name("*")):
+        packed.unlink()
     for f in versions["v2"].iterdir():  # same shapes, other weights
         shutil.copy(f, snapshot / f.name)
     assert sched.add(_req("r", "a")) is None

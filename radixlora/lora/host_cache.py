@@ -1,15 +1,35 @@
 """The host tier of adapters: each adapter packed once in the device pool's layout and dtype
 (int8 pools: int8 rows and their scales; pinned on CUDA), so loading it into the pool is one
-host-to-device copy. One LRU by adapter
-id within one byte budget, shared by the offline Engine and the worker process."""
+host-to-device copy. One LRU by adapter id within one byte budget, shared by the offline Engine
+and the worker process.
+
+Packed files: an adapter packed for one pool layout (PoolLayout.key), saved as a safetensors
+file of one tensor beside the adapter's snapshot, so a worker's read is one file read into
+pinned memory: no parsing, validation or packing in the worker. Invariant: a packed file is
+written only by the server's own processes, from bytes that validated and hashed to the adapter
+id it names, and only into snapshots of the server's private state directory (the worker reads
+none elsewhere); it is written under a temporary name and renamed, so it is whole or absent."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import os
+import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+
+log = logging.getLogger(__name__)
+
+PACKED_TENSOR = "rows"
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+                      "I8": torch.int8}
+MAX_PACKED_HEADER = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -77,3 +97,70 @@ class HostAdapterCache:
         while self._nbytes > self.budget_bytes and len(self._entries) > 1:
             _, dropped = self._entries.popitem(last=False)
             self._nbytes -= dropped.nbytes
+
+
+def packed_name(layout_key: str) -> str:
+    return f"pool-{layout_key}.safetensors"
+
+
+def write_packed(directory: str | Path, layout_key: str, packed: PackedAdapter) -> Path:
+    """Save `packed` as `directory`/packed_name(layout_key), atomically."""
+    path = Path(directory) / packed_name(layout_key)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    metadata = {"adapter_id": packed.adapter_id, "layout": layout_key,
+                "group_ranks": json.dumps(packed.group_ranks)}
+    try:
+        save_file({PACKED_TENSOR: packed.data.contiguous()}, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def read_packed(directory: str | Path, layout_key: str, adapter_id: str,
+                pin: bool) -> PackedAdapter | None:
+    """The adapter packed for this layout from its packed file, read straight into (pinned)
+    host memory; None if there is none, or if it is not exactly the file write_packed makes
+    for this adapter and layout (the caller then packs from the adapter's files)."""
+    path = Path(directory) / packed_name(layout_key)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            header_len = int.from_bytes(_read_exactly(f, 8), "little")
+            if header_len > MAX_PACKED_HEADER:
+                raise ValueError(f"header of {header_len} bytes")
+            header = json.loads(_read_exactly(f, header_len))
+            meta = header.pop("__metadata__")
+            if meta["adapter_id"] != adapter_id or meta["layout"] != layout_key:
+                raise ValueError("made for another adapter or layout")
+            (name, info), = header.items()
+            start, end = info["data_offsets"]
+            dtype = SAFETENSORS_DTYPES[info["dtype"]]
+            if (name != PACKED_TENSOR or start != 0 or 8 + header_len + end != size
+                    or end % dtype.itemsize):
+                raise ValueError("not one tensor filling the file")
+            data = torch.empty(end, dtype=torch.uint8, pin_memory=pin)
+            _read_into(f, memoryview(data.numpy()))
+            group_ranks = {str(g): int(r) for g, r in json.loads(meta["group_ranks"]).items()}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        log.warning("packed file %s not used (%s): packing the adapter again", path, e)
+        return None
+    return PackedAdapter(adapter_id, group_ranks, data.view(dtype))
+
+
+def _read_into(f, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise ValueError("truncated")
+        got += n
+
+
+def _read_exactly(f, n: int) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise ValueError("truncated")
+    return data

@@ -15,6 +15,8 @@ axis, so the scales survive both: modules are quantized whole, then sliced."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -32,6 +34,7 @@ from radixlora.model.parallel import RowParallelLinear
 
 QMAX = 127  # symmetric int8: -127..127, so a row's absmax maps to +-127 exactly
 SCALE_BYTES = 4  # float32 dequantization scales
+PACK_FORMAT = 1  # bumped whenever pack()'s byte layout changes
 
 
 def group_dims(cfg: ModelConfig, group: str) -> tuple[int, list[int]]:
@@ -42,6 +45,77 @@ def group_dims(cfg: ModelConfig, group: str) -> tuple[int, list[int]]:
     for m in modules:
         offsets.append(offsets[-1] + cfg.module_shape(m)[1])
     return in_dim, offsets
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Where an adapter's values go in one worker's pool: the shape of that rank's modules,
+    the storage dtype and the tensor-parallel slice. Packing depends on nothing else, so the
+    registry packs adapters ahead for the workers (packed files, radixlora.lora.host_cache),
+    and `key` names the layout a packed file was made for."""
+
+    cfg: ModelConfig  # this rank's shapes
+    dtype: torch.dtype
+    shard: Shard | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype == torch.int8
+
+    @functools.cached_property
+    def key(self) -> str:
+        groups = {g: group_dims(self.cfg, g) for g in MODULE_GROUPS}
+        shard = (self.shard.rank, self.shard.size) if self.shard is not None else None
+        text = repr((PACK_FORMAT, self.cfg.num_layers, groups, str(self.dtype), shard))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def pack(self, adapter: LoraAdapter) -> PackedAdapter:
+        """The adapter's rows for each group pool it adapts (its group rank of them), flattened
+        in AdapterPool.write() order, in the pool's dtype. An int8 pool's packing is one byte
+        tensor: first the float32 qscales of every group ([layers, n_slices, rank] each), then
+        the int8 A and B rows as above."""
+        group_ranks = {g: adapter.group_ranks[g] for g in MODULE_GROUPS if g in adapter.group_ranks}
+        groups = [self._group_rows(adapter, g, r) for g, r in group_ranks.items()]
+        rows = torch.cat([t.flatten() for a, b, _ in groups for t in (a, b)])
+        if not self.quantized:
+            return PackedAdapter(adapter.adapter_id, group_ranks, rows.to(self.dtype))
+        scales = torch.cat([qs.flatten() for _, _, qs in groups]).view(torch.int8)
+        return PackedAdapter(adapter.adapter_id, group_ranks, torch.cat([scales, rows]))
+
+    def _group_rows(self, adapter: LoraAdapter, group: str, rank: int):
+        """(a [layers, n_slices, rank, in_dim], b [layers, rank, out_total], qscales) of one
+        group: float32 with qscales None, or for an int8 pool int8 with qscales
+        [layers, n_slices, rank] float32. Each module is quantized whole, then sliced for this
+        tensor-parallel rank: slicing cuts A's columns or B's output rows, never a rank row,
+        so the scales hold for every slice and every TP degree stores the same values."""
+        modules = MODULE_GROUPS[group]
+        layers, n_slices = self.cfg.num_layers, len(modules)
+        in_dim, offsets = group_dims(self.cfg, group)
+        dtype = torch.int8 if self.quantized else torch.float32
+        a = torch.zeros(layers, n_slices, rank, in_dim, dtype=dtype)
+        b = torch.zeros(layers, rank, offsets[-1], dtype=dtype)
+        qscales = torch.zeros(layers, n_slices, rank) if self.quantized else None
+        for (layer, module), (lora_a, lora_b) in adapter.weights.items():
+            if module not in modules:
+                continue
+            slice_idx, r = modules.index(module), lora_a.shape[0]
+            if self.quantized:
+                (lora_a, a_scale), (b_t, b_scale) = quantize_rows(lora_a), quantize_rows(lora_b.t())
+                lora_b = b_t.t()
+                qscales[layer, slice_idx, :r] = a_scale * b_scale
+            if self.shard is not None:
+                lora_a, lora_b = self.shard.lora(module, lora_a, lora_b)
+            a[layer, slice_idx, :r] = lora_a
+            b[layer, :r, offsets[slice_idx] : offsets[slice_idx + 1]] = lora_b.t()
+        return a, b, qscales
+
+
+def pool_layouts(cfg: ModelConfig, dtype: torch.dtype, tp_size: int) -> tuple[PoolLayout, ...]:
+    """The pool layout of every tensor-parallel rank of a model (`cfg`: the full model's)."""
+    if tp_size == 1:
+        return (PoolLayout(cfg, dtype),)
+    shards = [Shard(rank, tp_size, cfg) for rank in range(tp_size)]
+    return tuple(PoolLayout(shard.local, dtype, shard) for shard in shards)
 
 
 class AdapterPool:
@@ -70,12 +144,12 @@ class AdapterPool:
                  host_bytes: int = 2 << 30, shard: Shard | None = None):
         """cfg: the shape of this rank's modules; dtype: the storage dtype, the model's or
         torch.int8; shard: under tensor parallel, the rank whose slice of each adapter this pool
-        holds (pack() slices)."""
-        self.shard = shard
+        holds (packing slices)."""
+        self.layout = PoolLayout(cfg, dtype, shard)
         self.num_rows = num_rows
+        self.out_offsets = {g: group_dims(cfg, g)[1] for g in MODULE_GROUPS}
         self.dtype = dtype
         self.device = torch.device(device)
-        self.out_offsets = {g: group_dims(cfg, g)[1] for g in MODULE_GROUPS}
         self.a_all: dict[str, torch.Tensor] = {}
         self.b_all: dict[str, torch.Tensor] = {}
         self.qscales_all: dict[str, torch.Tensor] = {}
@@ -206,44 +280,7 @@ class AdapterPool:
         return self.host.get(adapter.adapter_id) or self.host.put(self.pack(adapter))
 
     def pack(self, adapter: LoraAdapter) -> PackedAdapter:
-        """The adapter's rows for each group pool it adapts (its group rank of them), flattened
-        in write() order, in the pool's dtype. An int8 pool's packing is one byte tensor: first
-        the float32 qscales of every group ([layers, n_slices, rank] each), then the int8 A and
-        B rows as above."""
-        group_ranks = {g: adapter.group_ranks[g] for g in MODULE_GROUPS if g in adapter.group_ranks}
-        groups = [self._group_rows(adapter, g, r) for g, r in group_ranks.items()]
-        rows = torch.cat([t.flatten() for a, b, _ in groups for t in (a, b)])
-        if not self.quantized:
-            return PackedAdapter(adapter.adapter_id, group_ranks, rows.to(self.dtype))
-        scales = torch.cat([qs.flatten() for _, _, qs in groups]).view(torch.int8)
-        return PackedAdapter(adapter.adapter_id, group_ranks, torch.cat([scales, rows]))
-
-    def _group_rows(self, adapter: LoraAdapter, group: str, rank: int):
-        """(a [layers, n_slices, rank, in_dim], b [layers, rank, out_total], qscales) of one
-        group: float32 with qscales None, or for an int8 pool int8 with qscales
-        [layers, n_slices, rank] float32. Each module is quantized whole, then sliced for this
-        tensor-parallel rank: slicing cuts A's columns or B's output rows, never a rank row,
-        so the scales hold for every slice and every TP degree stores the same values."""
-        modules = MODULE_GROUPS[group]
-        layers, n_slices, _, in_dim = self.a_all[group].shape
-        dtype = torch.int8 if self.quantized else torch.float32
-        a = torch.zeros(layers, n_slices, rank, in_dim, dtype=dtype)
-        b = torch.zeros(layers, rank, self.b_all[group].shape[2], dtype=dtype)
-        qscales = torch.zeros(layers, n_slices, rank) if self.quantized else None
-        offsets = self.out_offsets[group]
-        for (layer, module), (lora_a, lora_b) in adapter.weights.items():
-            if module not in modules:
-                continue
-            slice_idx, r = modules.index(module), lora_a.shape[0]
-            if self.quantized:
-                (lora_a, a_scale), (b_t, b_scale) = quantize_rows(lora_a), quantize_rows(lora_b.t())
-                lora_b = b_t.t()
-                qscales[layer, slice_idx, :r] = a_scale * b_scale
-            if self.shard is not None:
-                lora_a, lora_b = self.shard.lora(module, lora_a, lora_b)
-            a[layer, slice_idx, :r] = lora_a
-            b[layer, :r, offsets[slice_idx] : offsets[slice_idx + 1]] = lora_b.t()
-        return a, b, qscales
+        return self.layout.pack(adapter)
 
 
 def _scatter_rows(pool: torch.Tensor, row_dim: int, packed: torch.Tensor, rank: int,

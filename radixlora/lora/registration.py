@@ -17,8 +17,9 @@ the adapter id is the cached hash. Guarantee: a stale entry (a file rewritten wi
 stamp) can only mislabel content, never serve it: only the scheduler, the registry and their
 start-up use the cache and they keep no weights; the worker never uses it: it re-reads,
 re-validates and re-hashes every adapter it loads and refuses one whose hash is not the id
-(adapter_load_failed), as for any file changed after validation. The Engine, which serves the
-weights it reads itself, does not use the cache."""
+(adapter_load_failed), as for any file changed after validation, or it reads the adapter's
+packed file, which only a full validation of bytes hashing to that id writes (`PackTarget`).
+The Engine, which serves the weights it reads itself, does not use the cache."""
 
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ import stat
 import tempfile
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 import torch
@@ -48,6 +50,10 @@ from radixlora.lora.adapter import (
     load_adapter,
     read_adapter_files,
 )
+from radixlora.lora.host_cache import packed_name, write_packed
+
+if TYPE_CHECKING:
+    from radixlora.lora.pool import PoolLayout
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +68,35 @@ PROCESS_MIN_BYTES = 1 << 30
 PROCESS_MIN_WORKERS = 4  # on fewer cores the imports cost more than the processes save
 
 Outcome = LoraAdapter | AdapterError
+
+
+@dataclass(frozen=True)
+class PackTarget:
+    """Where validation also packs each adapter it reads the values of, for the workers' pool
+    layouts: one packed file per layout in `root`/<adapter id>/ (radixlora.lora.host_cache),
+    taken into the adapter's snapshot when it is saved (AdapterStore.save)."""
+
+    root: Path
+    layouts: tuple[PoolLayout, ...]
+
+    def directory(self, adapter_id: str) -> Path:
+        return self.root / adapter_id
+
+    def done(self, adapter_id: str) -> bool:
+        return all((self.directory(adapter_id) / packed_name(layout.key)).is_file()
+                   for layout in self.layouts)
+
+    def write(self, adapter: LoraAdapter, directory: Path | None = None) -> None:
+        """Pack `adapter` (with weights) for every layout into `directory` (default its own
+        directory under root). A failure is logged: the workers then pack it themselves."""
+        directory = directory or self.directory(adapter.adapter_id)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            for layout in self.layouts:
+                if not (directory / packed_name(layout.key)).is_file():
+                    write_packed(directory, layout.key, layout.pack(adapter))
+        except OSError as e:
+            log.warning("adapter %r: not packed ahead for the workers: %s", adapter.name, e)
 
 
 def default_workers() -> int:
@@ -154,10 +189,12 @@ class HashCache:
 
 def load_adapters(items: Mapping[str, str | Path], model: ModelConfig, max_rank: int, *,
                   workers: int | None = None, cache: HashCache | None = None,
-                  keep_weights: bool = True) -> dict[str, Outcome]:
+                  keep_weights: bool = True, pack: PackTarget | None = None
+                  ) -> dict[str, Outcome]:
     """Validate every adapter of `items` (name -> directory), in parallel; name -> the adapter
     or its AdapterError, in input order. With keep_weights=False the adapters come back
-    without weights, and only then is `cache` used (see the module docstring)."""
+    without weights, and only then is `cache` used (see the module docstring). With `pack`,
+    every valid adapter is also packed there: a cache hit not packed yet is validated again."""
     if cache is not None and keep_weights:
         raise ValueError("the hash cache is for registration without weights")
     workers = workers or default_workers()
@@ -165,14 +202,14 @@ def load_adapters(items: Mapping[str, str | Path], model: ModelConfig, max_rank:
     cold: dict[str, str | Path] = {}
     for name, path in items.items():
         digest = cache.get(adapter_stamp(path)) if cache is not None else None
-        if digest is None:
+        if digest is None or pack is not None and not pack.done(digest):
             cold[name] = path
         else:
             outcomes[name] = _from_header(name, path, model, max_rank, digest)
     in_processes = (not keep_weights and workers >= PROCESS_MIN_WORKERS
                     and _tensor_bytes(cold) >= PROCESS_MIN_BYTES)
     validated = (_in_processes if in_processes else _on_threads)(cold, model, max_rank, workers,
-                                                                  keep_weights)
+                                                                  keep_weights, pack)
     for name, (outcome, stamp) in zip(cold, validated):
         outcomes[name] = outcome
         if cache is not None and stamp is not None and isinstance(outcome, LoraAdapter):
@@ -194,13 +231,14 @@ def iter_adapters(items: Mapping[str, str | Path], model: ModelConfig, max_rank:
                   workers: int | None = None) -> Iterator[tuple[str, Outcome]]:
     """(name, adapter with weights or its AdapterError) in input order, read ahead on threads;
     the consumer may stop early."""
-    validated = _on_threads(items, model, max_rank, workers or default_workers(), True)
+    validated = _on_threads(items, model, max_rank, workers or default_workers(), True, None)
     for name, (outcome, _) in zip(items, validated):
         yield name, outcome
 
 
 def _on_threads(items: Mapping[str, str | Path], model: ModelConfig, max_rank: int,
-                workers: int, keep_weights: bool) -> Iterator[tuple[Outcome, str | None]]:
+                workers: int, keep_weights: bool,
+                pack: PackTarget | None) -> Iterator[tuple[Outcome, str | None]]:
     """Files read and hashed on threads (both release the GIL), at most 2 x workers ahead;
     validation, which mostly holds the GIL, in the caller's thread, in order."""
     pool = ThreadPoolExecutor(workers)
@@ -209,9 +247,9 @@ def _on_threads(items: Mapping[str, str | Path], model: ModelConfig, max_rank: i
         for name, path in items.items():
             pending.append((name, pool.submit(_read, name, path)))
             if len(pending) >= 2 * workers:
-                yield _validate_read(*pending.popleft(), model, max_rank, keep_weights)
+                yield _validate_read(*pending.popleft(), model, max_rank, keep_weights, pack)
         while pending:
-            yield _validate_read(*pending.popleft(), model, max_rank, keep_weights)
+            yield _validate_read(*pending.popleft(), model, max_rank, keep_weights, pack)
     finally:
         pool.shutdown(cancel_futures=True)
 
@@ -236,7 +274,7 @@ def _read(name: str, path: str | Path) -> _Read | AdapterError:
 
 
 def _validate_read(name: str, future: Future, model: ModelConfig, max_rank: int,
-                   keep_weights: bool) -> tuple[Outcome, str | None]:
+                   keep_weights: bool, pack: PackTarget | None) -> tuple[Outcome, str | None]:
     read = future.result()
     if isinstance(read, AdapterError):
         return read, None
@@ -245,17 +283,20 @@ def _validate_read(name: str, future: Future, model: ModelConfig, max_rank: int,
                                      max_rank, digest=read.digest)
     except AdapterError as e:
         return e, None
+    if pack is not None:
+        pack.write(adapter)
     if not keep_weights:
         adapter = dataclasses.replace(adapter, weights={})
     return adapter, read.stamp
 
 
 def _in_processes(items: Mapping[str, str | Path], model: ModelConfig, max_rank: int,
-                  workers: int, keep_weights: bool) -> Iterator[tuple[Outcome, str | None]]:
+                  workers: int, keep_weights: bool,
+                  pack: PackTarget | None) -> Iterator[tuple[Outcome, str | None]]:
     """Whole validations in spawned processes of one torch thread each, for adapters without
     weights (small results). AdapterError itself does not unpickle: errors travel as (name,
     reason, code)."""
-    jobs = [(name, str(path), model, max_rank) for name, path in items.items()]
+    jobs = [(name, str(path), model, max_rank, pack) for name, path in items.items()]
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_one_thread) as pool:
         for result, stamp in pool.map(_validate_job, jobs, chunksize=4):
@@ -266,14 +307,16 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _validate_job(job: tuple[str, str, ModelConfig, int]
+def _validate_job(job: tuple[str, str, ModelConfig, int, PackTarget | None]
                   ) -> tuple[LoraAdapter | tuple[str, str, str], str | None]:
-    name, path, model, max_rank = job
+    name, path, model, max_rank, pack = job
     before = adapter_stamp(path)
     try:
         adapter = load_adapter(name, path, model, max_rank)
     except AdapterError as e:
         return (e.name, e.reason, e.code), None
+    if pack is not None:
+        pack.write(adapter)
     stamp = before if before is not None and adapter_stamp(path) == before else None
     return dataclasses.replace(adapter, weights={}), stamp
 

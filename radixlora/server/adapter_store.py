@@ -7,6 +7,7 @@ snapshots once no name and no request refers to it (AdapterLifecycle.sweep)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -22,9 +23,27 @@ from radixlora.lora.adapter import (
     adapter_from_bytes,
     read_adapter_files,
 )
+from radixlora.lora.host_cache import packed_name
+from radixlora.lora.pool import PoolLayout
+from radixlora.lora.registration import PackTarget
 
 CONFIG_FILE = "adapter_config.json"
 TENSOR_FILE = "adapter_model.safetensors"
+SNAPSHOTS = "adapters"  # the store's directory in a state directory
+PACKED_AHEAD = "packed"  # adapters packed by validation, until their snapshot takes them
+
+
+def pack_target(state_dir: Path, layouts: tuple[PoolLayout, ...]) -> PackTarget | None:
+    return PackTarget(state_dir / PACKED_AHEAD, layouts) if layouts else None
+
+
+def snapshot_roots(state_dir: str, data_parallel: bool) -> tuple[Path, ...]:
+    """The stores whose snapshots a worker may read packed files from: its server's (admin
+    loads) and, for a data-parallel replica, the registry's one level up."""
+    if not state_dir:
+        return ()
+    own = Path(state_dir) / SNAPSHOTS
+    return (own, Path(state_dir).parent / SNAPSHOTS) if data_parallel else (own,)
 
 
 def file_signature(path: Path) -> tuple:
@@ -53,9 +72,13 @@ class AdapterStore:
     deleting a forgotten version's snapshot never removes one a later publication of the same
     content (possibly not yet seen by the scheduler) points to."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, pack: PackTarget | None = None):
+        """pack: the workers' pool layouts; each snapshot then holds the adapter packed for
+        each of them (radixlora.lora.host_cache), taken from `pack.root` where validation
+        packed it ahead, else packed at save from the validated weights."""
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.pack = pack
 
     def read(self, name: str, src: str | Path, model: ModelConfig, max_rank: int,
              stable: bool = True, roots: Sequence[str | Path] = ()) -> Validated:
@@ -75,9 +98,24 @@ class AdapterStore:
         staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.root))
         (staging / CONFIG_FILE).write_bytes(validated.config_bytes)
         (staging / TENSOR_FILE).write_bytes(validated.tensor_bytes)
+        if self.pack is not None:
+            self._take_packed(validated.adapter, staging)
         final = self.root / f"{digest}-{secrets.token_hex(4)}"
         os.rename(staging, final)
         return dataclasses.replace(validated.adapter, path=str(final))
+
+    def _take_packed(self, adapter: LoraAdapter, staging: Path) -> None:
+        """Move the adapter's packed files from where validation wrote them; pack the layouts
+        still missing from its weights, if it has them (else the workers pack it)."""
+        ahead = self.pack.directory(adapter.adapter_id)
+        for layout in self.pack.layouts:
+            name = packed_name(layout.key)
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(ahead / name, staging / name)
+        with contextlib.suppress(OSError):
+            ahead.rmdir()
+        if adapter.weights:
+            self.pack.write(adapter, staging)
 
     def snapshot(self, name: str, src: str | Path, model: ModelConfig, max_rank: int,
                  stable: bool = True, roots: Sequence[str | Path] = ()) -> LoraAdapter:

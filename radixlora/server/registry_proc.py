@@ -39,8 +39,16 @@ from radixlora.adapters import check_adapter_name
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, InvalidRequestError
 from radixlora.lora.adapter import LoraAdapter, content_hash, read_adapter_files
+from radixlora.lora.pool import PoolLayout, pool_layouts
 from radixlora.lora.registration import HashCache, load_adapters
-from radixlora.server.adapter_store import AdapterStore, FilesChanged, Validated, file_signature
+from radixlora.server.adapter_store import (
+    SNAPSHOTS,
+    AdapterStore,
+    FilesChanged,
+    Validated,
+    file_signature,
+    pack_target,
+)
 from radixlora.server.args import ServerArgs
 from radixlora.server.ipc import Heartbeats, check_local, child_main, send_ready
 from radixlora.server.messages import AdapterEvent
@@ -161,10 +169,12 @@ class RegistryCore:
 
     def __init__(self, root: Path, state_dir: Path, model_cfg: ModelConfig, max_rank: int,
                  pool_rows: int, bucket: TokenBucket, publish: Callable[[AdapterEvent], None],
-                 reserved: frozenset[str] = frozenset()):
+                 reserved: frozenset[str] = frozenset(), layouts: tuple[PoolLayout, ...] = ()):
+        """layouts: the workers' adapter pool layouts, which every snapshot holds the adapter
+        packed for (none: the workers pack adapters themselves)."""
         self.root = root
         self.reserved = reserved
-        self.store = AdapterStore(state_dir / "adapters")
+        self.store = AdapterStore(state_dir / SNAPSHOTS, pack_target(state_dir, layouts))
         self.state_path = state_dir / "registry_state.json"
         self.model_cfg = model_cfg
         self.max_rank = max_rank
@@ -268,7 +278,8 @@ class RegistryCore:
 
     def _prevalidate(self, names: list[str]) -> dict[str, LoraAdapter]:
         outcomes = load_adapters({name: self.root / name for name in names}, self.model_cfg,
-                                 self.max_rank, keep_weights=False, cache=self.cache)
+                                 self.max_rank, keep_weights=False, cache=self.cache,
+                                 pack=self.store.pack)
         return {name: a for name, a in outcomes.items() if isinstance(a, LoraAdapter)}
 
     def examine(self, name: str, read: Validated | Exception) -> bool:
@@ -381,9 +392,11 @@ def make_core(args: ServerArgs, publish) -> RegistryCore:
     config = args.engine_config()
     root = Path(args.adapter_dir).resolve()
     bucket = TokenBucket(args.adapter_rate, args.adapter_burst)
-    return RegistryCore(root, Path(args.state_dir), ModelConfig.from_dir(args.model).served(config),
-                        config.max_rank, config.adapter_rows, bucket, publish,
-                        reserved=frozenset({args.model_name}))
+    model_cfg = ModelConfig.from_dir(args.model).served(config)
+    layouts = pool_layouts(model_cfg, config.lora_pool_dtype(model_cfg), args.tensor_parallel_size)
+    return RegistryCore(root, Path(args.state_dir), model_cfg, config.max_rank,
+                        config.adapter_rows, bucket, publish,
+                        reserved=frozenset({args.model_name}), layouts=layouts)
 
 
 def run(args: ServerArgs, ctx: zmq.Context) -> None:

@@ -17,13 +17,13 @@ from radixlora.adapters import AdapterRegistry
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
 from radixlora.intake import Intake, check_prompt_ids
-from radixlora.lora.pool import AdapterPool
+from radixlora.lora.pool import AdapterPool, pool_layouts
 from radixlora.lora.registration import HashCache
 from radixlora.model.loader import base_version
 from radixlora.request import Req, ReqStatus
 from radixlora.scheduler import BatchPlan, Scheduler
 from radixlora.server.adapter_lifecycle import AdapterLifecycle
-from radixlora.server.adapter_store import AdapterStore
+from radixlora.server.adapter_store import SNAPSHOTS, AdapterStore, pack_target
 from radixlora.server.args import ServerArgs
 from radixlora.server.ipc import (
     Heartbeats,
@@ -80,7 +80,12 @@ class SchedulerService:
                                         self.config.max_stacked, self.config.adapter_rows,
                                         keep_weights=False, reserved=frozenset({args.model_name}))
         self.adapters.load_all(args.adapters, cache=HashCache())
-        store = AdapterStore(Path(args.state_dir) / "adapters") if args.state_dir else None
+        store = None
+        if args.state_dir:
+            layouts = pool_layouts(self.model_cfg, self.config.lora_pool_dtype(self.model_cfg),
+                                   args.tensor_parallel_size)
+            state_dir = Path(args.state_dir)
+            store = AdapterStore(state_dir / SNAPSHOTS, pack_target(state_dir, layouts))
         self.lifecycle = AdapterLifecycle(self.adapters, self.scheduler, store, self.model_cfg,
                                           self.config.max_rank, self._in_use,
                                           allowed_roots=args.allowed_adapter_roots)

@@ -20,6 +20,7 @@ from radixlora.executor import StepExecutor
 from radixlora.lora.adapter import LoraAdapter, load_adapter
 from radixlora.lora.registration import iter_adapters
 from radixlora.model_runner import ModelRunner
+from radixlora.server.adapter_store import snapshot_roots
 from radixlora.server.args import ServerArgs
 from radixlora.server.ipc import Heartbeats, Inbox, Outbox, child_main, send_ready
 from radixlora.server.messages import InvalidMessage, Sized, WorkerInbox
@@ -45,7 +46,8 @@ def make_executor(args: ServerArgs, rank: int = 0) -> StepExecutor:
     def read(load: AdapterLoad) -> LoraAdapter:
         return load_adapter(load.name, load.path, model_cfg, config.max_rank)
 
-    return StepExecutor(runner, read)
+    roots = snapshot_roots(args.state_dir, args.data_parallel_size > 1)
+    return StepExecutor(runner, read, roots)
 
 
 def join_group(args: ServerArgs, model_cfg: ModelConfig,
