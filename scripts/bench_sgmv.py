@@ -1,8 +1,10 @@
 """SGMV microbenchmark: LoRA deltas of one Llama-3-8B layer (7 projections, fused as qkv, o,
 gate_up, down) for a decode batch, against the adapter-bytes floor and naive baselines: the
 grouped path (tokens gathered by distinct adapter set) against one segment per request, for
-distinct adapters (target a), batch 1 (target b), zipf-popular adapters (duplicates) and stacks;
-and the base GEMMs with LoRA, the shrink after each GEMM or beside it on a side stream.
+distinct adapters (target a), batch 1 (target b), zipf-popular adapters (duplicates), stacks,
+a 256-token decode batch spread over 8, 64 and 256 rank-8 adapters (how the cost grows with the
+distinct adapters in a batch); and the base GEMMs with LoRA, the shrink after each GEMM or
+beside it on a side stream.
 
     python scripts/bench_sgmv.py            # H200: full shapes, bf16
     python scripts/bench_sgmv.py --smoke    # CPU: tiny shapes under TRITON_INTERPRET=1
@@ -92,11 +94,15 @@ class BenchConfig:
     device: str
     zipf_tokens: int
     zipf_adapters: tuple[int, ...]
+    spread_tokens: int  # a decode batch spread evenly over each of spread_adapters adapters
+    spread_adapters: tuple[int, ...]
+    spread_rank: int
 
 
 FULL = BenchConfig(LayerShape(4096, 14336, 32, 8, 128), 64, 16, 5, torch.bfloat16, "cuda",
-                   256, (16, 64))  # fmt: skip
-SMOKE = BenchConfig(LayerShape(64, 96, 4, 2, 16), 6, 4, 3, torch.bfloat16, "cpu", 12, (3, 6))
+                   256, (16, 64), 256, (8, 64, 256), 8)  # fmt: skip
+SMOKE = BenchConfig(LayerShape(64, 96, 4, 2, 16), 6, 4, 3, torch.bfloat16, "cpu", 12, (3, 6),
+                    12, (2, 6, 12), 2)  # fmt: skip
 
 def tunings(*changes: dict) -> list[GroupedTuning]:
     return [dataclasses.replace(DEFAULT_TUNING, **c) for c in changes]
@@ -166,6 +172,9 @@ def scenarios(cfg: BenchConfig) -> list[Scenario]:
         Scenario(f"stack k={k} r{cfg.rank}", t * k, cfg.rank,
                  [[(i * k + j, weights[j]) for j in range(k)] for i in range(t)]),
         Scenario(f"single r{cfg.rank * k}", t, cfg.rank * k, [[(i, 1.0)] for i in range(t)]),
+        *(Scenario(f"spread {n}/{cfg.spread_tokens} r{cfg.spread_rank}", n, cfg.spread_rank,
+                   [[(i % n, 1.0)] for i in range(cfg.spread_tokens)])
+          for n in cfg.spread_adapters),
     ]  # fmt: skip
 
 
