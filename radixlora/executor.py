@@ -26,9 +26,11 @@ that no step needs is only logged. Every result lists the adapters whose reads h
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -94,6 +96,9 @@ class StepExecutor:
         self._reader: ThreadPoolExecutor | None = None
         self.warming: dict[str, Future] = {}  # host_reads by adapter id, not in the tier yet
         self._warmer: ThreadPoolExecutor | None = None
+        self.read_counts: collections.Counter = collections.Counter()  # reads by source
+        self._counts_lock = threading.Lock()
+        self._warm_round: tuple[float, collections.Counter] | None = None  # (start, counts)
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.finish(self.launch(plan))
@@ -219,7 +224,9 @@ class StepExecutor:
         if os.path.realpath(Path(load.path).parent) in self.snapshot_roots:
             packed = read_packed(load.path, pool.layout.key, load.adapter_id, pool.host.pin)
             if packed is not None:
+                self._count("packed file")
                 return packed
+        self._count("adapter files")
         adapter = self.source(load)
         if adapter.adapter_id != load.adapter_id:
             raise AdapterError(
@@ -297,7 +304,13 @@ class StepExecutor:
                 continue
             if self._warmer is None:
                 self._warmer = ThreadPoolExecutor(WARM_READERS, thread_name_prefix="adapter-warm")
+            if self._warm_round is None:
+                self._warm_round = (time.perf_counter(), self.read_counts.copy())
             self.warming[adapter_id] = self._warmer.submit(self._read, load)
+
+    def _count(self, source: str) -> None:
+        with self._counts_lock:
+            self.read_counts[source] += 1
 
     def _collect_warm(self) -> None:
         """Put ended host_reads into the host tier while it has room: they never evict."""
@@ -313,6 +326,15 @@ class StepExecutor:
             packed = read.result()
             if adapter_id not in host and host.nbytes + packed.nbytes <= host.budget_bytes:
                 host.put(packed)
+        if self._warm_round is not None and not self.warming:
+            started, before = self._warm_round
+            self._warm_round = None
+            read = self.read_counts - before
+            log.info("reading ahead ended after %.1f s: %d adapter reads meanwhile (%s); the "
+                     "host tier holds %d (%.2f GiB)", time.perf_counter() - started,
+                     sum(read.values()),
+                     ", ".join(f"{n} from {source}" for source, n in sorted(read.items())),
+                     len(host), host.nbytes / 2**30)
 
     def _collect_reads(self) -> dict[str, PackedAdapter]:
         """Ended background reads, their adapters put into the host tier."""
