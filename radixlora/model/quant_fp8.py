@@ -23,7 +23,6 @@ from radixlora.kernels.triton_compat import tl, triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
-E4M3_MIN_NORMAL = 2.0**-6  # below it e4m3 values are multiples of 2**-9
 MAX_QUANT_BLOCK = 4096  # activations per step of the quantization kernel's loops
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
