@@ -9,7 +9,7 @@ import torch
 from .triton_compat import tl, triton
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-BLOCK_BYTES = 1024  # packed bytes per program: 2048 weights
+BLOCK_BYTES = 1024  # packed bytes per program (at least one block's): 2048 weights
 
 
 def nf4_dequant_ref(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
@@ -21,19 +21,35 @@ def nf4_dequant_ref(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tens
 
 
 @triton.jit
-def _nf4_dequant_kernel(packed_ptr, absmax_ptr, code_ptr, out_ptr, num_bytes,
-                        BLOCKSIZE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    byte = tl.load(packed_ptr + offs, mask=offs < num_bytes, other=0).to(tl.int32)
-    idx = tl.interleave(byte >> 4, byte & 0xF)  # the high nibble is the first weight
-    w = pid * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
-    mask = w < 2 * num_bytes
+def _nf4_dequant_kernel(packed_ptr, absmax_ptr, code_ptr, word_ptr, num_blocks,
+                        HALF_BLOCK: tl.constexpr, ROWS: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                        HALF_BITS: tl.constexpr):  # fmt: skip
+    """OUT_DTYPE: "bfloat16" / "float16" (int32 words) or "float32" (int64 words); HALF_BITS:
+    the output dtype's bits, half a word."""
+    # a tile of ROWS quantization blocks, a row each; a byte's two weights share its row's
+    # absmax and are one output word, the high nibble's in the low (first) half
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs = rows[:, None] * HALF_BLOCK + tl.arange(0, HALF_BLOCK)[None, :]
+    mask = (rows < num_blocks)[:, None]
+    byte = tl.load(packed_ptr + offs, mask=mask, other=0).to(tl.int32)
+    absmax = tl.load(absmax_ptr + rows, mask=rows < num_blocks, other=0.0)[:, None]
     # one fp32 product per weight, rounded once to the output dtype: exactly bitsandbytes'
-    value = tl.load(code_ptr + idx) * tl.load(absmax_ptr + w // BLOCKSIZE, mask=mask, other=0.0)
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        value = _round_to_bf16(value)
-    tl.store(out_ptr + w, value.to(out_ptr.dtype.element_ty), mask=mask)
+    first = _value_bits(tl.load(code_ptr + (byte >> 4)) * absmax, OUT_DTYPE)
+    second = _value_bits(tl.load(code_ptr + (byte & 0xF)) * absmax, OUT_DTYPE)
+    tl.store(word_ptr + offs, first | (second << HALF_BITS), mask=mask)
+
+
+@triton.jit
+def _value_bits(value, OUT_DTYPE: tl.constexpr):
+    """The bits of value rounded to OUT_DTYPE, zero-extended into the word type (int32 for
+    16-bit outputs, int64 for float32)."""
+    if OUT_DTYPE == "float32":
+        bits = value.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    elif OUT_DTYPE == "bfloat16":
+        bits = (_round_to_bf16(value).to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+    else:
+        bits = value.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return bits
 
 
 @triton.jit
@@ -51,12 +67,17 @@ def nf4_dequant(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, 
         idx = stack((packed >> 4, packed & 0xF), -1).reshape(-1)     # high nibble first
         out[:] = (code[idx].view(-1, blocksize) * absmax[:, None]).view(out.shape)  # fp32
     packed [N / 2] uint8, absmax [N / blocksize] fp32 (double quantization resolved), code
-    [16] fp32, out: N contiguous float16/bfloat16/float32 values, written in place."""
+    [16] fp32, out: N contiguous float16/bfloat16/float32 values (at an even element offset),
+    written in place, two weights per store word."""
     _check(packed, absmax, code, blocksize, out)
-    num_bytes = packed.numel()
-    grid = (triton.cdiv(num_bytes, BLOCK_BYTES),)
-    _nf4_dequant_kernel[grid](packed, absmax, code, out, num_bytes, BLOCKSIZE=blocksize,
-                              BLOCK=BLOCK_BYTES)
+    half = blocksize // 2
+    num_blocks = absmax.numel()
+    rows = max(1, BLOCK_BYTES // half)
+    words = out.view(-1).view(torch.int64 if out.dtype == torch.float32 else torch.int32)
+    _nf4_dequant_kernel[(triton.cdiv(num_blocks, rows),)](
+        packed, absmax, code, words, num_blocks, HALF_BLOCK=half, ROWS=rows,
+        OUT_DTYPE=str(out.dtype).removeprefix("torch."), HALF_BITS=8 * out.element_size(),
+    )  # fmt: skip
     return out
 
 
@@ -66,9 +87,10 @@ def _check(packed, absmax, code, blocksize, out) -> None:
                          f"{absmax.dtype}")
     if code.dtype != torch.float32 or code.numel() != 16:
         raise ValueError("code must be the 16 float32 NF4 values")
-    if out.dtype not in _FLOAT_DTYPES or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous float16/bfloat16/float32 tensor, got "
-                         f"{out.dtype}")
+    if out.dtype not in _FLOAT_DTYPES or not out.is_contiguous() or out.storage_offset() % 2:
+        raise ValueError(f"out must be a contiguous float16/bfloat16/float32 tensor at an even "
+                         f"element offset (pairs are written as words), got {out.dtype} at "
+                         f"{out.storage_offset()}")
     if out.numel() != 2 * packed.numel() or absmax.numel() * blocksize != out.numel():
         raise ValueError(f"{packed.numel()} packed bytes and {absmax.numel()} absmaxes of "
                          f"{blocksize}-blocks do not make {out.numel()} weights")
