@@ -11,9 +11,11 @@ H200 figures, each measured here.
   sgmv     one Llama-3-8B layer's LoRA time for the 64-adapter decode batch (64 tokens, 64
            distinct rank-16 adapters), int8 pool vs bf16 pool, against each pool's bytes floor.
   proj     each projection at batch 1 and 32: FP8 W8A8 split into the activation quantization
-           (Triton kernel and the torch spelling) and torch._scaled_mm (row-wise scales, and
-           tensor-wise as a cuBLASLt reference), NF4 dequantization + GEMM, the bf16 GEMM and
-           the weight-read floors; eager and in a CUDA graph.
+           (Triton kernel and the torch spelling) and torch._scaled_mm (row-wise scales, the
+           same with use_fast_accum, and tensor-wise as a cuBLASLt reference), NF4
+           dequantization alone and + GEMM, the bf16 GEMM and the read floors (NF4's also with
+           the bf16 weight it writes and the GEMM reads); eager and in a CUDA graph, weights
+           cycled over copies worth 3x the L2 cache, so they come from HBM as a model's do.
   decode   the engine's decode step at batch 1 and 32 for a bf16, an NF4 and an FP8 base
            (Llama-3-8B shapes, dummy weights, bench_engine.py's set-up): wall-clock step
            median and graph replay against the weight-read floor and the bf16 base.
