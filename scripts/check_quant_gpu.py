@@ -17,8 +17,9 @@ H200 figures, each measured here.
            the bf16 weight it writes and the GEMM reads); eager and in a CUDA graph, weights
            cycled over copies worth 3x the L2 cache, so they come from HBM as a model's do.
   decode   the engine's decode step at batch 1 and 32 for a bf16, an NF4 and an FP8 base
-           (Llama-3-8B shapes, dummy weights, bench_engine.py's set-up): wall-clock step
-           median and graph replay against the weight-read floor and the bf16 base.
+           (Llama-3-8B shapes, dummy weights, bench_engine.py's set-up), and the FP8 base with
+           the torch-spelling activation quantizer it had before: wall-clock step median and
+           graph replay against the weight-read floor and the bf16 base.
 
     python scripts/check_quant_gpu.py                  # H200: a table; JSON to $OUT
     python scripts/check_quant_gpu.py --only int8,proj  # some sections
@@ -30,6 +31,7 @@ Floors are bytes / 4.24e12 B/s (bench_engine.HBM_BYTES_PER_S). Exits 1 if a chec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import importlib
@@ -93,6 +95,12 @@ FP8_REL_TOL = 0.03  # W8A8 against the dequantized weight's product (relative Fr
 NF4_BLOCKSIZE = 64
 EAGER_REP_MS, GRAPH_REP_MS = 50, 20  # per timing; a graph is replayed 10 times
 SECTIONS = ("pool", "int8", "sgmv", "proj", "decode")
+# decode bases: (--quantization, FP8 activation quantizer); the last one is the FP8 path as it
+# was before the Triton quantizer, nine launches per projection
+DECODE_BASES = {"bf16": (None, quant_fp8.quantize_per_token),
+                "nf4": ("nf4", quant_fp8.quantize_per_token),
+                "fp8": ("fp8", quant_fp8.quantize_per_token),
+                "fp8, torch-spelling quantizer": ("fp8", quant_fp8.quantize_per_token_ref)}
 
 
 class Report:
@@ -554,16 +562,29 @@ def decode_base(shape: dict, device: str, quantization: str | None, smoke: bool)
     return result
 
 
+@contextlib.contextmanager
+def fp8_activation_quantizer(quantize):
+    """fp8_linear_w8a8 quantizing its activations with `quantize` meanwhile."""
+    kernel = quant_fp8.quantize_per_token
+    quant_fp8.quantize_per_token = quantize
+    try:
+        yield
+    finally:
+        quant_fp8.quantize_per_token = kernel
+
+
 def section_decode(rep: Report, shape: dict, device: str, smoke: bool) -> None:
     rep.line("\n== decode: engine decode step, dummy weights, no adapter; ms")
     if device != "cuda":
-        rep.line("  note: no CUDA graphs here: graph replay not measured")
+        rep.line("  note: no CUDA graphs here: graph replay not measured; the FP8 bases run "
+                 "their dequantized reference (no _scaled_mm), both quantizers unused")
     out = {}
-    for base in ("bf16", "nf4", "fp8"):
+    for base, (quantization, quantizer) in DECODE_BASES.items():
         start = time.perf_counter()
 
-        def run(base=base) -> None:
-            out[base] = decode_base(shape, device, None if base == "bf16" else base, smoke)
+        def run(base=base, quantization=quantization, quantizer=quantizer) -> None:
+            with fp8_activation_quantizer(quantizer):
+                out[base] = decode_base(shape, device, quantization, smoke)
 
         if attempt(rep, f"decode {base} base", run):
             out[base]["seconds"] = time.perf_counter() - start
