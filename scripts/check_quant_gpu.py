@@ -232,7 +232,7 @@ def layer_case(cfg, dtype: torch.dtype):
     """The 64-adapter decode batch ("distinct" scenario: one token per adapter) on one layer:
     (projections, their int8 pools, grouped meta, per-segment meta)."""
     cfg = dataclasses.replace(cfg, dtype=dtype)
-    sc = scenarios(cfg)[0]
+    sc = next(sc for sc in scenarios(cfg) if sc.name == f"distinct r{cfg.rank}")
     adapter_rows = scattered_rows(sc.num_adapters, sc.rank, torch.Generator().manual_seed(0))
     projs = build_projections(cfg, sc.num_adapters * sc.rank + 32, len(sc.sets))
     grouped = build_meta(sc, adapter_rows, cfg.device, 16)
