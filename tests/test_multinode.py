@@ -3,14 +3,18 @@
 headless `... --node-rank 1`, whose ranks meet at the head's TCPStore. Through the official
 openai client the pair answers the single-device Engine's greedy tokens and logprobs, for the
 base, a start-up adapter and one loaded over HTTP (snapshotted in --state-dir, which every
-node reads); killing either node stops the other (the head answers 503 and exits 1, node 1
-exits 1), nothing hangs. The flags' checks and torchrun's environment need no process."""
+node reads); killing node 1 makes the head answer 503 and exit 1. Under torchrun (one process
+per node, the node flags from its environment, its store as the rendezvous) the pair serves the
+same, and node 1 exits 1 once the head dies; nothing hangs. The flags' checks and torchrun's
+environment are also checked without processes."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -46,21 +50,33 @@ def checkpoints(tmp_path_factory):
     return build_checkpoints(tmp_path_factory.mktemp("multinode"))
 
 
-class Node:
-    """A headless `radixlora serve --node-rank R` (no HTTP, only its worker ranks)."""
+RADIXLORA = [sys.executable, "-m", "radixlora.cli"]
 
-    def __init__(self, model: Path, adapters: dict[str, Path], log_path: Path, *flags: str):
-        cmd = [sys.executable, "-m", "radixlora.cli", "serve", "--log-level", "info",
-               *ENGINE_FLAGS, "--model", str(model), *flags]
+
+def torchrun(node_rank: int, port: int) -> list[str]:
+    """torchrun's static rendezvous at 127.0.0.1:port, one radixlora process per node."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+            "1", "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port",
+            str(port), "-m", "radixlora.cli"]  # fmt: skip
+
+
+class Node:
+    """`radixlora serve` run by `launcher` (a headless node > 0, or a head under torchrun)."""
+
+    def __init__(self, model: Path, adapters: dict[str, Path], log_path: Path, *flags: str,
+                 launcher: list[str] = RADIXLORA):  # fmt: skip
+        cmd = [*launcher, "serve", "--log-level", "info", *ENGINE_FLAGS, "--model", str(model),
+               *flags]  # fmt: skip
         for name, path in adapters.items():
             cmd += ["--adapter", f"{name}={path}"]
         self.log_path = log_path
         self.log = open(log_path, "wb")  # noqa: SIM115 (lives as long as the node)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
 
-    def wait_ready(self, timeout_s: float = 60) -> None:
+    def wait_ready(self, ready=None, timeout_s: float = 120) -> None:
+        """Until ready() (default: this node > 0 logged that its ranks are ready)."""
         deadline = time.monotonic() + timeout_s
-        while "ready: its worker ranks follow node 0" not in self.logs():
+        while not (ready() if ready else "ready: its worker ranks follow node 0" in self.logs()):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"node exited or never got ready:\n{self.logs()}")
             time.sleep(0.1)
@@ -70,9 +86,14 @@ class Node:
         return self.log_path.read_text(errors="replace")[-5000:]
 
     def stop(self) -> None:
+        """SIGTERM first: torchrun passes it on to its process."""
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
         self.log.close()
 
 
@@ -80,7 +101,7 @@ def start_pair(checkpoints, tmp: Path) -> tuple[ServerProcess, Node]:
     """Node 1 and the head, "support" given at start-up, "legal" loadable over HTTP."""
     model, adapters = checkpoints
     start = {"support": adapters["support"]}
-    group = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}",
+    group = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{rdzv_port()}",
              "--dtype", "float32", "--state-dir", str(tmp / "shared")]
     (tmp / "shared").mkdir()
     node = Node(model, start, tmp / "node1.log", *group, "--node-rank", "1")
@@ -101,11 +122,26 @@ def pair(checkpoints, tmp_path):
         node.stop()
 
 
-def test_two_nodes_serve_the_single_device_tokens_and_stop_together(pair, checkpoints, tmp_path):
+@pytest.fixture(scope="module")
+def engine(checkpoints):
+    return engine_like_server(*checkpoints)
+
+
+def completion_equals_engine(client, engine, model: str, adapters: str | None) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+    want = engine.generate(PROMPT, params, adapters=adapters)[0].outputs[0]
+    got = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                    temperature=0, logprobs=1,
+                                    extra_body={"ignore_eos": True}).choices[0]  # fmt: skip
+    assert got.text == want.text, model
+    assert got.logprobs.token_logprobs == pytest.approx(want.logprobs, abs=TOL), model
+
+
+def test_two_nodes_serve_the_single_device_tokens_and_stop_together(pair, checkpoints, engine,
+                                                                    tmp_path):  # fmt: skip
     import openai
 
     head, node = pair
-    engine = engine_like_server(*checkpoints)
     load = {"lora_name": "legal", "lora_path": str(checkpoints[1]["legal"])}
     loaded = head.http.post("/v1/load_lora_adapter", json=load,
                             headers={"authorization": f"Bearer {head.admin_key}"})
@@ -113,14 +149,8 @@ def test_two_nodes_serve_the_single_device_tokens_and_stop_together(pair, checkp
     (state,) = (tmp_path / "shared").iterdir()
     assert any((state / "adapters").iterdir())  # the snapshot node 1's rank reads
     client = openai.OpenAI(base_url=head.url + "/v1", api_key="none", max_retries=0)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
     for model, adapters in ((MODEL_NAME, None), ("support", "support"), ("legal", "legal")):
-        want = engine.generate(PROMPT, params, adapters=adapters)[0].outputs[0]
-        got = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                        temperature=0, logprobs=1,
-                                        extra_body={"ignore_eos": True}).choices[0]  # fmt: skip
-        assert got.text == want.text, model
-        assert got.logprobs.token_logprobs == pytest.approx(want.logprobs, abs=TOL), model
+        completion_equals_engine(client, engine, model, adapters)
     ranks = children(node.proc.pid)
     assert ranks, node.logs()
     node.proc.send_signal(signal.SIGKILL)  # the whole node: its ranks die with their launcher
@@ -131,11 +161,50 @@ def test_two_nodes_serve_the_single_device_tokens_and_stop_together(pair, checkp
     assert not state.exists()
 
 
-def test_node_1_exits_when_the_head_dies(pair):
-    head, node = pair
-    head.proc.send_signal(signal.SIGKILL)
-    assert node.proc.wait(STOP_S) == 1, node.logs()
-    assert "lost rank 0" in node.logs()
+def test_under_torchrun_node_1_exits_when_the_head_dies(checkpoints, engine, tmp_path):
+    """The nodes from torchrun's environment (its store as the rendezvous), no node flags."""
+    import httpx
+    import openai
+
+    model, _ = checkpoints
+    port, http_port = rdzv_port(), free_port()
+    group = ["--tp-size", "2", "--dtype", "float32"]
+    node = Node(model, {}, tmp_path / "node1.log", *group, launcher=torchrun(1, port))
+    head = Node(model, {}, tmp_path / "head.log", *group, "--port", str(http_port),
+                launcher=torchrun(0, port))  # fmt: skip
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        head.wait_ready(lambda: healthy(httpx, url))
+        node.wait_ready()
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        completion_equals_engine(client, engine, MODEL_NAME, None)
+        (launcher,) = children(head.proc.pid)  # torchrun's one process on node 0
+        os.kill(launcher, signal.SIGKILL)
+        assert node.proc.wait(STOP_S) != 0, node.logs()
+        assert "rank 1 lost rank 0" in node.logs()
+    finally:
+        head.stop()
+        node.stop()
+
+
+def rdzv_port() -> int:
+    """A free port below the ephemeral range (32768 up), so that no connection of another
+    process takes it in the seconds before rank 0 (or torchrun) listens on it."""
+    while True:
+        port = random.randrange(20000, 32768)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+
+
+def healthy(httpx, url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def children(pid: int) -> list[int]:
