@@ -13,7 +13,7 @@ import torch
 
 from radixlora import Engine, SamplingParams
 from radixlora.kernels.nf4_dequant import nf4_dequant
-from radixlora.model.quant import dequantize_nf4, nf4_from_bnb, quantize_nf4
+from radixlora.model.quant import NF4Linear, dequantize_nf4, nf4_from_bnb, quantize_nf4
 from scripts.checkpoints import build_nf4_model
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -134,3 +134,11 @@ def test_quantization_flag_on_an_already_quantized_checkpoint_is_refused(tmp_pat
     fp8_like = dataclasses.replace(cfg, quantization="fp8")
     with pytest.raises(ModelLoadError, match="already fp8"):
         fp8_like.served(EngineConfig(quantization="nf4"))
+
+
+def test_nf4_linear_buffers_follow_the_device_it_is_built_on():
+    """Built under a device context (the loader builds on the target device), the NF4 code
+    lands there with the packed weights: the CUDA kernel reads all three."""
+    with torch.device("meta"):
+        linear = NF4Linear(128, 64, False, 64, torch.float32)
+    assert {b.device.type for b in (linear.packed, linear.absmax, linear.code)} == {"meta"}

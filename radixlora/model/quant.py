@@ -117,7 +117,8 @@ class NF4Linear(nn.Module):
         self.in_features, self.out_features, self.blocksize = in_features, out_features, blocksize
         self.register_buffer("packed", torch.empty(numel // 2, dtype=torch.uint8))
         self.register_buffer("absmax", torch.empty(numel // blocksize, dtype=torch.float32))
-        self.register_buffer("code", NF4_CODE.clone())
+        self.register_buffer("code", torch.empty(NF4_CODE.shape))  # on the current device
+        self.code.copy_(NF4_CODE)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
         self.scratch: torch.Tensor | None = None
 
