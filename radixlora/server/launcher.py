@@ -462,6 +462,11 @@ class Launcher:
                             "them; give a --state-dir every node mounts at the same path",
                             args.nnodes)
             log.info("starting the worker process: it loads the model and sizes the pools")
+            if args.nnodes > 1:
+                log.info("ranks %d-%d run on nodes 1-%d, whose ranks must join at %s within "
+                         "%.0f s", args.tensor_parallel_size // args.nnodes,
+                         args.tensor_parallel_size - 1, args.nnodes - 1, args.dist_init_addr,
+                         args.ready_timeout_s)
         else:
             ranks = node_ranks(args.tensor_parallel_size, args.nnodes, args.node_rank)
             log.info("node %d of %d: starting worker ranks %d-%d of %d; they meet node 0's at "
