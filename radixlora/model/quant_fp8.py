@@ -88,7 +88,7 @@ def _round_to_e4m3(v):
     bits = v.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
     sub = ((tl.abs(v) * 512.0 + 8388608.0) - 8388608.0) * 0.001953125
-    sub = tl.where(bits < 0, -sub, sub)
+    sub = sub * tl.where(bits < 0, -1.0, 1.0)  # -0.0 for a negative v that rounds to zero
     return tl.where(tl.abs(v) >= 0.015625, normal, sub)
 
 
