@@ -223,9 +223,12 @@ class StepExecutor:
         pool = self.runner.adapter_pool
         if os.path.realpath(Path(load.path).parent) in self.snapshot_roots:
             packed = read_packed(load.path, pool.layout.key, load.adapter_id, pool.host.pin)
-            if packed is not None:
+            if packed is not None and pool.layout.holds(packed):
                 self._count("packed file")
                 return packed
+            if packed is not None:
+                log.warning("adapter %s: its packed file does not fit this pool; reading its "
+                            "files", load.name)
         self._count("adapter files")
         adapter = self.source(load)
         if adapter.adapter_id != load.adapter_id:
@@ -305,12 +308,16 @@ class StepExecutor:
             if self._warmer is None:
                 self._warmer = ThreadPoolExecutor(WARM_READERS, thread_name_prefix="adapter-warm")
             if self._warm_round is None:
-                self._warm_round = (time.perf_counter(), self.read_counts.copy())
+                self._warm_round = (time.perf_counter(), self._counts())
             self.warming[adapter_id] = self._warmer.submit(self._read, load)
 
     def _count(self, source: str) -> None:
         with self._counts_lock:
             self.read_counts[source] += 1
+
+    def _counts(self) -> collections.Counter:
+        with self._counts_lock:
+            return self.read_counts.copy()
 
     def _collect_warm(self) -> None:
         """Put ended host_reads into the host tier while it has room: they never evict."""
@@ -329,7 +336,7 @@ class StepExecutor:
         if self._warm_round is not None and not self.warming:
             started, before = self._warm_round
             self._warm_round = None
-            read = self.read_counts - before
+            read = self._counts() - before
             log.info("reading ahead ended after %.1f s: %d adapter reads meanwhile (%s); the "
                      "host tier holds %d (%.2f GiB)", time.perf_counter() - started,
                      sum(read.values()),

@@ -195,3 +195,38 @@ def test_packed_files_outside_the_snapshots_are_never_read(model, cfg, tmp_path,
     got = _drive(sched, worker, [_req("r", "u")])
     assert reads == [str(user_dir)]
     assert got[("r", 0)] == _want(model, user_dir)
+
+
+def test_a_packed_file_must_fit_the_pool(cfg, adapter_dir):
+    """What a packed file says it holds is checked against the layout before any row is
+    written: its groups in order, ranks of at least 1, and exactly the bytes they take."""
+    adapter = load_adapter("a", adapter_dir, cfg, MAX_RANK)
+    layout = PoolLayout(cfg, torch.float32)
+    packed = layout.pack(adapter)
+    assert layout.holds(packed)
+    ranks = packed.group_ranks
+    assert len(ranks) > 1
+    first = next(iter(ranks))
+    wrong = [{**ranks, first: ranks[first] + 1}, dict(reversed(ranks.items())), {"mlp": 1},
+             dict.fromkeys(ranks, 0), {}]
+    for bad in wrong:
+        assert not layout.holds(PackedAdapter(packed.adapter_id, bad, packed.data)), bad
+    assert not layout.holds(PackedAdapter(packed.adapter_id, ranks, packed.data[:-1]))
+
+
+def test_worker_reads_the_files_when_the_packed_file_does_not_fit(model, adapter_dir, tmp_path,
+                                                                  monkeypatch):
+    sched, worker = _services(model, tmp_path)
+    reply = sched.lifecycle.admin(AdminReq(qid=1, op="load", name="a", path=str(adapter_dir)))
+    assert reply.status == 200
+    snapshot = Path(sched.adapters.by_name["a"].path)
+    layout = worker.runner.adapter_pool.layout
+    packed = read_packed(snapshot, layout.key, sched.adapters.by_name["a"].adapter_id, pin=False)
+    short = PackedAdapter(packed.adapter_id, packed.group_ranks, packed.data[:-8])
+    write_packed(snapshot, layout.key, short)
+    reads, real = [], worker.source
+    monkeypatch.setattr(worker, "source", lambda load: reads.append(load.path) or real(load))
+    got = _drive(sched, worker, [_req("r", "a")])
+    assert reads == [str(snapshot)]
+    assert got[("r", 0)] == _want(model, adapter_dir)
+    _assert_nothing_held(sched)

@@ -69,6 +69,15 @@ class PoolLayout:
         text = repr((PACK_FORMAT, self.cfg.num_layers, groups, str(self.dtype), shard))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    def holds(self, packed: PackedAdapter) -> bool:
+        """Whether `packed` has the groups in write() order and exactly the bytes this layout
+        packs for their ranks (a packed file read back is checked before any scatter)."""
+        ranks = packed.group_ranks
+        in_order = list(ranks) == [g for g in MODULE_GROUPS if g in ranks]
+        if not ranks or not in_order or min(ranks.values()) < 1:
+            return False
+        return packed.nbytes == AdapterPool.load_bytes(self.cfg, self.dtype, ranks)
+
     def pack(self, adapter: LoraAdapter) -> PackedAdapter:
         """The adapter's rows for each group pool it adapts (its group rank of them), flattened
         in AdapterPool.write() order, in the pool's dtype. An int8 pool's packing is one byte
