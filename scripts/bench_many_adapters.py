@@ -15,10 +15,11 @@ serve equal content as one adapter). N is the largest count any chosen workload 
 adapter's tensors are one random draw (on the GPU when there is one) cut into the tensors,
 written as one safetensors file by a pool of threads; adapters are kept across runs in
 WORK/many-adapters/pool and hard-linked into WORK/many-adapters/serve, which holds exactly the
-N adapters the server is given. Disk: the checkpoint, N adapters, and N more in the server's
-state directory (the registry snapshots each adapter it publishes; under the temporary
-directory): the free space of both file systems is checked before anything is written, and a
-count that does not fit is refused (1000 adapters need ~43 GB with the checkpoint, 2000 ~71).
+N adapters the server is given. Disk: the checkpoint, N adapters, and twice N more in the
+server's state directory (the registry snapshots each adapter it publishes with the adapter
+packed for the pool beside it; under the temporary directory): the free space of both file
+systems is checked before anything is written, and a count that does not fit is refused (1000
+adapters need ~57 GB with the checkpoint, 2000 ~98).
 
 The server is launched as a user would: `python -m radixlora.cli serve --model DIR
 --adapter-dir WORK/many-adapters/serve --adapter-burst N --enable-admin` (the admission bucket
@@ -124,6 +125,10 @@ TINY = Scale(s_counts=(2, 24), rank=8, s_requests=8, s_in=16, s_out=8, s_warmup=
 
 
 # ---- adapters on disk -----------------------------------------------------------------------
+
+# a snapshot holds the adapter's files and the adapter packed for the pool (bf16: as large)
+SNAPSHOT_COPIES = 2
+
 
 def adapter_name(i: int) -> str:
     return f"m{i:05d}"
@@ -261,10 +266,11 @@ def disk_needs(work: Path, ckpt_bytes: int, have: int, count: int, adapter_bytes
                ) -> dict[int, list]:
     """File system -> [a path on it, bytes `count` adapters need there]: the work dir the
     checkpoint (0 if written) and the adapters not yet written (`have` are), the temporary
-    directory (the server's state directory) a snapshot of every adapter."""
+    directory (the server's state directory) a snapshot of every adapter with its packed copy
+    (about as large: SNAPSHOT_COPIES)."""
     needs: dict[int, list] = {}
     for path, nbytes in ((work, ckpt_bytes + max(0, count - have) * adapter_bytes),
-                         (Path(tempfile.gettempdir()), count * adapter_bytes)):
+                         (Path(tempfile.gettempdir()), SNAPSHOT_COPIES * count * adapter_bytes)):
         needs.setdefault(os.stat(path).st_dev, [path, 0])[1] += nbytes
     return needs
 
@@ -291,7 +297,8 @@ def check_disk(work: Path, ckpt_bytes: int, have: int, count: int, adapter_bytes
                            for path, r in report.items())
         parts = [f"checkpoint {ckpt_bytes / 1e9:.1f} GB"] if ckpt_bytes else []
         parts += [f"{max(0, count - have)} adapters to write in {work}",
-                  f"{count} server snapshots under {tempfile.gettempdir()}"]
+                  f"{count} server snapshots (with packed copies) under "
+                  f"{tempfile.gettempdir()}"]
         raise SystemExit(
             f"not enough disk for {count} adapters of {adapter_bytes / 1e6:.3g} MB "
             f"({', '.join(parts)}): {detail}. At most {lo} adapters fit; lower --s-counts / "
