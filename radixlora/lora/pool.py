@@ -82,7 +82,7 @@ class PoolLayout:
         """The adapter's rows for each group pool it adapts (its group rank of them), flattened
         in AdapterPool.write() order, in the pool's dtype. An int8 pool's packing is one byte
         tensor: first the float32 qscales of every group ([layers, n_slices, rank] each), then
-        the int8 A and B rows as above."""
+        the int8 A and B rows in the same order."""
         group_ranks = {g: adapter.group_ranks[g] for g in MODULE_GROUPS if g in adapter.group_ranks}
         groups = [self._group_rows(adapter, g, r) for g, r in group_ranks.items()]
         rows = torch.cat([t.flatten() for a, b, _ in groups for t in (a, b)])
