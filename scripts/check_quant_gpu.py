@@ -12,10 +12,12 @@ H200 figures, each measured here.
            distinct rank-16 adapters), int8 pool vs bf16 pool, against each pool's bytes floor.
   proj     each projection at batch 1 and 32: FP8 W8A8 split into the activation quantization
            (Triton kernel and the torch spelling) and torch._scaled_mm (row-wise scales, the
-           same with use_fast_accum, and tensor-wise as a cuBLASLt reference), NF4
-           dequantization alone and + GEMM, the bf16 GEMM and the read floors (NF4's also with
-           the bf16 weight it writes and the GEMM reads); eager and in a CUDA graph, weights
-           cycled over copies worth 3x the L2 cache, so they come from HBM as a model's do.
+           same with use_fast_accum, and tensor-wise as a cuBLASLt reference), the FP8 Triton
+           GEMV and the NF4 one at batch 1 (kernels/quant_gemv.py, checked against the
+           dequantized weight's product), NF4 dequantization alone and + GEMM, the bf16 GEMM
+           and the read floors (NF4's also with the bf16 weight it writes and the GEMM reads);
+           eager and in a CUDA graph, weights cycled over copies worth 3x the L2 cache, so they
+           come from HBM as a model's do.
   decode   the engine's decode step at batch 1 and 32 for a bf16, an NF4 and an FP8 base
            (Llama-3-8B shapes, dummy weights, bench_engine.py's set-up), and the FP8 base with
            the torch-spelling activation quantizer it had before: wall-clock step median and
@@ -85,6 +87,7 @@ from kernels.lora_ops import TorchLoraBackend, TritonLoraBackend  # noqa: E402
 from kernels.sgmv_grouped import grouped_expand, grouped_shrink, tuning_for_rows  # noqa: E402
 from radixlora.config import ModelConfig  # noqa: E402
 from radixlora.kernels.nf4_dequant import nf4_dequant, nf4_dequant_ref  # noqa: E402
+from radixlora.kernels.quant_gemv import fp8_gemv, nf4_gemv  # noqa: E402
 from radixlora.lora.pool import AdapterPool, quantize_rows  # noqa: E402
 from radixlora.model import quant_fp8  # noqa: E402
 from radixlora.model.quant import NF4_CODE  # noqa: E402
@@ -92,6 +95,7 @@ from radixlora.model.quant import NF4_CODE  # noqa: E402
 INT8_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # max |Triton - torch| / max |torch|
 ENGINE_LOGPROB_TOL = 1e-3  # gpu_checks.py's bound for Triton + graphs vs the torch path
 FP8_REL_TOL = 0.03  # W8A8 against the dequantized weight's product (relative Frobenius)
+GEMV_REL_TOL = 0.01  # the skinny kernels against the same: bf16 rounding and summation order
 NF4_BLOCKSIZE = 64
 EAGER_REP_MS, GRAPH_REP_MS = 50, 20  # per timing; a graph is replayed 10 times
 SECTIONS = ("pool", "int8", "sgmv", "proj", "decode")
@@ -423,7 +427,19 @@ def check_nf4(rep: Report, name: str, shape, device: str) -> dict:
         x = torch.randn(batch, shape[1], dtype=torch.bfloat16, device=device)
         result[f"bs{batch}"] = timed(cycling(
             lambda packed, absmax, x=x: F.linear(x, dequant(packed, absmax)), weights), device)
+    x = torch.randn(1, shape[1], dtype=torch.bfloat16, device=device)  # nf4_gemv's batch
+    check_gemv(rep, f"nf4 {name} bs1 GEMV", F.linear(x, w),
+               nf4_gemv(x, packed, absmax, code, NF4_BLOCKSIZE, shape[0]))
+    result["gemv_bs1"] = timed(cycling(
+        lambda packed, absmax: nf4_gemv(x, packed, absmax, code, NF4_BLOCKSIZE, shape[0]),
+        weights), device)  # fmt: skip
     return result
+
+
+def check_gemv(rep: Report, name: str, ref: torch.Tensor, y: torch.Tensor) -> None:
+    rel = float((y.float() - ref.float()).norm() / ref.float().norm())
+    rep.check(name, rel < GEMV_REL_TOL, f"relative error {rel:.4f} against the dequantized "
+              f"weight's product (tolerance {GEMV_REL_TOL})")
 
 
 def fp8_case(shape, device: str):
@@ -459,6 +475,7 @@ def check_fp8(rep: Report, name: str, shape, batch: int, device: str, w8, scale,
         return torch._scaled_mm(x8, w8.t(), scale_a=scale_a, scale_b=scale_b,
                                 out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
 
+    check_gemv(rep, f"fp8 {name} bs{batch} W8A16 GEMV", ref, fp8_gemv(x, w8, scale))
     fast = mm(w8, scale, fast_accum=True)
     rel_fast = float((fast.float() - ref.float()).norm() / ref.float().norm())
     rep.line(f"  info  fp8 {name} bs{batch} row-wise with use_fast_accum=True: relative error "
@@ -473,6 +490,7 @@ def check_fp8(rep: Report, name: str, shape, batch: int, device: str, w8, scale,
                                    device),
             "w8a8": timed(cycling(lambda w, s, _: quant_fp8.fp8_linear_w8a8(x, w, s, None),
                                   weights), device),
+            "gemv": timed(cycling(lambda w, s, _: fp8_gemv(x, w, s), weights), device),
             "bf16_gemm": timed(cycling(lambda w, s, r: F.linear(x, r), weights), device)}
 
 
@@ -504,7 +522,8 @@ def print_proj_table(rep: Report, out: dict) -> None:
             ("fp8 _scaled_mm row-wise scales", "mm_rowwise"),
             ("fp8 _scaled_mm row-wise, fast accum", "mm_rowwise_fast_accum"),
             ("fp8 _scaled_mm tensor-wise (cuBLASLt)", "mm_tensorwise"),
-            ("fp8 W8A8 total (fp8_linear_w8a8)", "w8a8"), ("bf16 GEMM", "bf16_gemm")]
+            ("fp8 W8A8 total (fp8_linear_w8a8)", "w8a8"), ("fp8 W8A16 Triton GEMV", "gemv"),
+            ("bf16 GEMM", "bf16_gemm")]
     for name, o in out.items():
         rep.line(f"  {name} [out, in] = {o['shape']}")
         rep.line(f"    {'us, eager / graph':<40}{'batch 1':>18}  {'batch 32':>18}")
@@ -512,6 +531,7 @@ def print_proj_table(rep: Report, out: dict) -> None:
             rep.line(f"    {label:<40}{fmt_us(o['fp8_bs1'][key])}  {fmt_us(o['fp8_bs32'][key])}")
         nf4 = o["nf4"]
         rep.line(f"    {'nf4 dequant + GEMM':<40}{fmt_us(nf4['bs1'])}  {fmt_us(nf4['bs32'])}")
+        rep.line(f"    {'nf4 Triton GEMV (batch 1 only)':<40}{fmt_us(nf4['gemv_bs1'])}")
         rep.line(f"    {'nf4 dequant alone':<40}{fmt_us(nf4['dequant'])}")
         rep.line(f"    floors, us: bf16 read {o['floor_bf16_us']:.2f}, fp8 read "
                  f"{o['floor_fp8_us']:.2f}, nf4 read {nf4['floor_nf4_read_us']:.2f}, nf4 "

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlora.kernels.nf4_dequant import nf4_dequant, nf4_dequant_ref
+from radixlora.kernels.quant_gemv import NF4_MAX_M, nf4_gemv, nf4_span
 from radixlora.model.quant_fp8 import swap_projections
 
 # The NF4 code: quantiles of N(0, 1) normalised to [-1, 1], with an exact zero (QLoRA, App. E).
@@ -105,9 +106,10 @@ def nf4_from_bnb(parts: dict[str, torch.Tensor]) -> NF4Weight:
 class NF4Linear(nn.Module):
     """A projection whose weight [out, in] is NF4 (a fused projection's parts concatenated
     along the rows, as bitsandbytes stores each part: its blocks never straddle two parts).
-    The forward dequantizes the weight to x's dtype and runs the dense GEMM: on CUDA the Triton
-    kernel writes it into `scratch`, one buffer shared by every NF4Linear of the model (layers
-    run one after another on one stream); elsewhere the torch reference."""
+    On CUDA, up to NF4_MAX_M tokens (decode) run nf4_gemv, which dequantizes in registers as it
+    reads the weight once; more tokens dequantize the weight to x's dtype in a Triton kernel,
+    into `scratch` (one buffer shared by every NF4Linear of the model: layers run one after
+    another on one stream), and run the dense GEMM. Elsewhere the torch reference."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, blocksize: int,
                  dtype: torch.dtype):  # fmt: skip
@@ -121,8 +123,12 @@ class NF4Linear(nn.Module):
         self.code.copy_(NF4_CODE)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
         self.scratch: torch.Tensor | None = None
+        self.skinny = nf4_span(blocksize, in_features) is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.skinny and x.is_cuda and x.dim() == 2 and x.shape[0] <= NF4_MAX_M:
+            return nf4_gemv(x, self.packed, self.absmax, self.code, self.blocksize,
+                            self.out_features, self.bias)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:

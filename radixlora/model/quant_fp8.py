@@ -9,7 +9,9 @@ compute capability 8.9 or more, `Fp8Linear` quantizes each token of x to e4m3 wi
 vLLM does); elsewhere it dequantizes W to x's dtype and runs the dense GEMM (the reference).
 On CUDA the activations are quantized by one Triton kernel (a program per token), not by the
 nine elementwise and reduction launches of the torch spelling: at decode those launches cost
-more than the FP8 GEMM's weight read."""
+more than the FP8 GEMM's weight read. Decode batches (up to FP8_MAX_M tokens) skip the activation
+quantization: kernels/quant_gemv.fp8_gemv reads W8 once, casts it exactly to x's dtype and
+scales the row sums (W8A16), where _scaled_mm runs at 2-3x its read floor."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlora.kernels.quant_gemv import FP8_MAX_M, fp8_gemv
 from radixlora.kernels.triton_compat import tl, triton
 
 FP8 = torch.float8_e4m3fn
@@ -130,10 +133,12 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8))
         self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
-        self.use_scaled_mm = False  # set once the device is known (attach_fp8_path)
+        self.use_scaled_mm = False  # FP8 kernels; set once the device is known (attach_fp8_path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_scaled_mm:
+            if x.dim() == 2 and x.shape[0] <= FP8_MAX_M:
+                return fp8_gemv(x, self.weight, self.weight_scale, self.bias)
             return fp8_linear_w8a8(x, self.weight, self.weight_scale, self.bias)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
