@@ -62,13 +62,14 @@ def _nf4_gemv_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, bias_ptr, y_ptr, N
     m = tl.program_id(1).to(tl.int64)
     row_ok = rows < N
     STEP: tl.constexpr = GROUPS * SPAN // 2  # bytes of a row per loop step
-    x_row = x_ptr + m * stride_xm + tl.arange(0, 2 * STEP)
+    x_row = x_ptr + m * stride_xm + tl.arange(0, 2 * STEP)[None, :]  # [1, 2 STEP]
     partial = tl.zeros((BLOCK_N, STEP), dtype=tl.float32)
     for kb in range(0, HALF_K, STEP):
         even, odd = _nf4_weights(packed_ptr, absmax_ptr, code_ptr, rows, row_ok, K, HALF_K, kb,
                                  BLOCKSIZE, SPAN, GROUPS, BLOCK_N, x_ptr.dtype.element_ty)
-        x_even, x_odd = tl.split(tl.reshape(tl.load(x_row + 2 * kb).to(tl.float32), (STEP, 2)))
-        partial += even.to(tl.float32) * x_even[None, :] + odd.to(tl.float32) * x_odd[None, :]
+        x_even, x_odd = tl.split(tl.reshape(tl.load(x_row + 2 * kb), (1, STEP, 2)))
+        partial += even.to(tl.float32) * x_even.to(tl.float32)
+        partial += odd.to(tl.float32) * x_odd.to(tl.float32)
     y = tl.sum(partial, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
