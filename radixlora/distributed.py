@@ -154,6 +154,11 @@ class TensorParallel:
         dist.all_reduce(t, group=self.group)
         return t
 
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum over every rank's `t` (in place)."""
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t
+
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[T, vocab_shard] per rank -> [T, vocab] (the padding rows cut off)."""
         parts = [torch.empty_like(logits) for _ in range(self.size)]

@@ -13,13 +13,16 @@ import torch
 from safetensors import safe_open
 
 from radixlora.config import ModelConfig, checkpoint_quantization
-from radixlora.distributed import Shard, TensorParallel
+from radixlora.distributed import COLUMN_MODULES, Shard, TensorParallel
 from radixlora.errors import ModelLoadError
+from radixlora.lora.adapter import LORA_MODULES
 from radixlora.model.llama import LlamaForCausalLM
-from radixlora.model.parallel import shard_model
+from radixlora.model.parallel import row_parallel_projections, shard_model, whole_row_absmax
 from radixlora.model.quant import (
     NF4Linear,
+    NF4Weight,
     attach_scratch,
+    check_nf4_cut,
     nf4_from_bnb,
     nf4_modules,
     quantize_projections,
@@ -81,23 +84,24 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
     each tensor is sliced as it is read, so no rank holds the whole model. cfg.quantization
     "nf4" / "fp8": a checkpoint stored so keeps its projections NF4 (bitsandbytes) / FP8; a
     dense one's are quantized after loading (NF4: bitsandbytes' default blocksize, no double
-    quantization; FP8: e4m3 with a scale per output channel)."""
+    quantization; FP8: e4m3 with a scale per output channel). Under tensor parallel each rank's
+    quantized weights are its slices of the single-device ones (NF4: where they are whole
+    blocks, else ModelLoadError)."""
     path = Path(path)
     shard = tp.shard if tp is not None else None
     stored = _stored_format(path, load_format)
-    _check_quantized(path, cfg, stored, tp)
     blocksize = _nf4_blocksize(path) if stored == "nf4" else None
+    _check_quantized(path, cfg, stored, tp, blocksize or AT_LOAD_BLOCKSIZE)
     if shard is not None:
         cfg = shard.local
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-        if tp is not None:
-            model = shard_model(model, tp)
-        model = model.to(dtype)
+        model = LlamaForCausalLM(cfg).to(dtype)
         if blocksize is not None:
             model = nf4_modules(model, blocksize)
         if stored == "fp8":
             model = fp8_modules(model)
+        if tp is not None:
+            model = shard_model(model, tp)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -108,10 +112,8 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
         _load_weights(model, cfg, path, shard)
     else:
         raise ModelLoadError(f"unknown load_format {load_format!r}: safetensors or dummy")
-    if cfg.quantization == "nf4" and stored is None:
-        model = quantize_projections(model, AT_LOAD_BLOCKSIZE)
-    if cfg.quantization == "fp8" and stored is None:
-        model = fp8_projections(model)
+    if cfg.quantization is not None and stored is None:
+        model = _quantize_at_load(model, cfg.quantization, tp)
     attach_scratch(model, dtype, device)
     attach_fp8_path(model, device)
     return model.eval()
@@ -125,18 +127,49 @@ def _stored_format(path: Path, load_format: str) -> str | None:
     return checkpoint_quantization(config.get("quantization_config"))
 
 
+def _quantize_at_load(model: LlamaForCausalLM, quantization: str,
+                      tp: TensorParallel | None) -> LlamaForCausalLM:  # fmt: skip
+    """The loaded dense projections quantized (--quantization); under tensor parallel o and down
+    made row-parallel again, FP8 rows scaled by the absmax of the whole row (every rank's)."""
+    if quantization == "nf4":
+        model = quantize_projections(model, AT_LOAD_BLOCKSIZE)
+    else:
+        model = fp8_projections(model, whole_row_absmax if tp is not None else None)
+    return model if tp is None else row_parallel_projections(model, tp)
+
+
 def _check_quantized(path: Path, cfg: ModelConfig, stored: str | None,
-                     tp: TensorParallel | None) -> None:  # fmt: skip
+                     tp: TensorParallel | None, blocksize: int) -> None:  # fmt: skip
     if cfg.quantization is None:
         return
-    if tp is not None:
-        raise ModelLoadError(f"{cfg.quantization} bases under tensor parallel are not supported "
-                             "yet")
+    if cfg.quantization == "nf4" and tp is not None:
+        _check_nf4_shards(cfg, tp.size, blocksize)
     if stored == "fp8":
         try:
             fp8_scheme(json.loads((path / "config.json").read_text())["quantization_config"])
         except ValueError as e:
             raise ModelLoadError(str(e)) from e
+
+
+def _check_nf4_shards(cfg: ModelConfig, size: int, blocksize: int) -> None:
+    """Raise ModelLoadError unless every rank's slice of every NF4 projection is whole blocks:
+    its rows (column-parallel), or its columns of every row (row-parallel). Every rank checks
+    every rank's slices, so all refuse together."""
+    for rank in range(size):
+        shard = Shard(rank, size, cfg)
+        for proj in LORA_MODULES:  # every projection
+            in_features, out_features = cfg.module_shape(proj)
+            cut = shard.features(proj)
+            try:
+                if proj in COLUMN_MODULES:
+                    check_nf4_cut((out_features, in_features), blocksize, rows=cut)
+                else:
+                    check_nf4_cut((out_features, in_features), blocksize, columns=cut)
+            except ValueError as e:
+                raise ModelLoadError(
+                    f"--tensor-parallel-size {size}: the NF4 {proj} [{out_features}, "
+                    f"{in_features}] of blocksize {blocksize} does not split into whole blocks "
+                    f"(rank {rank}: {e})") from e
 
 
 def _nf4_blocksize(path: Path) -> int | None:
@@ -167,7 +200,7 @@ def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, path: Path,
                 # a rank reads only its slice of each tensor from the file
                 tensor = f.get_tensor(name) if shard is None else f.get_slice(name)
                 _load_tensor(cfg, params, loaded, name, tensor, shard)
-    _load_quantized(model, cfg, parts, loaded)
+    _load_quantized(model, cfg, parts, loaded, shard)
     missing = {n for n, p in params.items() if loaded.get(n, 0) != p.shape[0]}
     missing |= {n for n, m in model.named_modules()
                 if isinstance(m, (NF4Linear, Fp8Linear)) and loaded.get(n, 0) != m.out_features}
@@ -182,24 +215,48 @@ def _quantized_kind(model) -> type | None:
                 None)
 
 
-def _load_quantized(model, cfg: ModelConfig, parts: dict, loaded: dict[str, int]) -> None:
-    """Each quantized weight (its tensors by part name) into its rows of the module holding it."""
+def _load_quantized(model, cfg: ModelConfig, parts: dict, loaded: dict[str, int],
+                    shard: Shard | None) -> None:  # fmt: skip
+    """Each quantized weight (its tensors by part name) into its rows of the module holding it;
+    with `shard`, this rank's slice of it."""
     modules = dict(model.named_modules())
     for name, tensors in parts.items():
-        target, rows = _target(cfg, name if name.endswith(".weight") else name + ".weight")
+        weight_name = name if name.endswith(".weight") else name + ".weight"
+        target, rows = _target(cfg, weight_name)
         module_name = target.removesuffix(".weight")
         module = modules.get(module_name)
         rows = rows or (0, getattr(module, "out_features", 0))
+        proj = _LAYER.match(weight_name).group(3) + "_proj"
         try:
             if isinstance(module, NF4Linear):
-                module.load_rows(rows, nf4_from_bnb(tensors))
+                w = nf4_from_bnb(tensors)
+                module.load_rows(rows, w if shard is None else _shard_nf4(shard, proj, w))
             elif isinstance(module, Fp8Linear):
-                module.load_rows(rows, tensors["weight"], tensors["weight_scale"])
+                weight, scale = tensors["weight"], tensors["weight_scale"]
+                if shard is not None:
+                    weight, scale = _shard_fp8(shard, proj, weight, scale)
+                module.load_rows(rows, weight, scale)
             else:
                 raise ModelLoadError(f"unexpected quantized tensor {name} in checkpoint")
         except (KeyError, ValueError) as e:
             raise ModelLoadError(f"{name}: not a {cfg.quantization} weight: {e}") from e
         loaded[module_name] = loaded.get(module_name, 0) + rows[1] - rows[0]
+
+
+def _shard_nf4(shard: Shard, proj: str, w: NF4Weight) -> NF4Weight:
+    """This rank's rows (column-parallel) or columns (row-parallel) of an NF4 weight."""
+    cut = shard.features(proj)
+    return w.rows(cut) if proj in COLUMN_MODULES else w.columns(cut)
+
+
+def _shard_fp8(shard: Shard, proj: str, weight: torch.Tensor,
+               scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """This rank's slice of an FP8 weight and its scales: a column-parallel rank's rows with
+    their scales, a row-parallel rank's columns with every row's scale (W = W8 * s is linear in
+    W8, so the scaled partial products add up to the whole one)."""
+    if proj in COLUMN_MODULES and scale.numel() > 1:
+        scale = shard.weight(proj, "weight", scale)
+    return shard.weight(proj, "weight", weight), scale
 
 
 def _load_tensor(cfg, params, loaded, name, tensor, shard: Shard | None = None) -> None:

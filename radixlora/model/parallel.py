@@ -1,8 +1,9 @@
 """Tensor-parallel modules and the transform that puts them into a model built for one rank's
 shape (radixlora.distributed.Shard.local): the model file itself is never forked. Column-
-parallel projections need no module of their own (a plain Linear of the rank's rows, whose
-output the rank's attention heads or MLP slice consume); row-parallel ones all-reduce, the
-vocabulary-parallel ones mask and reduce (embedding) or gather (LM head)."""
+parallel projections need no module of their own (a plain Linear, NF4Linear or Fp8Linear of
+the rank's rows, whose output the rank's attention heads or MLP slice consume); row-parallel
+ones all-reduce, the vocabulary-parallel ones mask and reduce (embedding) or gather (LM
+head)."""
 
 from __future__ import annotations
 
@@ -12,29 +13,66 @@ from torch import nn
 
 from radixlora.distributed import TensorParallel
 from radixlora.model.llama import LlamaForCausalLM
+from radixlora.model.quant import NF4Linear
+from radixlora.model.quant_fp8 import Fp8Linear
+
+ROW_PARALLEL = (("self_attn", "o_proj"), ("mlp", "down_proj"))
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(nn.Module):
     """A projection whose input features are split over the ranks: each rank's partial product
     is all-reduced, then the (whole) bias added once. LoraContext adds each rank's partial LoRA
     delta to its partial product before the all-reduce (`partial`, then `reduce`), so the
-    deltas ride on the all-reduce the base output needs anyway."""
+    deltas ride on the all-reduce the base output needs anyway. Dense, NF4 and FP8 weights:
+    the subclasses below."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
-        super().__init__(in_features, out_features, bias=bias)
-        self.tp = tp
+    tp: TensorParallel
+    bias: nn.Parameter | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.reduce(self.partial(x))
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output: x (its input columns) times its weight columns."""
-        return F.linear(x, self.weight)
+        raise NotImplementedError
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         """The output from every rank's partial output (in place)."""
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+
+class RowParallelDense(RowParallelLinear, nn.Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowParallelNF4(RowParallelLinear, NF4Linear):
+    """Each row's input columns of this rank: whole blocks of the row (NF4Weight.columns)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, blocksize: int,
+                 tp: TensorParallel):  # fmt: skip
+        super().__init__(in_features, out_features, bias, blocksize, torch.float32)
+        self.tp = tp
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x, None)
+
+
+class RowParallelFp8(RowParallelLinear, Fp8Linear):
+    """This rank's input columns with every row's whole scale: scaling is linear, so the scaled
+    partial products add up to the whole product."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
+        super().__init__(in_features, out_features, bias, torch.float32)
+        self.tp = tp
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x, None)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -68,17 +106,43 @@ class ParallelLMHead(nn.Module):
 
 
 def shard_model(model: LlamaForCausalLM, tp: TensorParallel) -> LlamaForCausalLM:
-    """Swap in the parallel modules (on the meta device, before the weights load), on a model
-    built with tp.shard.local's shape."""
-    hidden = model.cfg.hidden_size
-    model.embed_tokens = VocabParallelEmbedding(hidden, tp)
-    model.lm_head = ParallelLMHead(hidden, tp)
+    """Swap in the parallel modules (on the meta device, before the weights load, after the
+    projections are dense, NF4 or FP8 and in their dtype), on a model built with
+    tp.shard.local's shape."""
+    hidden, dtype = model.cfg.hidden_size, model.embed_tokens.weight.dtype
+    model.embed_tokens = VocabParallelEmbedding(hidden, tp).to(dtype)
+    model.lm_head = ParallelLMHead(hidden, tp).to(dtype)
+    return row_parallel_projections(model, tp)
+
+
+def row_parallel_projections(model: LlamaForCausalLM, tp: TensorParallel) -> LlamaForCausalLM:
+    """o and down of every layer made row-parallel, keeping their tensors (this rank's input
+    columns): dense, NF4 or FP8 alike."""
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.o_proj = _row_parallel(attn.o_proj, tp)
-        mlp.down_proj = _row_parallel(mlp.down_proj, tp)
+        for block, name in ROW_PARALLEL:
+            module = getattr(getattr(layer, block), name)
+            setattr(getattr(layer, block), name, _row_parallel(module, tp))
     return model
 
 
-def _row_parallel(linear: nn.Linear, tp: TensorParallel) -> RowParallelLinear:
-    return RowParallelLinear(linear.in_features, linear.out_features, linear.bias is not None, tp)
+def _row_parallel(module: nn.Module, tp: TensorParallel) -> RowParallelLinear:
+    """`module` as the RowParallelLinear of its kind, holding its very tensors (their dtypes and
+    devices: the twin is built on the meta device, then given them)."""
+    shape, bias = (module.in_features, module.out_features), module.bias is not None
+    with torch.device("meta"):
+        if isinstance(module, NF4Linear):
+            twin = RowParallelNF4(*shape, bias, module.blocksize, tp)
+        elif isinstance(module, Fp8Linear):
+            twin = RowParallelFp8(*shape, bias, tp)
+        else:
+            twin = RowParallelDense(*shape, bias, tp)
+    twin.load_state_dict(module.state_dict(), assign=True)
+    return twin
+
+
+def whole_row_absmax(linear: nn.Linear) -> torch.Tensor:
+    """The absolute maxima (float32) of a dense projection's whole rows, for --quantization fp8
+    under tensor parallel: a row-parallel rank holds only some of each row's columns, so the
+    ranks max-reduce theirs, and every rank scales each row as one device does."""
+    absmax = linear.weight.detach().abs().amax(dim=1).float()
+    return linear.tp.all_reduce_max(absmax) if isinstance(linear, RowParallelLinear) else absmax

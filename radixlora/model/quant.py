@@ -45,6 +45,23 @@ class NF4Weight:
     blocksize: int
     code: torch.Tensor
 
+    def rows(self, cut: slice) -> NF4Weight:
+        """Rows [cut.start, cut.stop), its blocks unchanged (check_nf4_cut)."""
+        k, bs = self.shape[1], self.blocksize
+        check_nf4_cut(self.shape, bs, rows=cut)
+        start, stop = cut.start * k, cut.stop * k
+        return NF4Weight(self.packed[start // 2 : stop // 2], self.absmax[start // bs : stop // bs],
+                         (cut.stop - cut.start, k), bs, self.code)  # fmt: skip
+
+    def columns(self, cut: slice) -> NF4Weight:
+        """Columns [cut.start, cut.stop) of every row, its blocks unchanged (check_nf4_cut)."""
+        (n, k), bs = self.shape, self.blocksize
+        check_nf4_cut(self.shape, bs, columns=cut)
+        packed = self.packed.view(n, k // 2)[:, cut.start // 2 : cut.stop // 2]
+        absmax = self.absmax.view(n, k // bs)[:, cut.start // bs : cut.stop // bs]
+        return NF4Weight(packed.reshape(-1), absmax.reshape(-1), (n, cut.stop - cut.start), bs,
+                         self.code)  # fmt: skip
+
 
 def nested_absmax(qabsmax: torch.Tensor, absmax2: torch.Tensor, code2: torch.Tensor,
                   offset: float | torch.Tensor) -> torch.Tensor:
@@ -81,6 +98,20 @@ def check_nf4_shape(shape: tuple[int, int], blocksize: int) -> None:
         raise ValueError(f"NF4 blocksize must be one of {BLOCKSIZES}, got {blocksize}")
     if (shape[0] * shape[1]) % blocksize:
         raise ValueError(f"an NF4 weight {shape} is not a whole number of {blocksize}-blocks")
+
+
+def check_nf4_cut(shape: tuple[int, int], blocksize: int, rows: slice | None = None,
+                  columns: slice | None = None) -> None:
+    """Raise ValueError unless the rows or the columns `cut` of an NF4 weight `shape` are whole
+    blocks of its flat layout: the part is then quantized as it is inside the whole weight."""
+    k = shape[1]
+    if rows is not None and ((rows.start * k) % blocksize or (rows.stop * k) % blocksize):
+        raise ValueError(f"rows {rows.start}:{rows.stop} of {k} weights each are not whole "
+                         f"{blocksize}-blocks")
+    if columns is not None and (k % blocksize or columns.start % blocksize
+                                or columns.stop % blocksize):  # fmt: skip
+        raise ValueError(f"columns {columns.start}:{columns.stop} of rows of {k} weights are "
+                         f"not whole {blocksize}-blocks")
 
 
 def nf4_from_bnb(parts: dict[str, torch.Tensor]) -> NF4Weight:
@@ -126,10 +157,14 @@ class NF4Linear(nn.Module):
         self.skinny = nf4_span(blocksize, in_features) is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x, self.bias)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W.T + bias, by the path forward takes."""
         if self.skinny and x.is_cuda and x.dim() == 2 and x.shape[0] <= NF4_MAX_M:
             return nf4_gemv(x, self.packed, self.absmax, self.code, self.blocksize,
-                            self.out_features, self.bias)
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
+                            self.out_features, bias)
+        return F.linear(x, self.dequantized(x.dtype), bias)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         shape = (self.out_features, self.in_features)

@@ -136,11 +136,15 @@ class Fp8Linear(nn.Module):
         self.use_scaled_mm = False  # FP8 kernels; set once the device is known (attach_fp8_path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x, self.bias)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W.T + bias, by the path forward takes."""
         if self.use_scaled_mm:
             if x.dim() == 2 and x.shape[0] <= FP8_MAX_M:
-                return fp8_gemv(x, self.weight, self.weight_scale, self.bias)
-            return fp8_linear_w8a8(x, self.weight, self.weight_scale, self.bias)
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
+                return fp8_gemv(x, self.weight, self.weight_scale, bias)
+            return fp8_linear_w8a8(x, self.weight, self.weight_scale, bias)
+        return F.linear(x, self.dequantized(x.dtype), bias)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """W8 * s in float32, rounded once to `dtype` (the reference)."""
@@ -158,10 +162,14 @@ class Fp8Linear(nn.Module):
         self.weight_scale[rows[0] : rows[1]].copy_(scale.float().reshape(-1).expand(n))
 
 
-def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(weight: torch.Tensor,
+                 absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(W8, s) of a dense weight [out, in]: s = absmax of each row / 448 (float32), W8 = W / s
-    rounded to e4m3."""
-    scale = (weight.abs().amax(dim=1).float() / FP8_MAX).clamp(min=1e-12)
+    rounded to e4m3. `absmax`: the rows' absolute maxima when `weight` holds only some of each
+    row's columns (a row-parallel shard)."""
+    if absmax is None:
+        absmax = weight.abs().amax(dim=1).float()
+    scale = (absmax / FP8_MAX).clamp(min=1e-12)
     return (weight.float() / scale[:, None]).to(FP8), scale
 
 
@@ -177,17 +185,20 @@ def swap_projections(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -
     return model
 
 
-def fp8_projections(model: nn.Module) -> nn.Module:
-    """Every dense projection of a loaded model quantized to FP8 (--quantization fp8)."""
-    return swap_projections(model, _fp8_from_linear)
+def fp8_projections(model: nn.Module,
+                    absmax: Callable[[nn.Linear], torch.Tensor] | None = None) -> nn.Module:
+    """Every dense projection of a loaded model quantized to FP8 (--quantization fp8), its rows
+    scaled by absmax(projection) if given, else by its weight's own rows' absolute maxima."""
+    return swap_projections(model, lambda linear: _fp8_from_linear(
+        linear, None if absmax is None else absmax(linear)))
 
 
-def _fp8_from_linear(linear: nn.Linear) -> Fp8Linear:
+def _fp8_from_linear(linear: nn.Linear, absmax: torch.Tensor | None) -> Fp8Linear:
     weight = linear.weight.detach()
     with torch.device(weight.device):
         out = Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None,
                         weight.dtype)
-    out.load_rows((0, linear.out_features), *quantize_fp8(weight))
+    out.load_rows((0, linear.out_features), *quantize_fp8(weight, absmax))
     if linear.bias is not None:
         out.bias.data.copy_(linear.bias.detach())
     return out
