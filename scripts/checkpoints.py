@@ -220,12 +220,17 @@ def build_peft_adapter(base_path: Path, path: Path, seed: int, **lora_kwargs) ->
 
 def build_nf4_model(path: Path, arch: str, double_quant: bool = True, seed: int = 0,
                     sharded: bool = False) -> Path:  # fmt: skip
-    """build_hf_model(arch) loaded by transformers with a bitsandbytes NF4 config (blocksize
-    64, bitsandbytes' own) on the CPU and saved 4-bit: packed weights, absmaxes and quant
-    states as transformers writes them."""
+    """build_hf_model(arch) saved as an NF4 checkpoint (save_nf4)."""
+    dense = build_hf_model(Path(path).with_name(Path(path).name + "-dense"), arch, seed=seed)
+    return save_nf4(dense, path, double_quant, sharded)
+
+
+def save_nf4(dense: Path, path: Path, double_quant: bool = True, sharded: bool = False) -> Path:
+    """The dense checkpoint at `dense` loaded by transformers with a bitsandbytes NF4 config
+    (blocksize 64, bitsandbytes' own) on the CPU and saved 4-bit at `path`: packed weights,
+    absmaxes and quant states as transformers writes them."""
     import transformers
 
-    dense = build_hf_model(Path(path).with_name(Path(path).name + "-dense"), arch, seed=seed)
     config = transformers.BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quant,
         bnb_4bit_compute_dtype=torch.float32)

@@ -3,24 +3,17 @@
 on 2 ranks (the FP8 checkpoint also on 4, over 2 KV heads: replicated), answer the
 single-device greedy tokens and logprobs within TOL (float32: only the all-reduce's summation
 order differs), base-only and with a LoRA adapter (non-zero lora_B) in one batch; a model whose
-NF4 blocks a rank's slice would cut is refused at load.
+NF4 blocks a rank's slice would cut is refused at load. The ranks are
+tests.test_tensor_parallel's worker ranks.
 
 The model: llama with biases on every projection (the row-parallel ones added once, after the
 all-reduce), 4 heads of 32 over 2 KV heads and an intermediate size of 256, so that each rank's
-o and down columns are whole 64-blocks (bitsandbytes' blocksize).
-
-Run as a module, this file is one worker rank:
-`python -m tests.test_quantized_tensor_parallel JOB RANK`."""
+o and down columns are whole 64-blocks (bitsandbytes' blocksize)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
-from unittest import mock
 
-import msgspec
 import pytest
 import torch
 
@@ -29,17 +22,16 @@ from radixlora.config import EngineConfig, ModelConfig
 from radixlora.distributed import Shard, TensorParallel
 from radixlora.errors import ModelLoadError
 from radixlora.model.loader import load_model
-from radixlora.step_plan import StepResult
 from scripts.checkpoints import (
     HF_VOCAB,
     build_fp8_model,
     build_nf4_model,
     build_peft_adapter,
     hf_config,
+    save_nf4,
 )
 from tests import test_tensor_parallel as tpt
 
-RANK_TIMEOUT_S = 120
 SHAPE = dict(hidden_size=128, intermediate_size=256, vocab_size=HF_VOCAB, attention_bias=True,
              mlp_bias=True, initializer_range=0.1, max_position_embeddings=512,
              tie_word_embeddings=False)  # fmt: skip
@@ -59,12 +51,7 @@ def bases(tmp_path_factory) -> dict[str, Path]:
             if name.endswith("_proj.bias"):
                 p.normal_(0.0, 0.1)
     model.save_pretrained(root / "dense")
-    config = transformers.BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float32)
-    transformers.AutoModelForCausalLM.from_pretrained(
-        root / "dense", quantization_config=config, dtype=torch.float32, device_map="cpu",
-    ).save_pretrained(root / "nf4")  # fmt: skip
+    save_nf4(root / "dense", root / "nf4")
     fp8, _ = build_fp8_model(root / "fp8", root / "dense", "channel")
     adapter = build_peft_adapter(root / "dense", root / "adapter", seed=5, r=8, lora_alpha=16)
     return {"dense": root / "dense", "nf4": root / "nf4", "fp8": fp8, "adapter": adapter}
@@ -87,44 +74,8 @@ def test_ranks_match_the_single_device_run(bases, base, quantization, sizes, tmp
     engine.generate([tpt.prompt(1, 7), tpt.prompt(2, 5), tpt.prompt(3, 9)], tpt.GREEDY,
                     adapters=[None, "a", "a"])  # fmt: skip
     for size in sizes:
-        tpt.check_same_results(run_ranks(tmp_path, bases[base], engine.config, rec, size),
+        tpt.check_same_results(tpt.run_ranks(tmp_path, bases[base], engine.config, rec, size),
                                rec.results)  # fmt: skip
-
-
-def run_ranks(tmp: Path, model: Path, config: EngineConfig, rec, size: int) -> list[StepResult]:
-    """tests.test_tensor_parallel.run_ranks with this file's worker ranks."""
-    plans_path, out_path = tmp / f"plans-{size}.msgpack", tmp / f"results-{size}.msgpack"
-    plans_path.write_bytes(msgspec.msgpack.encode(rec.plans))
-    job = {"model": str(model), "size": size, "rendezvous": f"file://{tmp}/rendezvous-{size}",
-           "plans": str(plans_path), "out": str(out_path),
-           "config": msgspec.to_builtins(config), "unreadable": None}  # fmt: skip
-    job_path = tmp / f"job-{size}.json"
-    job_path.write_text(json.dumps(job))
-    root = Path(__file__).resolve().parent.parent
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_quantized_tensor_parallel",
-                               str(job_path), str(rank)], cwd=root, stderr=subprocess.PIPE)
-             for rank in range(size)]  # fmt: skip
-    errors = []
-    for rank, proc in enumerate(procs):
-        try:
-            _, err = proc.communicate(timeout=RANK_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        if proc.returncode != 0:
-            errors.append(f"rank {rank}: {err.decode()[-3000:]}")
-    assert not errors, "\n".join(errors)
-    return msgspec.msgpack.decode(out_path.read_bytes(), type=list[StepResult])
-
-
-def serve_rank(job_path: str, rank: int) -> None:
-    """tests.test_tensor_parallel.serve_rank with the base served as the job's EngineConfig
-    asks (--quantization at load, --qlora-mismatch), as the worker process serves it."""
-    config = msgspec.convert(json.loads(Path(job_path).read_text())["config"], EngineConfig)
-    from_dir = ModelConfig.from_dir
-    with mock.patch.object(ModelConfig, "from_dir", lambda path: from_dir(path).served(config)):
-        tpt.serve_rank(job_path, rank)
 
 
 @pytest.mark.parametrize("stored", [True, False])
@@ -138,6 +89,3 @@ def test_nf4_blocks_a_rank_would_cut_are_refused(checkpoints, stored, tmp_path):
                                              r"of blocksize 64"):  # fmt: skip
         load_model(path, cfg, torch.float32, "cpu", tp=tp)
 
-
-if __name__ == "__main__":
-    serve_rank(sys.argv[1], int(sys.argv[2]))

@@ -101,7 +101,8 @@ def run_ranks(tmp: Path, model: Path, config: EngineConfig, rec: Recorded, size:
 
 def serve_rank(job_path: str, rank: int) -> None:
     """One worker rank: rank 0 reads the plans and broadcasts them one by one, as the worker
-    process does; every rank executes each plan; rank 0 writes its results."""
+    process does; every rank executes each plan; rank 0 writes its results. The base is served
+    as the job's EngineConfig asks (--quantization at load, --qlora-mismatch), as there."""
     from radixlora.executor import StepExecutor
     from radixlora.lora.adapter import load_adapter
     from radixlora.model_runner import ModelRunner
@@ -109,7 +110,7 @@ def serve_rank(job_path: str, rank: int) -> None:
 
     job = json.loads(Path(job_path).read_text())
     config = msgspec.convert(job["config"], EngineConfig)
-    model_cfg = ModelConfig.from_dir(job["model"])
+    model_cfg = ModelConfig.from_dir(job["model"]).served(config)
     tp = TensorParallel.init(rank, job["size"], model_cfg, job["rendezvous"], torch.device("cpu"))
     runner = ModelRunner(job["model"], model_cfg, config, tp)
 
