@@ -107,16 +107,21 @@ class ServerProcess:
             time.sleep(0.05)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 30)
         self.http.close()
         self.log.close()
         return self.proc.returncode
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL if `proc` has not exited within timeout_s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def alive(pid: int) -> bool:

@@ -36,6 +36,7 @@ from tests.server_harness import (
     build_checkpoints,
     engine_like_server,
     free_port,
+    terminate,
     wait_health_503,
 )
 
@@ -87,13 +88,7 @@ class Node:
 
     def stop(self) -> None:
         """SIGTERM first: torchrun passes it on to its process."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 10)
         self.log.close()
 
 
