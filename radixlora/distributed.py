@@ -198,10 +198,14 @@ class TensorParallel:
         return data if data is not None else buf.numpy().tobytes()
 
     def close(self) -> None:
-        """Leave the group together: a rank destroying its gloo pairs while a peer still uses
-        them aborts that peer's process ("terminate called without an active exception")."""
+        """Leave the group together (a rank destroying its gloo pairs while a peer still uses
+        them aborts that peer), then drop this object's references to the groups: a group
+        still referenced outlives destroy_process_group and is torn down with the interpreter,
+        threads running, which aborts the process ("terminate called without an active
+        exception")."""
         if dist.is_initialized():
             dist.barrier(group=self.control)
+            self.group = self.control = None
             dist.destroy_process_group()
 
 
