@@ -34,10 +34,10 @@ from tqdm.auto import tqdm
 
 from radixlora.engine import Engine
 from radixlora.errors import AdapterError, InvalidRequestError
-from radixlora.frontend.backend import GenResult
-from radixlora.frontend.endpoint import http_client, http_error
-from radixlora.frontend.runtime import Runtime
 from radixlora.intake import fill_context, max_total_tokens
+from radixlora.lang.backend import GenResult
+from radixlora.lang.endpoint import http_client, http_error
+from radixlora.lang.runtime import Runtime
 from radixlora.sampling import SamplingParams
 from radixlora.server.protocol import (
     ChatRequest,

@@ -36,8 +36,6 @@ import argparse
 import contextlib
 import dataclasses
 import gc
-import importlib
-import importlib.util
 import itertools
 import json
 import math
@@ -54,17 +52,6 @@ if "--smoke" in sys.argv:
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
-
-
-def _package_dirs() -> None:
-    """radixlora.kernels is the kernels/ directory (pyproject's package-dir): alias it where
-    radixlora is not installed, so the script runs from a bare checkout."""
-    for name, directory in (("radixlora.kernels", "kernels"), ("radixlora.frontend", "frontend")):
-        if importlib.util.find_spec(name) is None:
-            sys.modules[name] = importlib.import_module(directory)
-
-
-_package_dirs()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -20,8 +20,8 @@ from radixlora.frontend import (
     system,
     user,
 )
-from radixlora.frontend.chat import role_affixes
-from radixlora.frontend.runtime import cut_at_stop
+from radixlora.lang.chat import role_affixes
+from radixlora.lang.runtime import cut_at_stop
 from radixlora.request import cache_namespace
 from radixlora.server.chat import ChatTemplate
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model

@@ -26,7 +26,7 @@ from radixlora.frontend import (
     select,
     user,
 )
-from radixlora.frontend.ir import GenParams
+from radixlora.lang.ir import GenParams
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 
 CHATML = (

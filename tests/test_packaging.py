@@ -91,3 +91,28 @@ def test_the_cpu_demo_runs_without_triton():
         "    print(e)\n")
     assert launch.returncode == 0, launch.stderr
     assert "Triton is not installed" in launch.stdout
+
+
+def test_the_repository_root_shadows_no_installed_package():
+    """From the repository root (sys.path[0] under `python -c`, and under pytest), transformers
+    imports Hugging Face's `kernels`, not the kernels/ folder, and no top-level folder but the
+    package itself and the test suite is a regular package another one could be shadowed by."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import transformers.integrations.hub_kernels, peft, kernels\n"
+                               "print(kernels.__file__)"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert not Path(done.stdout.strip()).resolve().is_relative_to(ROOT / "kernels")
+    regular = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
+    assert regular == {"radixlora", "tests"}
+
+
+def test_kernels_and_the_language_are_linked_into_the_package():
+    assert (ROOT / "radixlora" / "kernels").resolve() == ROOT / "kernels"
+    assert (ROOT / "radixlora" / "lang").resolve() == ROOT / "frontend"
+    from radixlora import frontend
+    from radixlora.kernels import sgmv_shrink
+    from radixlora.lang import runtime
+
+    assert Path(sgmv_shrink.__file__).resolve().parent == ROOT / "kernels"
+    assert frontend.Runtime is runtime.Runtime

@@ -14,17 +14,17 @@
 
 See docs/frontend.md."""
 
-from .backend import (
+from radixlora.lang.backend import (
     Backend,
     GenResult,
     get_default_backend,
     set_default_backend,
 )
-from .endpoint import EndpointError, RuntimeEndpoint
-from .interpreter import ForkGroup, ProgramState
-from .ir import GenParams, assistant, gen, select, system, user
-from .program import Program, function
-from .runtime import Runtime
+from radixlora.lang.endpoint import EndpointError, RuntimeEndpoint
+from radixlora.lang.interpreter import ForkGroup, ProgramState
+from radixlora.lang.ir import GenParams, assistant, gen, select, system, user
+from radixlora.lang.program import Program, function
+from radixlora.lang.runtime import Runtime
 
 __all__ = [
     "Backend",
