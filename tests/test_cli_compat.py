@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from radixlora import __version__
-from radixlora.cli import StartError, build_parser, check_device, prepare
+from radixlora.cli import StartError, build_parser, check_device, main, prepare
 from radixlora.cli.flags import lora_modules, lora_paths, model_and_adapters, resolved_overrides
 from radixlora.config import ModelConfig
 from radixlora.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR, format_prompt
@@ -158,6 +158,30 @@ def test_busy_port_and_bad_model_fail_before_loading_in_one_line(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert last_line(done.stderr) == (f"radixlora serve: error: no config.json in {empty} "
                                       "(set by --model)")
+
+
+@pytest.fixture
+def default_port_taken():
+    """127.0.0.1:30000 held for the test (or already held by another process)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", 30000))
+            sock.listen()
+        except OSError:
+            pass
+        yield
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-running-requests", "0"], "--max-running-requests"),
+    (["--adapter", f"a:b={DEMO_ADAPTERS['upper']}"], "may not contain"),
+    (["--kv-pages", "-1"], "--kv-pages")])
+def test_a_bad_flag_is_reported_while_the_default_port_is_taken(default_port_taken, argv,
+                                                                message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", *argv])
+    said = f"{exit_.value.code} {capsys.readouterr().err}"
+    assert message in said and "already in use" not in said
 
 
 @pytest.mark.parametrize("adapter, message", [("a:b", "may not contain"),

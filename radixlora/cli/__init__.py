@@ -109,7 +109,8 @@ def serve(args: argparse.Namespace) -> None:
 
 def prepare(args: argparse.Namespace):
     """The ServerArgs of the flags, every check that can be made before a process starts
-    made: the flags' values, the ports, the model's config, the adapters' paths, the device."""
+    made: the flags' values, the model's config, the adapters' paths, the device, and last the
+    ports, so that a wrong flag is reported as such whatever else listens."""
     log.info("radixlora %s: checking the flags and ports", __version__)
     from radixlora.config import EngineConfig, ModelConfig
     from radixlora.errors import RadixLoraError
@@ -119,10 +120,6 @@ def prepare(args: argparse.Namespace):
     except ValueError as e:
         raise StartError(_flag_hint(str(e))) from e
     nodes = multinode(args)
-    if nodes[1] == 0:  # a node > 0 serves neither HTTP nor ZeroMQ clients
-        check_port(args.host, args.port, "--port")
-        if args.zmq_client_port is not None:
-            check_port("127.0.0.1", args.zmq_client_port, "--zmq-client-port")
     if args.adapter_dir is not None and not os.path.isdir(args.adapter_dir):
         raise StartError(f"--adapter-dir {args.adapter_dir} is not a directory")
     if args.state_dir is not None and not os.path.isdir(args.state_dir):
@@ -154,6 +151,10 @@ def prepare(args: argparse.Namespace):
         except RadixLoraError as e:
             raise StartError(f"{e} (an adapter's name: --adapter, --lora-modules or "
                              "--lora-paths NAME=PATH)") from e
+    if nodes[1] == 0:  # a node > 0 serves neither HTTP nor ZeroMQ clients
+        check_port(args.host, args.port, "--port")
+        if args.zmq_client_port is not None:
+            check_port("127.0.0.1", args.zmq_client_port, "--zmq-client-port")
     return server_args
 
 
