@@ -245,3 +245,9 @@ def test_close_frees_the_process_groups(checkpoints, tmp_path):
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     serve_rank(sys.argv[1], int(sys.argv[2]))
+    # The rank's results are written and its group closed. Interpreter teardown can still
+    # destroy a gloo thread that has not been joined, which aborts the process ("terminate
+    # called without an active exception", 1 rank in a few hundred), so skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
