@@ -1,31 +1,42 @@
 # One command to run, one to test; each sets up .venv on first use.
 # TORCH pins the torch build: torch==2.13.0 is a CPU wheel on the dev/CI machines and the
 # regular (CUDA) wheel on PyPI elsewhere; override with e.g. `make TORCH=torch==2.11.0 test`.
+# LOCK (constraints.txt) pins every other package the tests install, so that a release elsewhere
+# cannot change what `make test` runs; `make test-latest` runs the suite against the newest
+# releases instead and `make lock` rewrites the lock from them (commit it on its own).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+LOCK ?= constraints.txt
 BIN := $(VENV)/bin
+LATEST := .venv-latest
 
-.PHONY: run test lint setup clean
+# A CUDA build of torch pins its own triton: the lock's triton only serves builds without one
+# (the CPU wheel), so every other step reads the lock without it.
+CONSTRAINTS := $(VENV)/constraints.txt
+PIP_LOCKED := $(if $(LOCK),PIP_CONSTRAINT=$(CONSTRAINTS) )$(BIN)/pip install -q
+TRITON_LOCKED := $(if $(LOCK),-c $(LOCK) )"triton; platform_system == 'Linux'"
+
+.PHONY: run test test-latest lock setup clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test]"
+	$(if $(LOCK),grep -v '^triton==' $(LOCK) > $(CONSTRAINTS),rm -f $(CONSTRAINTS))
+	$(PIP_LOCKED) --upgrade pip setuptools
+	$(PIP_LOCKED) "$(TORCH)"
+	$(BIN)/python -c 'import triton' 2>/dev/null || $(BIN)/pip install -q $(TRITON_LOCKED)
+	$(PIP_LOCKED) -e ".[test]"
 	touch $@
 
 # SGLang's frontend language, for tests/test_sglang_frontend.py only: the sglang package
-# without its server's dependencies, plus the few that `import sglang` needs.
-SGLANG_FRONTEND := sglang==0.5.23 pybase64==1.5.1 pillow==13.0.0 requests==2.34.2 \
-	urllib3==2.8.0 charset-normalizer==3.5.3 ipython==9.18.1 traitlets==5.16.1 \
-	aiohttp==3.14.5 multidict==7.2.1 attrs==26.1.0 yarl==1.25.1 propcache==0.5.4 \
-	aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0
+# without its server's dependencies, plus the few that `import sglang` needs (versions: LOCK).
+SGLANG_FRONTEND := sglang pybase64 pillow requests urllib3 charset-normalizer ipython \
+	traitlets aiohttp multidict attrs yarl propcache aiohappyeyeballs aiosignal frozenlist
 
 $(VENV)/.sglang-frontend: $(VENV)/.installed
-	$(BIN)/pip install -q --no-deps $(SGLANG_FRONTEND)
+	$(PIP_LOCKED) --no-deps $(SGLANG_FRONTEND)
 	touch $@
 
 run: setup
@@ -35,5 +46,16 @@ test: setup $(VENV)/.sglang-frontend
 	$(BIN)/ruff check radixlora kernels frontend tests scripts
 	$(BIN)/pytest -q
 
+# The suite in a fresh environment of the newest releases (torch is still TORCH); `make lock`
+# then pins what that environment holds.
+test-latest:
+	rm -rf $(LATEST)
+	$(MAKE) VENV=$(LATEST) LOCK= test
+
+lock:
+	test -f $(LATEST)/.sglang-frontend || $(MAKE) VENV=$(LATEST) LOCK= $(LATEST)/.sglang-frontend
+	{ echo "# make lock, $$(date -u +%F): the releases the suite passed with (torch: TORCH)"; \
+	  $(LATEST)/bin/pip freeze --all --exclude-editable | grep -v '^torch=='; } > $(LOCK)
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(LATEST)
