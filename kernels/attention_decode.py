@@ -31,12 +31,27 @@ MAX_SPLITS = 32
 
 
 @triton.jit
+def _request_and_row(k, req_index, qo_indptr, INDIRECT: tl.constexpr):
+    """The batch request of a launch's k-th request and its token's q/o row: k and k, or, for
+    the decodes of a mixed batch, req_index[k] and its first token qo_indptr[req_index[k]]."""
+    if INDIRECT:
+        req = tl.load(req_index + k)
+        row = tl.load(qo_indptr + req)
+    else:
+        req = k
+        row = k
+    return req, row
+
+
+@triton.jit
 def _decode_split_kernel(
     q,
     k_cache,
     v_cache,
     kv_indptr,
     kv_indices,
+    req_index,
+    qo_indptr,
     mid_o,
     mid_lse,
     o,
@@ -58,10 +73,13 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    INDIRECT: tl.constexpr,
 ):
-    req = tl.program_id(0)
+    # program 0 axis: the launch's k-th request, batch request `req`, whose token is q/o row
+    k = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    req, row = _request_and_row(k, req_index, qo_indptr, INDIRECT)
 
     kv_start = tl.load(kv_indptr + req)
     kv_len = tl.load(kv_indptr + req + 1) - kv_start
@@ -78,7 +96,7 @@ def _decode_split_kernel(
     h_mask = offs_h < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_h
-    q_ptrs = q + req.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q_ptrs = q + row.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q_blk = tl.load(q_ptrs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -101,13 +119,13 @@ def _decode_split_kernel(
     hd_mask = h_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         # the only split holds the whole softmax: no merge pass
-        o_ptrs = o + req.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        o_ptrs = o + row.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, acc.to(o.dtype.element_ty), mask=hd_mask)
     else:
         lse = m_i + tl.math.log2(l_i)
-        row = (req * GROUP * tl.num_programs(1) + heads).to(tl.int64) * NUM_SPLITS + split
-        tl.store(mid_lse + row, lse, mask=h_mask)
-        tl.store(mid_o + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=hd_mask)
+        part = (k * GROUP * tl.num_programs(1) + heads).to(tl.int64) * NUM_SPLITS + split
+        tl.store(mid_lse + part, lse, mask=h_mask)
+        tl.store(mid_o + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=hd_mask)
 
 
 @triton.jit
@@ -115,21 +133,25 @@ def _decode_merge_kernel(
     mid_o,
     mid_lse,
     o,
+    req_index,
+    qo_indptr,
     stride_ob,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    INDIRECT: tl.constexpr,
 ):
-    req = tl.program_id(0)
+    k = tl.program_id(0)
     head = tl.program_id(1)
+    _, out_row = _request_and_row(k, req_index, qo_indptr, INDIRECT)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < NUM_SPLITS
     d_mask = offs_d < HEAD_DIM
 
-    row0 = (req * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS
+    row0 = (k * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS
     lse = tl.load(mid_lse + row0 + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
@@ -137,7 +159,7 @@ def _decode_merge_kernel(
     parts = tl.load(parts_ptrs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     w_sum = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
-    o_ptrs = o + req.to(tl.int64) * stride_ob + head * stride_oh + offs_d
+    o_ptrs = o + out_row.to(tl.int64) * stride_ob + head * stride_oh + offs_d
     tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=d_mask)
 
 
@@ -154,9 +176,16 @@ def default_num_splits(batch: int, n_kv_heads: int, device: torch.device) -> int
     return max(1, min(MAX_SPLITS, triton.cdiv(target, batch * n_kv_heads)))
 
 
-def _check_decode_args(q, k_cache, v_cache, o, kv_indptr, kv_indices, num_splits) -> None:
+def _check_decode_args(q, k_cache, v_cache, o, kv_indptr, kv_indices, num_splits,
+                       rows) -> None:  # fmt: skip
     check_q_and_pool(q, o, k_cache, v_cache, "B")
-    _check_index("kv_indptr", kv_indptr, q.shape[0] + 1, q.device)
+    if rows is None:
+        _check_index("kv_indptr", kv_indptr, q.shape[0] + 1, q.device)
+    else:
+        req_index, qo_indptr = rows
+        _check_index("req_index", req_index, None, q.device)
+        _check_index("qo_indptr", qo_indptr, kv_indptr.numel(), q.device)
+        _check_index("kv_indptr", kv_indptr, None, q.device)
     _check_index("kv_indices", kv_indices, None, q.device)
     if num_splits is not None and not 1 <= num_splits <= 1024:
         raise ValueError(f"num_splits must be in [1, 1024], got {num_splits}")
@@ -185,6 +214,7 @@ def decode_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     tuning: DecodeTuning = DEFAULT_DECODE_TUNING,
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of each request's single new token over its whole paged KV sequence; writes o.
 
@@ -208,12 +238,18 @@ def decode_attention(
         num_splits: splits of each request's KV range; `default_num_splits` if None. With one
             split the split kernel writes o itself and no merge runs.
         tuning: launch parameters (the defaults are the H200's best in bench_attention.py).
+        rows: (req_index, qo_indptr), int32, for the decodes of a mixed batch: q and o are the
+            batch's [T, Hq, D] token rows, kv_indptr and qo_indptr its CSR over all requests,
+            and only requests req_index (one token each) are attended, into their rows of o
+            (qo_indptr[req]); the other rows of o are left alone.
 
     Any head_dim works (blocks are padded to a power of 2 >= 16); accumulation is fp32.
     """
-    _check_decode_args(q, k_cache, v_cache, o, kv_indptr, kv_indices, num_splits)
+    _check_decode_args(q, k_cache, v_cache, o, kv_indptr, kv_indices, num_splits, rows)
     _check_window(sliding_window)
-    batch, n_q_heads, head_dim = q.shape
+    _, n_q_heads, head_dim = q.shape
+    batch = q.shape[0] if rows is None else rows[0].numel()
+    req_index, qo_indptr = rows if rows is not None else (None, None)
     n_kv_heads = k_cache.shape[1]
     if batch == 0:
         return o
@@ -226,7 +262,7 @@ def decode_attention(
     mid_lse = torch.empty(batch, n_q_heads, parts, **f32)
     block_d = _block_d(head_dim)
     _decode_split_kernel[(batch, n_kv_heads, num_splits)](
-        q, k_cache, v_cache, kv_indptr, kv_indices, mid_o, mid_lse, o,
+        q, k_cache, v_cache, kv_indptr, kv_indices, req_index, qo_indptr, mid_o, mid_lse, o,
         sm_scale * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
@@ -234,14 +270,15 @@ def decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=32 if _interpreting() else tuning.block_n, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=tuning.num_warps,
-        num_stages=tuning.num_stages,
+        num_stages=tuning.num_stages, INDIRECT=rows is not None,
     )  # fmt: skip
     if num_splits == 1:
         return o
     _decode_merge_kernel[(batch, n_q_heads)](
-        mid_o, mid_lse, o, o.stride(0), o.stride(1),
+        mid_o, mid_lse, o, req_index, qo_indptr, o.stride(0), o.stride(1),
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+        INDIRECT=rows is not None,
     )  # fmt: skip
     return o
 

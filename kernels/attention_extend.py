@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .triton_compat import tl, triton
@@ -103,6 +104,8 @@ def _extend_kernel(
     stride_vh,
     stride_ot,
     stride_oh,
+    tile_req,
+    tile_m,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -110,10 +113,15 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TILES: tl.constexpr,
 ):
-    req = tl.program_id(0)
     head = tl.program_id(1)
-    m_block = tl.program_id(2)
+    if TILES:  # program 0 axis: one (request, query block) tile of the list
+        req = tl.load(tile_req + tl.program_id(0))
+        m_block = tl.load(tile_m + tl.program_id(0))
+    else:
+        req = tl.program_id(0)
+        m_block = tl.program_id(2)
     kv_head = head // GROUP
 
     qo_start = tl.load(qo_indptr + req)
@@ -169,6 +177,21 @@ class _ExtendConfig:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def extend_block_m(head_dim: int, dtype: torch.dtype) -> int:
+    """Query tokens per program of `extend_attention`: the size of a tile of `extend_tiles`."""
+    return _extend_config(head_dim, dtype).block_m
+
+
+def extend_tiles(qo_lens, block_m: int) -> tuple[np.ndarray, np.ndarray]:
+    """(request, query block) of every tile that has query tokens, for extend_attention's
+    `tiles`: requests whose qo_len is 0 get none, a request of n tokens cdiv(n, block_m)."""
+    lens = np.asarray(qo_lens, np.int64)
+    per_req = -(-lens // block_m)
+    reqs = np.repeat(np.arange(len(lens)), per_req)
+    first = np.repeat(np.cumsum(per_req) - per_req, per_req)
+    return reqs.astype(np.int32), (np.arange(len(reqs)) - first).astype(np.int32)
 
 
 def _extend_config(head_dim: int, dtype: torch.dtype) -> _ExtendConfig:
@@ -252,6 +275,7 @@ def extend_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     max_qo_len: int | None = None,
+    tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of each request's new tokens over its whole KV sequence; writes o.
 
@@ -278,6 +302,10 @@ def extend_attention(
         sm_scale: softmax scale, usually D ** -0.5.
         sliding_window: if set, a query at position p sees only keys k with p - k < sliding_window.
         max_qo_len: max over requests of qo_len; computed from qo_indptr (a device sync) if None.
+        tiles: (request, query block) int32 pairs from `extend_tiles`: one program per tile and
+            head, and only the tokens of the requests they name are written (a batch of
+            unequal lengths launches no idle program). None: every request's blocks up to
+            max_qo_len.
 
     Any head_dim works (blocks are padded to a power of 2 >= 16); accumulation is fp32.
     """
@@ -286,19 +314,28 @@ def extend_attention(
     batch = qo_indptr.numel() - 1
     if batch <= 0 or q.shape[0] == 0:
         return o
-    if max_qo_len is None:
-        max_qo_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item())
     head_dim = q.shape[2]
     cfg = _extend_config(head_dim, q.dtype)
-    grid = (batch, q.shape[1], triton.cdiv(max_qo_len, cfg.block_m))
+    if tiles is not None:
+        for name, t in zip(("tile_req", "tile_m"), tiles, strict=True):
+            _check_index(name, t, tiles[0].numel(), q.device)
+        grid = (tiles[0].numel(), q.shape[1], 1)
+        if not grid[0]:
+            return o
+    else:
+        if max_qo_len is None:
+            max_qo_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item())
+        grid = (batch, q.shape[1], triton.cdiv(max_qo_len, cfg.block_m))
+    tile_req, tile_m = tiles if tiles is not None else (None, None)
     _extend_kernel[grid](
         q, k_cache, v_cache, o, qo_indptr, kv_indptr, kv_indices,
         sm_scale * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), o.stride(0), o.stride(1),
+        v_cache.stride(0), v_cache.stride(1), o.stride(0), o.stride(1), tile_req, tile_m,
         GROUP=q.shape[1] // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TILES=tiles is not None,
     )  # fmt: skip
     return o
 

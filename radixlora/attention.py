@@ -7,6 +7,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +29,7 @@ class AttentionBackend(ABC):
     def __init__(self, kv_pool: KVPool, num_heads: int, head_dim: int, sliding_window: int | None):
         self.kv_pool = kv_pool
         self.num_heads = num_heads
+        self.head_dim = head_dim
         self.sm_scale = head_dim**-0.5
         self.sliding_window = sliding_window
 
@@ -97,26 +99,53 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 @dataclass
+class MixedSplit:
+    """A batch of decodes and extends split between the two kernels: the decode kernel for
+    the requests of one new token, the extend kernel over the tiles of the others."""
+
+    decodes: torch.Tensor  # [D] int32, the requests with one new token
+    tile_req: torch.Tensor  # [N] int32, request of each extend tile (extend_tiles)
+    tile_m: torch.Tensor  # [N] int32, its query block
+
+
+@dataclass
 class TritonAttentionMeta:
     qo_indptr: torch.Tensor  # [B + 1] int32
     kv_indptr: torch.Tensor  # [B + 1] int32
     kv_indices: torch.Tensor  # [N] int32
     max_qo_len: int
     decode_only: bool
+    split: MixedSplit | None = None  # eager batches with extends: each kind to its kernel
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Paged attention kernels: flash-decoding when every request adds one token, the extend
-    kernel (cached prefix + new tokens, causal) otherwise."""
+    """Paged attention kernels: flash-decoding when every request adds one token; otherwise the
+    extend kernel (cached prefix + new tokens, causal) over the tiles of the requests that
+    extend, and flash-decoding for those that add one token. An extend program computes
+    BLOCK_M query rows against every key block it visits, so a one-token request in it would
+    waste all but one row of that work."""
 
     def build_metadata(self, inputs: AttentionInputs) -> TritonAttentionMeta:
         device = inputs.kv_indices.device
         qo = torch.tensor([0, *inputs.qo_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         kv = torch.tensor([0, *inputs.kv_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         max_qo = max(inputs.qo_lens)
+        split = None if max_qo == 1 else self._split(inputs.qo_lens, device)
         return TritonAttentionMeta(to_device(qo, torch.int32, device),
                                    to_device(kv, torch.int32, device),
-                                   inputs.kv_indices.to(torch.int32), max_qo, max_qo == 1)
+                                   inputs.kv_indices.to(torch.int32), max_qo, max_qo == 1,
+                                   split)  # fmt: skip
+
+    def _split(self, qo_lens: list[int], device) -> MixedSplit:
+        from radixlora.kernels.attention_extend import extend_block_m, extend_tiles
+
+        lens = np.asarray(qo_lens, np.int64)
+        block_m = extend_block_m(self.head_dim, self.kv_pool.k_cache[0].dtype)
+        tile_req, tile_m = extend_tiles(np.where(lens > 1, lens, 0), block_m)
+        decodes = np.flatnonzero(lens == 1).astype(np.int32)
+        packed = to_device(np.concatenate([decodes, tile_req, tile_m]), torch.int32, device)
+        d, n = len(decodes), len(tile_req)
+        return MixedSplit(packed[:d], packed[d : d + n], packed[d + n :])
 
     def forward(self, q, k, v, layer_id, out_cache_loc, meta: TritonAttentionMeta):
         self.kv_pool.store(layer_id, out_cache_loc, k, v)
@@ -138,12 +167,23 @@ class TritonAttentionBackend(AttentionBackend):
 
         k_cache, v_cache = self.kv_pool.k_cache[layer_id], self.kv_pool.v_cache[layer_id]
         o = torch.empty_like(q)
+        window = self.sliding_window
         if meta.decode_only:
             return decode_attention(q, k_cache, v_cache, o, meta.kv_indptr, meta.kv_indices,
-                                    self.sm_scale, sliding_window=self.sliding_window)
+                                    self.sm_scale, sliding_window=window)
+        split = meta.split
+        if split is None:  # a graph's static batch
+            return extend_attention(q, k_cache, v_cache, o, meta.qo_indptr, meta.kv_indptr,
+                                    meta.kv_indices, self.sm_scale, sliding_window=window,
+                                    max_qo_len=meta.max_qo_len)  # fmt: skip
+        if split.decodes.numel():
+            # one split: a count that follows the decodes would compile a variant per count
+            decode_attention(q, k_cache, v_cache, o, meta.kv_indptr, meta.kv_indices,
+                             self.sm_scale, sliding_window=window, num_splits=1,
+                             rows=(split.decodes, meta.qo_indptr))  # fmt: skip
         return extend_attention(q, k_cache, v_cache, o, meta.qo_indptr, meta.kv_indptr,
-                                meta.kv_indices, self.sm_scale,
-                                sliding_window=self.sliding_window, max_qo_len=meta.max_qo_len)
+                                meta.kv_indices, self.sm_scale, sliding_window=window,
+                                tiles=(split.tile_req, split.tile_m))  # fmt: skip
 
 
 ATTENTION_BACKENDS = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}

@@ -7,11 +7,18 @@ from dataclasses import dataclass
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from radixlora.attention import AttentionInputs, TritonAttentionBackend  # noqa: E402
 from radixlora.kernels.attention_decode import decode_attention, decode_attention_ref  # noqa: E402
-from radixlora.kernels.attention_extend import extend_attention, extend_attention_ref  # noqa: E402
+from radixlora.kernels.attention_extend import (  # noqa: E402
+    extend_attention,
+    extend_attention_ref,
+    extend_tiles,
+)
+from radixlora.kv_cache import KVPool  # noqa: E402
 
 # The interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584), so the
 # half-precision cases here use fp16; scripts/bench_attention.py checks bf16 on the GPU.
@@ -184,6 +191,63 @@ def test_extend_fp16() -> None:
 def test_extend_odd_head_dim() -> None:
     case = make_case([3, 6], [5, 0], group=2, head_dim=24, page_size=2, seed=7)
     assert_close(run_extend(case), extend_ref(case), torch.float32)
+
+
+# --- mixed batches: extend tiles and indirect decodes ---------------------------------------------
+
+MIXED_QO = [1, 5, 1, 40, 1, 3]
+MIXED_PREFIX = [9, 0, 33, 20, 0, 6]
+
+
+def test_extend_tiles_name_each_query_block_once() -> None:
+    reqs, blocks = extend_tiles([3, 0, 70, 32, 33], 32)
+    assert reqs.tolist() == [0, 2, 2, 2, 3, 4, 4]
+    assert blocks.tolist() == [0, 0, 1, 2, 0, 0, 1]
+    assert reqs.dtype == blocks.dtype == np.int32
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_extend_over_tiles_writes_only_their_requests(window: int | None) -> None:
+    case = make_case(MIXED_QO, MIXED_PREFIX, group=2, page_size=4, seed=12)
+    lens = np.array(MIXED_QO)
+    tiles = [torch.from_numpy(t) for t in extend_tiles(np.where(lens > 1, lens, 0), 32)]
+    o = torch.full_like(case.q, float("nan"))
+    extend_attention(case.q, case.k_cache, case.v_cache, o, case.qo_indptr, case.kv_indptr,
+                     case.kv_indices, case.sm_scale, sliding_window=window,
+                     tiles=tuple(tiles))  # fmt: skip
+    rows = torch.from_numpy(np.repeat(lens > 1, lens))
+    assert_close(o[rows], oracle(case, window)[rows], torch.float32)
+    assert o[~rows].isnan().all()
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [None, 7])
+def test_decode_rows_of_a_mixed_batch(num_splits: int, window: int | None) -> None:
+    case = make_case(MIXED_QO, MIXED_PREFIX, group=4, page_size=4, seed=13)
+    decodes = torch.tensor([0, 2, 4], dtype=torch.int32)
+    o = torch.full_like(case.q, float("nan"))
+    decode_attention(case.q, case.k_cache, case.v_cache, o, case.kv_indptr, case.kv_indices,
+                     case.sm_scale, sliding_window=window, num_splits=num_splits,
+                     rows=(decodes, case.qo_indptr))  # fmt: skip
+    rows = case.qo_indptr[decodes.long()].long()
+    assert_close(o[rows], oracle(case, window)[rows], torch.float32)
+    others = torch.ones(len(o), dtype=torch.bool)
+    others[rows] = False
+    assert o[others].isnan().all()
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_backend_splits_a_mixed_batch_between_the_kernels(window: int | None) -> None:
+    case = make_case(MIXED_QO, MIXED_PREFIX, group=2, page_size=1, seed=14)
+    pool = KVPool(1, case.k_cache.shape[0], case.k_cache.shape[1], case.k_cache.shape[2],
+                  torch.float32, torch.device("cpu"))  # fmt: skip
+    pool.k_cache[0].copy_(case.k_cache)
+    pool.v_cache[0].copy_(case.v_cache)
+    backend = TritonAttentionBackend(pool, case.q.shape[1], case.q.shape[2], window)
+    kv_lens = (case.kv_indptr[1:] - case.kv_indptr[:-1]).tolist()
+    meta = backend.build_metadata(AttentionInputs(MIXED_QO, kv_lens, case.kv_indices.long()))
+    assert meta.split.decodes.tolist() == [0, 2, 4]
+    assert_close(backend._attend(case.q, 0, meta), oracle(case, window), torch.float32)
 
 
 # --- decode kernel --------------------------------------------------------------------------------

@@ -27,3 +27,33 @@ def test_triton_backends_match_torch(checkpoints, adapters, arch, page_size):
         torch.testing.assert_close(torch.tensor(a.outputs[0].logprobs),
                                    torch.tensor(b.outputs[0].logprobs), atol=1e-4, rtol=0)
     assert_all_free(eng)
+
+
+def staggered(engine: Engine, prompts, specs) -> list:
+    """Requests joining one by one while the earlier ones decode, prompts chunked: steps that
+    mix decodes with prefill chunks (the attention split between the two kernels)."""
+    reqs = []
+    for prompt, spec in zip(prompts, specs, strict=True):
+        reqs += engine.submit(prompt, PARAMS, adapters=spec)
+        engine.step()
+    while engine.scheduler.has_work():
+        engine.step()
+    return [(r.output_ids, r.output_logprobs) for r in reqs]
+
+
+def test_mixed_steps_match_torch(checkpoints, adapters):
+    dirs = {k: adapters["mistral"][k] for k in "ab"}
+    prompts = [[5 + i] * (3 + 11 * i) for i in range(5)]
+    specs = [None, "a", "b", None, "a"]
+    kw = dict(adapters=dirs, max_rank=64, kv_pages=512, max_batch_tokens=16)
+    ref = staggered(Engine(checkpoints["mistral"], **kw), prompts, specs)
+    eng = Engine(checkpoints["mistral"], attention_backend="triton", lora_backend="triton", **kw)
+    backend, splits = eng.runner.attn_backend, []
+    split = backend._split
+    backend._split = lambda lens, device: splits.append(split(lens, device)) or splits[-1]
+    got = staggered(eng, prompts, specs)
+    assert any(s.decodes.numel() and s.tile_req.numel() for s in splits)
+    for (ids_a, lp_a), (ids_b, lp_b) in zip(ref, got, strict=True):
+        assert ids_a == ids_b
+        torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=1e-4, rtol=0)
+    assert_all_free(eng)
