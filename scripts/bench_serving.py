@@ -45,6 +45,22 @@ def draw_length(rng: random.Random, mean: int, dist: str) -> int:
     return max(1, int(rng.lognormvariate(np.log(mean) - 0.125, 0.5)))
 
 
+SHAREGPT_SIGMA = 1.0
+SHAREGPT_PROMPT = (270, 2048)  # mean before the cap, cap
+SHAREGPT_OUTPUT = (210, 1024)
+
+
+def sharegpt_lengths(rng: random.Random, scale: float = 1.0) -> tuple[int, int]:
+    """(prompt, output) tokens of one ShareGPT-like request: each lognormal with sigma 1 and
+    the mean of SHAREGPT_PROMPT / SHAREGPT_OUTPUT (times `scale`), then capped."""
+
+    def draw(mean: float, cap: int) -> int:
+        mu = np.log(mean * scale) - SHAREGPT_SIGMA**2 / 2
+        return int(min(max(1, round(rng.lognormvariate(mu, SHAREGPT_SIGMA))), cap * scale))
+
+    return max(4, draw(*SHAREGPT_PROMPT)), draw(*SHAREGPT_OUTPUT)
+
+
 def adapter_picker(adapters: list[str], popularity: str, rng: random.Random, zipf_s: float):
     if popularity == "distinct":
         counter = iter(range(10**12))
