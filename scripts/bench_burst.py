@@ -139,7 +139,9 @@ class StepLog:
             record.start_event = torch.cuda.Event(enable_timing=True)
             record.start_event.record()
         launched = self._launch(plan, loads)
-        record.done_event = launched.done
+        if self.cuda:
+            record.done_event = torch.cuda.Event(enable_timing=True)
+            record.done_event.record()
         return launched
 
     def _timed_collect(self, keep, done_too=False):
@@ -295,11 +297,14 @@ def time_step(runner, plan: StepPlan, repeats: int = 5) -> dict:
         t = time.perf_counter()
         launched = runner.launch(plan)
         launch_ms = 1e3 * (time.perf_counter() - t)
+        if runner.device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
         runner.finish(launched)
         walls.append(1e3 * (time.perf_counter() - t))
         if runner.device.type == "cuda":
-            launched.done.synchronize()
-            device.append(start.elapsed_time(launched.done))
+            end.synchronize()
+            device.append(start.elapsed_time(end))
     return {"wall_ms": statistics.median(walls), "launch_ms": launch_ms,
             "device_ms": statistics.median(device) if device else None}
 
