@@ -38,6 +38,7 @@ from radixlora.sizing import (
     available_host_bytes,
     batch_limits,
     cpu_config,
+    running_bound,
     size_pools,
     with_host_tier,
 )
@@ -129,8 +130,9 @@ class ModelRunner:
         total = torch.cuda.get_device_properties(self.device).total_memory
         config = with_host_tier(batch_limits(config, total), available_host_bytes())
         weights = torch.cuda.memory_allocated(self.device)
-        prefill, decode = self._profile_activations(config)
-        graphs = graph_reserve(config, self.cfg, self.dtype, decode) if config.cuda_graph else 0
+        bound = running_bound(config)
+        prefill, decode = self._profile_activations(bound)
+        graphs = graph_reserve(bound, self.cfg, self.dtype, decode) if config.cuda_graph else 0
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         config, self.sizing = size_pools(

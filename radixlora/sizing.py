@@ -6,8 +6,11 @@ memory, less what is in use (weights, CUDA context, other processes), the activa
 CUDA graphs, is split between the adapter pool (`max_loras` adapters of rank `max_rank` on every
 target module, or `adapter_rows` rows, at the byte size of a row in the pool's dtype: an int8
 pool's `max_loras` cost about half a bf16 pool's) and the KV pool (the rest, or `kv_pages`).
-Batch limits follow the device's size: `max_running` decodes (the largest graph bucket) and a
-chunked-prefill budget of `max_batch_tokens` tokens per step.
+Batch limits follow the device and the KV pool: a chunked-prefill budget of `max_batch_tokens`
+tokens per step by the device's size, and `max_running` requests by the KV pool (one per
+TOKENS_PER_RUNNING tokens of it, between CUDA_MIN_RUNNING and CUDA_MAX_RUNNING): the scheduler
+admits requests while their KV fits, so the limit only keeps a batch of short requests from
+growing without end. Batches above the largest CUDA-graph bucket run eagerly.
 """
 
 from __future__ import annotations
@@ -25,7 +28,12 @@ CPU_DEFAULTS = {"kv_pages": 4096, "adapter_rows": 512, "max_running": 64,
 # what the worker resolves and the other processes follow
 SIZED_FIELDS = (*CPU_DEFAULTS, "host_adapter_bytes")
 HOST_TIER_SHARE = 0.25  # of the host memory available at start, for packed adapters
-CUDA_MAX_RUNNING = 256  # the largest CUDA-graph decode bucket
+# Running requests on CUDA: one per TOKENS_PER_RUNNING tokens of the KV pool, within these
+# bounds (an H200 beside an 8B model: 1024). On an H200, a ShareGPT-like burst of 2,000 requests
+# ran 11.2k tok/s at 1024 against 9.9k at 2048, whose mixed steps filled the whole prefill
+# budget beside 1,000 decodes (docs/perf-log.md, run 30).
+CUDA_MIN_RUNNING, CUDA_MAX_RUNNING = 256, 1024
+TOKENS_PER_RUNNING = 256
 MIN_KV_TOKENS = 4096
 # chunked-prefill tokens per step by device memory (GiB): an H100/H200 class device gets 8192
 PREFILL_BUDGETS = ((160, 16384), (60, 8192), (30, 4096), (0, 2048))
@@ -113,18 +121,29 @@ def cpu_config(config: EngineConfig, available: int | None = None) -> EngineConf
 
 
 def batch_limits(config: EngineConfig, device_bytes: int) -> EngineConfig:
-    """max_running and max_batch_tokens for a CUDA device of that size, unless set."""
+    """max_batch_tokens for a CUDA device of that size, unless set. max_running, unless set,
+    stays open until the KV pool is sized (running_limit); until then the steps that profile
+    activations and reserve graphs assume CUDA_MAX_RUNNING (running_bound)."""
     budget = next(tokens for gib, tokens in PREFILL_BUDGETS if device_bytes >= gib * GIB)
-    running = config.max_running or CUDA_MAX_RUNNING
-    return dataclasses.replace(config, max_running=running,
-                               max_batch_tokens=config.max_batch_tokens or budget)  # fmt: skip
+    return dataclasses.replace(config, max_batch_tokens=config.max_batch_tokens or budget)
+
+
+def running_bound(config: EngineConfig) -> EngineConfig:
+    """The config with max_running at most what sizing may choose: for profiling."""
+    return dataclasses.replace(config, max_running=config.max_running or CUDA_MAX_RUNNING)
+
+
+def running_limit(kv_tokens: int) -> int:
+    """Default max_running on CUDA for a KV pool of kv_tokens tokens."""
+    return min(CUDA_MAX_RUNNING, max(CUDA_MIN_RUNNING, kv_tokens // TOKENS_PER_RUNNING))
 
 
 def size_pools(config: EngineConfig, memory: DeviceMemory, *, weights_bytes: int,
                activation_bytes: int, graph_bytes: int, kv_slot_bytes: int,
                adapter_row_bytes: int) -> tuple[EngineConfig, PoolSizing]:  # fmt: skip
-    """The config with kv_pages and adapter_rows set (batch limits must be), and what was sized.
-    `memory` is measured after the weights are loaded; explicit kv_pages/adapter_rows win."""
+    """The config with kv_pages, adapter_rows and max_running set (max_batch_tokens must be),
+    and what was sized. `memory` is measured after the weights are loaded; explicit kv_pages,
+    adapter_rows and max_running win."""
     rows = config.adapter_rows or config.max_loras * config.max_rank
     adapter_bytes = rows * adapter_row_bytes
     in_use = memory.total - memory.free
@@ -140,8 +159,9 @@ def size_pools(config: EngineConfig, memory: DeviceMemory, *, weights_bytes: int
             f"graphs {_gib(graph_bytes)} and the adapter pool {_gib(adapter_bytes)} "
             f"({rows} rows); raise --gpu-memory-utilization, lower --max-loras or "
             f"--max-lora-rank, or set --kv-pages")
-    sized = dataclasses.replace(config, kv_pages=int(pages), adapter_rows=rows)
-    tokens = (sized.kv_pages - 1) * config.page_size  # page 0 is the padding target
+    tokens = (int(pages) - 1) * config.page_size  # page 0 is the padding target
+    sized = dataclasses.replace(config, kv_pages=int(pages), adapter_rows=rows,
+                                max_running=config.max_running or running_limit(tokens))
     return sized, PoolSizing(
         device_bytes=memory.total,
         utilization=config.gpu_memory_utilization,

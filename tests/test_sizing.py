@@ -26,6 +26,8 @@ from radixlora.sizing import (
     available_host_bytes,
     batch_limits,
     cpu_config,
+    running_bound,
+    running_limit,
     size_pools,
     with_host_tier,
 )
@@ -63,7 +65,7 @@ def test_llama_8b_on_an_h200_holds_500k_kv_tokens_beside_32_rank_64_adapters():
     used = (WEIGHTS_8B + GIB + sizing.activation_bytes + sizing.graph_bytes + sizing.kv_bytes
             + sizing.adapter_bytes)
     assert 0.9 * H200 - 128 * 1024 < used <= 0.9 * H200  # the whole share, less than a page
-    assert (config.max_running, config.max_batch_tokens) == (256, 8192)
+    assert (config.max_running, config.max_batch_tokens) == (1024, 8192)
     assert "KV" in sizing.line() and "32 of rank 64" in sizing.line()
     assert sizing.to_dict()["adapters_of_rank_16"] == 128
 
@@ -76,6 +78,22 @@ def test_utilization_and_adapter_flags_move_memory_between_the_pools():
     assert fewer.adapter_rows == 128
     assert fewer.kv_bytes - base.kv_bytes == pytest.approx(
         base.adapter_bytes - fewer.adapter_bytes, abs=128 * 1024)
+
+
+@pytest.mark.parametrize("kv_tokens, running", [(1_000, 256), (65_536, 256), (131_072, 512),
+                                                 (200_000, 781), (800_000, 1024)])
+def test_running_limit_follows_the_kv_pool(kv_tokens, running):
+    assert running_limit(kv_tokens) == running
+
+
+def test_running_limit_is_set_once_the_kv_pool_is_sized():
+    small = size_8b(EngineConfig(), total=40 * GIB, in_use=WEIGHTS_8B + GIB,
+                    activations=GIB, graphs=GIB)  # fmt: skip
+    assert small[0].max_running == running_limit(small[1].kv_tokens) == small[1].max_running
+    assert 256 < small[0].max_running < 1024
+    assert batch_limits(EngineConfig(), H200).max_running is None
+    assert running_bound(EngineConfig()).max_running == 1024
+    assert running_bound(EngineConfig(max_running=12)).max_running == 12
 
 
 def test_explicit_sizes_win():

@@ -361,7 +361,7 @@ class TokenizerService:
 
 def make_router(args: ServerArgs) -> Router:
     """The router over args' replicas: each replica's tree bounded by its KV capacity, the load
-    bound a quarter of its running batch (64 at the GPU default of 256: SGLang's default)."""
+    bound a quarter of its running batch (SGLang's default is 64 for a batch of 256)."""
     config = args.engine_config()
     kv_tokens = (config.kv_pages or 1 << 16) * config.page_size
     return Router(args.data_parallel_size, args.router_policy, max_tree_tokens=kv_tokens,
