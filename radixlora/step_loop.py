@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from radixlora.request import Req
 from radixlora.scheduler import BatchPlan, Scheduler
-from radixlora.step_plan import StepPlan, StepResult, bytes_to_ids
+from radixlora.step_plan import StepPlan, StepResult, StepTotals, bytes_to_ids
 
 
 @dataclass
@@ -38,6 +38,9 @@ class StepLoop:
         self.in_flight: deque[tuple[StepPlan, BatchPlan, float]] = deque()  # oldest first
         self.num_steps = 0
         self.num_overlapped = 0  # steps planned while the previous one was still running
+        self.totals = {"decode": StepTotals(), "mixed": StepTotals()}
+        self._plan_seconds: dict[int, float] = {}  # step -> its planning time, until folded
+        self._last_fold = 0.0
 
     def can_plan(self) -> bool:
         sched = self.scheduler
@@ -47,13 +50,16 @@ class StepLoop:
         """Plan the next step if the pipeline has room and there is work to plan."""
         if not self.can_plan():
             return None
+        started = time.monotonic()
         batch = self.scheduler.schedule()
         if batch is None:
             return None
         self.num_steps += 1
         self.num_overlapped += bool(self.in_flight)
         plan = batch.to_step_plan(self.num_steps)
-        self.in_flight.append((plan, batch, time.monotonic()))
+        now = time.monotonic()
+        self._plan_seconds[plan.step] = now - started
+        self.in_flight.append((plan, batch, now))
         return plan
 
     def oldest_step_age(self) -> float:
@@ -63,7 +69,8 @@ class StepLoop:
         """Fold the oldest step's result in; None for a result of any other step (dropped)."""
         if not self.in_flight or result.step != self.in_flight[0][0].step:
             return None
-        _, batch, _ = self.in_flight.popleft()
+        plan, batch, planned_at = self.in_flight.popleft()
+        self._count(plan, planned_at)
         sched = self.scheduler
         sched.note_reads(batch, result.unread_adapters)
         if result.error is not None or result.failed_adapters:
@@ -73,3 +80,14 @@ class StepLoop:
         sched.process_results(batch, bytes_to_ids(result.token_ids).tolist(), result.logprobs,
                               result.top(), result.input_logprobs)
         return Folded(batch, sampled)
+
+    def _count(self, plan: StepPlan, planned_at: float) -> None:
+        now = time.monotonic()
+        lens = [item.extend_len for item in plan.items]
+        totals = self.totals["decode" if max(lens, default=1) == 1 else "mixed"]
+        totals.steps += 1
+        totals.seconds += now - max(self._last_fold, planned_at)
+        totals.plan_seconds += self._plan_seconds.pop(plan.step, 0.0)
+        totals.tokens += sum(lens)
+        totals.requests += len(lens)
+        self._last_fold = now

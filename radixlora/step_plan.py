@@ -91,3 +91,16 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
         if self.top_ids is None:
             return None
         return [list(zip(i, lp)) for i, lp in zip(self.top_ids, self.top_logprobs)]
+
+
+class StepTotals(msgspec.Struct, array_like=True):
+    """Cumulative totals of one kind of step ("decode": every request adds one token;
+    "mixed": any prompt tokens): steps folded, seconds they held the pipeline (from the
+    previous fold, or from when they were planned if the pipeline was idle, to their fold),
+    seconds spent planning them, their tokens and requests."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    plan_seconds: float = 0.0
+    tokens: int = 0
+    requests: int = 0

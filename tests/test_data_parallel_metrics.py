@@ -12,6 +12,7 @@ import pytest
 from radixlora.server.bridge import merge_infos, merge_stats
 from radixlora.server.messages import RouterStats, SchedulerStats
 from radixlora.server.metrics import Metrics
+from radixlora.step_plan import StepTotals
 
 
 def stats(**fields) -> SchedulerStats:
@@ -35,7 +36,12 @@ def test_merged_stats_sum_counts_and_unite_adapters():
                  waiting_per_adapter={"b": 1}, resident_rows={"a": 8, "b": 4},
                  adapter_loads=2),
     }
+    replicas[0].step_totals = {"decode": StepTotals(3, 0.5, 0.1, 30, 30)}
+    replicas[1].step_totals = {"decode": StepTotals(1, 0.25, 0.1, 10, 10),
+                               "mixed": StepTotals(1, 0.5, 0.2, 90, 5)}
     merged = merge_stats(replicas, [0.01], {0: ["a", "b"], 1: ["a", "b", "c"]})
+    assert merged.step_totals == {"decode": StepTotals(4, 0.75, 0.2, 40, 40),
+                                  "mixed": StepTotals(1, 0.5, 0.2, 90, 5)}
     assert (merged.kv_capacity, merged.kv_used, merged.running, merged.waiting) == (200, 40, 3, 1)
     assert (merged.prompt_tokens, merged.cached_tokens) == (80, 20)
     assert merged.max_loras == 16 and merged.adapter_loads == 5

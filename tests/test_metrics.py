@@ -22,6 +22,7 @@ from radixlora.server.messages import (
     ids_to_bytes,
 )
 from radixlora.server.metrics import Metrics
+from radixlora.step_plan import StepTotals
 from tests.server_harness import running_server
 
 SERIES = re.compile(r"^([a-z_:]+)(\{[^}]*\})? ", re.M)
@@ -98,6 +99,19 @@ def test_cumulative_totals_become_counters_across_a_restarted_count():
     text = metrics.render().decode()
     for name in ("adapter_loads", "adapter_evictions", "adapter_load_failures"):
         assert re.search(rf"^# TYPE radixlora_{name}(_total)? counter$", text, re.M), name
+
+
+def test_step_totals_become_counters_by_kind():
+    metrics = Metrics()
+    for steps in (2, 5):
+        metrics.on_stats(stats(step_totals={
+            "decode": StepTotals(steps, 0.01 * steps, 0.001 * steps, 8 * steps, 8 * steps),
+            "mixed": StepTotals(1, 0.05, 0.002, 300, 9)}))  # fmt: skip
+    assert value(metrics, "radixlora_steps_total", kind="decode") == 5
+    assert value(metrics, "radixlora_step_seconds_total", kind="decode") == 0.05
+    assert value(metrics, "radixlora_step_tokens_total", kind="mixed") == 300
+    assert value(metrics, "radixlora_step_requests_total", kind="mixed") == 9
+    assert value(metrics, "radixlora_step_plan_seconds_total", kind="mixed") == 0.002
 
 
 def test_resident_memory_per_adapter_follows_the_pool():

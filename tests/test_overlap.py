@@ -155,3 +155,25 @@ def test_discarded_plan_recomputes(checkpoints, adapters):
     got = [engine.output_of(g) for g in groups]
     assert outputs(got) == outputs(want)
     assert_all_free(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_step_totals_count_every_step_by_kind(checkpoints, overlap):
+    """The loop's cumulative totals: every step once, as decode (one token per request) or
+    mixed, with all the tokens and requests the plans held."""
+    engine = Engine(checkpoints["llama"], kv_pages=256, max_batch_tokens=16,
+                    overlap_schedule=overlap)  # fmt: skip
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    plans = []
+    submit = engine.executor.submit
+    engine.executor.submit = lambda plan: plans.append(plan) or submit(plan)
+    engine.generate([[3] * 20, [4] * 5, [5] * 9], params)
+    totals = engine.loop.totals
+    lens = [[i.extend_len for i in p.items] for p in plans]
+    decode = [n for n in lens if max(n) == 1]
+    assert totals["decode"].steps == len(decode) and totals["mixed"].steps == len(lens) - len(
+        decode)
+    assert totals["decode"].tokens == totals["decode"].requests == sum(map(len, decode))
+    assert totals["decode"].tokens + totals["mixed"].tokens == 20 + 5 + 9 + 3 * 5
+    assert totals["mixed"].requests == sum(len(n) for n in lens if max(n) > 1)
+    assert all(t.seconds > 0 and 0 < t.plan_seconds < t.seconds * 10 for t in totals.values())

@@ -43,6 +43,7 @@ from radixlora.server.messages import (
 from radixlora.server.stats_log import StatsLog, request_line
 from radixlora.server.stats_log import log as ops_log
 from radixlora.server.tracing import Tracer
+from radixlora.step_plan import StepTotals
 
 log = logging.getLogger(__name__)
 
@@ -483,7 +484,19 @@ def merge_stats(stats: dict[int, SchedulerStats], load_seconds: list[float],
         waiting_per_adapter=add_up([s.waiting_per_adapter for s in every]),
         row_bytes=every[0].row_bytes,
         registered=sorted({a for listed in names.values() for a in listed}),
+        step_totals=add_totals([s.step_totals for s in every]),
     )
+
+
+def add_totals(totals: list[dict[str, StepTotals]]) -> dict[str, StepTotals]:
+    """The replicas' step totals, field by field per kind of step."""
+    out: dict[str, StepTotals] = {}
+    for each in totals:
+        for kind, t in each.items():
+            sum_ = out.setdefault(kind, StepTotals())
+            for f in StepTotals.__struct_fields__:
+                setattr(sum_, f, getattr(sum_, f) + getattr(t, f))
+    return out
 
 
 def add_up(counts: list[dict[str, int]]) -> dict[str, int]:

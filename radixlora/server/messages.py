@@ -35,7 +35,7 @@ import msgspec
 
 from radixlora.adapters import AdapterChoice as AdapterChoice
 from radixlora.sampling import SamplingParams
-from radixlora.step_plan import StepPlan, StepResult
+from radixlora.step_plan import StepPlan, StepResult, StepTotals
 from radixlora.step_plan import bytes_to_ids as bytes_to_ids
 from radixlora.step_plan import ids_to_bytes as ids_to_bytes
 
@@ -242,6 +242,7 @@ class SchedulerStats(Message):
     resident_rows: dict[str, Count] = {}  # adapter name -> device pool rows it holds
     row_bytes: Count = 0  # device pool bytes of one row
     registered: list[str] | None = None  # served adapter names; None: as in the previous stats
+    step_totals: dict[str, StepTotals] = {}  # "decode" / "mixed" -> cumulative (StepLoop)
 
 
 class RouterStats(Message):

@@ -80,6 +80,15 @@ class Metrics:
                              ["adapter"], buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("radixlora_e2e_request_latency_seconds", "End-to-end latency",
                              ["adapter"], buckets=LATENCY_BUCKETS, registry=r)
+        self.step_counters = {  # StepTotals' fields, by kind of step (decode, mixed)
+            field: Counter(f"radixlora_{name}", help_, ["kind"], registry=r)
+            for field, name, help_ in (
+                ("steps", "steps", "Steps folded"),
+                ("seconds", "step_seconds", "Seconds steps held the step pipeline"),
+                ("plan_seconds", "step_plan_seconds", "Seconds the scheduler spent planning"),
+                ("tokens", "step_tokens", "Tokens the steps computed"),
+                ("requests", "step_requests", "Requests in the steps (one per request a step)"))
+        }  # fmt: skip
         self.kv_usage = Gauge("radixlora_kv_usage_ratio", "Used KV slots / capacity",
                               registry=r)
         self.kv_cached = Gauge("radixlora_kv_cached_tokens", "KV tokens held by the radix tree",
@@ -152,7 +161,7 @@ class Metrics:
         self._last_token: dict[tuple[str, int], float] = {}
         self.registered: frozenset[str] = frozenset()  # names in the scheduler's last stats
         self.announced: set[str] = set()  # added by registry events, not yet in its stats
-        self._totals: dict[str, int] = {}  # last cumulative value of each counter from stats
+        self._totals: dict[str, float] = {}  # last cumulative value of each counter from stats
         self._labels: dict[Gauge, set[str]] = {}  # per-adapter gauge -> its adapter labels
         self._lora_info: tuple[str, str, str] | None = None
 
@@ -215,6 +224,10 @@ class Metrics:
                 self.e2e.labels(adapter).observe(now - gen.created)
 
     def on_stats(self, stats: SchedulerStats) -> None:
+        for kind, totals in stats.step_totals.items():
+            for field, counter in self.step_counters.items():
+                self._advance(counter.labels(kind), f"step:{kind}:{field}",
+                              getattr(totals, field))
         self.kv_usage.set(stats.kv_used / max(stats.kv_capacity, 1))
         self.kv_cached.set(stats.kv_cached)
         self.running.set(stats.running)
@@ -264,7 +277,7 @@ class Metrics:
             replica, _, reason = key.partition(":")
             self._advance(self.router_decisions.labels(replica, reason), f"router:{key}", total)
 
-    def _advance(self, counter: Counter, key: str, total: int) -> None:
+    def _advance(self, counter: Counter, key: str, total: float) -> None:
         """Add what a cumulative total from the scheduler grew by (all of it after a restart
         of the count: a smaller total than the last one)."""
         last = self._totals.get(key, 0)

@@ -299,6 +299,7 @@ class SchedulerService:
             resident_rows=self._resident_rows(),
             row_bytes=self.row_bytes,
             registered=self._changed_names(),
+            step_totals=self.loop.totals,
         )
 
     def _resident_rows(self) -> dict[str, int]:
