@@ -51,7 +51,7 @@ from bench_e2e import Planned, Shape, floor  # noqa: E402
 from bench_engine import LLAMA3_8B, QKVO, SMOKE, model_dir, random_adapter  # noqa: E402
 from bench_serving import sharegpt_lengths  # noqa: E402
 
-from radixlora import Engine, SamplingParams  # noqa: E402
+from radixlora import Engine, SamplingParams, cuda_graph  # noqa: E402
 from radixlora.model_runner import PROFILE_PARAMS  # noqa: E402
 from radixlora.step_plan import PlanItem, StepPlan, ids_to_bytes  # noqa: E402
 
@@ -367,7 +367,13 @@ def main() -> None:
     p.add_argument("--adapters", default="0", help="comma-separated adapter counts")
     p.add_argument("--max-running", default="default", help="comma-separated: default or N")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--graph-buckets", default="", metavar="B,...",
+                   help="experiment: decode batch buckets added to cuda_graph.BATCH_BUCKETS "
+                        "(captured up to the engine's max_running)")
     args = p.parse_args()
+    if args.graph_buckets:
+        extra = {int(b) for b in args.graph_buckets.split(",")}
+        cuda_graph.BATCH_BUCKETS = tuple(sorted(set(cuda_graph.BATCH_BUCKETS) | extra))
     parts = set(args.parts.split(","))
     shape, kw = (SMOKE, {"device": "cpu", "dtype": "float32"}) if args.smoke else (LLAMA3_8B, {})
     if args.smoke:
@@ -382,6 +388,7 @@ def main() -> None:
     results["start_s"] = time.perf_counter() - started
     results["config"] = {k: getattr(engine.config, k) for k in
                          ("kv_pages", "max_running", "max_batch_tokens", "adapter_rows")}
+    results["graph_buckets"] = cuda_graph.batch_buckets(engine.config.max_running)
     print(f"engine ready in {results['start_s']:.1f} s: {results['config']}", flush=True)
 
     def save():

@@ -35,6 +35,13 @@ its max_tokens; a fresh prompt set per run, so runs do not hit each other's pref
      rate x mean end-to-end latency; 16-token prompts, 256 new tokens, the same adapter
      popularity): its ITL P50, and ITL P50(e) / it.
 
+  s  ShareGPT-like burst: 2000 requests whose prompt and output lengths are drawn by
+     bench_serving.sharegpt_lengths (lognormal, about 270 / 210 tokens, capped at 2,048 /
+     1,024), all sent at once, on the base model, then the same lengths spread uniformly over
+     q0..q{N-1} (--s-adapters N: rank-8 adapters on q, k, v, o). After each run, the step
+     breakdown from /metrics (radixlora_step_*: decode-only and mixed steps, their count, mean
+     ms, requests and tokens per step, and the scheduler's planning time per step).
+
 The floor printed beside every run is the time an H200 would need at its peak rates:
   floor_s = prefill FLOPs / peak FLOP/s + decode bytes / peak bytes/s       (800e12, 4.24e12)
   prefill FLOPs = 2 x P x sum(prompt_len)                         P: non-embedding parameters
@@ -59,6 +66,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import resource
 import secrets
 import shlex
@@ -92,7 +100,7 @@ MARKER = "bench_e2e_complete.json"
 SHARD_BYTES = 5 * 10**9
 H200_FLOPS = 800e12
 H200_BYTES_PER_S = 4.24e12
-ALL_WORKLOADS = ("b", "c", "d", "e")
+ALL_WORKLOADS = ("b", "c", "d", "e", "s")
 
 
 @dataclass(frozen=True)
@@ -117,15 +125,20 @@ class Scale:
     e_max_requests: int
     e_closed_in: int
     e_closed_out: int
+    s_requests: int
+    s_scale: float  # of the ShareGPT-like lengths
 
 
 FULL = Scale(b_in=256, b_out=64, b_repeats=5, c_requests=32, c_adapters=8, c_rank=16, c_in=256,
              c_out=64, c_runs=5, d_requests=1000, d_adapters=100, d_in=512, d_out=128,
-             d_warmup=32, e_seconds=60.0, e_max_requests=600, e_closed_in=16, e_closed_out=256)
+             d_warmup=32, e_seconds=60.0, e_max_requests=600, e_closed_in=16, e_closed_out=256,
+             s_requests=2000, s_scale=1.0)
 TINY = Scale(b_in=16, b_out=8, b_repeats=5, c_requests=8, c_adapters=4, c_rank=8, c_in=16,
              c_out=8, c_runs=3, d_requests=16, d_adapters=4, d_in=16, d_out=8, d_warmup=4,
-             e_seconds=5.0, e_max_requests=16, e_closed_in=16, e_closed_out=16)
+             e_seconds=5.0, e_max_requests=16, e_closed_in=16, e_closed_out=16, s_requests=16,
+             s_scale=0.05)
 D_RANKS = (8, 16, 32, 64)
+S_RANK, S_MODULES = 8, ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 # ---- the floor ------------------------------------------------------------------------------
@@ -281,15 +294,19 @@ def write_checkpoint(path: Path, cfg: dict, device: str, seed: int = 0,
 
 
 def write_adapter(path: Path, cfg: dict, rank: int, seed: int, device: str = "cpu",
-                  dtype: torch.dtype = torch.bfloat16, base_path: str = "") -> Path:
-    """A PEFT LoRA directory: rank `rank` on every projection of every layer, random non-zero
-    lora_A ~ N(0, 1/in) and lora_B ~ N(0, 0.01^2), keys as PEFT writes them."""
+                  dtype: torch.dtype = torch.bfloat16, base_path: str = "",
+                  modules: tuple[str, ...] = PROJECTIONS) -> Path:  # fmt: skip
+    """A PEFT LoRA directory: rank `rank` on `modules` (default every projection) of every
+    layer, random non-zero lora_A ~ N(0, 1/in) and lora_B ~ N(0, 0.01^2), keys as PEFT writes
+    them."""
     path.mkdir(parents=True, exist_ok=True)
     shape = Shape.from_config(cfg)
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
     for layer in range(shape.layers):
         for name, (n_in, n_out) in shape.projections().items():
+            if name not in modules:
+                continue
             block = "self_attn" if name[0] in "qkvo" else "mlp"
             key = f"base_model.model.model.layers.{layer}.{block}.{name}"
             tensors[f"{key}.lora_A.weight"] = random_tensor((rank, n_in), n_in**-0.5, gen,
@@ -298,13 +315,13 @@ def write_adapter(path: Path, cfg: dict, rank: int, seed: int, device: str = "cp
                                                             dtype)
     save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank,
-              "lora_dropout": 0.0, "target_modules": list(PROJECTIONS), "bias": "none",
+              "lora_dropout": 0.0, "target_modules": list(modules), "bias": "none",
               "use_rslora": False, "base_model_name_or_path": base_path}
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return path
 
 
-def adapter_plan(workloads: set[str], scale: Scale) -> dict[str, int]:
+def adapter_plan(workloads: set[str], scale: Scale, s_adapters: int = 0) -> dict[str, int]:
     """Adapter name -> rank of the adapters the chosen workloads use."""
     plan = {}
     if workloads & {"b", "c"}:
@@ -312,7 +329,14 @@ def adapter_plan(workloads: set[str], scale: Scale) -> dict[str, int]:
         plan.update({f"a{i}": scale.c_rank for i in range(count)})
     if workloads & {"d", "e"}:
         plan.update({f"z{i}": D_RANKS[i % len(D_RANKS)] for i in range(scale.d_adapters)})
+    if "s" in workloads:
+        plan.update({f"q{i}": S_RANK for i in range(s_adapters)})
     return plan
+
+
+def adapter_modules(name: str) -> tuple[str, ...]:
+    """The projections an adapter of adapter_plan targets: s's q{i} only q, k, v, o."""
+    return S_MODULES if name.startswith("q") else PROJECTIONS
 
 
 def prepare_files(work: Path, tiny: bool, plan: dict[str, int], device: str
@@ -340,7 +364,8 @@ def prepare_files(work: Path, tiny: bool, plan: dict[str, int], device: str
     for i, (name, rank) in enumerate(sorted(plan.items())):
         path = work / ("tiny-adapters" if tiny else "adapters") / f"{name}-r{rank}"
         if not (path / MARKER).is_file():
-            write_adapter(path, cfg, rank, seed=1000 + i, device=device, base_path=str(model))
+            write_adapter(path, cfg, rank, seed=1000 + i, device=device, base_path=str(model),
+                          modules=adapter_modules(name))
             (path / MARKER).write_text("{}")
         adapters[name] = path
     log(f"{len(adapters)} adapters ready under {work}")
@@ -590,6 +615,26 @@ def workload_c_engine(ctx, model: Path, adapters: dict[str, Path]) -> dict:
             "engine_seconds": seconds}
 
 
+def workload_s_engine(ctx, model: Path) -> dict:
+    """s's base run through the in-process Engine: the same requests, submitted at once."""
+    from radixlora import Engine, SamplingParams
+
+    overrides = engine_overrides(ctx.extra)
+    log(f"s: in-process Engine (overrides {overrides})")
+    engine = Engine(model, **overrides)
+    specs = sharegpt_specs(ctx, [], seed=401)
+    for k, sp in enumerate(specs):
+        params = SamplingParams(max_tokens=sp.max_tokens, temperature=0.0, ignore_eos=True)
+        engine.submit(sp.prompt, params, cache_salt=f"s-{k}")
+    start = time.perf_counter()
+    while engine.scheduler.has_work():
+        engine.step()
+    elapsed = time.perf_counter() - start
+    tokens = sum(sp.max_tokens for sp in specs)
+    del engine
+    return {"engine_seconds": elapsed, "engine_tok_s": tokens / elapsed}
+
+
 def workload_d(ctx) -> dict:
     """A warm-up, then fixed lengths, lognormal lengths and the fixed requests on the base."""
     s = ctx.scale
@@ -636,6 +681,69 @@ def workload_e(ctx, d_rate: float) -> dict:
     return {"rate": rate, "d_rate": d_rate, "requests": n, "poisson": poisson,
             "little_concurrency": concurrency, "closed_batch": batch, "closed": closed,
             "itl_p50_over_closed": poisson["itl_ms"]["p50"] / closed["itl_ms"]["p50"]}
+
+
+STEP_SERIES = {"steps": "radixlora_steps_total", "seconds": "radixlora_step_seconds_total",
+               "plan_seconds": "radixlora_step_plan_seconds_total",
+               "tokens": "radixlora_step_tokens_total", "requests": "radixlora_step_requests_total"}
+
+
+def step_totals(url: str) -> dict[str, dict[str, float]]:
+    """kind -> the server's cumulative step totals (StepTotals' fields) from /metrics, read
+    after the scheduler's next stats report (every 0.5 s) so that they hold every step so far."""
+    time.sleep(1.0)
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out: dict[str, dict[str, float]] = {}
+    for field, series in STEP_SERIES.items():
+        for kind, value in re.findall(rf'^{series}{{kind="(\w+)"}} (\S+)$', text, re.M):
+            out.setdefault(kind, {})[field] = float(value)
+    return out
+
+
+def step_breakdown(before: dict, after: dict) -> dict[str, dict]:
+    """Per kind of step, what a run added: steps, mean ms (time held in the pipeline), mean
+    planning ms, mean requests and tokens per step."""
+    out = {}
+    for kind, totals in after.items():
+        d = {f: v - before.get(kind, {}).get(f, 0.0) for f, v in totals.items()}
+        n = d.get("steps", 0.0)
+        out[kind] = {"steps": int(n), "seconds": d.get("seconds", 0.0),
+                     "mean_ms": 1e3 * d["seconds"] / n if n else None,
+                     "mean_plan_ms": 1e3 * d["plan_seconds"] / n if n else None,
+                     "mean_requests": d["requests"] / n if n else None,
+                     "mean_tokens": d["tokens"] / n if n else None}
+    return out
+
+
+def sharegpt_specs(ctx, adapters: list[str], seed: int) -> list:
+    """s's requests: ShareGPT-like lengths, token-id prompts, adapters uniform (or the base)."""
+    rng = random.Random(seed)
+    specs = []
+    for k in range(ctx.scale.s_requests):
+        prompt_len, output_len = bench_serving.sharegpt_lengths(rng, ctx.scale.s_scale)
+        prompt = bench_serving.make_prompt(rng, prompt_len, "ids", ctx.vocab)
+        name = adapters[k % len(adapters)] if adapters else ctx.base_name
+        specs.append(bench_serving.RequestSpec(name, prompt, output_len))
+    return specs
+
+
+def workload_s(ctx, num_adapters: int) -> dict:
+    """The burst on the base model, then over the q adapters; a step breakdown after each."""
+    warm = sharegpt_specs(ctx, [], seed=400)[:32]
+    drive(ctx.url, [0.0] * len(warm), warm)
+    out = {}
+    runs = [("base", [])] + ([(f"{num_adapters} adapters", [f"q{i}" for i in
+                                                           range(num_adapters)])]
+                             if num_adapters else [])  # fmt: skip
+    for name, adapters in runs:
+        specs = sharegpt_specs(ctx, adapters, seed=401)
+        log(f"s: {len(specs)} requests at once, {name}")
+        before = step_totals(ctx.url)
+        out[name] = with_floor(drive(ctx.url, [0.0] * len(specs), specs), specs, ctx.ranks, ctx)
+        out[name]["steps"] = step_breakdown(before, step_totals(ctx.url))
+        out[name]["mean_prompt"] = statistics.fmean(len(sp.prompt) for sp in specs)
+        out[name]["mean_output"] = statistics.fmean(sp.max_tokens for sp in specs)
+    return out
 
 
 # ---- report ---------------------------------------------------------------------------------
@@ -686,6 +794,15 @@ def rows(results: dict) -> list[tuple[str, str]]:
     if d:
         for key in ("fixed", "lognormal", "base"):
             out += run_rows(f"d {key}", d[key])
+    for name, r in (results.get("s") or {}).items():
+        out += run_rows(f"s {name}", r)
+        if "engine_tok_s" in r:
+            out += [(f"s {name}: Engine tok/s; HTTP / Engine",
+                     f"{fmt(r['engine_tok_s'])}; {fmt(r['http_over_engine'])}")]
+        for kind, k in r["steps"].items():
+            out.append((f"s {name}: {kind} steps (mean ms, plan ms, requests, tokens)",
+                        f"{k['steps']} ({fmt(k['mean_ms'])}, {fmt(k['mean_plan_ms'])}, "
+                        f"{fmt(k['mean_requests'])}, {fmt(k['mean_tokens'])})"))
     e = results.get("e")
     if e:
         out += [("e: rate req/s (70% of d)", fmt(e["rate"])), ("e: requests", str(e["requests"]))]
@@ -740,19 +857,24 @@ def add_server_args(p: argparse.ArgumentParser, tiny_help: str) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workloads", default=",".join(ALL_WORKLOADS),
-                   help="comma-separated subset of b,c,d,e")
+                   help="comma-separated subset of b,c,d,e,s")
     add_server_args(p, "tiny checkpoint and adapters, scaled-down workloads, on the CPU")
     p.add_argument("--ready-timeout", type=float, default=1800.0)
     p.add_argument("--peak-flops", type=float, default=H200_FLOPS,
                    help="peak dense bf16 FLOP/s of the floor (H200: 800e12)")
     p.add_argument("--peak-bw", type=float, default=H200_BYTES_PER_S,
                    help="peak memory bytes/s of the floor (H200: 4.24e12)")
-    p.add_argument("--skip-engine", action="store_true", help="c: no in-process Engine runs")
+    p.add_argument("--skip-engine", action="store_true",
+                   help="c, s: no in-process Engine runs")
+    p.add_argument("--s-adapters", type=int, default=None,
+                   help="s: rank-8 q/k/v/o adapters of the second run (default 100; --tiny 4)")
     args = p.parse_args(argv)
+    if args.s_adapters is None:
+        args.s_adapters = 4 if args.tiny else 100
     args.workload_set = set(args.workloads.split(","))
     unknown = args.workload_set - set(ALL_WORKLOADS)
     if unknown:
-        p.error(f"unknown workloads {sorted(unknown)}; choose from b,c,d,e")
+        p.error(f"unknown workloads {sorted(unknown)}; choose from b,c,d,e,s")
     return args
 
 
@@ -766,7 +888,7 @@ def main(argv=None) -> None:
     if args.tiny and "--device" not in extra:
         extra += ["--device", "cpu"]
     device = "cpu" if args.tiny else pick_device(args.gen_device)
-    ranks = adapter_plan(args.workload_set, scale)
+    ranks = adapter_plan(args.workload_set, scale, args.s_adapters)
     model, cfg, adapters = prepare_files(work, args.tiny, ranks, device)
     results: dict = {
         "command": shlex.join([sys.executable, *sys.argv]), "git_commit": git_commit(),
@@ -789,6 +911,10 @@ def main(argv=None) -> None:
         run_http_workloads(args, ctx, results)
     finally:
         server.stop()
+    if "s" in args.workload_set and not args.skip_engine:
+        base = results["s"]["base"]
+        base.update(workload_s_engine(ctx, model))
+        base["http_over_engine"] = base["output_token_throughput"] / base["engine_tok_s"]
     if "c" in args.workload_set and not args.skip_engine:
         results["c"].update(workload_c_engine(ctx, model, adapters))
         results["c"]["http_over_engine"] = (results["c"]["http_tok_s_median"]
@@ -811,6 +937,9 @@ def run_http_workloads(args, ctx, results: dict) -> None:
     if "d" in chosen:
         log("d: saturation")
         results["d"] = workload_d(ctx)
+    if "s" in chosen:
+        log("s: ShareGPT-like burst")
+        results["s"] = workload_s(ctx, args.s_adapters)
     if "e" in chosen:
         if "d" in results:
             d_rate = results["d"]["fixed"]["request_throughput"]
