@@ -91,7 +91,7 @@ class RadixCache:
         self._protected_size = 0
         self._stats: dict[Hashable, list[int]] = {}
         self._clock = itertools.count(1)
-        self._candidates: list[tuple[int, int, TreeNode]] | None = None  # see evict
+        self._candidates: list[tuple[int, int, TreeNode]] = []  # see evict
 
     # ---- lookup and insert -------------------------------------------------------------
 
@@ -184,10 +184,16 @@ class RadixCache:
                 self._protected_size -= path_node.num_tokens
                 self._evictable_size += path_node.num_tokens
                 released.append(path_node)
-        if released:
-            self._candidates = None
         if path and path[-1].orphan_free_fn is not None:
             self._free_orphaned(released, path[-1])
+            return
+        for path_node in released:
+            if path_node.children:
+                continue
+            if path_node.is_namespace:  # its tokens were evicted while it was locked
+                self._unlink(path_node)
+            else:
+                self._push_candidate(path_node)
 
     # ---- eviction ----------------------------------------------------------------------
 
@@ -195,20 +201,16 @@ class RadixCache:
         """Evict least-recently-used unlocked leaves until `num_tokens` are freed or nothing
         is evictable; a parent left without children becomes a candidate in turn.
 
-        The candidate heap outlives the call, so a scheduler step that evicts once per admitted
-        request walks the tree once, not per request. It holds every evictable leaf, keyed by
-        its last access when pushed: an entry is re-keyed when popped if the node was touched
-        since, and dropped if the node was locked, given children or removed. Whatever can
-        make a new evictable leaf (insert, unlock, drop) discards the heap.
+        Cost: O(what it evicts), never a walk of the tree. The candidate heap holds an entry
+        for every evictable leaf, pushed when it became one (inserted, unlocked, or left
+        childless by an eviction) and keyed by its last access then: an entry is re-keyed when
+        popped if the node was touched since, and dropped if the node was locked, given
+        children or removed. Stale entries are compacted once they outnumber the nodes.
 
         Mutates: removes the evicted nodes and any unlocked namespace node left empty; calls
         `free_fn` once with all evicted slots (not at all when none). Returns tokens freed."""
-        self._prune_empty_namespaces()
         if num_tokens <= 0:
             return 0
-        if self._candidates is None:
-            self._candidates = [(n.last_access, n.node_id, n) for n in self._evictable_leaves()]
-            heapq.heapify(self._candidates)
         heap = self._candidates
         pieces: list[np.ndarray] = []
         num_freed = 0
@@ -233,6 +235,16 @@ class RadixCache:
         _call_free(free_fn, pieces)
         return num_freed
 
+    def _push_candidate(self, node: TreeNode) -> None:
+        """An evictable leaf for evict's heap. When stale entries make the heap more than twice
+        the nodes it can hold (at most one per page cached), rebuild it from the tree: a walk
+        that at least as many pushes have paid for."""
+        heap = self._candidates
+        heapq.heappush(heap, (node.last_access, node.node_id, node))
+        if len(heap) > 2 * (self.total_size() // self.page_size) + 1024:
+            self._candidates = [(n.last_access, n.node_id, n) for n in self._evictable_leaves()]
+            heapq.heapify(self._candidates)
+
     def drop_namespaces(self, predicate: Callable[[Hashable], bool], free_fn: FreeFn) -> int:
         """Remove every cached namespace for which `predicate(namespace)` is true.
 
@@ -242,7 +254,6 @@ class RadixCache:
         dec_lock_ref then frees them through this `free_fn`. Statistics are kept (counters
         never go back). Mutates: the matching namespaces' subtrees and the sizes.
         Returns the tokens freed now."""
-        self._candidates = None
         pieces: list[np.ndarray] = []
         for namespace, ns_node in list(self._root.children.items()):
             if not predicate(namespace):
@@ -339,7 +350,7 @@ class RadixCache:
         leaf = TreeNode(key=tokens.copy(), kv_slots=kv_slots.copy(), parent=parent, last_access=now)
         parent.children[self._child_key(leaf.key, 0)] = leaf
         self._evictable_size += leaf.num_tokens
-        self._candidates = None
+        self._push_candidate(leaf)
 
     def _namespace_node(self, namespace: Hashable, now: int) -> TreeNode:
         ns_node = self._root.children.get(namespace)
@@ -366,11 +377,6 @@ class RadixCache:
         for node in _iter_subtrees([self._root]):
             if not node.children and node.lock_ref == 0 and node.num_tokens > 0:
                 yield node
-
-    def _prune_empty_namespaces(self) -> None:
-        for ns_node in list(self._root.children.values()):
-            if not ns_node.children and ns_node.lock_ref == 0:
-                self._unlink(ns_node)
 
     def _free_unlocked_subtrees(self, ns_node: TreeNode) -> list[np.ndarray]:
         """Detach and collect every unlocked subtree below `ns_node` (whole subtrees: a node's

@@ -15,6 +15,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from radixlora import radix_cache
 from radixlora.radix_cache import RadixCache
 
 NS_A = (("base", "sha-base"), ("adapters", (("sha-legal", 1.0),)), ("salt", ""))
@@ -191,26 +192,69 @@ def test_evict_is_lru_and_parents_become_leaves():
     assert cache.namespaces() == [] and cache.total_size() == 0
 
 
-def test_consecutive_evictions_walk_the_tree_once(monkeypatch):
-    """A scheduler step evicts once per admitted request: the candidates found by one walk of
-    the tree serve the following calls, until an insert (or unlock, or drop) may have made a
-    new leaf evictable."""
+def test_eviction_never_walks_the_tree(monkeypatch):
+    """Evicting costs what it evicts: no call walks the tree, whatever inserts, touches and
+    unlocks came between (each new evictable leaf is pushed when it becomes one)."""
     walks = []
-    leaves = RadixCache._evictable_leaves
-    monkeypatch.setattr(RadixCache, "_evictable_leaves",
-                        lambda self: walks.append(1) or leaves(self))  # fmt: skip
+    walk = radix_cache._iter_subtrees
+    monkeypatch.setattr(radix_cache, "_iter_subtrees",
+                        lambda starts: walks.append(1) or walk(starts))  # fmt: skip
     cache = RadixCache()
     for i in range(6):
         cache.insert(NS_A, [i, 1, 2], slots(3 * i, 3))
     free_log = FreeLog()
     cache.evict(3, free_log)
-    cache.match_prefix(NS_A, [1, 1, 2])  # touched: re-keyed when popped, not re-walked
+    cache.match_prefix(NS_A, [1, 1, 2])  # touched: re-keyed when popped
     cache.evict(3, free_log)
     cache.evict(3, free_log)
-    assert len(walks) == 1 and free_log.slots == [0, 1, 2, 6, 7, 8, 9, 10, 11]
+    assert free_log.slots == [0, 1, 2, 6, 7, 8, 9, 10, 11]
     cache.insert(NS_A, [9, 9, 9], slots(30, 3))
+    locked = cache.match_prefix(NS_A, [4, 1, 2]).last_node
+    cache.inc_lock_ref(locked)
     cache.evict(3, free_log)
-    assert len(walks) == 2 and free_log.slots[-3:] == [12, 13, 14]
+    cache.dec_lock_ref(locked)
+    cache.evict(6, free_log)
+    assert free_log.slots[-9:] == [15, 16, 17, 3, 4, 5, 30, 31, 32] and not walks
+
+
+def test_eviction_in_a_full_cache_pops_what_it_evicts(monkeypatch):
+    """Thousands of cached prompts, each step finishing a request (insert, unlock) and
+    evicting a prompt for a new one: an eviction pops a few heap entries and walks nothing."""
+    cache, free_log = RadixCache(), FreeLog()
+    for i in range(2000):
+        node = _insert_locked(cache, i, 10 * i)
+        cache.dec_lock_ref(node)
+    work = []  # one entry per heap pop and per node walked
+    pop, walk = radix_cache.heapq.heappop, radix_cache._iter_subtrees
+    monkeypatch.setattr(radix_cache.heapq, "heappop", lambda heap: work.append(1) or pop(heap))
+    monkeypatch.setattr(radix_cache, "_iter_subtrees",
+                        lambda starts: (work.append(1) or n for n in walk(starts)))
+    for i in range(2000, 2200):
+        cache.dec_lock_ref(_insert_locked(cache, i, 10 * i))
+        before = len(work)
+        assert cache.evict(4, free_log) == 4
+        assert len(work) - before <= 3
+
+
+def test_candidate_heap_stays_bounded_without_evictions():
+    """Every unlock pushes an entry; with nothing evicted the stale ones are compacted."""
+    cache = RadixCache()
+    node = _insert_locked(cache, 0, 0)
+    for _ in range(5000):
+        cache.dec_lock_ref(node)
+        cache.inc_lock_ref(node)
+    assert len(cache._candidates) <= 2 * cache.total_size() + 1024
+    cache.dec_lock_ref(node)
+    free_log = FreeLog()
+    assert cache.evict(4, free_log) == 4 and free_log.slots == [0, 1, 2, 3]
+
+
+def _insert_locked(cache: RadixCache, i: int, first_slot: int):
+    tokens = [i, 7, 7, 7]
+    cache.insert(NS_A, tokens, slots(first_slot, 4))
+    node = cache.match_prefix(NS_A, tokens).last_node
+    cache.inc_lock_ref(node)
+    return node
 
 
 def lru_eviction_oracle(cache: RadixCache, num_tokens: int) -> list[int]:
