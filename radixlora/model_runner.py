@@ -143,9 +143,10 @@ class ModelRunner:
             adapter_row_bytes=AdapterPool.bytes_per_row(self.cfg, self.lora_dtype),
         )  # fmt: skip
         log.info(self.sizing.line())
-        if self.tp is not None:  # every rank's pools hold the same slots and rows
+        if self.tp is not None:  # every rank's pools and batches hold the same
             config = dataclasses.replace(config, kv_pages=self.tp.min_int(config.kv_pages),
-                                         adapter_rows=self.tp.min_int(config.adapter_rows))
+                                         adapter_rows=self.tp.min_int(config.adapter_rows),
+                                         max_running=self.tp.min_int(config.max_running))
         return config
 
     def _profile_activations(self, config: EngineConfig) -> tuple[int, int]:
