@@ -76,6 +76,21 @@ def test_batch_holds_more_distinct_adapters_than_32_when_rows_allow():
     assert len(plan.adapter_loads) == 48 and not plan.prefetch_loads
 
 
+def test_admission_keeps_the_running_batch_full():
+    """While requests wait and KV allows, every step runs max_running requests: each one that
+    finishes is replaced in the next plan."""
+    sched = make_scheduler(rows=8, max_running=8)
+    for k in range(40):
+        sched.add(make_req(f"r{k}", [], prompt_len=3 + k % 5, max_tokens=1 + k % 7))
+    sizes = []
+    while sched.has_work():
+        plan = sched.schedule()
+        if sched.waiting:
+            sizes.append(len(plan.items))
+        fold(sched, plan)
+    assert sizes and set(sizes) == {8}
+
+
 def test_small_pool_limits_the_batch_by_rows():
     adapters = [fake_adapter(k, rank=2) for k in range(48)]
     sched = make_scheduler(rows=20)
