@@ -83,11 +83,11 @@ class StepLoop:
 
     def _count(self, plan: StepPlan, planned_at: float) -> None:
         now = time.monotonic()
-        lens = [item.extend_len for item in plan.items]
-        totals = self.totals["decode" if max(lens, default=1) == 1 else "mixed"]
+        tokens, requests = len(plan.input_ids) // 4, len(plan.items)  # int32 ids, one per token
+        totals = self.totals["decode" if tokens == requests else "mixed"]
         totals.steps += 1
         totals.seconds += now - max(self._last_fold, planned_at)
         totals.plan_seconds += self._plan_seconds.pop(plan.step, 0.0)
-        totals.tokens += sum(lens)
-        totals.requests += len(lens)
+        totals.tokens += tokens
+        totals.requests += requests
         self._last_fold = now
