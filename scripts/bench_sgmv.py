@@ -38,8 +38,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from bench_common import replace_fields, time_us  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `kernels` without installing
-from kernels.lora_ops import (  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # radixlora without installing
+from radixlora.kernels.lora_ops import (  # noqa: E402
     GROUP_TOKENS,
     HostGroups,
     LoraBackend,
@@ -49,15 +49,15 @@ from kernels.lora_ops import (  # noqa: E402
     TritonLoraBackend,
     sets_of_segments,
 )
-from kernels.sgmv_expand import sgmv_expand  # noqa: E402
-from kernels.sgmv_grouped import (  # noqa: E402
+from radixlora.kernels.sgmv_expand import sgmv_expand  # noqa: E402
+from radixlora.kernels.sgmv_grouped import (  # noqa: E402
     BESIDE_GEMM,
     DEFAULT_TUNING,
     GroupedTuning,
     grouped_shrink,
     tuning_for_rows,
 )
-from kernels.sgmv_shrink import sgmv_shrink  # noqa: E402
+from radixlora.kernels.sgmv_shrink import sgmv_shrink  # noqa: E402
 from radixlora.lora.pool import LoraContext, high_priority_stream  # noqa: E402
 
 HBM_BYTES_PER_S = 4.24e12  # measured device-to-device copy on the H200
@@ -112,6 +112,7 @@ SMALL_BATCH_SWEEP = tunings(BESIDE_GEMM, {"pdl": False}, {"block_n": 256, "expan
                             {"min_items_per_sm": 0}, {"min_items_per_sm": 8},
                             {"shrink_warps": 4})  # fmt: skip
 GROUP_TOKENS_SWEEP = (32,)
+MIXED_GROUP_TOKENS_SWEEP = (64, 256)  # steps with prefill chunks: fewer, longer groups
 
 
 @dataclass
@@ -148,8 +149,17 @@ class Scenario:
     name: str
     num_adapters: int
     rank: int
-    # adapters (and weights) of each single-token segment
+    # adapters (and weights) of each segment
     sets: list[list[tuple[int, float]]]
+    seg_lens: list[int] | None = None  # tokens of each segment (None: one each, a decode)
+
+    @property
+    def lens(self) -> list[int]:
+        return self.seg_lens if self.seg_lens is not None else [1] * len(self.sets)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lens)
 
 
 def zipf_sets(tokens: int, adapters: int, seed: int) -> list[list[tuple[int, float]]]:
@@ -175,7 +185,30 @@ def scenarios(cfg: BenchConfig) -> list[Scenario]:
         *(Scenario(f"spread {n}/{cfg.spread_tokens} r{cfg.spread_rank}", n, cfg.spread_rank,
                    [[(i % n, 1.0)] for i in range(cfg.spread_tokens)])
           for n in cfg.spread_adapters),
+        *mixed_scenarios(cfg),
     ]  # fmt: skip
+
+
+def mixed_step(name: str, decodes: int, prefill_tokens: int, chunks: int, adapters: int,
+               rank: int) -> Scenario:
+    """A step of a saturated server: `decodes` one-token segments beside `chunks` prefill
+    chunks of `prefill_tokens` tokens in all, segment i on adapter i % adapters."""
+    lens = [1] * decodes + [prefill_tokens // chunks + (k < prefill_tokens % chunks)
+                            for k in range(chunks)]  # fmt: skip
+    return Scenario(name, adapters, rank, [[(i % adapters, 1.0)] for i in range(len(lens))],
+                    lens)
+
+
+def mixed_scenarios(cfg: BenchConfig) -> list[Scenario]:
+    """The step shapes of bench_burst's ShareGPT-like burst, over rank-8 adapters."""
+    r = cfg.spread_rank
+    if cfg.device == "cpu":
+        return [mixed_step("mixed 6+20 x3", 6, 20, 2, 3, r),
+                mixed_step("prefill 24/2 x2", 0, 24, 2, 2, r)]
+    return [mixed_step("mixed 240+541 x100", 240, 541, 14, 100, r),
+            mixed_step("mixed 900+2361 x100", 900, 2361, 44, 100, r),
+            mixed_step("prefill 8192/16 x16", 0, 8192, 16, 16, r),
+            mixed_step("prefill 2048 x1", 0, 2048, 1, 1, r)]  # fmt: skip
 
 
 def scattered_rows(num_adapters: int, rank: int, gen: torch.Generator) -> list[list[int]]:
@@ -208,17 +241,17 @@ def seg_rows_of(sc: Scenario, adapter_rows: list[list[int]]) -> list[list[int]]:
 def build_meta(
     sc: Scenario, adapter_rows: list[list[int]], device: str, group_tokens: int | None
 ) -> LoraBatchMeta:
-    """One single-token segment per request; grouped (group_tokens not None): groups of at most
-    group_tokens tokens, padded to the batch size as a CUDA graph's static buffers are."""
+    """One segment per request; grouped (group_tokens not None): groups of at most
+    group_tokens tokens, padded to the token count as a CUDA graph's static buffers are."""
     seg_scales = [[w for a, w in s for _ in adapter_rows[a]] for s in sc.sets]
-    seg_lens = [1] * len(sc.sets)
+    seg_lens = sc.lens
     seg_rows = seg_rows_of(sc, adapter_rows)
     meta = LoraBatchMeta.from_segments(seg_lens, seg_rows, seg_scales, device, grouped=False)
     if group_tokens is None:
         return meta
     host = HostGroups.build(seg_lens, sets_of_segments(seg_rows, seg_scales), group_tokens)
     g = host.to_device(seg_rows, seg_scales, device)
-    pad = len(sc.sets) + 1 - g.group_indptr.numel()
+    pad = sc.tokens + 1 - g.group_indptr.numel()
     tail = g.group_indptr[-1:].repeat(pad)
     padded = LoraGroups(g.num_groups, torch.cat([g.group_indptr, tail]), g.token_ids,
                         torch.cat([g.row_indptr, g.row_indptr[-1:].repeat(pad)]),
@@ -293,7 +326,7 @@ def bench_scenario(cfg: BenchConfig, sc: Scenario, sweep: list[GroupedTuning],
                    group_tokens: tuple[int, ...], baselines: bool) -> list[Result]:  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     adapter_rows = scattered_rows(sc.num_adapters, sc.rank, gen)
-    projs = build_projections(cfg, sc.num_adapters * sc.rank + SPARE_ROWS, len(sc.sets))
+    projs = build_projections(cfg, sc.num_adapters * sc.rank + SPARE_ROWS, sc.tokens)
     metas = meta_variants(sc, adapter_rows, cfg.device, group_tokens)
     per_request, grouped = metas[None], metas[GROUP_TOKENS]
     distinct_rows = len({r for rows in seg_rows_of(sc, adapter_rows) for r in rows})
@@ -340,7 +373,7 @@ def bench_with_base(cfg: BenchConfig, sc: Scenario) -> list[Result]:
     one-element kernel, and the shrink alone beside the GEMM."""
     gen = torch.Generator().manual_seed(0)
     adapter_rows = scattered_rows(sc.num_adapters, sc.rank, gen)
-    projs = build_projections(cfg, sc.num_adapters * sc.rank + SPARE_ROWS, len(sc.sets))
+    projs = build_projections(cfg, sc.num_adapters * sc.rank + SPARE_ROWS, sc.tokens)
     meta = build_meta(sc, adapter_rows, cfg.device, GROUP_TOKENS)
     weights = [torch.randn(p.out_offsets[-1], p.x.shape[1], dtype=cfg.dtype, device=cfg.device)
                * p.x.shape[1] ** -0.5 for p in projs]  # fmt: skip
@@ -372,7 +405,7 @@ def bench_with_base(cfg: BenchConfig, sc: Scenario) -> list[Result]:
     for variant, lora in variants.items():
         def run(lora=lora) -> None:
             if lora is not None:
-                lora.begin(len(sc.sets), cfg.device)
+                lora.begin(sc.tokens, cfg.device)
             for p, w in zip(projs, weights, strict=True):
                 linear = functools.partial(torch.matmul, other=w.T)
                 _ = linear(p.x) if lora is None else lora.project(linear, p.x, 0, p.name)
@@ -437,6 +470,10 @@ def environment(cfg: BenchConfig) -> dict:
     return env
 
 
+def group_sweep(sc: Scenario) -> tuple[int, ...]:
+    return MIXED_GROUP_TOKENS_SWEEP if sc.seg_lens is not None else ()
+
+
 def bench_selected(cfg: BenchConfig, names: list[str], variants: list[str], repeat: int) -> None:
     """Only the named scenarios: the grouped defaults, one segment per request and each
     GroupedTuning variant ("k=v,..."), every one timed `repeat` times in turn; a table, and
@@ -446,7 +483,8 @@ def bench_selected(cfg: BenchConfig, names: list[str], variants: list[str], repe
         raise SystemExit(f"unknown scenario(s) {unknown}; choose from {list(known)}")
     sweep = [replace_fields(DEFAULT_TUNING, v) for v in variants]
     results = [r for name in names for _ in range(repeat)
-               for r in bench_scenario(cfg, known[name], sweep, (), baselines=False)]  # fmt: skip
+               for r in bench_scenario(cfg, known[name], sweep, group_sweep(known[name]),
+                                       baselines=False)]  # fmt: skip
     if out_dir := os.environ.get("OUT"):
         payload = {"env": environment(cfg), "hbm_bytes_per_s": HBM_BYTES_PER_S,
                    "results": [{**asdict(r), "floor_us": r.floor_us} for r in results]}  # fmt: skip
@@ -478,8 +516,8 @@ def main() -> None:
     for i, sc in enumerate(scenarios(cfg)):
         zipf_many = sc.name.startswith("zipf") and sc.num_adapters == max(cfg.zipf_adapters)
         sweep = SMALL_BATCH_SWEEP if i <= 2 or zipf_many else []
-        results += bench_scenario(cfg, sc, sweep, GROUP_TOKENS_SWEEP if zipf_many else (),
-                                  baselines=i == 0)  # fmt: skip
+        groups = GROUP_TOKENS_SWEEP if zipf_many else group_sweep(sc)
+        results += bench_scenario(cfg, sc, sweep, groups, baselines=i == 0)
         if i <= 2 or zipf_many:
             results += bench_with_base(cfg, sc)
     ratio = stack_ratio(results, cfg)

@@ -70,11 +70,11 @@ from bench_engine import SMOKE as ENGINE_SMOKE  # noqa: E402
 from bench_sgmv import FULL, build_meta, build_projections, scattered_rows, scenarios  # noqa: E402
 from bench_sgmv import SMOKE as SGMV_SMOKE  # noqa: E402
 
-from kernels.lora_ops import TorchLoraBackend, TritonLoraBackend  # noqa: E402
-from kernels.sgmv_grouped import grouped_expand, grouped_shrink, tuning_for_rows  # noqa: E402
 from radixlora.config import ModelConfig  # noqa: E402
+from radixlora.kernels.lora_ops import TorchLoraBackend, TritonLoraBackend  # noqa: E402
 from radixlora.kernels.nf4_dequant import nf4_dequant, nf4_dequant_ref  # noqa: E402
 from radixlora.kernels.quant_gemv import fp8_gemv, nf4_gemv  # noqa: E402
+from radixlora.kernels.sgmv_grouped import grouped_expand, grouped_shrink, tuning_for_rows  # noqa: E402
 from radixlora.lora.pool import AdapterPool, quantize_rows  # noqa: E402
 from radixlora.model import quant_fp8  # noqa: E402
 from radixlora.model.quant import NF4_CODE  # noqa: E402

@@ -116,3 +116,20 @@ def test_kernels_and_the_language_are_linked_into_the_package():
 
     assert Path(sgmv_shrink.__file__).resolve().parent == ROOT / "kernels"
     assert frontend.Runtime is runtime.Runtime
+
+
+def test_every_script_imports_beside_the_installed_kernels_package():
+    """Each script's imports resolve (runpy without running main) while Hugging Face's
+    `kernels` is importable: a script must reach the LoRA kernels as radixlora.kernels."""
+    code = (
+        "import runpy, sys, pathlib\n"
+        "for path in sorted(pathlib.Path('scripts').glob('*.py')):\n"
+        "    sys.argv = [str(path)]\n"
+        "    runpy.run_path(str(path), run_name='imported_by_the_test')\n"
+        "    print(path.name)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = set(done.stdout.split())
+    assert printed == {p.name for p in (ROOT / "scripts").glob("*.py")}
