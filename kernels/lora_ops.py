@@ -11,7 +11,6 @@ import torch
 
 from radixlora.device import to_device
 
-GROUPED_MAX_SEG_LEN = 16  # from_segments groups batches whose segments are all this short
 GROUP_TOKENS = 16  # tokens per group at most: a popular set's tokens split into several groups
 
 
@@ -147,18 +146,16 @@ class LoraBatchMeta:
         seg_scales: Sequence[Sequence[float]],
         device: torch.device | str,
         seg_sets: Sequence[int] | None = None,
-        grouped: bool | None = None,
+        grouped: bool = True,
     ) -> LoraBatchMeta:
         """seg_sets: adapter-set id per segment (< 0: none; default: equal rows and scales);
-        grouped: build `groups` (default: when every segment has <= GROUPED_MAX_SEG_LEN tokens,
-        i.e. decode-like batches; long prefill segments keep the per-segment kernels)."""
+        grouped: build `groups`, which the Triton backend runs every batch with (decodes,
+        prefill chunks and steps mixing both; False: the per-segment kernels, a baseline)."""
         _check_segments(seg_lens, seg_rows, seg_scales)
         row_counts = [len(rows) for rows in seg_rows]
         # a multiple of 16: the strides of the kernels' rank-space buffers then never depend
         # on the token count's parity, so no step compiles a kernel variant of its own
         max_rows = -(-max(row_counts, default=0) // 16) * 16
-        if grouped is None:
-            grouped = max(seg_lens, default=0) <= GROUPED_MAX_SEG_LEN
         groups = None
         if grouped:
             if seg_sets is None:
@@ -232,6 +229,7 @@ class LoraBackend(ABC):
     adds into the GEMM's output, or stores the deltas for a GEMM to add (accumulate=False)."""
 
     name: str
+    uses_groups = False  # whether it reads LoraBatchMeta.groups (else they need not be built)
 
     def apply(
         self,
@@ -349,10 +347,12 @@ def token_row_weights(meta: LoraBatchMeta) -> torch.Tensor:
 
 class TritonLoraBackend(LoraBackend):
     """SGMV shrink + expand: two launches per projection whatever the adapter mix. With
-    meta.groups (decode-like batches, CUDA graphs) the grouped kernels read each distinct
-    adapter set's rows once; otherwise one segment per request (prefill)."""
+    meta.groups (every batch the engine builds) the grouped kernels read each distinct adapter
+    set's rows once per group of tokens; without, one program row per request segment (the
+    per-segment kernels, kept as the baseline scripts/bench_sgmv.py compares against)."""
 
     name = "triton"
+    uses_groups = True
 
     def __init__(self, split_k: int | None = None, tuning=None, side_tuning=None) -> None:
         """tuning: launch parameters of the grouped kernels; side_tuning: those of deferred

@@ -13,9 +13,10 @@ not use cost no thread blocks.
 Launches use programmatic dependent launch where the GPU has it (GroupedTuning.pdl): a
 kernel's programs start, and read the host-written metadata, while the previous kernel drains.
 
-Long prefill segments keep the per-segment kernels (sgmv_shrink/sgmv_expand), whose grid tiles
-a segment's tokens: grouping pays where a set's tokens are few and scattered (decode, short
-extends under graphs), not for one 2k-token prompt."""
+Prefill chunks are grouped too, 16 tokens a group: a step mixing 900 decodes over 100 adapters
+with 44 prefill chunks runs its LoRA deltas 8x faster than with the per-segment kernels
+(sgmv_shrink/sgmv_expand, whose grid is every segment times the longest one's tiles), and a
+lone 2k-token prompt no slower (docs/PERF.md)."""
 
 from __future__ import annotations
 

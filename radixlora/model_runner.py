@@ -295,7 +295,8 @@ class ModelRunner:
         if segments is not None:
             metas = {
                 g: LoraBatchMeta.from_segments(
-                    host["qo_lens"], rows, scales, self.device, segments.request_sets
+                    host["qo_lens"], rows, scales, self.device, segments.request_sets,
+                    grouped=self.lora_backend.uses_groups,
                 )
                 if any(rows)
                 else None

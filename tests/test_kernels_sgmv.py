@@ -651,13 +651,17 @@ def test_host_groups_split_popular_sets_and_drop_empty_ones():
     assert HostGroups.build([1, 1], [-1, -1]).num_groups == 0
 
 
-def test_from_segments_groups_decode_batches_and_keeps_segments_for_prefill():
+def test_from_segments_groups_decodes_and_prefill_chunks_alike():
     rows, scales = [[5, 1], [9], [5, 1], []], [[1.0, 1.0], [0.5], [1.0, 1.0], []]
     meta = LoraBatchMeta.from_segments([1, 1, 1, 1], rows, scales, "cpu")
     assert meta.groups.num_groups.tolist() == [2]
     assert meta.groups.token_ids.tolist() == [0, 2, 1]
-    prefill = LoraBatchMeta.from_segments([40, 1, 1, 1], rows, scales, "cpu")
-    assert prefill.groups is None
+    mixed = LoraBatchMeta.from_segments([40, 1, 1, 1], rows, scales, "cpu")
+    # set (5, 1): the chunk's 40 tokens and token 41, 16 a group; set (9): token 40
+    assert mixed.groups.group_indptr.tolist() == [0, 16, 32, 41, 42]
+    assert mixed.groups.token_ids.tolist() == [*range(40), 41, 40]
+    assert LoraBatchMeta.from_segments([40, 1, 1, 1], rows, scales, "cpu",
+                                       grouped=False).groups is None
 
 
 GROUPED_BAD = {

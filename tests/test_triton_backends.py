@@ -57,3 +57,37 @@ def test_mixed_steps_match_torch(checkpoints, adapters):
         assert ids_a == ids_b
         torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=1e-4, rtol=0)
     assert_all_free(eng)
+
+
+def test_adapter_grouped_mixed_steps_match_peft(checkpoints, adapters, monkeypatch):
+    """Steps mixing decodes and prefill chunks over several adapters and the base run the
+    grouped LoRA kernels (tokens gathered by adapter set, chunks and decodes alike) and give
+    the tokens and logprobs transformers + PEFT computes for each request alone."""
+    from radixlora.kernels.lora_ops import LoraBatchMeta
+    from tests.oracle import logprobs, peft_model
+
+    built = []
+    from_segments = LoraBatchMeta.from_segments.__func__
+
+    def spy(cls, seg_lens, *args, **kw):
+        meta = from_segments(cls, seg_lens, *args, **kw)
+        built.append((list(seg_lens), meta.groups is not None))
+        return meta
+
+    monkeypatch.setattr(LoraBatchMeta, "from_segments", classmethod(spy))
+    dirs = {k: adapters["llama"][k] for k in "ab"}
+    prompts = [[7 + i] * (5 + 10 * i) for i in range(5)]
+    specs = ["a", "b", None, "a", "b"]
+    eng = Engine(checkpoints["llama"], adapters=dirs, max_rank=64, kv_pages=512,
+                 max_batch_tokens=16, attention_backend="triton", lora_backend="triton")
+    got = staggered(eng, prompts, specs)
+    mixed = [grouped for lens, grouped in built if max(lens) > 1 and lens.count(1) >= 2]
+    assert mixed and all(mixed)
+    ref_model = peft_model(checkpoints["llama"], dirs)
+    for prompt, spec, (ids, lps) in zip(prompts, specs, got, strict=True):
+        ref = logprobs(ref_model, prompt + ids, None if spec is None else [spec])
+        rows = ref[len(prompt) - 1 : len(prompt) - 1 + len(ids)]
+        assert ids == rows.argmax(-1).tolist()
+        torch.testing.assert_close(torch.tensor(lps), rows.gather(1, torch.tensor(ids)[:, None])
+                                   .squeeze(1), atol=1e-4, rtol=0)
+    assert_all_free(eng)
