@@ -24,9 +24,9 @@ class AdapterSet:
     def of(cls, pairs: list[tuple[LoraAdapter, float]]) -> AdapterSet:
         return cls(tuple(sorted(pairs, key=lambda p: p[0].adapter_id)))
 
-    @property
-    def adapters(self) -> list[LoraAdapter]:
-        return [a for a, _ in self.entries]
+    @functools.cached_property
+    def adapters(self) -> tuple[LoraAdapter, ...]:
+        return tuple(a for a, _ in self.entries)
 
     @functools.cached_property
     def key(self) -> tuple[tuple[str, float], ...]:

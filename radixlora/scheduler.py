@@ -13,6 +13,7 @@ again only by later steps."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -166,14 +167,15 @@ class Scheduler:
         items = self._schedule_running(budget)
         budget -= sum(len(i.extend_ids) for i in items)
         plan = BatchPlan(items, made_at=self.step_count)
-        order = self._waiting_by_priority()
-        needs = _queue_needs(order)
-        self._admit_waiting(plan, budget, order, needs, hold_unread=True)
-        if not plan.items:  # nothing else to run: no request waits for a read
-            self._admit_waiting(plan, budget, order, needs, hold_unread=False)
+        queue = _WaitingQueue(self)
+        if self._may_admit(budget):
+            self._admit_waiting(plan, budget, queue.order, queue.needs, hold_unread=True)
+            if not plan.items:  # nothing else to run: no request waits for a read
+                self._admit_waiting(plan, budget, queue.order, queue.needs, hold_unread=False)
         if not plan.items:
             return None
-        self._prefetch(plan, order, needs)
+        if self._may_prefetch():
+            self._prefetch(plan, queue.order, queue.needs)
         sampled = 0
         for item in plan.items:
             req = item.req
@@ -189,6 +191,45 @@ class Scheduler:
         return plan
 
     def _schedule_running(self, budget: int) -> list[ScheduledReq]:
+        wanted: list[tuple[Req, int]] = []
+        used = 0
+        for req in self.running:
+            if len(req.output_ids) + req.pending >= req.params.max_tokens:
+                continue  # its last token is being sampled
+            n = min(req.remaining_prefill, budget - used)
+            if n > 0:
+                wanted.append((req, n))
+                used += n
+        if self._reserve_all(wanted):
+            return [self._item(req, n) for req, n in wanted]
+        return self._schedule_running_retracting(budget)
+
+    def _reserve_all(self, wanted: list[tuple[Req, int]]) -> bool:
+        """Reserve the KV of every (request, tokens) at once, evicting cached prefixes if need
+        be; False (nothing reserved) if they do not all fit. One allocation for the batch: the
+        per-request cost of a decode step is a few list operations."""
+        kv = self.kv
+        pages = [kv.pages_for(req.kv_len + n) - req.num_slots // kv.page_size
+                 for req, n in wanted]  # fmt: skip
+        total = sum(p for p in pages if p > 0)
+        if not total:
+            return True
+        if not kv.can_alloc(total) and self.tree is not None:
+            self.tree.evict(total * kv.page_size - kv.free_tokens(), kv.free)
+        if not kv.can_alloc(total):
+            return False
+        slots = kv.alloc(total)
+        at = 0
+        for (req, _), p in zip(wanted, pages, strict=True):
+            if p > 0:
+                end = at + p * kv.page_size
+                req.append_slots(slots[at:end])
+                at = end
+        return True
+
+    def _schedule_running_retracting(self, budget: int) -> list[ScheduledReq]:
+        """Request by request in admission order, retracting the newest requests while the KV
+        for an older one does not fit."""
         items: list[ScheduledReq] = []
         used = 0
         for req in list(self.running):
@@ -209,6 +250,23 @@ class Scheduler:
                 used += n
         return [i for i in items if i.req.status is ReqStatus.RUNNING]
 
+    def _may_admit(self, budget: int) -> bool:
+        """Whether any waiting request could be admitted (the gates of _admit_waiting that do
+        not depend on the request), checked before the queue is sorted: a saturated batch
+        costs no pass over the waiting requests."""
+        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_running:
+            return False
+        return not self.running or self.free_kv_tokens() > self._running_reserve()
+
+    def _may_prefetch(self) -> bool:
+        """Whether a waiting request's adapter is not resident (else _prefetch has no work)."""
+        resident = self.residency.is_resident
+        return any(not resident(a.adapter_id) for req in self.waiting
+                   for a in req.adapter_set.adapters)  # fmt: skip
+
+    def _running_reserve(self) -> int:
+        return sum(self._decode_reserve(r) for r in self.running)
+
     def _admit_waiting(self, plan: BatchPlan, budget: int, order: list[Req],
                        needs: dict[str, int], hold_unread: bool) -> None:  # fmt: skip
         """Admit waiting requests in priority order while KV, rows and the budget allow. The
@@ -218,7 +276,7 @@ class Scheduler:
         for a disk read while others can run."""
         adapter_sets = {r.adapter_set.key for r in self.running}
         max_sets = self.config.max_adapter_sets_per_batch
-        reserved = sum(self._decode_reserve(r) for r in self.running)
+        reserved = self._running_reserve()
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_running:
                 return
@@ -299,12 +357,12 @@ class Scheduler:
         return int(DECODE_RESERVE_RATIO * (req.params.max_tokens - len(req.output_ids)))
 
     def _waiting_by_priority(self) -> list[Req]:
+        young_after, is_resident = self.step_count - AGING_STEPS, self.residency.is_resident
+
         def key(req: Req):
-            aged = self.step_count - req.arrival_step >= AGING_STEPS
-            resident = all(
-                self.residency.is_resident(a.adapter_id) for a in req.adapter_set.adapters
-            )
-            return (not aged, not resident, req.arrival_step)
+            adapters = req.adapter_set.adapters
+            resident = not adapters or all(is_resident(a.adapter_id) for a in adapters)
+            return (req.arrival_step > young_after, not resident, req.arrival_step)
 
         return sorted(self.waiting, key=key)
 
@@ -335,11 +393,14 @@ class Scheduler:
     def _item(self, req: Req, n: int) -> ScheduledReq:
         start = req.kv_len
         if start >= len(req.prompt_ids):  # decode / recomputed output: no prompt copy needed
-            extend = np.asarray(req.output_ids[start - len(req.prompt_ids) :][:n], np.int32)
+            ids = req.output_ids[start - len(req.prompt_ids) :][:n]
+            if len(ids) < n:  # only the newest token can be pending when a step is planned
+                ids.append(-1 - req.pending_index)
+            extend = np.array(ids, np.int32)
         else:
             extend = req.known_ids[start : start + n]
-        if len(extend) < n:  # only the newest token can be pending when a step is planned
-            extend = np.append(extend, np.int32(-1 - req.pending_index))
+            if len(extend) < n:
+                extend = np.append(extend, np.int32(-1 - req.pending_index))
         item = ScheduledReq(req, extend, start, sample=start + n == req.fill_len,
                             epoch=req.num_retractions)
         if req.logprob_start is not None:
@@ -519,6 +580,22 @@ class Scheduler:
     def flush_cache(self) -> None:
         if self.tree is not None:
             self.tree.evict(self.tree.total_size(), self.kv.free)
+
+
+class _WaitingQueue:
+    """The waiting requests in admission order and their adapters' first positions, computed
+    on first use within one schedule()."""
+
+    def __init__(self, scheduler: Scheduler):
+        self._scheduler = scheduler
+
+    @functools.cached_property
+    def order(self) -> list[Req]:
+        return self._scheduler._waiting_by_priority()
+
+    @functools.cached_property
+    def needs(self) -> dict[str, int]:
+        return _queue_needs(self.order)
 
 
 def _queue_needs(order: list[Req]) -> dict[str, int]:

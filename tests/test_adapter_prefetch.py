@@ -91,6 +91,32 @@ def test_admission_keeps_the_running_batch_full():
     assert sizes and set(sizes) == {8}
 
 
+def test_a_full_batch_is_planned_without_a_pass_over_the_waiting_queue(monkeypatch):
+    """With the running batch at max_running, planning neither sorts the waiting requests nor
+    scans them for prefetches, and a decode step reserves its KV in one allocation: the
+    per-step cost follows the running batch, not the queue."""
+    sched = make_scheduler(rows=8, max_running=8)
+    for k in range(200):
+        sched.add(make_req(f"r{k}", [], max_tokens=50))
+    fold(sched, sched.schedule())
+    calls = {"sort": 0, "alloc": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kw):
+            calls[name] += 1
+            return fn(*args, **kw)
+        return wrapper
+
+    monkeypatch.setattr(sched, "_waiting_by_priority", counted("sort", sched._waiting_by_priority))
+    monkeypatch.setattr(sched.kv, "alloc", counted("alloc", sched.kv.alloc))
+    for _ in range(5):
+        plan = sched.schedule()
+        assert [len(i.extend_ids) for i in plan.items] == [1] * 8
+        fold(sched, plan)
+    assert calls == {"sort": 0, "alloc": 5}
+    assert len(sched.waiting) == 192
+
+
 def test_small_pool_limits_the_batch_by_rows():
     adapters = [fake_adapter(k, rank=2) for k in range(48)]
     sched = make_scheduler(rows=20)
