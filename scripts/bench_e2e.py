@@ -40,7 +40,9 @@ its max_tokens; a fresh prompt set per run, so runs do not hit each other's pref
      1,024), all sent at once, on the base model, then the same lengths spread uniformly over
      q0..q{N-1} (--s-adapters N: rank-8 adapters on q, k, v, o). After each run, the step
      breakdown from /metrics (radixlora_step_*: decode-only and mixed steps, their count, mean
-     ms, requests and tokens per step, and the scheduler's planning time per step).
+     ms, requests and tokens per step, and the scheduler's planning time per step). The
+     requests go out from --client-processes forked client processes (default 8), each with
+     its own event loop, so the inter-token gaps (chunk gaps, itl_ms) are the server's.
 
 The floor printed beside every run is the time an H200 would need at its peak rates:
   floor_s = prefill FLOPs / peak FLOP/s + decode bytes / peak bytes/s       (800e12, 4.24e12)
@@ -515,6 +517,52 @@ def drive(url: str, gaps: list[float], specs: list, allow_failed: bool = False) 
     return summary
 
 
+def drive_processes(url: str, specs: list, processes: int, work: Path) -> dict:
+    """All specs sent at once from `processes` forked client processes (spec i from process
+    i % processes), each with its own event loop, so a stream's chunk gaps measure the server,
+    not one client's loop. They start together at a shared wall-clock instant and hand their
+    results back as JSON files; bench_serving's summary of all of them, the duration from that
+    instant to the last response."""
+    start_at = time.time() + 2.0
+    paths = [work / f"client-{k}.json" for k in range(processes)]
+    pids = []
+    for k, path in enumerate(paths):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                _client_process(url, specs[k::processes], start_at, path)
+                code = 0
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    for pid in pids:
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise RuntimeError(f"client process {pid} failed")
+    results, ends = [], []
+    for path in paths:
+        shard = json.loads(path.read_text())
+        results += [bench_serving.Result(**r) for r in shard["results"]]
+        ends.append(shard["end"])
+        path.unlink()
+    summary = bench_serving.summarize(results, max(ends) - start_at)
+    summary["client_processes"] = processes
+    return summary
+
+
+def _client_process(url: str, specs: list, start_at: float, path: Path) -> None:
+    async def go():
+        args = client_args(url)
+        async with bench_serving.make_client(args) as client:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            return await bench_serving.send_requests(client, args, [0.0] * len(specs), specs)
+
+    results, _ = asyncio.run(go())
+    path.write_text(json.dumps({"results": [dataclasses.asdict(r) for r in results],
+                                "end": time.time()}))
+
+
 def planned(specs, ranks: dict[str, int]) -> list[Planned]:
     return [Planned(len(s.prompt), s.max_tokens, s.adapter if s.adapter in ranks else None,
                     ranks.get(s.adapter, 0)) for s in specs]
@@ -740,7 +788,10 @@ def workload_s(ctx, num_adapters: int) -> dict:
         specs = sharegpt_specs(ctx, adapters, seed=401)
         log(f"s: {len(specs)} requests at once, {name}")
         before = step_totals(ctx.url)
-        run = drive(ctx.url, [0.0] * len(specs), specs, allow_failed=True)
+        run = drive_processes(ctx.url, specs, ctx.client_processes, ctx.work)
+        if run["output_tokens"] != sum(sp.max_tokens for sp in specs) and not run["failed"]:
+            raise RuntimeError(f"s {name}: {run['output_tokens']} output tokens, expected "
+                               f"{sum(sp.max_tokens for sp in specs)} (ignore_eos)")
         out[name] = with_floor(run, specs, ctx.ranks, ctx)
         out[name]["steps"] = step_breakdown(before, step_totals(ctx.url))
         out[name]["mean_prompt"] = statistics.fmean(len(sp.prompt) for sp in specs)
@@ -802,6 +853,13 @@ def rows(results: dict) -> list[tuple[str, str]]:
         if "engine_tok_s" in r:
             out += [(f"s {name}: Engine tok/s; HTTP / Engine",
                      f"{fmt(r['engine_tok_s'])}; {fmt(r['http_over_engine'])}")]
+        steps = sum(k["steps"] for k in r["steps"].values())
+        if steps and r["itl_ms"]["p50"] is not None:
+            step_ms = 1e3 * sum(k["seconds"] for k in r["steps"].values()) / steps
+            decode_ms = (r["steps"].get("decode") or {}).get("mean_ms")
+            out += [(f"s {name}: ITL P50 / mean step (step ms; decode step ms)",
+                     f"{fmt(r['itl_ms']['p50'] / step_ms)} ({fmt(step_ms)}; "
+                     f"{fmt(decode_ms)})")]
         for kind, k in r["steps"].items():
             out.append((f"s {name}: {kind} steps (mean ms, plan ms, requests, tokens)",
                         f"{k['steps']} ({fmt(k['mean_ms'])}, {fmt(k['mean_plan_ms'])}, "
@@ -869,6 +927,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="peak memory bytes/s of the floor (H200: 4.24e12)")
     p.add_argument("--skip-engine", action="store_true",
                    help="c, s: no in-process Engine runs")
+    p.add_argument("--client-processes", type=int, default=8,
+                   help="s: client processes sending the burst (each its own event loop)")
     p.add_argument("--s-adapters", type=int, default=None,
                    help="s: rank-8 q/k/v/o adapters of the second run (default 100; --tiny 4)")
     args = p.parse_args(argv)
@@ -902,7 +962,8 @@ def main(argv=None) -> None:
     server = Server(model, adapters, args.port, extra, work / "server.log")
     ctx = SimpleNamespace(scale=scale, shape=Shape.from_config(cfg), vocab=cfg["vocab_size"],
                           url=server.url, server=server, ranks=ranks, extra=extra,
-                          peak_flops=args.peak_flops, peak_bw=args.peak_bw)
+                          peak_flops=args.peak_flops, peak_bw=args.peak_bw,
+                          client_processes=args.client_processes, work=work)
     try:
         ctx.ready_s = results["time_to_ready_s"] = server.start(args.ready_timeout)
         log(f"ready in {ctx.ready_s:.1f} s")
