@@ -184,6 +184,14 @@ def test_a_bad_flag_is_reported_while_the_default_port_is_taken(default_port_tak
     assert message in said and "already in use" not in said
 
 
+@pytest.mark.parametrize("flag", ["--api-key", "--admin-api-key"])
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_key_is_refused_not_taken_for_no_key(flag, key):
+    args = parse(flag, key, "--enable-admin", "--port", str(free_port()))
+    with pytest.raises(StartError, match=f"{flag} is empty"):
+        prepare(args)
+
+
 @pytest.mark.parametrize("adapter, message", [("a:b", "may not contain"),
                                               ("radixlora-demo", "served model's name")])
 def test_bad_adapter_names_fail_before_any_process_starts(adapter, message):

@@ -328,6 +328,8 @@ BAD = [
     ("/v1/completions", _c(n=0), 400, "n"),
     ("/v1/completions", _c(n=100000), 400, "n"),
     ("/v1/completions", _c(n=1.5), 400, "n"),
+    ("/v1/completions", _c(prompt=["hi"] * 64, n=5), 400, "n"),  # 320 samples > 256
+    ("/generate", {"text": ["hi"] * 3, "sampling_params": {"n": 128}}, 400, "n"),
     ("/v1/completions", _c(logprobs=-1), 400, "logprobs"),
     ("/v1/completions", _c(logprobs=1000), 400, "logprobs"),
     ("/v1/chat/completions", {**OK_CHAT, "logprobs": True, "top_logprobs": 50}, 400,

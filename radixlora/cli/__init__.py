@@ -120,6 +120,10 @@ def prepare(args: argparse.Namespace):
     except ValueError as e:
         raise StartError(_flag_hint(str(e))) from e
     nodes = multinode(args)
+    for flag, key in (("--api-key", args.api_key), ("--admin-api-key", args.admin_api_key)):
+        if key is not None and not key.strip():
+            raise StartError(f"{flag} is empty: give a key, or leave the flag out to serve "
+                             "without one")
     if args.adapter_dir is not None and not os.path.isdir(args.adapter_dir):
         raise StartError(f"--adapter-dir {args.adapter_dir} is not a directory")
     if args.state_dir is not None and not os.path.isdir(args.state_dir):

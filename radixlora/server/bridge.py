@@ -21,6 +21,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from radixlora.errors import InvalidRequestError
 from radixlora.server.args import ServerArgs
 from radixlora.server.ipc import check_local, subscribe
 from radixlora.server.messages import (
@@ -44,6 +45,10 @@ from radixlora.server.stats_log import StatsLog, request_line
 from radixlora.server.stats_log import log as ops_log
 from radixlora.server.tracing import Tracer
 from radixlora.step_plan import StepTotals
+
+# Samples (prompts x n) one request may queue: n=128 of one prompt, or 64 prompts x 4; more
+# would let one client fill the waiting queue ahead of every other.
+MAX_SAMPLES_PER_REQUEST = 256
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +198,11 @@ class ProcessBridge:
     ) -> list[Generation]:
         """Submit the prompts of one client request; their events share one queue."""
         self.check_accepting()
+        samples = sum(r.params.n for r in reqs)
+        if samples > MAX_SAMPLES_PER_REQUEST:
+            raise InvalidRequestError(
+                f"one request asks for {samples} samples (prompts x n); at most "
+                f"{MAX_SAMPLES_PER_REQUEST}: split it into several requests", param="n")
         rids = [r.rid for r in reqs]
         for rid in rids:
             if rid in self.generations or rids.count(rid) > 1:
