@@ -10,6 +10,8 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.pre_tokenizers import ByteLevel
 
+from radixlora.errors import InvalidRequestError
+
 # A character takes at most 4 UTF-8 bytes; an unknown one costs a token of its own.
 MAX_CHAR_BYTES = 4
 # Unicode normal forms and lower case delete no text. An output character is one input
@@ -50,6 +52,19 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def check_fits(self, text: str, max_tokens: int, param: str = "prompt") -> None:
+        """Raise InvalidRequestError if `text` is certainly more than max_tokens tokens, judged
+        from its length alone (nothing is tokenized; texts of pipelines with no bound pass)."""
+        bound = self.max_bytes_per_token
+        if bound is None or len(text) * MAX_CHAR_BYTES <= max_tokens * bound:
+            return
+        size = len(text.encode())
+        if size > max_tokens * bound:
+            raise InvalidRequestError(
+                f"the prompt ({size} bytes) cannot fit in the context of {max_tokens} tokens "
+                f"(a token stands for at most {bound} bytes)",
+                param=param, code="context_length_exceeded")
 
     def encode_unlocked(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """encode(), through encode_batch, which releases the GIL while it runs: for threads

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -306,6 +307,39 @@ def test_tokenize_detokenize_version(server):
     assert unknown.status_code == 400 and unknown.json()["error"]["code"] == "unknown_parameter"
     assert httpx.post(f"{server.url}/tokenize", json={"prompt": "x"}).status_code == 401
     assert httpx.get(f"{server.url}/version").json() == {"version": __version__}
+
+
+def test_tokenize_refuses_what_cannot_fit_and_never_holds_the_event_loop(server):
+    """A 7 MB prompt is refused from its length (as generation refuses it) and the largest
+    accepted prompt, with its token strings, is tokenized while /health keeps answering."""
+    tokenizer = Tokenizer.from_dir(DEMO_MODEL_DIR)
+    max_len = ModelConfig.from_dir(DEMO_MODEL_DIR).max_position
+    huge = server.http.post("/tokenize", json={"prompt": "fox " * 1_750_000,
+                                               "return_token_strs": True})
+    assert huge.status_code == 400, huge.text
+    assert huge.json()["error"]["code"] == "context_length_exceeded"
+    largest = "x" * (max_len * tokenizer.max_bytes_per_token)
+    gaps, done = [], threading.Event()
+
+    def poll():
+        while not done.is_set():
+            start = time.perf_counter()
+            assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+            gaps.append(time.perf_counter() - start)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        for _ in range(5):
+            got = server.http.post("/tokenize", json={"prompt": largest,
+                                                      "return_token_strs": True}).json()
+            assert got["tokens"] == tokenizer.encode(largest)
+            assert got["token_strs"] == [tokenizer.decode([i], skip_special_tokens=False)
+                                         for i in got["tokens"]]
+    finally:
+        done.set()
+        poller.join()
+    assert gaps and max(gaps) < 0.1, max(gaps)
 
 
 def test_sglang_load_and_unload_lora_adapter(server):

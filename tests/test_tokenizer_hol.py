@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
 from radixlora.demo import DEMO_MODEL_DIR
+from radixlora.errors import InvalidRequestError
 from radixlora.sampling import SamplingParams
 from radixlora.server import tokenizer_proc
 from radixlora.server.args import ServerArgs
@@ -61,7 +62,7 @@ def test_too_long_prompts_are_rejected_without_tokenization(service, monkeypatch
 
     monkeypatch.setattr(service.tokenizer, "encode", encode)
     monkeypatch.setattr(service.tokenizer, "encode_unlocked", encode)
-    text = "x" * (service.max_prompt_bytes + 1)
+    text = "x" * (prompt_cap(service) + 1)
     chat = [ChatMessage(role="user", content=text)]
     for req in (generate("p", text), generate("c", messages=chat),
                 generate("only", text, prompt_only=True)):
@@ -74,7 +75,15 @@ def test_too_long_prompts_are_rejected_without_tokenization(service, monkeypatch
 def test_the_cap_is_the_context_times_the_longest_token(service):
     vocab = service.tokenizer.hf.get_vocab(with_added_tokens=True)
     assert service.tokenizer.max_bytes_per_token == max(len(token.encode()) for token in vocab)
-    assert service.max_prompt_bytes == service.max_total * service.tokenizer.max_bytes_per_token
+    cap = prompt_cap(service)
+    service.tokenizer.check_fits("x" * cap, service.max_total)
+    with pytest.raises(InvalidRequestError, match="cannot fit"):
+        service.tokenizer.check_fits("x" * (cap + 1), service.max_total)
+
+
+def prompt_cap(service) -> int:
+    """Bytes of the longest prompt the tokenizer service takes untokenized."""
+    return service.max_total * service.tokenizer.max_bytes_per_token
 
 
 texts = st.lists(st.sampled_from(DEMO_PIECES) | st.text(max_size=8), max_size=400).map("".join)
@@ -174,7 +183,7 @@ def test_short_prompts_are_answered_while_a_long_one_tokenizes(pooled):
 
 def test_a_long_prompt_over_the_cap_is_rejected_before_the_pool(pooled):
     service, gate = pooled
-    to_sched, [error] = service.on_generate(generate("big", "x" * (service.max_prompt_bytes + 1)))
+    to_sched, [error] = service.on_generate(generate("big", "x" * (prompt_cap(service) + 1)))
     assert to_sched == [] and error.code == "context_length_exceeded"
     assert not service.pending and gate.sent == []
 

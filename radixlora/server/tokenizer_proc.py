@@ -48,7 +48,7 @@ from radixlora.server.messages import (
     ids_to_bytes,
 )
 from radixlora.server.router import Router
-from radixlora.tokenizer import MAX_CHAR_BYTES, Tokenizer
+from radixlora.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,6 @@ class TokenizerService:
         self.tokenizer = Tokenizer.from_dir(args.model)
         self.chat = ChatTemplate.from_dir(args.model)
         self.reqs: dict[str, ReqState] = {}
-        bound = self.tokenizer.max_bytes_per_token if self.tokenizer is not None else None
-        self.max_prompt_bytes = None if bound is None else self.max_total * bound
         # Guards reqs and pending. A pool thread sends its result while holding it, so an abort
         # either finds its request pending or follows its TokenizedReq to the scheduler.
         self.lock = threading.RLock()
@@ -149,16 +147,8 @@ class TokenizerService:
 
     def check_bytes(self, text: str, param: str) -> None:
         """Reject a text too long to fit in the context whatever its tokens, untokenized."""
-        if self.max_prompt_bytes is None or len(text) * MAX_CHAR_BYTES <= self.max_prompt_bytes:
-            return
-        size = len(text.encode())
-        if size > self.max_prompt_bytes:
-            raise InvalidRequestError(
-                f"the prompt ({size} bytes) cannot fit in the context of {self.max_total} "
-                f"tokens (a token stands for at most {self.tokenizer.max_bytes_per_token} bytes)",
-                param=param,
-                code="context_length_exceeded",
-            )
+        if self.tokenizer is not None:
+            self.tokenizer.check_fits(text, self.max_total, param)
 
     def on_generate(self, req: GenerateReq):
         try:

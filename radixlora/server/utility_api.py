@@ -1,7 +1,8 @@
 """vLLM's utility endpoints: POST /tokenize (a prompt, or chat messages through the chat
 template, to the ids generation would see), POST /detokenize (ids to text) and GET /version.
-The api process loads its own copy of the tokenizer on the first call; long texts are
-tokenized on a thread, off the event loop."""
+The api process loads its own copy of the tokenizer on the first call; every call's work
+(template, tokenizer, token strings) runs on a thread, off the event loop, and a prompt that
+cannot fit in the context is refused from its length, as generation refuses it."""
 
 from __future__ import annotations
 
@@ -19,8 +20,6 @@ from radixlora.server.chat import ChatTemplate
 from radixlora.server.http import Access, HttpError, json_response, read_json
 from radixlora.server.protocol import ChatMessageIn, Strict, TokenId, chat_messages
 from radixlora.tokenizer import Tokenizer
-
-INLINE_CHARS = 16 * 1024  # longer texts are tokenized on a thread
 
 
 class TokenizeRequest(Strict):
@@ -60,22 +59,27 @@ class UtilityHandlers:
         body = await read_json(request, TokenizeRequest, self.args.max_body_bytes)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give either prompt or messages", param="prompt")
-        tokenizer, template = await asyncio.to_thread(self._tokenizer)
-        if body.messages is not None:
-            messages = [msgspec.structs.asdict(m) for m in chat_messages(body.messages)]
-            text = template.render(messages, add_generation_prompt=body.add_generation_prompt)
+        messages = None if body.messages is None else chat_messages(body.messages)
+        return json_response(await asyncio.to_thread(self._tokenized, body, messages))
+
+    def _tokenized(self, body: TokenizeRequest, messages: list | None) -> dict:
+        """/tokenize's answer, on a thread: rendering, tokenizing and the token strings of a
+        long prompt never hold the event loop (the tokenizer releases the GIL)."""
+        tokenizer, template = self._tokenizer()
+        if messages is not None:
+            text = template.render([msgspec.structs.asdict(m) for m in messages],
+                                   add_generation_prompt=body.add_generation_prompt)
             special = bool(body.add_special_tokens)
         else:
             text = body.prompt
             special = body.add_special_tokens is not False
-        if len(text) > INLINE_CHARS:
-            ids = await asyncio.to_thread(tokenizer.encode_unlocked, text, special)
-        else:
-            ids = tokenizer.encode(text, add_special_tokens=special)
+        tokenizer.check_fits(text, self.max_model_len, "messages" if messages else "prompt")
+        ids = tokenizer.encode_unlocked(text, special)
         out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
         if body.return_token_strs:
-            out["token_strs"] = [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
-        return json_response(out)
+            out["token_strs"] = tokenizer.hf.decode_batch([[i] for i in ids],
+                                                          skip_special_tokens=False)
+        return out
 
     async def detokenize(self, request: Request) -> Response:
         self.access.identity(request)
@@ -85,8 +89,11 @@ class UtilityHandlers:
                 raise InvalidRequestError(
                     f"token id {token} is outside the vocabulary (size {self.vocab_size})",
                     param="tokens")
-        tokenizer, _ = await asyncio.to_thread(self._tokenizer)
-        return json_response({"prompt": tokenizer.decode(body.tokens)})
+        return json_response({"prompt": await asyncio.to_thread(self._detokenized, body.tokens)})
+
+    def _detokenized(self, ids: list[int]) -> str:
+        tokenizer, _ = self._tokenizer()
+        return tokenizer.decode(ids)
 
     async def version(self, request: Request) -> Response:
         return json_response({"version": __version__})
