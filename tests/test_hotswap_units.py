@@ -219,6 +219,24 @@ def test_bad_adapters_are_rejected_with_reasons(model, versions, tmp_path):
     assert all(e.message for e in events if e.kind == "rejected")
 
 
+def test_a_directory_named_like_an_adapter_flag_is_rejected_unread(model, versions, tmp_path,
+                                                                     monkeypatch):
+    root = tmp_path / "dir"
+    root.mkdir()
+    for name in ("upper", "other"):
+        _copy(versions["v1"], root / name)
+    events: list[AdapterEvent] = []
+    core = RegistryCore(root, tmp_path / "state", ModelConfig.from_dir(model), 64, 32,
+                        TokenBucket(0.0, 1), events.append, taken=frozenset({"upper"}))
+    read, reads = core._read, []
+    monkeypatch.setattr(core, "_read", lambda name, pre: reads.append(name) or read(name, pre))
+    core.on_changed(core.names_on_disk())
+    core.admit(0.0)
+    assert [(e.kind, e.name, e.reason) for e in events] == [("added", "other", ""),
+                                                            ("rejected", "upper", "name_taken")]
+    assert "--adapter" in events[1].message and reads == ["other"]
+
+
 def test_aliases_updates_removals_and_restart(model, versions, tmp_path):
     root, state = tmp_path / "dir", tmp_path / "state"
     root.mkdir()
@@ -352,6 +370,28 @@ def test_republished_name_in_flight_finishes_on_old_version(model, versions, tmp
     assert got[("new", 0)] == _want(model, versions["v2"])
     assert not sched.scheduler.residency.is_resident(v1.adapter_id)
     assert not Path(v1.path).exists() and Path(v2.path).is_dir()  # v1 forgotten, v2 named
+    _assert_nothing_held(sched)
+
+
+def test_directory_events_never_replace_or_remove_an_adapter_flag_or_admin_load(model, versions,
+                                                                                tmp_path):
+    from radixlora.server.adapter_store import AdapterStore
+
+    store = AdapterStore(tmp_path / "adapters")
+    cfg = ModelConfig.from_dir(model)
+    v1, v2 = (store.snapshot("a", versions[v], cfg, 64) for v in ("v1", "v2"))
+    sched, _ = _services(model, tmp_path, adapters={"flag": str(versions["v3"])})
+    life = sched.lifecycle
+    flag_id = life.registry.by_name["flag"].adapter_id
+    life.on_event(_event(1, "added", "flag", v1))
+    life.on_event(_event(2, "removed", "flag", v1))
+    assert life.registry.by_name["flag"].adapter_id == flag_id
+    life.on_event(_event(3, "added", "a", v1))  # the directory's "a", then an admin load
+    reply = life.admin(AdminReq(qid=1, op="load", name="a", path=str(versions["v2"])))
+    assert reply.status == 200, reply.message
+    life.on_event(_event(4, "updated", "a", v1))
+    life.on_event(_event(5, "removed", "a", v1))
+    assert life.registry.by_name["a"].adapter_id == v2.adapter_id
     _assert_nothing_held(sched)
 
 

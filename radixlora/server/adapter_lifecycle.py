@@ -41,6 +41,7 @@ class AdapterLifecycle:
         self.retired: set[str] = set()
         self.snapshots: dict[str, set[str]] = {}  # adapter id -> its snapshots registered
         self.pinned_names: set[str] = set()
+        self.dir_names: set[str] = set()  # names the registry's events registered
         self.last_seq = 0
 
     # ---- registry events ---------------------------------------------------------------------
@@ -51,8 +52,9 @@ class AdapterLifecycle:
         self.last_seq = max(self.last_seq, event.seq)
         try:
             if event.kind in ("added", "updated"):
-                self.register(event.name, event.path, event.adapter_id)
-            elif event.kind == "removed" and event.name in self.registry.by_name:
+                self._register_from_dir(event)
+            elif event.kind == "removed" and event.name in self.dir_names:
+                self.dir_names.discard(event.name)
                 self.unregister(event.name)
         except (AdapterError, InvalidRequestError) as e:
             log.error("adapter event %d (%s %r) not applied: %s", event.seq, event.kind,
@@ -60,6 +62,15 @@ class AdapterLifecycle:
         except Exception:  # noqa: BLE001 - one adapter's content never stops the scheduler
             log.exception("adapter event %d (%s %r) not applied", event.seq, event.kind,
                           event.name)
+
+    def _register_from_dir(self, event: AdapterEvent) -> None:
+        """An --adapter-dir version, unless the name is served from --adapter or an admin
+        load: those are never replaced by a directory of the same name."""
+        if event.name in self.registry.by_name and event.name not in self.dir_names:
+            raise AdapterError(event.name, "the name is served from --adapter or an admin "
+                                           "load; the --adapter-dir version is not used")
+        self.register(event.name, event.path, event.adapter_id)
+        self.dir_names.add(event.name)
 
     def register(self, name: str, path: str, adapter_id: str = "") -> LoraAdapter:
         """Register a version (a re-used name is a new identity with its own cache namespace);
@@ -136,8 +147,11 @@ class AdapterLifecycle:
 
     def _admin(self, req: AdminReq) -> dict:
         if req.op == "load":
-            return {"adapter_id": self._load(req.name, req.path).adapter_id}
+            adapter = self._load(req.name, req.path)
+            self.dir_names.discard(req.name)  # the operator's version: the directory's no more
+            return {"adapter_id": adapter.adapter_id}
         if req.op == "unload":
+            self.dir_names.discard(req.name)
             return {"in_flight": self.unregister(req.name)}
         if req.op in ("pin", "unpin"):
             self._pin(req.name, req.op == "pin")

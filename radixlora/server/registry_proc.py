@@ -67,7 +67,8 @@ REGISTER_BATCH = (16, 256)
 PUBLISH_PER_CALL = 32
 PUBLISH_READERS = 8  # threads reading and hashing a turn's names
 
-REJECT_REASONS = (  # (substring of the AdapterError, label), first match wins
+REJECT_REASONS = (
+    ("served from --adapter", "name_taken"),  # (substring of the AdapterError, label), first match wins
     ("served on a", "quantization_mismatch"),
     ("at `$.r`", "bad_rank"),
     ("at `$.rank_pattern", "bad_rank"),
@@ -169,11 +170,15 @@ class RegistryCore:
 
     def __init__(self, root: Path, state_dir: Path, model_cfg: ModelConfig, max_rank: int,
                  pool_rows: int, bucket: TokenBucket, publish: Callable[[AdapterEvent], None],
-                 reserved: frozenset[str] = frozenset(), layouts: tuple[PoolLayout, ...] = ()):
+                 reserved: frozenset[str] = frozenset(), layouts: tuple[PoolLayout, ...] = (),
+                 taken: frozenset[str] = frozenset()):
         """layouts: the workers' adapter pool layouts, which every snapshot holds the adapter
-        packed for (none: the workers pack adapters themselves)."""
+        packed for (none: the workers pack adapters themselves); taken: the names of the
+        --adapter adapters, which a sub-directory of the same name never replaces (it is
+        rejected, unread)."""
         self.root = root
         self.reserved = reserved
+        self.taken = taken
         self.store = AdapterStore(state_dir / SNAPSHOTS, pack_target(state_dir, layouts))
         self.state_path = state_dir / "registry_state.json"
         self.model_cfg = model_cfg
@@ -258,6 +263,9 @@ class RegistryCore:
         def read(name: str) -> Validated | Exception:
             try:
                 check_adapter_name(name, self.reserved)
+                if name in self.taken:
+                    raise AdapterError(name, "the name is served from --adapter; this "
+                                             "directory is not published (rename it)")
                 return self._read(name, prevalidated[name])
             except Exception as e:  # noqa: BLE001 - examined (and reported) in order
                 return e
@@ -277,7 +285,8 @@ class RegistryCore:
         return bool(batch)
 
     def _prevalidate(self, names: list[str]) -> dict[str, LoraAdapter]:
-        outcomes = load_adapters({name: self.root / name for name in names}, self.model_cfg,
+        outcomes = load_adapters({name: self.root / name for name in names
+                                  if name not in self.taken}, self.model_cfg,
                                  self.max_rank, keep_weights=False, cache=self.cache,
                                  pack=self.store.pack)
         return {name: a for name, a in outcomes.items() if isinstance(a, LoraAdapter)}
@@ -396,7 +405,8 @@ def make_core(args: ServerArgs, publish) -> RegistryCore:
     layouts = pool_layouts(model_cfg, config.lora_pool_dtype(model_cfg), args.tensor_parallel_size)
     return RegistryCore(root, Path(args.state_dir), model_cfg, config.max_rank,
                         config.adapter_rows, bucket, publish,
-                        reserved=frozenset({args.model_name}), layouts=layouts)
+                        reserved=frozenset({args.model_name}), layouts=layouts,
+                        taken=frozenset(args.adapters))
 
 
 def run(args: ServerArgs, ctx: zmq.Context) -> None:
