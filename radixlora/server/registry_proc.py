@@ -67,8 +67,8 @@ REGISTER_BATCH = (16, 256)
 PUBLISH_PER_CALL = 32
 PUBLISH_READERS = 8  # threads reading and hashing a turn's names
 
-REJECT_REASONS = (
-    ("served from --adapter", "name_taken"),  # (substring of the AdapterError, label), first match wins
+REJECT_REASONS = (  # (substring of the AdapterError, label), first match wins
+    ("served from --adapter", "name_taken"),
     ("served on a", "quantization_mismatch"),
     ("at `$.r`", "bad_rank"),
     ("at `$.rank_pattern", "bad_rank"),
