@@ -14,6 +14,7 @@ again only by later steps."""
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,6 +32,9 @@ from radixlora.step_plan import AdapterLoad, GroupRows, PlanItem, StepPlan, ids_
 from radixlora.token_bucket import SwapCap
 
 AGING_STEPS = 64
+# finish_reason of a request whose sampled token's logprob was NaN or infinite: its logits were
+# not finite (an adapter whose weights blow up the activations), so it ends without the token
+NON_FINITE_LOGITS = "non_finite_logits"
 # Share of a running request's remaining max_tokens kept free when admitting new work, so that
 # admissions do not immediately force retractions (retraction stays the fallback).
 DECODE_RESERVE_RATIO = 0.3
@@ -519,6 +523,11 @@ class Scheduler:
             if not item.sample:
                 continue
             req.pending -= 1
+            if not math.isfinite(logprobs[i]):  # the logits were not: nothing to sample from
+                self.abort(req)
+                req.finish_reason = NON_FINITE_LOGITS
+                finished.append(req)
+                continue
             req.output_ids.append(tokens[i])
             req.output_logprobs.append(logprobs[i])
             if top is not None and req.params.logprobs:

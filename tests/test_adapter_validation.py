@@ -4,6 +4,7 @@ serving the others (bad files, configs, ranks, shapes and names; bad requests; t
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -104,6 +105,8 @@ def bad_adapters(good: Path, tmp: Path):
         ),
         "bias": (edit_config(c("bias"), bias="all"), "bias"),
         "nan": (edit_tensors(c("nan"), _poison), "NaN"),
+        # finite, but B = 1e30: the delta's output would overflow the next norm
+        "huge_b": (edit_tensors(c("huge_b"), _huge_b), "norm overflows"),
         "missing_half": (edit_tensors(c("missing_half"), _drop_one_b), "lora_B missing"),
     }
     return cases
@@ -154,6 +157,12 @@ def _poison(t):
     key = sorted(t)[0]
     t[key] = t[key].clone()
     t[key][0, 0] = float("nan")
+    return t
+
+
+def _huge_b(t):
+    key = sorted(k for k in t if "lora_B" in k)[0]
+    t[key] = torch.full_like(t[key], 1e30)
     return t
 
 
@@ -355,3 +364,27 @@ def test_base_served_name_is_reserved(checkpoints, adapters):
     with pytest.raises(InvalidRequestError, match="served model's name"):
         registry.load("llama", adapters["llama"]["a"])
     assert registry.load("llama-a", adapters["llama"]["a"])[0].name == "llama-a"
+
+
+def test_non_finite_logits_end_the_request_not_the_batch(checkpoints, adapters):
+    """Logits that are not finite (here: the adapter's B rows in the pool overwritten with
+    1e30 after it loaded, so its activations overflow) are never sampled from: the request
+    ends with finish_reason non_finite_logits at the first token whose logits are not finite
+    (its first token came from finite ones), the base request beside it is untouched, and
+    nothing leaks."""
+    from radixlora.scheduler import NON_FINITE_LOGITS
+    from tests.conftest import assert_all_free
+
+    eng = Engine(checkpoints["llama"], adapters={"a": adapters["llama"]["a"]}, max_rank=32,
+                 kv_pages=256)
+    base_alone = eng.generate([5, 6, 7], GREEDY)[0].outputs[0].token_ids
+    eng.generate([5, 6, 7], GREEDY, adapters="a")  # resident now
+    for layer in eng.runner.adapter_pool.b:
+        for rows in layer.values():
+            rows.fill_(1e30)
+    bad, base = eng.generate([[5, 6, 7], [5, 6, 7]], GREEDY, adapters=["a", None])
+    assert bad.outputs[0].finish_reason == NON_FINITE_LOGITS
+    assert len(bad.outputs[0].token_ids) < GREEDY.max_tokens
+    assert all(math.isfinite(lp) for lp in bad.outputs[0].logprobs)
+    assert base.outputs[0].token_ids == base_alone
+    assert_all_free(eng)

@@ -395,6 +395,31 @@ def test_directory_events_never_replace_or_remove_an_adapter_flag_or_admin_load(
     _assert_nothing_held(sched)
 
 
+def test_non_finite_logits_fail_their_request_with_a_clear_error(model, versions, tmp_path):
+    from radixlora.server.messages import Codec, SchedulerInbox, WorkerInbox
+
+    sched, worker = _services(model, tmp_path, adapters={"x": str(versions["v1"])})
+    _drive(sched, worker, [_req("warm", "x")])  # x resident in the worker's pool
+    for layer in worker.runner.adapter_pool.b:
+        for rows in layer.values():
+            rows.fill_(1e30)
+    to_worker, to_sched = Codec(WorkerInbox), Codec(SchedulerInbox)
+    assert sched.add(_req("bad", "x")) is None and sched.add(_req("ok", None)) is None
+    errors, tokens = [], {}
+    while sched.scheduler.has_work():
+        while (plan := sched.next_plan()) is not None:
+            worker.submit(to_worker.decode(to_worker.encode(plan)))
+        (result,) = worker.collect(keep=len(worker.in_flight) - 1)
+        batch, errs = sched.on_result(to_sched.decode(to_sched.encode(result)))
+        errors += errs
+        for out in batch.outputs if batch else []:
+            tokens.setdefault(out.rid, []).extend(bytes_to_ids(out.token_ids))
+    assert [(e.rid, e.code, e.status) for e in errors] == [("bad", "non_finite_logits", 500)]
+    assert "not finite" in errors[0].message
+    assert len(tokens["ok"]) == PARAMS.max_tokens
+    _assert_nothing_held(sched)
+
+
 def test_published_snapshots_register_from_their_headers(model, versions, tmp_path,
                                                          monkeypatch):  # fmt: skip
     """A snapshot of the scheduler's own store, published with its id (the registry validated

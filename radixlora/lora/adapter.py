@@ -47,6 +47,9 @@ MAX_PATTERN_CHARS = 256
 MAX_PATTERN_REPEATS = 4
 MAX_PATTERNS = 512  # keys of rank_pattern or alpha_pattern
 MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit
+# RMSNorm squares the hidden state in float32: a delta whose output can pass
+# sqrt(float32 max / hidden_size) for an input of RMS 1 overflows the next norm (inf, NaN).
+FP32_MAX = torch.finfo(torch.float32).max
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
@@ -434,8 +437,21 @@ def _build_weights(name, config, tensors, model: ModelConfig, max_rank):
         a, b = a.float(), b.float() * scale
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(name, f"{key} holds NaN or infinite values")
+        _check_delta_bound(name, key, a, b, model.hidden_size)
         weights[(layer, module)] = (a.contiguous(), b.contiguous())
     return weights
+
+
+def _check_delta_bound(name: str, key: str, a: torch.Tensor, b: torch.Tensor,
+                       hidden_size: int) -> None:
+    """Refuse a delta (b already scaled) whose output can overflow the next layer's norm.
+    For x of RMS 1 (|x| = sqrt(in)): |(B A x)_i| <= |B_i| |A|_2 |x| <= |B_i| |A|_F sqrt(in)."""
+    bound = (b.norm(dim=1).max() * a.norm() * math.sqrt(a.shape[1])).item()
+    limit = math.sqrt(FP32_MAX / hidden_size)
+    if not bound <= limit:
+        raise AdapterError(name, f"{key}'s scaled delta can reach {bound:.3g} for an input of "
+                                 f"RMS 1, past the {limit:.3g} at which the next layer's "
+                                 "float32 norm overflows: the weights are not a usable adapter")
 
 
 def _checked_pairs(name, config, tensors, model: ModelConfig, max_rank):

@@ -96,6 +96,7 @@ REJECT_REASONS = (  # (substring of the AdapterError, label), first match wins
     ("layers", "incompatible_base"),
     ("not a LoRA weight", "incompatible_base"),
     ("NaN", "non_finite_weights"),
+    ("norm overflows", "overflowing_weights"),
 )
 
 

@@ -21,7 +21,7 @@ from radixlora.lora.pool import AdapterPool, pool_layouts
 from radixlora.lora.registration import HashCache
 from radixlora.model.loader import base_version
 from radixlora.request import Req, ReqStatus
-from radixlora.scheduler import BatchPlan, Scheduler
+from radixlora.scheduler import NON_FINITE_LOGITS, BatchPlan, Scheduler
 from radixlora.server.adapter_lifecycle import AdapterLifecycle
 from radixlora.server.adapter_store import SNAPSHOTS, AdapterStore, pack_target
 from radixlora.server.args import ServerArgs
@@ -206,8 +206,18 @@ class SchedulerService:
         self.num_loads += len(folded.plan.adapter_loads)
         self.host_tier = (result.host_adapters, result.host_bytes)
         self.load_seconds += result.load_seconds
-        outputs = [out for req in folded.sampled if (out := self._token_out(req))]
-        return (TokenBatch(outputs=outputs) if outputs else None), []
+        bad = [req for req in folded.sampled if req.finish_reason == NON_FINITE_LOGITS]
+        errors = [self._fail_non_finite(req) for req in bad if req in self.owner]
+        outputs = [out for req in folded.sampled
+                   if req not in bad and (out := self._token_out(req))]  # fmt: skip
+        return (TokenBatch(outputs=outputs) if outputs else None), errors
+
+    def _fail_non_finite(self, req: Req) -> ReqError:
+        label = req.adapter_set.label
+        log.error("request %s on %s: non-finite logits", self.owner[req][0], label)
+        return self._fail(self.owner[req][0], f"the model's logits for this request are not "
+                          f"finite (NaN or infinite) on {label}: its adapter's weights are "
+                          "likely at fault", NON_FINITE_LOGITS, 500)
 
     def _token_out(self, req: Req) -> TokenOut | None:
         owner = self.owner.get(req)
