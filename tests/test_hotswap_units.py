@@ -5,6 +5,7 @@ and the base fallback, compared with the offline Engine and checked for leaked r
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -417,6 +418,57 @@ def test_non_finite_logits_fail_their_request_with_a_clear_error(model, versions
     assert [(e.rid, e.code, e.status) for e in errors] == [("bad", "non_finite_logits", 500)]
     assert "not finite" in errors[0].message
     assert len(tokens["ok"]) == PARAMS.max_tokens
+    _assert_nothing_held(sched)
+
+
+class _Sent:
+    def __init__(self):
+        self.msgs = []
+
+    def send(self, msg):
+        self.msgs.append(msg)
+
+
+def _admin_loop(service):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from radixlora.server.scheduler_proc import SchedulerLoop
+
+    loop = SchedulerLoop.__new__(SchedulerLoop)  # the admin queue alone, no sockets
+    loop.service, loop.to_api = service, _Sent()
+    loop.admin_queue = collections.deque()
+    loop.admin_reads = ThreadPoolExecutor(1)
+    return loop
+
+
+def test_admin_loads_read_off_the_loop_and_apply_in_order(model, versions, tmp_path,
+                                                          monkeypatch):
+    """A load's files are read on a thread while the loop goes on planning steps; calls
+    queued behind it (an unload of the same name) wait for it; a full queue answers 429."""
+    import threading
+
+    from radixlora.server import scheduler_proc
+
+    sched, worker = _services(model, tmp_path)
+    loop = _admin_loop(sched)
+    gate = threading.Event()
+    read_load = sched.lifecycle.read_load
+    monkeypatch.setattr(sched.lifecycle, "read_load",
+                        lambda name, path: gate.wait(30) and read_load(name, path))
+    loop.queue_admin(AdminReq(qid=1, op="load", name="a", path=str(versions["v1"])))
+    loop.queue_admin(AdminReq(qid=2, op="unload", name="a"))
+    monkeypatch.setattr(scheduler_proc, "MAX_QUEUED_ADMIN", 2)
+    loop.queue_admin(AdminReq(qid=3, op="pin", name="a"))
+    assert [(r.qid, r.status, r.code) for r in loop.to_api.msgs] == [(3, 429, "admin_queue_full")]
+    got = _drive(sched, worker, [_req("meanwhile", None)])  # steps run while the read waits
+    assert len(got[("meanwhile", 0)]) == PARAMS.max_tokens
+    loop.apply_admin()
+    assert len(loop.to_api.msgs) == 1 and "a" not in sched.lifecycle.registry.by_name
+    gate.set()
+    loop.admin_queue[0][1].result(30)
+    loop.apply_admin()
+    assert [(r.qid, r.status) for r in loop.to_api.msgs[1:]] == [(1, 200), (2, 200)]
+    assert "a" not in sched.lifecycle.registry.by_name  # loaded, then unloaded, in order
     _assert_nothing_held(sched)
 
 

@@ -146,14 +146,15 @@ def content_hash(config_bytes: bytes, tensor_bytes: bytes) -> str:
 
 
 def adapter_from_header(name: str, path: str | Path, model: ModelConfig, max_rank: int,
-                        digest: str) -> LoraAdapter:
+                        digest: str, roots: Sequence[str | Path] = ()) -> LoraAdapter:
     """An adapter without weights, identified by `digest`, from its config and the safetensors
     header alone: every check that needs names, shapes and dtypes runs, none that needs tensor
-    values (the caller vouches for those: radixlora.lora.registration's hash cache)."""
+    values (the caller vouches for those: radixlora.lora.registration's hash cache, or reads
+    and validates them next). With `roots`, each file must resolve inside one of them."""
     path = Path(path)
     config_path, tensor_path = _adapter_files(name, path)
-    config = _parse_config(name, _read_file(name, config_path, MAX_CONFIG_BYTES, ()))
-    tensors = _read_regular(name, tensor_path, MAX_ADAPTER_BYTES, (),
+    config = _parse_config(name, _read_file(name, config_path, MAX_CONFIG_BYTES, roots))
+    tensors = _read_regular(name, tensor_path, MAX_ADAPTER_BYTES, roots,
                             functools.partial(_tensor_header, name))
     pairs = _checked_pairs(name, config, tensors, model, max_rank)
     group_ranks = _group_ranks((module, a.shape[0]) for (_, module, _), (a, _), _ in pairs)

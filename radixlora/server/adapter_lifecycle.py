@@ -127,9 +127,12 @@ class AdapterLifecycle:
 
     # ---- admin -------------------------------------------------------------------------------
 
-    def admin(self, req: AdminReq) -> AdminReply:
+    def admin(self, req: AdminReq, read: Callable[[], LoraAdapter | None] | None = None
+              ) -> AdminReply:
+        """Apply an admin call. read: a load's read_load() outcome, produced off the loop
+        (returns it or raises what it raised); None: the load reads here."""
         try:
-            info = self._admin(req)
+            info = self._admin(req, read)
         except AdapterNotFoundError as e:
             return AdminReply(qid=req.qid, status=404, message=str(e), code=e.code)
         except FilesChanged as e:
@@ -145,9 +148,9 @@ class AdapterLifecycle:
                               f"{type(e).__name__}: {e}", code="internal_error")
         return AdminReply(qid=req.qid, info={"lora_name": req.name, **info})
 
-    def _admin(self, req: AdminReq) -> dict:
+    def _admin(self, req: AdminReq, read) -> dict:
         if req.op == "load":
-            adapter = self._load(req.name, req.path)
+            adapter = self._load(req.name, req.path, read)
             self.dir_names.discard(req.name)  # the operator's version: the directory's no more
             return {"adapter_id": adapter.adapter_id}
         if req.op == "unload":
@@ -158,17 +161,26 @@ class AdapterLifecycle:
             return {"pinned": req.op == "pin"}
         raise InvalidRequestError(f"unknown admin operation {req.op!r}", param="op")
 
-    def _load(self, name: str, path: str) -> LoraAdapter:
-        """An admin load: the name is checked first, and every file must resolve inside the
-        allowed roots (the api confined only the directory)."""
-        self.registry.check_name(name)
-        if self.store is not None:
-            snapshot = self.store.snapshot(name, path, self.model_cfg, self.max_rank,
-                                           roots=self.allowed_roots)
+    def _load(self, name: str, path: str, read=None) -> LoraAdapter:
+        snapshot = read() if read is not None else self.read_load(name, path)
+        if snapshot is not None:
             return self.register(name, snapshot.path, snapshot.adapter_id)
+        return self.register(name, path)
+
+    def read_load(self, name: str, path: str) -> LoraAdapter | None:
+        """What an admin load reads, safe on a thread (the files and the store only): the name
+        is checked first, its safetensors header next (names, shapes, dtypes: a wrong adapter
+        is refused before its tensors are read), and every file must resolve inside the
+        allowed roots (the api confined only the directory). The validated snapshot, or None
+        without a store (register reads the adapter)."""
+        self.registry.check_name(name)
+        adapter_from_header(name, path, self.model_cfg, self.max_rank, "", self.allowed_roots)
+        if self.store is not None:
+            return self.store.snapshot(name, path, self.model_cfg, self.max_rank,
+                                       roots=self.allowed_roots)
         if self.allowed_roots:
             read_adapter_files(name, Path(path), self.allowed_roots)
-        return self.register(name, path)
+        return None
 
     def _pin(self, name: str, pin: bool) -> None:
         adapter = self.registry.by_name.get(name)

@@ -53,6 +53,9 @@ MAX_SAMPLES_PER_REQUEST = 256
 log = logging.getLogger(__name__)
 
 INFO_TIMEOUT_S = 10.0
+# An admin load reads and validates the adapter (up to 8 GiB) off the scheduler's loop, which
+# answers once it is done: its real outcome, never a timeout for a load that then takes effect.
+ADMIN_TIMEOUT_S = 600.0
 EXPIRE_GRACE_S = 2.0  # after a drain timeout, time for handlers to answer their 503s
 
 
@@ -410,7 +413,7 @@ class ProcessBridge:
         """Ask every replica's scheduler to load / unload / pin / unpin an adapter. A load
         that fails on some replica is unloaded from the others, so they keep one adapter set."""
         replies = await self._ask_all(
-            lambda qid: AdminReq(qid=qid, op=op, name=name, path=path))
+            lambda qid: AdminReq(qid=qid, op=op, name=name, path=path), ADMIN_TIMEOUT_S)
         failed = [(r, reply) for r, reply in enumerate(replies) if reply.status != 200]
         if failed and op == "load" and len(replies) > 1:
             for replica, reply in enumerate(replies):
@@ -426,12 +429,12 @@ class ProcessBridge:
             reply = msgspec.structs.replace(reply, message=f"replica {replica}: {reply.message}")
         return reply
 
-    async def _ask_all(self, make_msg) -> list:
+    async def _ask_all(self, make_msg, timeout_s: float = INFO_TIMEOUT_S) -> list:
         """make_msg(qid) to every replica's scheduler at once; their replies in replica order."""
-        return list(await asyncio.gather(*(self._ask(make_msg, replica)
+        return list(await asyncio.gather(*(self._ask(make_msg, replica, timeout_s)
                                            for replica in range(self.num_replicas))))
 
-    async def _ask(self, make_msg, replica: int = 0):
+    async def _ask(self, make_msg, replica: int = 0, timeout_s: float = INFO_TIMEOUT_S):
         """Send replica's scheduler the query make_msg(qid) and wait for its reply."""
         if self.health is Health.DEAD:
             raise ServiceUnavailable(self.dead_reason or "a server process died")
@@ -440,7 +443,7 @@ class ProcessBridge:
         self.info_waiters[qid] = waiter
         self.to_schedulers[replica].send(self.encoder.encode(make_msg(qid)))
         try:
-            return await asyncio.wait_for(waiter, INFO_TIMEOUT_S)
+            return await asyncio.wait_for(waiter, timeout_s)
         except asyncio.TimeoutError as e:
             raise ServiceUnavailable("the scheduler did not answer in time") from e
         finally:
@@ -451,6 +454,9 @@ class ProcessBridge:
         self.health = Health.DEAD
         self.dead_reason = reason
         self._fail_all(reason, "server_error")
+        for waiter in self.info_waiters.values():  # queries and admin calls waiting on it
+            if not waiter.done():
+                waiter.set_exception(ServiceUnavailable(reason))
 
     async def expire(self, grace_s: float = EXPIRE_GRACE_S) -> None:
         """The drain timed out: every request still in flight fails with a 503 (an error event

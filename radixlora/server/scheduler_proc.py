@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import zmq
@@ -63,6 +64,7 @@ STATS_INTERVAL_S = 0.5
 WARM_SCAN_S = 0.5  # how often plans look for registered adapters to read ahead
 WARM_PER_PLAN = 256
 IDLE_POLL_MS = 100
+MAX_QUEUED_ADMIN = 8  # admin calls waiting for earlier ones (a load's read) before a 429
 
 
 class SchedulerService:
@@ -383,6 +385,10 @@ class SchedulerLoop:
             if sock is not None:
                 self.poller.register(sock, zmq.POLLIN)
         self.next_stats = 0.0
+        # admin calls in arrival order, each with its load's read (a future) or None; applied
+        # on the loop from the head as their reads end, so the loop never reads an adapter
+        self.admin_queue: collections.deque[tuple[AdminReq, Future | None]] = collections.deque()
+        self.admin_reads = ThreadPoolExecutor(1, thread_name_prefix="admin-read")
 
     def run(self) -> None:
         stalled = False  # nothing could be planned: wait for a result, a request or the timer
@@ -394,6 +400,8 @@ class SchedulerLoop:
             if self.inbox.sock in ready:
                 for msg in self.inbox.recv_nowait():
                     self.handle(msg)
+            if self.admin_queue:
+                self.apply_admin()
             plan = self.service.next_plan()
             if plan is not None:
                 self.to_worker.send(plan)
@@ -453,7 +461,35 @@ class SchedulerLoop:
         elif isinstance(msg, InfoQuery):
             self.to_api.send(InfoReply(qid=msg.qid, info=service.info(msg.flush_cache)))
         elif isinstance(msg, AdminReq):
-            self.to_api.send(service.lifecycle.admin(msg))
+            self.queue_admin(msg)
+
+    def queue_admin(self, req: AdminReq) -> None:
+        """Queue an admin call behind the earlier ones; a load's files are read and validated
+        on a thread. Beyond MAX_QUEUED_ADMIN calls waiting, a 429 at once."""
+        if len(self.admin_queue) >= MAX_QUEUED_ADMIN:
+            self.to_api.send(AdminReply(qid=req.qid, status=429, code="admin_queue_full",
+                                        message=f"{len(self.admin_queue)} admin calls are "
+                                                "waiting; retry once they are done"))
+            return
+        read = None
+        if req.op == "load":
+            read = self.admin_reads.submit(self.service.lifecycle.read_load, req.name, req.path)
+        self.admin_queue.append((req, read))
+        self.apply_admin()
+
+    def apply_admin(self) -> None:
+        """Apply the queued admin calls from the head while their reads have ended."""
+        lifecycle = self.service.lifecycle
+        while self.admin_queue and (self.admin_queue[0][1] is None
+                                    or self.admin_queue[0][1].done()):
+            req, read = self.admin_queue.popleft()
+            try:
+                reply = lifecycle.admin(req, None if read is None else read.result)
+            except Exception:  # noqa: BLE001 - one admin call never stops the process
+                log_failure("scheduler", req)
+                reply = AdminReply(qid=req.qid, status=500, code="internal_error",
+                                   message=f"{req.op} of {req.name!r} failed")
+            self.to_api.send(reply)
 
     def check_ids(self, msg: TokenizedReq) -> ReqError | None:
         """The prompt's ids are in the vocabulary (the worker would fail the whole step)."""
