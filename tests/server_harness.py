@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -172,3 +174,22 @@ def running_server(model: Path | None, adapters: dict[str, Path], log_path: Path
 def engine_like_server(model: Path, adapters: dict[str, Path]) -> Engine:
     """The offline Engine configured as ENGINE_FLAGS configure the test servers."""
     return Engine(model, adapters=adapters, kv_pages=600, max_running=16, adapter_rows=64)
+
+
+def sparse_adapter(path: Path, config_from: Path, gib: int) -> Path:
+    """An adapter whose safetensors header declares `gib` GiB of a wrongly shaped lora_A, the
+    data a sparse hole: costless on disk, as big as it says to whoever reads it."""
+    path.mkdir()
+    shutil.copy(config_from / "adapter_config.json", path / "adapter_config.json")
+    elems = (gib << 30) // 4
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    header = json.dumps({
+        key.format("A"): {"dtype": "F32", "shape": [4, elems // 4],
+                          "data_offsets": [0, elems * 4]},
+        key.format("B"): {"dtype": "F32", "shape": [1, 4],
+                          "data_offsets": [elems * 4, elems * 4 + 16]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with open(path / "adapter_model.safetensors", "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        f.truncate(8 + len(header) + elems * 4 + 16)
+    return path

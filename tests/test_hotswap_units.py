@@ -238,6 +238,30 @@ def test_a_directory_named_like_an_adapter_flag_is_rejected_unread(model, versio
     assert "--adapter" in events[1].message and reads == ["other"]
 
 
+def test_a_huge_wrongly_shaped_directory_is_rejected_from_its_header(model, versions, tmp_path):
+    """4 GiB declared (a sparse file) with wrong shapes, in the directory at start and added
+    later: rejected for the cost of its header, the other adapter published."""
+    import time
+
+    from tests.server_harness import sparse_adapter
+
+    root = tmp_path / "dir"
+    root.mkdir()
+    sparse_adapter(root / "huge", versions["v1"], gib=4)
+    _copy(versions["v1"], root / "good")
+    core, events = _core(model, root, tmp_path / "state", rate=100.0, burst=10)
+    start = time.monotonic()
+    core.on_changed(core.names_on_disk())
+    core.admit(0.0)
+    sparse_adapter(root / "later", versions["v1"], gib=4)
+    core.on_changed(["later"])
+    core.admit(1.0)
+    assert time.monotonic() - start < 3.0
+    assert [(e.kind, e.name, e.reason) for e in events] == [
+        ("added", "good", ""), ("rejected", "huge", "shape_mismatch"),
+        ("rejected", "later", "shape_mismatch")]
+
+
 def test_aliases_updates_removals_and_restart(model, versions, tmp_path):
     root, state = tmp_path / "dir", tmp_path / "state"
     root.mkdir()

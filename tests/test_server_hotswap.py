@@ -26,6 +26,7 @@ from tests.server_harness import (
     alive,
     assert_all_kv_free,
     running_server,
+    sparse_adapter,
 )
 
 RATE = 20.0
@@ -303,29 +304,10 @@ def test_admin_guards_and_lifecycle(server, env, want):
     assert _complete(server.http, "mine").status_code == 404
 
 
-def _sparse_adapter(path: Path, config_from: Path, gib: int) -> Path:
-    """An adapter whose safetensors header declares `gib` GiB of a wrongly shaped lora_A, the
-    data a sparse hole: costless on disk, as big as it says to whoever reads it."""
-    path.mkdir()
-    shutil.copy(config_from / "adapter_config.json", path / "adapter_config.json")
-    elems = (gib << 30) // 4
-    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
-    header = json.dumps({
-        key.format("A"): {"dtype": "F32", "shape": [4, elems // 4],
-                          "data_offsets": [0, elems * 4]},
-        key.format("B"): {"dtype": "F32", "shape": [1, 4],
-                          "data_offsets": [elems * 4, elems * 4 + 16]}}).encode()
-    header += b" " * (-len(header) % 8)
-    with open(path / "adapter_model.safetensors", "wb") as f:
-        f.write(len(header).to_bytes(8, "little") + header)
-        f.truncate(8 + len(header) + elems * 4 + 16)
-    return path
-
-
 def test_a_huge_wrongly_shaped_admin_load_is_refused_from_its_header(server, env):
     """4 GiB declared in the header, wrong shapes: refused before a tensor byte is read, while
     generation goes on."""
-    big = _sparse_adapter(env["allowed"] / "huge", env["versions"]["v1"], gib=4)
+    big = sparse_adapter(env["allowed"] / "huge", env["versions"]["v1"], gib=4)
     start = time.monotonic()
     resp = _admin(server, "load", {"lora_name": "huge", "lora_path": str(big)})
     assert resp.status_code == 400 and "shape" in resp.json()["error"]["message"], resp.text

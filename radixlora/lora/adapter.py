@@ -117,6 +117,7 @@ class LoraAdapter:
 
 def load_adapter(name: str, path: str | Path, model: ModelConfig, max_rank: int) -> LoraAdapter:
     path = Path(path)
+    check_header(name, path, model, max_rank)
     config_bytes, tensor_bytes = read_adapter_files(name, path)
     return adapter_from_bytes(name, path, config_bytes, tensor_bytes, model, max_rank)
 
@@ -161,6 +162,14 @@ def adapter_from_header(name: str, path: str | Path, model: ModelConfig, max_ran
     trained_on, mismatch = check_base_format(name, config, model)
     return LoraAdapter(name, str(path), digest, max(group_ranks.values()), group_ranks, {},
                        trained_on, mismatch)
+
+
+def check_header(name: str, path: str | Path, model: ModelConfig, max_rank: int,
+                 roots: Sequence[str | Path] = ()) -> None:
+    """Every check of adapter_from_header (config, tensor names, shapes, dtypes): run before
+    the tensors are read, so a wrong adapter of any size is refused for the cost of its
+    header."""
+    adapter_from_header(name, path, model, max_rank, "", roots)
 
 
 def check_base_format(name: str, config: LoraConfig, model: ModelConfig) -> tuple[str | None, str]:

@@ -46,6 +46,7 @@ from radixlora.lora.adapter import (
     LoraAdapter,
     adapter_from_bytes,
     adapter_from_header,
+    check_header,
     content_hash,
     load_adapter,
     read_adapter_files,
@@ -206,6 +207,12 @@ def load_adapters(items: Mapping[str, str | Path], model: ModelConfig, max_rank:
             cold[name] = path
         else:
             outcomes[name] = _from_header(name, path, model, max_rank, digest)
+    for name in list(cold):  # a wrong adapter is refused for the cost of its header
+        try:
+            check_header(name, cold[name], model, max_rank)
+        except AdapterError as e:
+            outcomes[name] = e
+            del cold[name]
     in_processes = (not keep_weights and workers >= PROCESS_MIN_WORKERS
                     and _tensor_bytes(cold) >= PROCESS_MIN_BYTES)
     validated = (_in_processes if in_processes else _on_threads)(cold, model, max_rank, workers,

@@ -16,7 +16,12 @@ from pathlib import Path
 from radixlora.adapters import AdapterRegistry
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
-from radixlora.lora.adapter import LoraAdapter, adapter_from_header, read_adapter_files
+from radixlora.lora.adapter import (
+    LoraAdapter,
+    adapter_from_header,
+    check_header,
+    read_adapter_files,
+)
 from radixlora.request import uses_adapter
 from radixlora.scheduler import Scheduler
 from radixlora.server.adapter_store import AdapterStore, FilesChanged
@@ -174,10 +179,10 @@ class AdapterLifecycle:
         allowed roots (the api confined only the directory). The validated snapshot, or None
         without a store (register reads the adapter)."""
         self.registry.check_name(name)
-        adapter_from_header(name, path, self.model_cfg, self.max_rank, "", self.allowed_roots)
         if self.store is not None:
             return self.store.snapshot(name, path, self.model_cfg, self.max_rank,
                                        roots=self.allowed_roots)
+        check_header(name, path, self.model_cfg, self.max_rank, self.allowed_roots)
         if self.allowed_roots:
             read_adapter_files(name, Path(path), self.allowed_roots)
         return None

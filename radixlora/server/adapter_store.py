@@ -21,6 +21,7 @@ from radixlora.config import ModelConfig
 from radixlora.lora.adapter import (
     LoraAdapter,
     adapter_from_bytes,
+    check_header,
     read_adapter_files,
 )
 from radixlora.lora.host_cache import packed_name
@@ -85,6 +86,7 @@ class AdapterStore:
         """Read and validate `src` (each file resolving inside `roots`, if any); AdapterError if
         invalid, FilesChanged if (with stable) its files changed while they were read."""
         src = Path(src)
+        check_header(name, src, model, max_rank, roots)
         before = file_signature(src)
         config_bytes, tensor_bytes = read_adapter_files(name, src, roots)
         if stable and file_signature(src) != before:
