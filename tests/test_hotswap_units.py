@@ -262,6 +262,46 @@ def test_a_huge_wrongly_shaped_directory_is_rejected_from_its_header(model, vers
         ("rejected", "later", "shape_mismatch")]
 
 
+def test_a_name_too_slow_to_validate_is_refused_once_while_the_loop_beats(model, versions,
+                                                                            tmp_path, monkeypatch):
+    import threading
+
+    from radixlora.server import registry_proc
+
+    monkeypatch.setattr(registry_proc, "VALIDATE_TIMEOUT_S", 0.4)
+    monkeypatch.setattr(registry_proc, "BEAT_S", 0.05)
+    root = tmp_path / "dir"
+    root.mkdir()
+    for name in ("good", "slow"):
+        _copy(versions["v1" if name == "good" else "v2"], root / name)
+    core, events = _core(model, root, tmp_path / "state", rate=100.0, burst=10)
+    beats, release, reads = [], threading.Event(), []
+    core.beat = lambda: beats.append(1)
+    read = core._read
+
+    def slow_read(name, pre):
+        reads.append(name)
+        if name == "slow":
+            release.wait(10)
+        return read(name, pre)
+
+    monkeypatch.setattr(core, "_read", slow_read)
+    core.on_changed(core.names_on_disk())
+    core.admit(0.0)
+    release.set()
+    assert [(e.kind, e.name, e.reason) for e in events] == [
+        ("added", "good", ""), ("rejected", "slow", "validation_timeout")]
+    assert len(beats) >= 4
+    core.on_changed(["slow"])  # unchanged: not examined again
+    core.admit(1.0)
+    assert len(events) == 2 and reads.count("slow") == 1
+    shutil.rmtree(root / "slow")
+    _copy(versions["v3"], root / "slow")  # its files changed: examined again
+    core.on_changed(["slow"])
+    core.admit(2.0)
+    assert events[-1].kind == "added" and events[-1].name == "slow"
+
+
 def test_aliases_updates_removals_and_restart(model, versions, tmp_path):
     root, state = tmp_path / "dir", tmp_path / "state"
     root.mkdir()

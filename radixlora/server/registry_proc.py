@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import msgspec
@@ -66,8 +66,13 @@ REGISTER_BATCH = (16, 256)
 # turn: the loop beats between turns, and one name takes up to ~40 ms for 14 MB on an H200 host
 PUBLISH_PER_CALL = 32
 PUBLISH_READERS = 8  # threads reading and hashing a turn's names
+# A name whose read and validation take longer is rejected (validation_timeout) and not
+# examined again until its files change; the loop beats every BEAT_S while it waits.
+VALIDATE_TIMEOUT_S = 60.0
+BEAT_S = 0.5
 
 REJECT_REASONS = (  # (substring of the AdapterError, label), first match wins
+    ("could not be validated within", "validation_timeout"),
     ("served from --adapter", "name_taken"),
     ("served on a", "quantization_mismatch"),
     ("at `$.r`", "bad_rank"),
@@ -198,6 +203,8 @@ class RegistryCore:
         self.prevalidated: dict[str, LoraAdapter] = {}  # at-start names validated ahead
         self.readers = ThreadPoolExecutor(PUBLISH_READERS, thread_name_prefix="registry-read")
         self.tried_ahead: set[str] = set()
+        self.too_slow: dict[str, tuple] = {}  # name -> file signature that timed out
+        self.beat: Callable[[], None] = lambda: None  # the loop's heartbeat, while it waits
 
     @property
     def active(self) -> dict[str, Published]:
@@ -219,6 +226,9 @@ class RegistryCore:
     def on_changed(self, names: list[str]) -> None:
         for name in names:
             if (self.root / name).is_dir():
+                slow = self.too_slow.get(name)
+                if slow is not None and slow == file_signature(self.root / name):
+                    continue  # timed out as it is: examined again once its files change
                 self.pending.add(name)
             else:
                 self.pending.discard(name)
@@ -271,9 +281,22 @@ class RegistryCore:
             except Exception as e:  # noqa: BLE001 - examined (and reported) in order
                 return e
 
-        if len(names) == 1:
-            return {names[0]: read(names[0])}
-        return dict(zip(names, self.readers.map(read, names)))
+        futures = {name: self.readers.submit(read, name) for name in names}
+        waiting = set(futures.values())
+        deadline = time.monotonic() + VALIDATE_TIMEOUT_S
+        while waiting and time.monotonic() < deadline:
+            waiting = wait(waiting, timeout=min(BEAT_S, deadline - time.monotonic())).not_done
+            self.beat()
+        out: dict[str, Validated | Exception] = {}
+        for name, future in futures.items():
+            if future.done():
+                out[name] = future.result()
+                continue
+            self.too_slow[name] = file_signature(self.root / name)
+            out[name] = AdapterError(name, f"could not be validated within "
+                                           f"{VALIDATE_TIMEOUT_S:g} s; not examined again "
+                                           "until its files change")
+        return out
 
     def validate_ahead(self) -> bool:
         """Validate the next batch of the names in the directory at start, to publish later
@@ -420,12 +443,13 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
     pub.bind(endpoint)
     encoder = msgspec.msgpack.Encoder()
     core = make_core(args, lambda event: pub.send(encoder.encode(event)))
+    heart = Heartbeats(ctx, args, "registry")
+    core.beat = lambda: heart.beat(core.state.seq)
     watch = DirWatch(core.root)
     observer = Observer()
     observer.schedule(_Handler(watch), str(core.root), recursive=True)
     observer.start()
     watch.mark(set(core.names_on_disk()) | set(core.active))
-    heart = Heartbeats(ctx, args, "registry")
     send_ready(ctx, args, "registry", {"adapter_dir": str(core.root)})
     subscribers = args.data_parallel_size + 1  # every replica's scheduler and the api
     wait_subscribers(pub, subscribers, SUBSCRIBE_TIMEOUT_S, heart, core.validate_ahead)
