@@ -301,31 +301,54 @@ def _in_processes(items: Mapping[str, str | Path], model: ModelConfig, max_rank:
                   workers: int, keep_weights: bool,
                   pack: PackTarget | None) -> Iterator[tuple[Outcome, str | None]]:
     """Whole validations in spawned processes of one torch thread each, for adapters without
-    weights (small results). AdapterError itself does not unpickle: errors travel as (name,
-    reason, code)."""
+    weights (small results). What a process found in an adapter's files comes back as msgpack
+    bytes decoded into a typed JobOutcome: the parent unpickles nothing a file could shape
+    (the pool pickles only the jobs it sends and those bytes)."""
     jobs = [(name, str(path), model, max_rank, pack) for name, path in items.items()]
     context = multiprocessing.get_context("spawn")
+    decoder = msgspec.msgpack.Decoder(JobOutcome)
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_one_thread) as pool:
-        for result, stamp in pool.map(_validate_job, jobs, chunksize=4):
-            yield (result if isinstance(result, LoraAdapter) else AdapterError(*result)), stamp
+        for raw in pool.map(_validate_job, jobs, chunksize=4):
+            yield decoder.decode(raw).outcome()
+
+
+class JobOutcome(msgspec.Struct):
+    """A spawned validation's result: an adapter without weights, or its error."""
+
+    name: str
+    path: str = ""
+    content_hash: str = ""
+    rank: int = 0
+    group_ranks: dict[str, int] = {}
+    trained_on: str | None = None
+    base_mismatch: str = ""
+    stamp: str | None = None
+    error: tuple[str, str] | None = None  # (reason, code)
+
+    def outcome(self) -> tuple[Outcome, str | None]:
+        if self.error is not None:
+            return AdapterError(self.name, *self.error), None
+        return LoraAdapter(self.name, self.path, self.content_hash, self.rank,
+                           self.group_ranks, {}, self.trained_on, self.base_mismatch), self.stamp
 
 
 def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _validate_job(job: tuple[str, str, ModelConfig, int, PackTarget | None]
-                  ) -> tuple[LoraAdapter | tuple[str, str, str], str | None]:
+def _validate_job(job: tuple[str, str, ModelConfig, int, PackTarget | None]) -> bytes:
     name, path, model, max_rank, pack = job
     before = adapter_stamp(path)
     try:
         adapter = load_adapter(name, path, model, max_rank)
     except AdapterError as e:
-        return (e.name, e.reason, e.code), None
+        return msgspec.msgpack.encode(JobOutcome(e.name, error=(e.reason, e.code)))
     if pack is not None:
         pack.write(adapter)
     stamp = before if before is not None and adapter_stamp(path) == before else None
-    return dataclasses.replace(adapter, weights={}), stamp
+    return msgspec.msgpack.encode(JobOutcome(
+        name, adapter.path, adapter.content_hash, adapter.rank, adapter.group_ranks,
+        adapter.trained_on, adapter.base_mismatch, stamp))
 
 
 def _from_header(name: str, path: str | Path, model: ModelConfig, max_rank: int,
