@@ -52,6 +52,10 @@ class ModelConfig:
     # an adapter trained on another weight format than `quantization`: "refuse" or "serve"
     # (served, the mismatch reported); radixlora.lora.adapter checks it at validation
     qlora_mismatch: str = "refuse"
+    # directories an adapter's base_model_name_or_path may be read from (its config.json, for
+    # the base's weight format); a path outside them is a name, never opened. None: any local
+    # path (the offline Engine, which reads only its user's files)
+    base_roots: tuple[str, ...] | None = None
 
     @property
     def q_dim(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -148,7 +149,8 @@ def test_validation_in_a_process_packs_too(model, cfg, adapter_dir, tmp_path):
     """The job the spawned validation processes run packs what the threads pack."""
     (layout,) = pool_layouts(cfg, torch.bfloat16, 1)
     pack = PackTarget(tmp_path / "ahead", (layout,))
-    adapter, _ = registration._validate_job(("a", str(adapter_dir), cfg, MAX_RANK, pack))
+    raw = registration._validate_job(("a", str(adapter_dir), cfg, MAX_RANK, pack))
+    adapter, _ = msgspec.msgpack.decode(raw, type=registration.JobOutcome).outcome()
     assert not adapter.weights and pack.done(adapter.adapter_id)
     threads = PackTarget(tmp_path / "threads", (layout,))
     (outcome,) = load_adapters({"a": adapter_dir}, cfg, MAX_RANK, keep_weights=False,

@@ -119,14 +119,16 @@ def test_the_scheduler_and_registry_apply_quantization_at_load(qlora, tmp_path):
     from radixlora.server.scheduler_proc import SchedulerService
     from tests.server_harness import sized
 
-    _, dense, adapter, _ = qlora
+    nf4, dense, adapter, _ = qlora
     watched = tmp_path / "watched"
     shutil.copytree(adapter, watched / "q")
     for quantization, kind in (("nf4", "added"), (None, "rejected")):
         state = tmp_path / f"state-{quantization}"
         state.mkdir()
         engine = {"kv_pages": 64} | ({"quantization": quantization} if quantization else {})
-        args = sized(ServerArgs(model=str(dense), engine=engine, state_dir=str(state)))
+        # the training base's config is read inside an allowed root only
+        args = sized(ServerArgs(model=str(dense), engine=engine, state_dir=str(state),
+                                allowed_adapter_roots=[str(nf4)]))
         if quantization:
             service = SchedulerService(msgspec.structs.replace(args, adapters={"q": str(adapter)}))
             assert service.adapters.by_name["q"].base_mismatch == ""
@@ -162,3 +164,22 @@ def test_the_server_serves_a_mismatched_adapter_and_says_so(qlora, tmp_path):
                    if line.startswith("radixlora_base_mismatch_requests_total{")]
         # labelled "q", or "other" while the api has not yet heard the adapter's name
         assert sum(counted) == 2.0
+
+
+def test_a_base_path_outside_the_roots_is_a_name_never_read(qlora, tmp_path):
+    """Served with roots (an --adapter-dir or admin-loaded adapter), base_model_name_or_path is
+    opened only inside them: outside, the NF4 base it names is not read, so nothing about that
+    path leaks through a quantization_mismatch; inside, the mismatch is found as before."""
+    import dataclasses
+
+    from radixlora.config import ModelConfig
+    from radixlora.lora.adapter import load_adapter
+
+    nf4, dense, adapter, _ = qlora
+    dense_cfg = ModelConfig.from_dir(dense)
+    outside = dataclasses.replace(dense_cfg, base_roots=(str(dense), str(tmp_path)))
+    assert load_adapter("q", adapter, outside, 64).trained_on is None
+    inside = dataclasses.replace(dense_cfg, base_roots=(str(dense), str(nf4.parent)))
+    with pytest.raises(AdapterError, match="trained on a nf4 base") as e:
+        load_adapter("q", adapter, inside, 64)
+    assert e.value.code == "quantization_mismatch"

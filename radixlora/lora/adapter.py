@@ -178,7 +178,7 @@ def check_base_format(name: str, config: LoraConfig, model: ModelConfig) -> tupl
     (and the other way round; an fp8 base stands for its dense original, as in vLLM): under
     model.qlora_mismatch "refuse" a mismatch is an AdapterError, under "serve" it is logged and
     kept on the adapter to be reported."""
-    trained_on = trained_base_format(config)
+    trained_on = trained_base_format(config, model)
     if (trained_on == "nf4") == (model.quantization == "nf4"):  # fp8 approximates dense
         return trained_on, ""
     mismatch = (f"trained on a {trained_on or 'dense'} base, served on a "
@@ -191,13 +191,23 @@ def check_base_format(name: str, config: LoraConfig, model: ModelConfig) -> tupl
     return trained_on, mismatch
 
 
-def trained_base_format(config: LoraConfig) -> str | None:
+def trained_base_format(config: LoraConfig, model: ModelConfig) -> str | None:
     """The weight format of the base an adapter was trained on: its base_quantization, else
     what its base_model_name_or_path's config.json declares (a local directory), else dense."""
     if config.base_quantization is not None:
         return None if config.base_quantization == "none" else config.base_quantization
     base = config.base_model_name_or_path
-    return _declared_format(base) if base else None
+    if not base or not _may_read_base(base, model.base_roots):
+        return None
+    return _declared_format(base)
+
+
+def _may_read_base(base: str, roots: tuple[str, ...] | None) -> bool:
+    """Whether base_model_name_or_path may be opened: anywhere without roots, else only when
+    it resolves (symlinks followed) inside one of them; otherwise it is a name (a hub id)."""
+    if roots is None:
+        return True
+    return _inside(os.path.realpath(base), roots)
 
 
 @functools.lru_cache(maxsize=64)

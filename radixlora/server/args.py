@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 
-from radixlora.config import EngineConfig
+from radixlora.config import EngineConfig, ModelConfig
 
 ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"extra"}
 
@@ -153,6 +153,18 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).resolve().name
+
+    def served_model(self, config: EngineConfig | None = None,
+                     confined: bool = False) -> ModelConfig:
+        """The base as the server serves it. confined (adapters from --adapter-dir, admin loads
+        and the workers' reads, not the launch line's --adapter): their base_model_name_or_path
+        is read only inside the model's directory or an --allowed-adapter-root."""
+        served = ModelConfig.from_dir(self.model).served(config or self.engine_config())
+        if not confined:
+            return served
+        roots = (str(Path(self.model).resolve()), *(str(Path(r).resolve())
+                                                     for r in self.allowed_adapter_roots))
+        return dataclasses.replace(served, base_roots=roots)
 
     def engine_config(self) -> EngineConfig:
         unknown = set(self.engine) - ENGINE_FIELDS

@@ -425,7 +425,7 @@ def make_core(args: ServerArgs, publish) -> RegistryCore:
     config = args.engine_config()
     root = Path(args.adapter_dir).resolve()
     bucket = TokenBucket(args.adapter_rate, args.adapter_burst)
-    model_cfg = ModelConfig.from_dir(args.model).served(config)
+    model_cfg = args.served_model(config, confined=True)
     layouts = pool_layouts(model_cfg, config.lora_pool_dtype(model_cfg), args.tensor_parallel_size)
     return RegistryCore(root, Path(args.state_dir), model_cfg, config.max_rank,
                         config.adapter_rows, bucket, publish,

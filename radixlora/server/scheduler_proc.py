@@ -15,7 +15,6 @@ from pathlib import Path
 import zmq
 
 from radixlora.adapters import AdapterRegistry
-from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
 from radixlora.intake import Intake, check_prompt_ids
 from radixlora.lora.pool import AdapterPool, pool_layouts
@@ -72,7 +71,7 @@ class SchedulerService:
 
     def __init__(self, args: ServerArgs):
         self.config = args.engine_config()
-        self.model_cfg = ModelConfig.from_dir(args.model).served(self.config)
+        self.model_cfg = args.served_model(self.config)
         self.scheduler = Scheduler(self.config, max_context=self.config.max_context(self.model_cfg))
         self.row_bytes = AdapterPool.bytes_per_row(self.model_cfg,
                                                    self.config.lora_pool_dtype(self.model_cfg))
@@ -88,7 +87,8 @@ class SchedulerService:
                                    args.tensor_parallel_size)
             state_dir = Path(args.state_dir)
             store = AdapterStore(state_dir / SNAPSHOTS, pack_target(state_dir, layouts))
-        self.lifecycle = AdapterLifecycle(self.adapters, self.scheduler, store, self.model_cfg,
+        self.lifecycle = AdapterLifecycle(self.adapters, self.scheduler, store,
+                                          args.served_model(self.config, confined=True),
                                           self.config.max_rank, self._in_use,
                                           allowed_roots=args.allowed_adapter_roots)
         base = base_version(Path(args.model), self.config.load_format)

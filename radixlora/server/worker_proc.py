@@ -39,7 +39,7 @@ def make_executor(args: ServerArgs, rank: int = 0) -> StepExecutor:
     config = args.engine_config()
     if workers > 1:  # every worker of the host measures the same free memory at start
         config = with_host_tier(config, available_host_bytes(), workers)
-    model_cfg = ModelConfig.from_dir(args.model).served(config)
+    model_cfg = args.served_model(config, confined=True)
     tp, device = join_group(args, model_cfg, rank)
     runner = ModelRunner(Path(args.model), model_cfg, config, tp, device)
 
