@@ -150,6 +150,29 @@ def test_api_key_guards_inference(keyed):
     assert "radixlora_requests_total" in keyed.http.get("/metrics").text
 
 
+def test_the_zeromq_client_endpoint_needs_the_api_key(keyed):
+    """With --api-key (and no --zmq-client-key) the ZeroMQ entry asks the same key: a client
+    without it, or with another, gets a 401 and nothing runs; with it, generation."""
+    from radixlora import SamplingParams
+    from radixlora.server.client import RequestError, RuntimeClient
+
+    info = keyed.http.get("/get_server_info", headers=auth(ADMIN_KEY)).json()
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for key in (None, "wrong"):
+        client = RuntimeClient(info["zmq_client_endpoint"], timeout_s=30, api_key=key)
+        try:
+            with pytest.raises(RequestError) as e:
+                client.generate("hi", params)
+            assert (e.value.error.status, e.value.error.code) == (401, "invalid_api_key")
+        finally:
+            client.close()
+    client = RuntimeClient(info["zmq_client_endpoint"], timeout_s=30, api_key=API_KEY)
+    try:
+        assert len(client.generate("hi", params)[0].token_ids) == 3
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("method,path,body", OPERATOR_ENDPOINTS,
                          ids=[e[1] for e in OPERATOR_ENDPOINTS])
 def test_operator_endpoints_need_the_admin_key(keyed, method, path, body):

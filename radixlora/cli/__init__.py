@@ -120,7 +120,8 @@ def prepare(args: argparse.Namespace):
     except ValueError as e:
         raise StartError(_flag_hint(str(e))) from e
     nodes = multinode(args)
-    for flag, key in (("--api-key", args.api_key), ("--admin-api-key", args.admin_api_key)):
+    for flag, key in (("--api-key", args.api_key), ("--admin-api-key", args.admin_api_key),
+                      ("--zmq-client-key", args.zmq_client_key)):
         if key is not None and not key.strip():
             raise StartError(f"{flag} is empty: give a key, or leave the flag out to serve "
                              "without one")
@@ -210,6 +211,7 @@ def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], serv
         enable_admin=args.enable_admin,
         admin_api_key=args.admin_api_key or os.environ.get("RADIXLORA_ADMIN_API_KEY"),
         api_key=args.api_key or os.environ.get("RADIXLORA_API_KEY", ""),
+        zmq_client_key=args.zmq_client_key or os.environ.get("RADIXLORA_ZMQ_CLIENT_KEY", ""),
         allowed_adapter_roots=args.allowed_adapter_root,
     )
 
@@ -253,6 +255,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--port", type=port_number, default=30000, help="HTTP port")
     p.add_argument("--zmq-client-port", type=port_number, default=None,
                    help="tcp://127.0.0.1:PORT for ZeroMQ clients (default: an ipc:// socket)")
+    p.add_argument("--zmq-client-key", default=None,
+                   help="ZeroMQ clients must send this key (RuntimeClient(api_key=KEY)) "
+                        "(default: $RADIXLORA_ZMQ_CLIENT_KEY, else the --api-key, else none)")
     p.add_argument("--drain-timeout", type=positive(float, allow_zero=True), default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
     p.add_argument("--step-timeout", type=positive(float), default=600.0,

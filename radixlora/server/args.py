@@ -105,6 +105,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     enable_admin: bool = False
     admin_api_key: str | None = None
     api_key: str = ""  # --api-key: Bearer key of every endpoint but /health and /metrics
+    zmq_client_key: str = ""  # --zmq-client-key: the ZeroMQ client endpoint's (else api_key)
     allowed_adapter_roots: list[str] = []
 
     def __post_init__(self):

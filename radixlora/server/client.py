@@ -38,8 +38,10 @@ class RequestError(RadixLoraError):
 
 
 class RuntimeClient:
-    def __init__(self, endpoint: str, timeout_s: float = 120.0):
+    def __init__(self, endpoint: str, timeout_s: float = 120.0, api_key: str | None = None):
+        """api_key: the server's --zmq-client-key (or, without one, its --api-key)."""
         check_local(endpoint)
+        self.key = api_key.encode() if api_key else None
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -59,8 +61,7 @@ class RuntimeClient:
         """SampleOutputs as they arrive, until every sample finished."""
         params = params or SamplingParams()
         rid = uuid.uuid4().hex
-        self.sock.send(self.encoder.encode(_request(rid, prompt, params, adapters, stop,
-                                                    messages)))
+        self._send(_request(rid, prompt, params, adapters, stop, messages))
         done: set[int] = set()
         try:
             while len(done) < params.n:
@@ -70,7 +71,7 @@ class RuntimeClient:
                     yield out
         finally:
             if len(done) < params.n:
-                self.sock.send(self.encoder.encode(AbortReq(rid=rid)))
+                self._send(AbortReq(rid=rid))
 
     def generate(self, prompt=None, params=None, adapters=None, stop=None, messages=None):
         """The finished samples of one prompt, by index."""
@@ -79,6 +80,10 @@ class RuntimeClient:
             sample = samples.setdefault(out.index, Sample(out.index))
             sample.add(out, bytes_to_ids(out.token_ids).tolist())
         return [samples[i] for i in sorted(samples)]
+
+    def _send(self, msg) -> None:
+        raw = self.encoder.encode(msg)
+        self.sock.send_multipart([self.key, raw] if self.key else [raw])
 
     def _recv(self, rid: str) -> list[SampleOutput]:
         if not self.sock.poll(self.timeout_ms):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import logging
 
 import msgspec
@@ -28,8 +29,12 @@ log = logging.getLogger(__name__)
 
 
 class ClientGateway:
-    def __init__(self, runtime: ProcessBridge, endpoint: str, vocab_size: int):
+    def __init__(self, runtime: ProcessBridge, endpoint: str, vocab_size: int,
+                 key: str | None = None):
+        """key: clients send it as a first frame before each message (RuntimeClient's api_key);
+        a GenerateReq without it, or with another, is answered 401 and nothing else is done."""
         check_local(endpoint)
+        self.key = key.encode() if key else None
         self.runtime = runtime
         self.vocab_size = vocab_size
         self.sock = runtime.ctx.socket(zmq.ROUTER)
@@ -43,17 +48,30 @@ class ClientGateway:
     async def serve(self) -> None:
         while True:
             frames = await self.sock.recv_multipart()
-            if len(frames) != 2:
-                log.warning("dropped a client message of %d frames (expected 2)", len(frames))
+            if len(frames) not in (2, 3):
+                log.warning("dropped a client message of %d frames (expected 2 or 3)",
+                            len(frames))
                 continue
-            identity, raw = frames
+            identity, *key, raw = frames
             msg = self.codec.decode(raw, functools.partial(self._send, identity))
+            if not self._authorized(key):
+                if isinstance(msg, GenerateReq):
+                    self._send(identity, ReqError(
+                        rid=msg.rid, status=401, code="invalid_api_key",
+                        message="the ZeroMQ client endpoint needs the server's key "
+                                "(RuntimeClient(..., api_key=KEY))"))
+                continue
             if isinstance(msg, GenerateReq):
                 task = asyncio.create_task(self._generate(identity, msg))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
             elif isinstance(msg, AbortReq):
                 self.runtime.abort(_internal_rid(identity, msg.rid))
+
+    def _authorized(self, key: list[bytes]) -> bool:
+        if self.key is None:
+            return True
+        return len(key) == 1 and hmac.compare_digest(key[0], self.key)
 
     async def _generate(self, identity: bytes, req: GenerateReq) -> None:
         try:

@@ -512,7 +512,8 @@ class Launcher:
         self.runtime = runtime = ProcessBridge(args, metrics, event_sub=self.registry_events)
         worker = ready[children.workers[0]].info
         api = Api(args, runtime, metrics, vocab_size, children.pids, worker.get("sizing"))
-        gateway = ClientGateway(runtime, args.endpoints.client, vocab_size)
+        gateway = ClientGateway(runtime, args.endpoints.client, vocab_size,
+                                key=args.zmq_client_key or args.api_key or None)
         config = uvicorn.Config(api.app(), host=args.host, port=args.port, loop="none",
                                 lifespan="off", log_level=args.log_level, access_log=False,
                                 log_config=None,
