@@ -270,6 +270,12 @@ def test_bad_adapters_are_rejected_and_others_keep_serving(server, env):
     assert _complete(server.http, "neighbour").status_code == 200
     metrics = server.http.get("/metrics").text
     assert 'radixlora_adapter_rejections_total{reason="bad_rank"}' in metrics
+    health = server.http.get("/health").json()  # said, and serving is not degraded by them
+    assert health["status"] == "ok"
+    assert {n: health["adapters_rejected"][n] for n in cases} == cases
+    shutil.rmtree(env["watched"] / "r_zero")  # gone: no longer reported
+    _wait(lambda: "r_zero" not in server.http.get("/health").json()["adapters_rejected"],
+          what="r_zero leaves /health")
 
 
 # ---- admin ---------------------------------------------------------------------------------------

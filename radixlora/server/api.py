@@ -143,10 +143,12 @@ class Api:
     async def health(self, request: Request) -> Response:
         health = self.runtime.health
         degraded = self.runtime.degraded_reason
-        if health is Health.OK and degraded is not None:
-            return json_response({"status": "degraded", "reason": degraded})
         if health is Health.OK:
-            return json_response({"status": "ok"})
+            body = ({"status": "ok"} if degraded is None
+                    else {"status": "degraded", "reason": degraded})
+            if self.runtime.rejected:  # refused adapters: said, serving is not degraded by them
+                body["adapters_rejected"] = dict(sorted(self.runtime.rejected.items()))
+            return json_response(body)
         message = self.runtime.dead_reason or f"the server is {health.value}"
         return error_response(503, message, health.value)
 

@@ -170,6 +170,8 @@ class ProcessBridge:
             self.event_sub = subscribe(self.ctx, endpoints.registry) if args.adapter_dir else None
         self.event_codec = Codec(AdapterEvent)
         self.recent_events: collections.deque[AdapterEvent] = collections.deque(maxlen=256)
+        # --adapter-dir names whose latest version the registry rejected -> the reason label
+        self.rejected: dict[str, str] = {}
         self.closed = False
 
     def _bind_inbox(self, endpoint: str) -> zmq.asyncio.Socket:
@@ -317,6 +319,10 @@ class ProcessBridge:
                 self.adapter_ids[event.name] = event.adapter_id
             elif event.kind == "removed":
                 self.adapter_ids.pop(event.name, None)
+            if event.kind == "rejected":
+                self.rejected[event.name] = event.reason
+            elif event.kind in ("added", "updated", "removed"):
+                self.rejected.pop(event.name, None)
             self.recent_events.append(event)
             if self.metrics is not None:
                 self.metrics.on_adapter_event(event)

@@ -204,6 +204,7 @@ class RegistryCore:
         self.readers = ThreadPoolExecutor(PUBLISH_READERS, thread_name_prefix="registry-read")
         self.tried_ahead: set[str] = set()
         self.too_slow: dict[str, tuple] = {}  # name -> file signature that timed out
+        self.rejected: set[str] = set()  # names whose latest version was rejected
         self.beat: Callable[[], None] = lambda: None  # the loop's heartbeat, while it waits
 
     @property
@@ -234,6 +235,9 @@ class RegistryCore:
                 self.pending.discard(name)
                 if name in self.active:
                     self._remove(name)
+                elif name in self.rejected:  # the subscribers stop reporting its rejection
+                    self.rejected.discard(name)
+                    self._emit("removed", name)
 
     def _remove(self, name: str) -> None:
         adapter_id = self.active.pop(name).adapter_id
@@ -383,10 +387,12 @@ class RegistryCore:
                 self._reject(name, "snapshot_failed", f"adapter {name!r}: no snapshot: {e}")
                 return False
         self.active[name] = Published(adapter_id, path)
+        self.rejected.discard(name)
         self._emit(kind, name, adapter_id=adapter_id, path=path)
         return True
 
     def _reject(self, name: str, reason: str, message: str) -> None:
+        self.rejected.add(name)
         log.warning("rejected adapter %r (%s): %s", name, reason, message)
         self._emit("rejected", name, reason=reason, message=message)
 
