@@ -268,8 +268,17 @@ def drain(sock: zmq.Socket) -> list:
     return out
 
 
+def keyed_send(dealer: zmq.Socket, raw: bytes) -> None:
+    """A message as RuntimeClient(api_key=...) sends it: the key frame first (the server's
+    --api-key is the ZeroMQ endpoint's key too)."""
+    dealer.send_multipart([API_KEY.encode(), raw])
+
+
 def test_odd_length_input_ids_answered_with_an_error(server, dealer):
-    dealer.send(HOSTILE[0])
+    dealer.send(HOSTILE[0])  # without the key: a 401 at most, nothing about its validity
+    if dealer.poll(2_000):
+        assert Codec(OutputBatch | ReqError).decode(dealer.recv()).status == 401
+    keyed_send(dealer, HOSTILE[0])
     assert dealer.poll(10_000)
     error = Codec(OutputBatch | ReqError).decode(dealer.recv())
     assert isinstance(error, ReqError) and error.rid == "odd" and error.status == 400
@@ -279,7 +288,7 @@ def test_odd_length_input_ids_answered_with_an_error(server, dealer):
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(raw=raw_messages)
 def test_zmq_fuzz_leaves_the_server_serving(server, dealer, raw):
-    dealer.send(raw)
+    keyed_send(dealer, raw)
     drain(dealer)
     assert server.proc.poll() is None, server.logs()
 
@@ -289,7 +298,7 @@ def test_serving_after_fuzz(server, dealer):
     drain(dealer)
     assert health(server) == 200, server.logs()
     assert complete(server).status_code == 200
-    client = RuntimeClient(zmq_endpoint(server), timeout_s=30)
+    client = RuntimeClient(zmq_endpoint(server), timeout_s=30, api_key=API_KEY)
     try:
         samples = client.generate([1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
         assert len(samples[0].token_ids) == 3

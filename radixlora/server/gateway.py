@@ -53,20 +53,26 @@ class ClientGateway:
                             len(frames))
                 continue
             identity, *key, raw = frames
-            msg = self.codec.decode(raw, functools.partial(self._send, identity))
             if not self._authorized(key):
-                if isinstance(msg, GenerateReq):
-                    self._send(identity, ReqError(
-                        rid=msg.rid, status=401, code="invalid_api_key",
-                        message="the ZeroMQ client endpoint needs the server's key "
-                                "(RuntimeClient(..., api_key=KEY))"))
+                self._refuse(identity, raw)
                 continue
+            msg = self.codec.decode(raw, functools.partial(self._send, identity))
             if isinstance(msg, GenerateReq):
                 task = asyncio.create_task(self._generate(identity, msg))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
             elif isinstance(msg, AbortReq):
                 self.runtime.abort(_internal_rid(identity, msg.rid))
+
+    def _refuse(self, identity: bytes, raw: bytes) -> None:
+        """A message without the key: a 401 to a request it names, no other answer (nothing
+        about the message's validity reaches a client without the key)."""
+        msg = self.codec.decode(raw)
+        if isinstance(msg, GenerateReq):
+            self._send(identity, ReqError(
+                rid=msg.rid, status=401, code="invalid_api_key",
+                message="the ZeroMQ client endpoint needs the server's key "
+                        "(RuntimeClient(..., api_key=KEY))"))
 
     def _authorized(self, key: list[bytes]) -> bool:
         if self.key is None:
