@@ -302,6 +302,36 @@ def test_a_name_too_slow_to_validate_is_refused_once_while_the_loop_beats(model,
     assert events[-1].kind == "added" and events[-1].name == "slow"
 
 
+def test_a_start_up_batch_is_validated_while_the_loop_beats(model, versions, tmp_path,
+                                                            monkeypatch):
+    """The directory at start is validated as a batch on a thread: the registry keeps beating
+    however long the batch takes, and publishes it afterwards."""
+    import time
+
+    from radixlora.server import registry_proc
+
+    monkeypatch.setattr(registry_proc, "BEAT_S", 0.02)
+    root = tmp_path / "dir"
+    root.mkdir()
+    names = [f"a{k:02d}" for k in range(registry_proc.REGISTER_BATCH[0])]
+    for name in names:
+        _copy(versions["v1"], root / name)
+    core, events = _core(model, root, tmp_path / "state")
+    beats = []
+    core.beat = lambda: beats.append(1)
+    real = registry_proc.load_adapters
+
+    def slow_batch(*args, **kw):
+        time.sleep(0.4)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(registry_proc, "load_adapters", slow_batch)
+    core.on_changed(core.names_on_disk())
+    core.admit(0.0)
+    assert len(beats) >= 10
+    assert [e.name for e in events if e.kind == "added"] == names[:registry_proc.PUBLISH_PER_CALL]
+
+
 def test_aliases_updates_removals_and_restart(model, versions, tmp_path):
     root, state = tmp_path / "dir", tmp_path / "state"
     root.mkdir()

@@ -202,6 +202,7 @@ class RegistryCore:
         self.cache = HashCache()
         self.prevalidated: dict[str, LoraAdapter] = {}  # at-start names validated ahead
         self.readers = ThreadPoolExecutor(PUBLISH_READERS, thread_name_prefix="registry-read")
+        self.batches = ThreadPoolExecutor(1, thread_name_prefix="registry-batch")
         self.tried_ahead: set[str] = set()
         self.too_slow: dict[str, tuple] = {}  # name -> file signature that timed out
         self.rejected: set[str] = set()  # names whose latest version was rejected
@@ -313,11 +314,15 @@ class RegistryCore:
         return bool(batch)
 
     def _prevalidate(self, names: list[str]) -> dict[str, LoraAdapter]:
-        outcomes = load_adapters({name: self.root / name for name in names
-                                  if name not in self.taken}, self.model_cfg,
-                                 self.max_rank, keep_weights=False, cache=self.cache,
-                                 pack=self.store.pack)
-        return {name: a for name, a in outcomes.items() if isinstance(a, LoraAdapter)}
+        """A batch validated together (load_adapters: threads, or processes for many bytes) on
+        a thread of its own, the loop beating every BEAT_S until it is done."""
+        items = {name: self.root / name for name in names if name not in self.taken}
+        batch = self.batches.submit(load_adapters, items, self.model_cfg, self.max_rank,
+                                    keep_weights=False, cache=self.cache, pack=self.store.pack)
+        while not batch.done():
+            wait([batch], timeout=BEAT_S)
+            self.beat()
+        return {name: a for name, a in batch.result().items() if isinstance(a, LoraAdapter)}
 
     def examine(self, name: str, read: Validated | Exception) -> bool:
         """Publish what one sub-directory became, from its read (_read_all); True if it was
