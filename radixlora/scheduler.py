@@ -172,10 +172,11 @@ class Scheduler:
         budget -= sum(len(i.extend_ids) for i in items)
         plan = BatchPlan(items, made_at=self.step_count)
         queue = _WaitingQueue(self)
-        if self._may_admit(budget):
-            self._admit_waiting(plan, budget, queue.order, queue.needs, hold_unread=True)
+        reserved = self._admission_room(budget)
+        if reserved is not None:
+            self._admit_waiting(plan, budget, queue, reserved, hold_unread=True)
             if not plan.items:  # nothing else to run: no request waits for a read
-                self._admit_waiting(plan, budget, queue.order, queue.needs, hold_unread=False)
+                self._admit_waiting(plan, budget, queue, reserved, hold_unread=False)
         if not plan.items:
             return None
         if self._may_prefetch():
@@ -254,13 +255,16 @@ class Scheduler:
                 used += n
         return [i for i in items if i.req.status is ReqStatus.RUNNING]
 
-    def _may_admit(self, budget: int) -> bool:
-        """Whether any waiting request could be admitted (the gates of _admit_waiting that do
-        not depend on the request), checked before the queue is sorted: a saturated batch
-        costs no pass over the waiting requests."""
+    def _admission_room(self, budget: int) -> int | None:
+        """The KV the running requests keep for their decodes, or None when no waiting request
+        could be admitted (the gates of _admit_waiting that do not depend on the request),
+        checked before the queue is sorted: a saturated batch costs no pass over it."""
         if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_running:
-            return False
-        return not self.running or self.free_kv_tokens() > self._running_reserve()
+            return None
+        reserved = sum(self._decode_reserve(r) for r in self.running)
+        if self.running and self.free_kv_tokens() <= reserved:
+            return None
+        return reserved
 
     def _may_prefetch(self) -> bool:
         """Whether a waiting request's adapter is not resident (else _prefetch has no work)."""
@@ -268,20 +272,18 @@ class Scheduler:
         return any(not resident(a.adapter_id) for req in self.waiting
                    for a in req.adapter_set.adapters)  # fmt: skip
 
-    def _running_reserve(self) -> int:
-        return sum(self._decode_reserve(r) for r in self.running)
-
-    def _admit_waiting(self, plan: BatchPlan, budget: int, order: list[Req],
-                       needs: dict[str, int], hold_unread: bool) -> None:  # fmt: skip
-        """Admit waiting requests in priority order while KV, rows and the budget allow. The
-        distinct adapters of a batch are limited by the pool's rows (can_acquire), and by
+    def _admit_waiting(self, plan: BatchPlan, budget: int, queue: _WaitingQueue,
+                       reserved: int, hold_unread: bool) -> None:  # fmt: skip
+        """Admit waiting requests in priority order while KV, rows and the budget allow
+        (reserved: the running requests' decode reserve, _admission_room). The distinct
+        adapters of a batch are limited by the pool's rows (can_acquire), and by
         max_adapter_sets_per_batch only when it is set. With hold_unread, a request whose
         adapter is still being read for a prefetch load waits (unless aged), so no step stops
         for a disk read while others can run."""
         adapter_sets = {r.adapter_set.key for r in self.running}
         max_sets = self.config.max_adapter_sets_per_batch
-        reserved = self._running_reserve()
-        for req in order:
+        needs = queue.needs
+        for req in queue.order:
             if budget <= 0 or len(self.running) >= self.config.max_running:
                 return
             need = req.remaining_prefill + self._decode_reserve(req)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from radixlora.adapters import AdapterRegistry
 from radixlora.config import ModelConfig
@@ -20,7 +19,6 @@ from radixlora.lora.adapter import (
     LoraAdapter,
     adapter_from_header,
     check_header,
-    read_adapter_files,
 )
 from radixlora.request import uses_adapter
 from radixlora.scheduler import Scheduler
@@ -175,7 +173,7 @@ class AdapterLifecycle:
     def read_load(self, name: str, path: str) -> LoraAdapter | None:
         """What an admin load reads, safe on a thread (the files and the store only): the name
         is checked first, its safetensors header next (names, shapes, dtypes: a wrong adapter
-        is refused before its tensors are read), and every file must resolve inside the
+        is refused before its tensors are read), and both files must resolve inside the
         allowed roots (the api confined only the directory). The validated snapshot, or None
         without a store (register reads the adapter)."""
         self.registry.check_name(name)
@@ -183,8 +181,6 @@ class AdapterLifecycle:
             return self.store.snapshot(name, path, self.model_cfg, self.max_rank,
                                        roots=self.allowed_roots)
         check_header(name, path, self.model_cfg, self.max_rank, self.allowed_roots)
-        if self.allowed_roots:
-            read_adapter_files(name, Path(path), self.allowed_roots)
         return None
 
     def _pin(self, name: str, pin: bool) -> None:

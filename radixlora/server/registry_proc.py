@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -287,11 +288,7 @@ class RegistryCore:
                 return e
 
         futures = {name: self.readers.submit(read, name) for name in names}
-        waiting = set(futures.values())
-        deadline = time.monotonic() + VALIDATE_TIMEOUT_S
-        while waiting and time.monotonic() < deadline:
-            waiting = wait(waiting, timeout=min(BEAT_S, deadline - time.monotonic())).not_done
-            self.beat()
+        self._wait_beating(futures.values(), VALIDATE_TIMEOUT_S)
         out: dict[str, Validated | Exception] = {}
         for name, future in futures.items():
             if future.done():
@@ -319,10 +316,16 @@ class RegistryCore:
         items = {name: self.root / name for name in names if name not in self.taken}
         batch = self.batches.submit(load_adapters, items, self.model_cfg, self.max_rank,
                                     keep_weights=False, cache=self.cache, pack=self.store.pack)
-        while not batch.done():
-            wait([batch], timeout=BEAT_S)
-            self.beat()
+        self._wait_beating([batch])
         return {name: a for name, a in batch.result().items() if isinstance(a, LoraAdapter)}
+
+    def _wait_beating(self, futures, timeout_s: float = math.inf) -> None:
+        """Wait until the futures are done or timeout_s has passed, beating every BEAT_S."""
+        waiting = set(futures)
+        deadline = time.monotonic() + timeout_s
+        while waiting and time.monotonic() < deadline:
+            waiting = wait(waiting, timeout=min(BEAT_S, deadline - time.monotonic())).not_done
+            self.beat()
 
     def examine(self, name: str, read: Validated | Exception) -> bool:
         """Publish what one sub-directory became, from its read (_read_all); True if it was
