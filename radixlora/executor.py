@@ -175,13 +175,16 @@ class StepExecutor:
             out = self.runner.finish(step.launched)
         except Exception as e:  # the step after it was launched already and keeps its inputs
             log.exception("step %d failed", step.step)
+            added, dropped = self.runner.adapter_pool.host.drain_changes()
             return StepResult(step=step.step, error=f"{type(e).__name__}: {e}",
-                              unread_adapters=self.unread())  # fmt: skip
+                              unread_adapters=self.unread(), host_added=added,
+                              host_dropped=dropped)  # fmt: skip
         top_ids = top_lp = None
         if out.top_logprobs is not None:
             top_ids = [[i for i, _ in row] for row in out.top_logprobs]
             top_lp = [[lp for _, lp in row] for row in out.top_logprobs]
         host = self.runner.adapter_pool.host
+        added, dropped = host.drain_changes()
         return StepResult(
             step=step.step,
             token_ids=ids_to_bytes(out.token_ids),
@@ -193,6 +196,8 @@ class StepExecutor:
             host_adapters=len(host),
             host_bytes=host.nbytes,
             unread_adapters=self.unread(),
+            host_added=added,
+            host_dropped=dropped,
         )
 
     def _resolve_loads(self, loads: list[AdapterLoad]):

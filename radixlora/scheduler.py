@@ -124,6 +124,9 @@ class Scheduler:
         # adapter id -> step count of the plan that prefetched it, while its read may not have
         # ended: waiting requests on it are held while other work runs (note_reads)
         self.reading: dict[str, int] = {}
+        # adapter ids in the executor's host tier as its results report them (note_host): a
+        # request whose adapter is neither resident nor in it would make its step read disk
+        self.in_host: set[str] = set()
 
     # ---- intake ----------------------------------------------------------------------------
 
@@ -277,9 +280,10 @@ class Scheduler:
         """Admit waiting requests in priority order while KV, rows and the budget allow
         (reserved: the running requests' decode reserve, _admission_room). The distinct
         adapters of a batch are limited by the pool's rows (can_acquire), and by
-        max_adapter_sets_per_batch only when it is set. With hold_unread, a request whose
-        adapter is still being read for a prefetch load waits (unless aged), so no step stops
-        for a disk read while others can run."""
+        max_adapter_sets_per_batch only when it is set. With hold_unread, a request that
+        _needs_read waits while _prefetch loads its adapter, so no step stops for a disk read
+        while others can run (admitted, it would stop its step for the same read); an aged
+        one also stops admissions behind it, as at the other gates."""
         adapter_sets = {r.adapter_set.key for r in self.running}
         max_sets = self.config.max_adapter_sets_per_batch
         needs = queue.needs
@@ -291,9 +295,6 @@ class Scheduler:
                 return
             aged = self.step_count - req.arrival_step >= AGING_STEPS
             if req.parent is not None and not self._parent_ready(req.parent):
-                continue
-            if hold_unread and not aged and any(a.adapter_id in self.reading
-                                                for a in req.adapter_set.adapters):
                 continue
             new_set = req.adapter_set.key not in adapter_sets
             if new_set and max_sets is not None and len(adapter_sets) >= max_sets:
@@ -308,6 +309,10 @@ class Scheduler:
                 self.num_swap_deferred += 1
                 if aged:
                     return
+                continue
+            if hold_unread and self._needs_read(req):
+                if aged:
+                    return  # keep the rows its prefetch load takes
                 continue
             if not self._start(req, plan, budget, needs):
                 return
@@ -550,6 +555,18 @@ class Scheduler:
         for adapter_id, made_at in list(self.reading.items()):
             if made_at <= plan.made_at and adapter_id not in still:
                 del self.reading[adapter_id]
+
+    def note_host(self, added: list[str], dropped: list[str]) -> None:
+        self.in_host.difference_update(dropped)
+        self.in_host.update(added)
+
+    def _needs_read(self, req: Req) -> bool:
+        """Whether admitting req now would make its step wait for a read: an adapter of it is
+        being read for a prefetch load, or is neither resident nor in the host tier."""
+        return any(a.adapter_id in self.reading
+                   or not (a.adapter_id in self.in_host
+                           or self.residency.is_resident(a.adapter_id))
+                   for a in req.adapter_set.adapters)  # fmt: skip
 
     def discard(self, plan: BatchPlan) -> None:
         """A plan the worker did not run: its live requests go back to waiting and recompute

@@ -67,6 +67,7 @@ class StepLoop:
 
     def fold(self, result: StepResult) -> Folded | None:
         """Fold the oldest step's result in; None for a result of any other step (dropped)."""
+        self.scheduler.note_host(result.host_added, result.host_dropped)
         if not self.in_flight or result.step != self.in_flight[0][0].step:
             return None
         plan, batch, planned_at = self.in_flight.popleft()

@@ -83,6 +83,10 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     input_logprobs: list[list[float]] | None = None  # per plan item: scored prompt tokens
     host_adapters: int = 0  # the executor's host tier after the step
     host_bytes: int = 0
+    # adapters that entered / left the host tier since the previous result
+    # (HostAdapterCache.drain_changes): the scheduler's view of what loads without a disk read
+    host_added: list[str] = []
+    host_dropped: list[str] = []
     # adapters of prefetch loads still being read from disk (or waiting for a reader) when
     # the result was made: a step that reads their rows would wait for the read
     unread_adapters: list[str] = []

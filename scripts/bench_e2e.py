@@ -21,7 +21,8 @@ Workloads (prompts are random token ids; greedy; ignore_eos, so every request ge
 its max_tokens; a fresh prompt set per run, so runs do not hit each other's prefix cache):
   b  time to ready (launch until GET /health is 200), then the first request after ready (256
      tokens in, 64 out, adapter a0) against the median of 5 repeats of it, each after
-     POST /flush_cache so that it prefills its prompt again as the first did.
+     POST /flush_cache so that it prefills its prompt again as the first did; the repeats'
+     one-stream ITL P50.
   c  32 requests (256 in, 64 out), a0..a7 four times each, all sent at once: a warm-up run, then
      5 runs: output tok/s median and spread (max-min)/median. After the server stops, the same
      runs through the in-process radixlora.Engine (same prompts, adapters, parameters, engine
@@ -29,11 +30,12 @@ its max_tokens; a fresh prompt set per run, so runs do not hit each other's pref
   d  1000 requests (512 in, 128 out) over z0..z99 picked by Zipf popularity (exponent 1), all
      sent at once (no cap on requests in flight): fixed lengths, then lognormal lengths of the
      same means, then the fixed requests on the base model. A small warm-up run first.
-  e  Poisson arrivals at 70% of d's fixed-length request rate, min(60 s worth, 600) requests,
-     d's shapes: TTFT and ITL P50 / P99. Then "decode step alone": a closed batch of C requests
-     sent at once (C = e's requests in flight on average, by Little's law: measured request
-     rate x mean end-to-end latency; 16-token prompts, 256 new tokens, the same adapter
-     popularity): its ITL P50, and ITL P50(e) / it.
+  e  Poisson arrivals at 70% of d's fixed-length request rate (or --e-rate), min(60 s worth,
+     600) requests, d's shapes: TTFT and ITL P50 / P99, and TTFT split between the adapters
+     that hold half the requests and the rest. Then "decode step alone": a closed batch of C
+     requests sent at once (C = e's requests in flight on average, by Little's law: measured
+     request rate x mean end-to-end latency; 16-token prompts, 256 new tokens, the same
+     adapter popularity): its ITL P50, and ITL P50(e) / it.
 
   s  ShareGPT-like burst: 2000 requests whose prompt and output lengths are drawn by
      bench_serving.sharegpt_lengths (lognormal, about 270 / 210 tokens, capped at 2,048 /
@@ -586,9 +588,11 @@ def workload_b(ctx) -> dict:
         repeats.append(drive(ctx.url, [0.0], specs))
     steady = statistics.median(r["duration_s"] for r in repeats)
     steady_ttft = statistics.median(r["ttft_ms"]["p50"] for r in repeats)
+    steady_itl = statistics.median(r["itl_ms"]["p50"] for r in repeats)
     out = {"time_to_ready_s": ctx.ready_s, "first_s": first["duration_s"],
            "first_ttft_ms": first["ttft_ms"]["p50"], "steady_s": steady,
-           "steady_ttft_ms": steady_ttft, "repeats_s": [r["duration_s"] for r in repeats],
+           "steady_ttft_ms": steady_ttft, "steady_itl_ms": steady_itl,
+           "repeats_s": [r["duration_s"] for r in repeats],
            "first_over_steady": first["duration_s"] / steady}
     out["floor"] = floor(ctx.shape, planned(specs, ctx.ranks), ctx.peak_flops, ctx.peak_bw)
     out["steady_over_floor"] = steady / out["floor"]["floor_s"]
@@ -711,11 +715,12 @@ def d_rate_probe(ctx) -> float:
     return drive(ctx.url, gaps, specs)["request_throughput"]
 
 
-def workload_e(ctx, d_rate: float) -> dict:
-    """Poisson arrivals at 70% of d_rate, then a closed batch at their mean concurrency."""
+def workload_e(ctx, d_rate: float | None, rate: float | None = None) -> dict:
+    """Poisson arrivals at `rate` (default 70% of d_rate), then a closed batch at their mean
+    concurrency."""
     s = ctx.scale
     names = [f"z{i}" for i in range(s.d_adapters)]
-    rate = 0.7 * d_rate
+    rate = rate or 0.7 * d_rate
     n = max(1, min(s.e_max_requests, round(rate * s.e_seconds)))
     gaps, specs = plan(n, s.d_in, s.d_out, names, "zipf", ctx.vocab, seed=300, rate=rate)
     log(f"e: {n} requests, Poisson at {rate:.2f}/s")
@@ -831,6 +836,7 @@ def rows(results: dict) -> list[tuple[str, str]]:
                 ("b: steady median s (TTFT ms)",
                  f"{fmt(b['steady_s'])} ({fmt(b['steady_ttft_ms'])})"),
                 ("b: first / steady", fmt(b["first_over_steady"])),
+                ("b: one-stream ITL P50 ms (median of the repeats)", fmt(b["steady_itl_ms"])),
                 ("b: floor s", fmt(b["floor"]["floor_s"])),
                 ("b: steady / floor", fmt(b["steady_over_floor"]))]
     c = results.get("c")
@@ -866,8 +872,13 @@ def rows(results: dict) -> list[tuple[str, str]]:
                         f"{fmt(k['mean_requests'])}, {fmt(k['mean_tokens'])})"))
     e = results.get("e")
     if e:
-        out += [("e: rate req/s (70% of d)", fmt(e["rate"])), ("e: requests", str(e["requests"]))]
+        source = "70% of d" if e["d_rate"] else "--e-rate"
+        out += [(f"e: rate req/s ({source})", fmt(e["rate"])),
+                ("e: requests", str(e["requests"]))]
         out += run_rows("e Poisson", e["poisson"])
+        for label, t in e["poisson"]["ttft_ms_by_popularity"].items():
+            out.append((f"e: TTFT P50 / P99 ms, {t['adapters']} {label} adapters",
+                        f"{fmt(t['p50'])} / {fmt(t['p99'])} ({t['requests']} requests)"))
         out += [("e: Little's-law concurrency", fmt(e["little_concurrency"])),
                 ("e: closed batch ITL P50 ms", fmt(e["closed"]["itl_ms"]["p50"])),
                 ("e: ITL P50 / closed batch", fmt(e["itl_p50_over_closed"]))]
@@ -931,6 +942,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="s: client processes sending the burst (each its own event loop)")
     p.add_argument("--s-adapters", type=int, default=None,
                    help="s: rank-8 q/k/v/o adapters of the second run (default 100; --tiny 4)")
+    p.add_argument("--e-rate", type=float, default=None,
+                   help="e: Poisson arrivals per second (default: 70%% of d's fixed-length "
+                        "request rate, measured first when d is not run)")
     args = p.parse_args(argv)
     if args.s_adapters is None:
         args.s_adapters = 4 if args.tiny else 100
@@ -1005,12 +1019,14 @@ def run_http_workloads(args, ctx, results: dict) -> None:
         log("s: ShareGPT-like burst")
         results["s"] = workload_s(ctx, args.s_adapters)
     if "e" in chosen:
-        if "d" in results:
+        if args.e_rate:
+            d_rate = None
+        elif "d" in results:
             d_rate = results["d"]["fixed"]["request_throughput"]
         else:
             log("e: measuring d's fixed-length request rate first")
             d_rate = d_rate_probe(ctx)
-        results["e"] = workload_e(ctx, d_rate)
+        results["e"] = workload_e(ctx, d_rate, args.e_rate)
 
 
 if __name__ == "__main__":

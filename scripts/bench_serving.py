@@ -203,7 +203,27 @@ def summarize(results: list[Result], duration: float) -> dict:
         "output_tokens": tokens,
         "mean_e2e_s": float(np.mean(lat)) if lat else None,
         "per_adapter": dict(Counter(r.adapter for r in results)),
+        "ttft_ms_by_popularity": ttft_by_popularity(ok),
     }
+
+
+def ttft_by_popularity(ok: list[Result]) -> dict:
+    """TTFT P50 / P99 of the requests on the most-requested adapters that together hold half
+    of the requests ("popular"), and of the rest ("rare"): a tail that only the rare ones have
+    points at adapter residency rather than at the steps."""
+    counts = Counter(r.adapter for r in ok)
+    popular, held = set(), 0
+    for name, n in counts.most_common():
+        if held * 2 >= len(ok):
+            break
+        popular.add(name)
+        held += n
+    out = {}
+    for label, keep in (("popular", True), ("rare", False)):
+        ttfts = [r.ttft for r in ok if r.ttft is not None and (r.adapter in popular) == keep]
+        out[label] = {"adapters": len(popular) if keep else len(counts) - len(popular),
+                      "requests": len(ttfts), "p50": _pct(ttfts, 50), "p99": _pct(ttfts, 99)}
+    return out
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ from radixlora import Engine, SamplingParams
 from radixlora.config import EngineConfig, ModelConfig
 from radixlora.errors import AdapterError, RadixLoraError
 from radixlora.lora.adapter import LoraAdapter
+from radixlora.lora.host_cache import HostAdapterCache, PackedAdapter
 from radixlora.lora.pool import AdapterPool, AdapterResidency
 from radixlora.request import AdapterSet, Req, ReqStatus, cache_namespace
 from radixlora.scheduler import AGING_STEPS, BatchPlan, Scheduler
@@ -198,8 +199,8 @@ def test_prefetch_loads_queued_adapters_in_queue_order_bounded_per_step(monkeypa
 
 def test_requests_wait_for_their_prefetch_reads_while_other_work_runs():
     """A request whose adapter is still being read for a prefetch load is not scheduled while
-    other requests run (its step would stop for the read); it is once the read ended, once
-    nothing else can run, or once it has aged."""
+    other requests run (its step would stop for the read); it is once the read ended or once
+    nothing else can run. Aged, it still waits for the read, and stops admissions behind it."""
     a, b = fake_adapter(0), fake_adapter(1)
     sched = make_scheduler(rows=4, max_running=2)
     long = make_req("long", [a], max_tokens=2 * AGING_STEPS)
@@ -229,11 +230,63 @@ def test_requests_wait_for_their_prefetch_reads_while_other_work_runs():
     for req in (make_req("long", [a], max_tokens=4 * AGING_STEPS),
                 make_req("short", [a], max_tokens=1), make_req("held", [b], max_tokens=1)):
         aged.add(req)
-    steps = 0
-    while aged.waiting:
+    for _ in range(AGING_STEPS + 1):
         fold(aged, aged.schedule(), unread=[b.adapter_id])
-        steps += 1
-    assert AGING_STEPS <= steps <= AGING_STEPS + 2
+    held = next(r for r in aged.waiting if r.rid == "held")
+    behind = make_req("behind", [a], max_tokens=1)
+    aged.add(behind)
+    plan = aged.schedule()
+    assert [i.req.rid for i in plan.items] == ["long"] and behind.status is ReqStatus.WAITING
+    fold(aged, plan)  # the read has ended
+    assert [i.req.rid for i in aged.schedule().items] == ["long", "held"]
+
+
+def test_requests_on_adapters_only_on_disk_wait_for_a_prefetch_read():
+    """A request whose adapter is neither resident nor in the executor's host tier (as its
+    results report it: note_host) is held beside running work while its adapter is prefetched
+    (read in the background), and runs once the read ended; one whose adapter is in the host
+    tier is admitted at once, its load a copy."""
+    a, on_disk, in_host = fake_adapter(0), fake_adapter(1), fake_adapter(2)
+    sched = make_scheduler(rows=8, max_running=4)
+    sched.add(make_req("long", [a], max_tokens=8))
+    fold(sched, sched.schedule())
+    sched.note_host([in_host.adapter_id, on_disk.adapter_id], [])
+    sched.note_host([], [on_disk.adapter_id])  # the host tier dropped it again
+    sched.add(make_req("disk", [on_disk]))
+    sched.add(make_req("host", [in_host]))
+    plan = sched.schedule()
+    assert [i.req.rid for i in plan.items] == ["long", "host"]
+    assert loaded_ids(plan.adapter_loads) == [in_host.adapter_id]
+    assert loaded_ids(plan.prefetch_loads) == [on_disk.adapter_id]
+    fold(sched, plan, unread=[on_disk.adapter_id])
+    plan = sched.schedule()
+    assert [i.req.rid for i in plan.items] == ["long", "host"]
+    fold(sched, plan)  # the read has ended
+    plan = sched.schedule()
+    assert [i.req.rid for i in plan.items] == ["long", "host", "disk"]
+    assert not plan.adapter_loads
+
+
+def test_host_cache_reports_what_entered_and_left():
+    cache = HostAdapterCache(budget_bytes=64, pin=False)
+    packed = [PackedAdapter(f"{k:064x}", {"qkv": 1}, torch.zeros(8)) for k in range(3)]
+    mirror: set[str] = set()
+
+    def apply():
+        added, dropped = cache.drain_changes()
+        mirror.difference_update(dropped)
+        mirror.update(added)
+        return added, dropped
+
+    cache.put(packed[0])
+    cache.put(packed[1])
+    assert apply() == ([packed[0].adapter_id, packed[1].adapter_id], [])
+    cache.put(packed[2])  # 96 bytes > 64: the oldest leaves
+    assert apply() == ([packed[2].adapter_id], [packed[0].adapter_id])
+    cache.put(packed[0])  # back in, and packed[1] out, within one drain
+    cache.put(packed[1])
+    apply()
+    assert mirror == set(cache.ids()) and apply() == ([], [])
 
 
 def test_prefetch_takes_only_free_or_unneeded_rows():
@@ -486,6 +539,7 @@ def test_engine_with_a_small_pool_equals_one_holding_every_adapter(many_adapters
     assert engine_outputs(engine) == reference
     assert engine.scheduler.num_prefetches > 0 and engine.scheduler.residency.num_evictions > 0
     assert not engine.executor.owed
+    assert engine.scheduler.in_host == set(engine.executor.runner.adapter_pool.host.ids())
     assert_all_free(engine)
 
 

@@ -60,6 +60,8 @@ class HostAdapterCache:
         self.pin = pin
         self._entries: OrderedDict[str, PackedAdapter] = OrderedDict()
         self._nbytes = 0
+        self._added: set[str] = set()  # ids that entered / left since drain_changes()
+        self._dropped: set[str] = set()
 
     def __contains__(self, adapter_id: str) -> bool:
         return adapter_id in self._entries
@@ -90,13 +92,25 @@ class HostAdapterCache:
             self._nbytes -= old.nbytes
         self._entries[packed.adapter_id] = packed
         self._nbytes += packed.nbytes
+        self._added.add(packed.adapter_id)
+        self._dropped.discard(packed.adapter_id)
         self._trim()
         return packed
 
+    def drain_changes(self) -> tuple[list[str], list[str]]:
+        """(ids that entered, ids that left) since the last call: applied in call order to a
+        set of the ids cached before, they give the ids cached now."""
+        changes = sorted(self._added), sorted(self._dropped)
+        self._added.clear()
+        self._dropped.clear()
+        return changes
+
     def _trim(self) -> None:
         while self._nbytes > self.budget_bytes and len(self._entries) > 1:
-            _, dropped = self._entries.popitem(last=False)
+            adapter_id, dropped = self._entries.popitem(last=False)
             self._nbytes -= dropped.nbytes
+            self._added.discard(adapter_id)
+            self._dropped.add(adapter_id)
 
 
 def packed_name(layout_key: str) -> str:

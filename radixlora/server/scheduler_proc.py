@@ -205,7 +205,7 @@ class SchedulerService:
             return None, self._fail_step(folded.plan, folded.error)
         if folded.failed_adapters:
             return None, self._fail_adapters(folded.failed_adapters)
-        self.num_loads += len(folded.plan.adapter_loads)
+        self.num_loads += len(folded.plan.adapter_loads) + len(folded.plan.prefetch_loads)
         self.host_tier = (result.host_adapters, result.host_bytes)
         self.load_seconds += result.load_seconds
         bad = [req for req in folded.sampled if req.finish_reason == NON_FINITE_LOGITS]
