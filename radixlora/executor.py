@@ -3,9 +3,11 @@ loop, shared by the offline Engine (in process) and the worker process (over Zer
 
 An adapter load takes the adapter's packed rows from the pool's host tier, else from the
 adapter's packed file for this pool's layout if its path is a snapshot of the server's store
-(one file read into pinned memory: radixlora.lora.host_cache), else from the executor's adapter
-source (the Engine's registered versions; the worker reads the files and checks they still
-hash to the version the scheduler validated), packing them into the tier.
+(one file read into pinned memory: radixlora.lora.host_cache), else from a packing process
+(the worker on CUDA: radixlora.lora.packer, which keeps the GIL free for the thread that
+launches steps), else from the executor's adapter source (the Engine's registered versions;
+the worker reads the files and checks they still hash to the version the scheduler
+validated), packing them into the tier.
 A plan whose loads fail does not run: its result names the failed adapters, and the scheduler
 fails only the requests that use them (its other loads are written all the same: the scheduler
 keeps their adapters resident).
@@ -43,6 +45,7 @@ import numpy as np
 from radixlora.errors import AdapterError
 from radixlora.lora.adapter import LoraAdapter
 from radixlora.lora.host_cache import PackedAdapter, read_packed
+from radixlora.lora.packer import ProcessPacker
 from radixlora.model_runner import LaunchedStep, ModelRunner
 from radixlora.step_plan import AdapterLoad, StepPlan, StepResult, bytes_to_ids, ids_to_bytes
 
@@ -84,11 +87,13 @@ class StepExecutor:
     device, and their results collected in submission order."""
 
     def __init__(self, runner: ModelRunner, source: AdapterSource,
-                 snapshot_roots: tuple[Path, ...] = ()):
+                 snapshot_roots: tuple[Path, ...] = (), packer: ProcessPacker | None = None):
         """snapshot_roots: the server's snapshot stores, whose adapters' packed files are
-        read (radixlora.server.adapter_store.snapshot_roots)."""
+        read (radixlora.server.adapter_store.snapshot_roots); packer: packs the other
+        adapters in processes (else `source` is read and packed here)."""
         self.runner = runner
         self.source = source
+        self.packer = packer
         self.snapshot_roots = {os.path.realpath(root) for root in snapshot_roots}
         self.in_flight: deque[InFlight] = deque()  # oldest first
         self.owed: dict[str, OwedLoad] = {}  # by adapter id, in plan order
@@ -234,6 +239,9 @@ class StepExecutor:
             if packed is not None:
                 log.warning("adapter %s: its packed file does not fit this pool; reading its "
                             "files", load.name)
+        if self.packer is not None:
+            self._count("a packing process")
+            return self.packer.read(load, pool.layout, pool.host.pin)
         self._count("adapter files")
         adapter = self.source(load)
         if adapter.adapter_id != load.adapter_id:

@@ -13,13 +13,16 @@ import torch
 
 from radixlora.config import ModelConfig
 from radixlora.distributed import Shard
+from radixlora.errors import AdapterError
 from radixlora.lora import registration
 from radixlora.lora.adapter import load_adapter
 from radixlora.lora.host_cache import PackedAdapter, packed_name, read_packed, write_packed
+from radixlora.lora.packer import ProcessPacker
 from radixlora.lora.pool import AdapterPool, PoolLayout, pool_layouts
 from radixlora.lora.registration import HashCache, PackTarget, load_adapters
 from radixlora.server.messages import AdminReq
 from radixlora.server.registry_proc import RegistryCore
+from radixlora.step_plan import AdapterLoad
 from radixlora.token_bucket import TokenBucket
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 from tests.test_hotswap_units import _assert_nothing_held, _req, _services, _want
@@ -149,7 +152,7 @@ def test_validation_in_a_process_packs_too(model, cfg, adapter_dir, tmp_path):
     """The job the spawned validation processes run packs what the threads pack."""
     (layout,) = pool_layouts(cfg, torch.bfloat16, 1)
     pack = PackTarget(tmp_path / "ahead", (layout,))
-    raw = registration._validate_job(("a", str(adapter_dir), cfg, MAX_RANK, pack))
+    raw = registration.validate_job(("a", str(adapter_dir), cfg, MAX_RANK, pack))
     adapter, _ = msgspec.msgpack.decode(raw, type=registration.JobOutcome).outcome()
     assert not adapter.weights and pack.done(adapter.adapter_id)
     threads = PackTarget(tmp_path / "threads", (layout,))
@@ -197,6 +200,41 @@ def test_packed_files_outside_the_snapshots_are_never_read(model, cfg, tmp_path,
     got = _drive(sched, worker, [_req("r", "u")])
     assert reads == [str(user_dir)]
     assert got[("r", 0)] == _want(model, user_dir)
+
+
+def test_worker_packs_adapters_without_a_snapshot_in_a_process(model, cfg, tmp_path,
+                                                                monkeypatch):
+    """With a packer (the worker on CUDA), an adapter that has no snapshot (--adapter) is
+    read, validated and packed by a spawned process: the worker never reads its files, serves
+    what the Engine serves from them and keeps no packed file; an adapter whose files no
+    longer hash to the id the scheduler validated, or that fails validation, is refused."""
+    user_dir = build_tiny_adapter(model, tmp_path / "user" / "u", rank=4, seed=7)
+    sched, worker = _services(model, tmp_path / "state", adapters={"u": str(user_dir)})
+    layout = worker.runner.adapter_pool.layout
+    worker.packer = ProcessPacker(tmp_path / "packing", cfg, MAX_RANK, processes=1)
+
+    def no_file_reads(load):
+        raise AssertionError(f"read {load.path} in the worker")
+
+    monkeypatch.setattr(worker, "source", no_file_reads)
+    try:
+        got = _drive(sched, worker, [_req("r", "u")])
+        assert got[("r", 0)] == _want(model, user_dir)
+        assert worker.read_counts == {"a packing process": 1}
+        assert not list((tmp_path / "packing").iterdir())
+        stale = AdapterLoad(adapter_id="0" * 64, name="u", path=str(user_dir), rows=b"")
+        with pytest.raises(AdapterError, match="changed on disk after validation"):
+            worker.packer.read(stale, layout, pin=False)
+        broken = tmp_path / "broken"
+        broken.mkdir()
+        (broken / "adapter_config.json").write_text("{")
+        with pytest.raises(AdapterError, match="no adapter_model.safetensors"):
+            worker.packer.read(AdapterLoad(adapter_id="0" * 64, name="b", path=str(broken),
+                                           rows=b""), layout, pin=False)
+    finally:
+        worker.packer.close()
+    assert not (tmp_path / "packing").exists()
+    _assert_nothing_held(sched)
 
 
 def test_a_packed_file_must_fit_the_pool(cfg, adapter_dir):

@@ -307,8 +307,8 @@ def _in_processes(items: Mapping[str, str | Path], model: ModelConfig, max_rank:
     jobs = [(name, str(path), model, max_rank, pack) for name, path in items.items()]
     context = multiprocessing.get_context("spawn")
     decoder = msgspec.msgpack.Decoder(JobOutcome)
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_one_thread) as pool:
-        for raw in pool.map(_validate_job, jobs, chunksize=4):
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=one_torch_thread) as pool:
+        for raw in pool.map(validate_job, jobs, chunksize=4):
             yield decoder.decode(raw).outcome()
 
 
@@ -332,11 +332,11 @@ class JobOutcome(msgspec.Struct):
                            self.group_ranks, {}, self.trained_on, self.base_mismatch), self.stamp
 
 
-def _one_thread() -> None:
+def one_torch_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _validate_job(job: tuple[str, str, ModelConfig, int, PackTarget | None]) -> bytes:
+def validate_job(job: tuple[str, str, ModelConfig, int, PackTarget | None]) -> bytes:
     name, path, model, max_rank, pack = job
     before = adapter_stamp(path)
     try:

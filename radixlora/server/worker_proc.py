@@ -1,7 +1,8 @@
 """The worker process: owns the ModelRunner (weights, KV pool, adapter pool) and executes the
 scheduler's StepPlans through a StepExecutor. Adapters are read from disk by path the first time
-a plan loads them and must hash to the adapter id the scheduler validated; read adapters stay
-packed in the adapter pool's host tier (--host-adapter-bytes) for later loads."""
+a plan loads them (on CUDA by packing processes) and must hash to the adapter id the scheduler
+validated; read adapters stay packed in the adapter pool's host tier (--host-adapter-bytes) for
+later loads."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import zmq
 from radixlora.config import ModelConfig
 from radixlora.distributed import TensorParallel, local_device, rank_from_env, worker_rank_name
 from radixlora.errors import AdapterError
-from radixlora.executor import StepExecutor
+from radixlora.executor import WARM_READERS, StepExecutor
 from radixlora.lora.adapter import LoraAdapter, load_adapter
+from radixlora.lora.packer import ProcessPacker
 from radixlora.lora.registration import iter_adapters
 from radixlora.model_runner import ModelRunner
 from radixlora.server.adapter_store import snapshot_roots
@@ -47,7 +49,19 @@ def make_executor(args: ServerArgs, rank: int = 0) -> StepExecutor:
         return load_adapter(load.name, load.path, model_cfg, config.max_rank)
 
     roots = snapshot_roots(args.state_dir, args.data_parallel_size > 1)
-    return StepExecutor(runner, read, roots)
+    return StepExecutor(runner, read, roots, make_packer(args, runner, model_cfg, rank))
+
+
+def make_packer(args: ServerArgs, runner: ModelRunner, model_cfg: ModelConfig,
+                rank: int) -> ProcessPacker | None:
+    """On CUDA, adapters read while serving are packed in processes (radixlora.lora.packer),
+    so the thread that launches steps keeps the GIL; on the CPU the steps are the bottleneck
+    and the worker reads them itself. model_cfg: the full model's (adapters are validated
+    against it, then packed for this rank's layout)."""
+    if runner.device.type != "cuda" or not args.state_dir:
+        return None
+    root = Path(args.state_dir) / f"packing-{rank}"
+    return ProcessPacker(root, model_cfg, runner.config.max_rank, WARM_READERS)
 
 
 def join_group(args: ServerArgs, model_cfg: ModelConfig,
