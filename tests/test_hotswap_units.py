@@ -21,6 +21,7 @@ from radixlora.errors import AdapterError
 from radixlora.lora.adapter import load_adapter
 from radixlora.lora.host_cache import packed_name
 from radixlora.lora.pool import AdapterPool
+from radixlora.server import adapter_store as store_module
 from radixlora.server.admin import confine
 from radixlora.server.args import ServerArgs
 from radixlora.server.http import HttpError
@@ -582,6 +583,32 @@ def test_published_snapshots_register_from_their_headers(model, versions, tmp_pa
     assert sched.adapters.by_name["a"].adapter_id == snapshot.adapter_id
     got = _drive(sched, worker, [_req("r", "a")])
     assert got[("r", 0)] == _want(model, versions["v1"])
+    _assert_nothing_held(sched)
+
+
+def test_an_admin_load_whose_files_change_while_read_is_409(model, versions, tmp_path,
+                                                              monkeypatch):
+    """A scan race: the adapter's files are rewritten while an admin load reads them. The load
+    answers 409 adapter_changing and registers nothing; the same call once the files are still
+    loads."""
+    src = tmp_path / "src"
+    shutil.copytree(versions["v1"], src)
+    sched, _ = _services(model, tmp_path / "state")
+    real = store_module.read_adapter_files
+
+    def rewritten_while_read(name, path, roots=()):
+        out = real(name, path, roots)
+        config = Path(path) / "adapter_config.json"
+        config.write_text(config.read_text() + " ")
+        return out
+
+    monkeypatch.setattr(store_module, "read_adapter_files", rewritten_while_read)
+    reply = sched.lifecycle.admin(AdminReq(qid=1, op="load", name="a", path=str(src)))
+    assert (reply.status, reply.code) == (409, "adapter_changing"), reply
+    assert "a" not in sched.adapters.by_name
+    monkeypatch.setattr(store_module, "read_adapter_files", real)
+    reply = sched.lifecycle.admin(AdminReq(qid=2, op="load", name="a", path=str(src)))
+    assert reply.status == 200 and "a" in sched.adapters.by_name
     _assert_nothing_held(sched)
 
 

@@ -84,34 +84,59 @@ class PoolLayout:
         tensor: first the float32 qscales of every group ([layers, n_slices, rank] each), then
         the int8 A and B rows in the same order."""
         group_ranks = {g: adapter.group_ranks[g] for g in MODULE_GROUPS if g in adapter.group_ranks}
-        groups = [self._group_rows(adapter, g, r) for g, r in group_ranks.items()]
-        rows = torch.cat([t.flatten() for a, b, _ in groups for t in (a, b)])
         if not self.quantized:
-            return PackedAdapter(adapter.adapter_id, group_ranks, rows.to(self.dtype))
+            return PackedAdapter(adapter.adapter_id, group_ranks,
+                                 self._pack_float(adapter, group_ranks))
+        groups = [self._int8_group_rows(adapter, g, r) for g, r in group_ranks.items()]
+        rows = torch.cat([t.flatten() for a, b, _ in groups for t in (a, b)])
         scales = torch.cat([qs.flatten() for _, _, qs in groups]).view(torch.int8)
         return PackedAdapter(adapter.adapter_id, group_ranks, torch.cat([scales, rows]))
 
-    def _group_rows(self, adapter: LoraAdapter, group: str, rank: int):
-        """(a [layers, n_slices, rank, in_dim], b [layers, rank, out_total], qscales) of one
-        group: float32 with qscales None, or for an int8 pool int8 with qscales
-        [layers, n_slices, rank] float32. Each module is quantized whole, then sliced for this
-        tensor-parallel rank: slicing cuts A's columns or B's output rows, never a rank row,
-        so the scales hold for every slice and every TP degree stores the same values."""
+    def _pack_float(self, adapter: LoraAdapter, group_ranks: dict[str, int]) -> torch.Tensor:
+        """A float pool's packing, written straight into one buffer of the pool's dtype: each
+        float32 value is rounded once, as `.to(dtype)` of the whole would, with no float32
+        copy of the adapter beside its weights."""
+        out = torch.zeros(AdapterPool.load_bytes(self.cfg, self.dtype, group_ranks)
+                          // self.dtype.itemsize, dtype=self.dtype)
+        start = 0
+        for group, rank in group_ranks.items():
+            modules = MODULE_GROUPS[group]
+            in_dim, offsets = group_dims(self.cfg, group)
+            a_shape = (self.cfg.num_layers, len(modules), rank, in_dim)
+            b_shape = (self.cfg.num_layers, rank, offsets[-1])
+            a = out[start:start + math.prod(a_shape)].view(a_shape)
+            start += a.numel()
+            b = out[start:start + math.prod(b_shape)].view(b_shape)
+            start += b.numel()
+            for (layer, module), (lora_a, lora_b) in adapter.weights.items():
+                if module not in modules:
+                    continue
+                if self.shard is not None:
+                    lora_a, lora_b = self.shard.lora(module, lora_a, lora_b)
+                slice_idx, r = modules.index(module), lora_a.shape[0]
+                a[layer, slice_idx, :r] = lora_a
+                b[layer, :r, offsets[slice_idx]:offsets[slice_idx + 1]] = lora_b.t()
+        return out
+
+    def _int8_group_rows(self, adapter: LoraAdapter, group: str, rank: int):
+        """(a [layers, n_slices, rank, in_dim], b [layers, rank, out_total], qscales
+        [layers, n_slices, rank] float32) of one group, int8. Each module is quantized whole,
+        then sliced for this tensor-parallel rank: slicing cuts A's columns or B's output rows,
+        never a rank row, so the scales hold for every slice and every TP degree stores the
+        same values."""
         modules = MODULE_GROUPS[group]
         layers, n_slices = self.cfg.num_layers, len(modules)
         in_dim, offsets = group_dims(self.cfg, group)
-        dtype = torch.int8 if self.quantized else torch.float32
-        a = torch.zeros(layers, n_slices, rank, in_dim, dtype=dtype)
-        b = torch.zeros(layers, rank, offsets[-1], dtype=dtype)
-        qscales = torch.zeros(layers, n_slices, rank) if self.quantized else None
+        a = torch.zeros(layers, n_slices, rank, in_dim, dtype=torch.int8)
+        b = torch.zeros(layers, rank, offsets[-1], dtype=torch.int8)
+        qscales = torch.zeros(layers, n_slices, rank)
         for (layer, module), (lora_a, lora_b) in adapter.weights.items():
             if module not in modules:
                 continue
             slice_idx, r = modules.index(module), lora_a.shape[0]
-            if self.quantized:
-                (lora_a, a_scale), (b_t, b_scale) = quantize_rows(lora_a), quantize_rows(lora_b.t())
-                lora_b = b_t.t()
-                qscales[layer, slice_idx, :r] = a_scale * b_scale
+            (lora_a, a_scale), (b_t, b_scale) = quantize_rows(lora_a), quantize_rows(lora_b.t())
+            lora_b = b_t.t()
+            qscales[layer, slice_idx, :r] = a_scale * b_scale
             if self.shard is not None:
                 lora_a, lora_b = self.shard.lora(module, lora_a, lora_b)
             a[layer, slice_idx, :r] = lora_a

@@ -35,7 +35,7 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -261,7 +261,11 @@ def _on_threads(items: Mapping[str, str | Path], model: ModelConfig, max_rank: i
         pool.shutdown(cancel_futures=True)
 
 
-class _Read(NamedTuple):
+@dataclass
+class _Read:
+    """An adapter's files as read; validation empties tensor_bytes once the weights are built,
+    so the bytes are not held beside the packing."""
+
     path: str
     config_bytes: bytes
     tensor_bytes: bytes
@@ -290,6 +294,8 @@ def _validate_read(name: str, future: Future, model: ModelConfig, max_rank: int,
                                      max_rank, digest=read.digest)
     except AdapterError as e:
         return e, None
+    finally:
+        read.tensor_bytes = b""
     if pack is not None:
         pack.write(adapter)
     if not keep_weights:
