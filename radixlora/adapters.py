@@ -160,6 +160,10 @@ class AdapterRegistry:
         return AdapterSet.of(resolved)
 
 
+# `model` in a request naming the base model whatever its served name (SGLang's default)
+BASE_ALIAS = "default"
+
+
 def check_adapter_name(name, reserved: frozenset[str] = frozenset()) -> None:
     if not isinstance(name, str) or not name or len(name) > MAX_ADAPTER_NAME:
         raise InvalidRequestError(
@@ -172,4 +176,9 @@ def check_adapter_name(name, reserved: frozenset[str] = frozenset()) -> None:
     if name in reserved:
         raise InvalidRequestError(
             f"adapter name {name!r} is the served model's name; choose another", param="name"
+        )
+    if name == BASE_ALIAS:
+        raise InvalidRequestError(
+            f"adapter name {name!r} stands for the base model in requests (as in SGLang); "
+            "choose another", param="name"
         )

@@ -324,6 +324,7 @@ class EngineClient:
 
     def completions(self, req: CompletionRequest) -> dict:
         _no_stream(req.stream)
+        _default_text_options(req)
         params = completion_params(req, self.vocab_size)
         stops = stop_list(req.stop)
         prompts = [self._ids(p) for p in completion_prompts(req.prompt)]
@@ -347,10 +348,12 @@ class EngineClient:
 
     def chat(self, req: ChatRequest) -> dict:
         _no_stream(req.stream)
+        _default_text_options(req)
         params = chat_params(req, self.vocab_size)
         adapters = _spec(request_adapters(req, self.model_name)[0])
-        messages = [{"role": m.role, "content": m.content} for m in chat_messages(req.messages)]
-        text = self.runtime.chat_template.render(messages)
+        text = self.runtime.chat_template.prompt(
+            [m.as_dict() for m in chat_messages(req.messages)], req.add_generation_prompt,
+            req.continue_final_message, req.chat_template_kwargs)
         ids = self.runtime.engine.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = req.max_tokens if req.max_completion_tokens is None else (
             req.max_completion_tokens)
@@ -395,6 +398,14 @@ class EngineClient:
     def _chat_logprobs(self, r: GenResult) -> dict:
         texts, top = self._texts_and_top(r)
         return chat_logprobs(texts, r.logprobs, top)
+
+
+def _default_text_options(req) -> None:
+    """The server's text options the offline Runtime does not have yet: refused, not ignored."""
+    for field, default in (("skip_special_tokens", True), ("include_stop_str_in_output", False)):
+        if getattr(req, field) != default:
+            raise InvalidRequestError(f"{field} is not supported in batch runs yet",
+                                      param=field, code="unsupported_parameter")
 
 
 def _no_stream(stream: bool) -> None:

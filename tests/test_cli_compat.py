@@ -372,6 +372,63 @@ def test_offline_stop_strings_equal_the_servers(server, engine, stop):
 
 
 
+def test_vllm_and_sglang_flags_map_onto_the_engine_config():
+    config = resolved_overrides(parse("--block-size", "4", "--seed", "7", "--disable-radix-cache",
+                                      "--enable-prefix-caching", "--trust-remote-code"),
+                                DEMO_MODEL_DIR)
+    assert config == {"page_size": 4, "seed": 7, "enable_radix_cache": False}
+    assert resolved_overrides(parse("--random-seed", "0"), DEMO_MODEL_DIR) == {"seed": 0}
+    assert resolved_overrides(parse("--enable-prefix-caching"), DEMO_MODEL_DIR) == {}
+
+
+@pytest.mark.parametrize("argv, code, reason", [
+    (("--pipeline-parallel-size", "2"), 2, "--tensor-parallel-size or --data-parallel-size"),
+    (("-pp", "2"), 2, "pipeline parallelism is not supported"),
+    (("--fully-sharded-loras",), 2, "each rank holds its slice"),
+    (("--lora-backend", "triton"), 2, "chosen per device"),
+    (("--chat-template", "no/such/file.jinja"), 1, "no such file, and not a Jinja template"),
+    (("--chat-template", "{% for m in messages %}"), 1, "does not compile"),
+    (("--tokenizer", "/"), 1, "no tokenizer.json"),
+])
+def test_a_refused_flag_names_itself_and_the_reason(argv, code, reason):
+    """Flags without a counterpart are usage errors (2); a flag's bad value stops the launch
+    before any process starts (1); either way the last line names the flag and why."""
+    done = run_cli("serve", *argv)
+    assert done.returncode == code, done.stderr
+    assert argv[0] in last_line(done.stderr) and reason in last_line(done.stderr), done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_tokenizer_chat_template_and_no_radix_cache_flags(tmp_path):
+    """--tokenizer (a directory of its own), --chat-template (a file) and
+    --disable-radix-cache, as vLLM's and SGLang's launch lines give them."""
+    tokenizer_dir = tmp_path / "tok"
+    tokenizer_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (DEMO_MODEL_DIR / name).is_file():
+            (tokenizer_dir / name).write_bytes((DEMO_MODEL_DIR / name).read_bytes())
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] | upper }}{% endfor %}")
+    proc = ServerProcess(None, {}, tmp_path / "server.log", str(DEMO_MODEL_DIR),
+                         "--tokenizer", str(tokenizer_dir), "--chat-template", str(template),
+                         "--disable-radix-cache", "--seed", "3")
+    try:
+        proc.wait_ready()
+        messages = [{"role": "user", "content": "the red fox"}]
+        got = proc.http.post("/tokenize", json={"messages": messages}).json()
+        tokenizer = Tokenizer.from_dir(tokenizer_dir)
+        assert got["tokens"] == tokenizer.encode("THE RED FOX", add_special_tokens=False)
+        model = proc.http.get("/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+        for _ in range(2):
+            resp = proc.http.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert proc.info()["engine"]["seed"] == 3
+    finally:
+        assert proc.stop() == 0, proc.logs()
+
+
 def test_the_openai_client_on_an_sglang_style_server(tmp_path):
     """`--model-path` and `--lora-paths` as SGLang takes them, driven with the official client:
     an adapter by `model` and by `lora_path`."""

@@ -153,8 +153,9 @@ def test_unsupported_chat_fields_are_named(server, field, value):
 
 def test_unsupported_message_and_completion_fields_are_named(server):
     cases = [
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": WORDS, "name": "a"}]},
-         "messages[0].name"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": WORDS,
+                                                "tool_call_id": "a"}]},
+         "messages[0].tool_call_id"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "messages[0].content"),
         ("/v1/completions", {"prompt": PROMPT, "echo": True}, "echo"),

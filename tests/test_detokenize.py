@@ -92,20 +92,24 @@ def test_streamed_text_equals_full_decode(tokenizer, data, cuts):
     data=st.data(),
     cuts=st.lists(st.integers(1, 4), max_size=20),
     stops=st.lists(st.sampled_from(["e", "th", " a", "é", "\ufffd", "中文", "s t"]), max_size=3),
+    include=st.booleans(),
 )
-def test_stops_cut_the_streamed_text_as_the_whole_text(tokenizer, data, cuts, stops):
+def test_stops_cut_the_streamed_text_as_the_whole_text(tokenizer, data, cuts, stops, include):
+    """Streamed in any chunks, the text ends where the whole text's first stop string ends
+    (include: after it, include_stop_str_in_output) or begins (before it)."""
     vocab = tokenizer.vocab_size
     if data.draw(st.booleans()):
         ids = data.draw(st.lists(st.integers(0, vocab - 1), max_size=40))
     else:
         text = data.draw(st.text("aeths 中文é☃\n", max_size=40))
         ids = tokenizer.encode(text, add_special_tokens=False)
-    whole = StopMatcher(stops)
-    want = whole.feed(tokenizer.decode(ids))
+    whole = StopMatcher(stops, include)
+    decoded = tokenizer.decode(ids)
+    want = whole.feed(decoded)
     if whole.matched is None:
         want += whole.flush()
 
-    matcher, got = StopMatcher(stops), ""
+    matcher, got = StopMatcher(stops, include), ""
     for chunk in stream(tokenizer, ids, cuts):
         got += matcher.feed(chunk)
         if matcher.matched is not None:
@@ -113,6 +117,9 @@ def test_stops_cut_the_streamed_text_as_the_whole_text(tokenizer, data, cuts, st
     if matcher.matched is None:
         got += matcher.flush()
     assert (got, matcher.matched) == (want, whole.matched)
+    if matcher.matched is not None:
+        kept = got if include else got + matcher.matched
+        assert decoded.startswith(kept) and kept.endswith(matcher.matched)
 
 
 @settings(max_examples=100, deadline=None)

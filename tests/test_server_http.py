@@ -351,7 +351,7 @@ BAD = [
     ("/v1/completions", _c(stop=[f"s{i}" for i in range(5000)]), 400, "stop"),
     ("/v1/completions", _c(stop=["x" * 10000]), 400, "stop"),
     # malformed requests
-    ("/v1/completions", {"prompt": "hi"}, 400, None),
+    ("/v1/completions", {"model": 5, "prompt": "hi"}, 400, "model"),
     ("/v1/completions", _c(prompt=[[1], "x"]), 400, "prompt"),
     ("/v1/chat/completions", {**OK_CHAT, "messages": [{"role": "wizard", "content": "x"}]},
      400, "messages"),

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import sys
+from pathlib import Path
 
 from radixlora import __version__
 from radixlora.cli.flags import (
@@ -183,6 +184,8 @@ def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], serv
         model=str(model),
         adapters=adapters,
         served_model_name=served_name,
+        tokenizer=tokenizer_dir(args),
+        chat_template=chat_template_source(args.chat_template),
         host=args.host,
         port=args.port,
         zmq_client_port=args.zmq_client_port,
@@ -214,6 +217,41 @@ def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], serv
         zmq_client_key=args.zmq_client_key or os.environ.get("RADIXLORA_ZMQ_CLIENT_KEY", ""),
         allowed_adapter_roots=args.allowed_adapter_root,
     )
+
+
+def tokenizer_dir(args: argparse.Namespace) -> str:
+    """--tokenizer resolved to a directory holding a tokenizer.json ("" without the flag)."""
+    if args.tokenizer is None:
+        return ""
+    from radixlora.cli.hub import resolve
+
+    path = Path(resolve(args.tokenizer, "--tokenizer"))
+    if not (path / "tokenizer.json").is_file():
+        raise SystemExit(f"--tokenizer {args.tokenizer}: no tokenizer.json in {path}")
+    return str(path)
+
+
+def chat_template_source(value: str | None) -> str:
+    """--chat-template's template text: a file's, else the value itself if it is a template;
+    "" without the flag. A template that does not compile stops the launch."""
+    if value is None:
+        return ""
+    path = Path(value)
+    if path.is_file():
+        source = path.read_text()
+    elif "{{" in value or "{%" in value:
+        source = value
+    else:
+        raise SystemExit(f"--chat-template {value}: no such file, and not a Jinja template")
+    import jinja2
+
+    from radixlora.server.chat import ChatTemplate
+
+    try:
+        ChatTemplate(source)
+    except jinja2.TemplateError as e:
+        raise SystemExit(f"--chat-template: the template does not compile: {e}") from None
+    return source
 
 
 def _serve_parser(sub) -> None:
@@ -297,8 +335,41 @@ def _serve_parser(sub) -> None:
                    metavar="SECONDS",
                    help="while busy, log a stats line (load, KV, radix hits, token rates, "
                         "adapters) every SECONDS (0: off)")
+    p.add_argument("--tokenizer", "--tokenizer-path", default=None, metavar="DIR",
+                   help="a directory (or Hugging Face id) with the tokenizer.json and chat "
+                        "template to use (default: the model's)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="a Jinja chat template file, or the template itself (default: the "
+                        "tokenizer's chat_template.jinja or tokenizer_config.json)")
     add_engine_flags(p)
+    add_refused_flags(p)
     p.set_defaults(func=serve)
+
+
+# vLLM and SGLang flags radixlora has no counterpart for: the flag and the reason, in serve's
+# own usage (not argparse's "unrecognized arguments")
+REFUSED_FLAGS = {
+    ("--pipeline-parallel-size", "-pp"): "pipeline parallelism is not supported; use "
+                                         "--tensor-parallel-size or --data-parallel-size",
+    ("--fully-sharded-loras",): "not supported: under --tensor-parallel-size each rank holds "
+                                "its slice of every adapter already",
+    ("--lora-backend",): "not supported: the LoRA kernels are chosen per device (Triton SGMV "
+                         "on a GPU, torch on the CPU)",
+}
+
+
+def add_refused_flags(p: argparse.ArgumentParser) -> None:
+    for flags, reason in REFUSED_FLAGS.items():
+        p.add_argument(*flags, nargs="?", action=_Refused, reason=reason, help=argparse.SUPPRESS)
+
+
+class _Refused(argparse.Action):
+    def __init__(self, *args, reason: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reason = reason
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: {self.reason}")
 
 
 def port_number(value: str) -> int:

@@ -22,7 +22,7 @@ ENGINE_FLAGS = {
                                "activations and graphs (default 0.90)"),
     "kv_pages": (int, ("--kv-pages",), "KV pool pages (default: sized from GPU memory; 4096 "
                                        "on the CPU)"),
-    "page_size": (int, ("--page-size",), "tokens per KV page (default 1)"),
+    "page_size": (int, ("--page-size", "--block-size"), "tokens per KV page (default 1)"),
     "max_loras": (int, ("--max-loras",), "adapters of --max-lora-rank the device's adapter pool "
                                          "holds at once (default 32)"),
     "max_rank": (int, ("--max-lora-rank", "--max-rank"), "largest adapter rank accepted "
@@ -59,6 +59,10 @@ ENGINE_FLAGS = {
                                                "as e4m3 with a scale per output channel; a "
                                                "checkpoint's own quantization_config needs no "
                                                "flag (default: none)"),
+    "seed": (int, ("--seed", "--random-seed"), "seeds the sampling of requests that give no "
+                                                "seed of their own, so a server started "
+                                                "again with it answers the same requests "
+                                                "alike (default 0)"),
     "qlora_mismatch": (str, ("--qlora-mismatch",), "an adapter trained on another base weight "
                                                    "format (a QLoRA adapter on a dense base, or "
                                                    "the reverse): refuse it, or serve it and "
@@ -102,7 +106,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """EngineConfig overrides (default: the config's, sized on the device)."""
     for field, (kind, flags, help_text) in ENGINE_FLAGS.items():
         choices = CHOICES.get(field)
-        kind = kind if choices else positive(kind, allow_zero=field == "host_adapter_bytes")
+        kind = kind if choices else positive(kind, allow_zero=field in ("host_adapter_bytes",
+                                                                        "seed"))
         p.add_argument(*flags, dest=field, type=kind,
                        default=None, choices=choices, help=help_text)
     p.add_argument("--max-cpu-loras", type=positive(int), default=None, metavar="N",
@@ -114,10 +119,20 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-cuda-graph", "--enforce-eager", dest="cuda_graph",
                    action="store_false", default=None,
                    help="run every step eagerly (default: CUDA graphs on a GPU)")
+    p.add_argument("--disable-radix-cache", dest="enable_radix_cache", action="store_false",
+                   default=None, help="no prefix cache: every prompt is computed in full "
+                                      "(default: the radix cache on)")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="accepted for vLLM compatibility: the prefix cache is on unless "
+                        "--disable-radix-cache")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM/SGLang compatibility: radixlora never runs a "
+                        "checkpoint's own code, and a model whose architecture it does not "
+                        "implement is refused at start with or without this flag")
 
 
 def engine_overrides(args: argparse.Namespace) -> dict:
-    fields = (*ENGINE_FLAGS, "overlap_schedule", "cuda_graph")
+    fields = (*ENGINE_FLAGS, "overlap_schedule", "cuda_graph", "enable_radix_cache")
     out = {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
     if "dtype" in out:
         out["dtype"] = DTYPE_ALIASES.get(out["dtype"], out["dtype"])

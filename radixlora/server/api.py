@@ -94,8 +94,8 @@ class Api:
         self.sglang = SglangHandlers(runtime, args.model_name, vocab_size)
         self.access = Access(args.api_key, args.admin_api_key, args.enable_admin)
         self.admin = AdminHandlers(args, runtime, self.access)
-        max_model_len = args.engine_config().max_context(ModelConfig.from_dir(args.model))
-        self.utility = UtilityHandlers(args, self.access, vocab_size, max_model_len)
+        self.max_model_len = args.engine_config().max_context(ModelConfig.from_dir(args.model))
+        self.utility = UtilityHandlers(args, self.access, vocab_size, self.max_model_len)
 
     def error(self, status: int, message: str, code: str, param: str | None = None) -> Response:
         self.metrics.on_error(code)
@@ -126,6 +126,7 @@ class Api:
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/version", self.utility.version, methods=["GET"]),
             Route("/get_server_info", self.server_info, methods=["GET"]),
+            Route("/server_info", self.server_info, methods=["GET"]),
             Route("/flush_cache", self.flush_cache, methods=["POST"]),
             Route("/abort_request", self.abort_request, methods=["POST"]),
             Route("/v1/load_lora_adapter", self.load_lora, methods=["POST"]),
@@ -176,10 +177,11 @@ class Api:
         base = self.args.model_name
         created = int(self.started)
         data = [{"id": base, "object": "model", "created": created, "owned_by": "radixlora",
-                 "root": self.args.model, "parent": None}]
+                 "root": self.args.model, "parent": None, "max_model_len": self.max_model_len}]
         return data + [
             {"id": a["name"], "object": "model", "created": created, "owned_by": "radixlora",
-             "root": a["path"], "parent": base, "adapter_id": a["adapter_id"], "rank": a["rank"]}
+             "root": a["path"], "parent": base, "max_model_len": self.max_model_len,
+             "adapter_id": a["adapter_id"], "rank": a["rank"]}
             for a in info["adapters"]
         ]
 
@@ -209,7 +211,7 @@ class Api:
         self.access.identity(request)
         return json_response({
             "model_path": self.args.model,
-            "tokenizer_path": self.args.model,
+            "tokenizer_path": self.args.tokenizer_dir,
             "served_model_name": self.args.model_name,
             "is_generation": True,
         })

@@ -69,6 +69,8 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     adapters: dict[str, str] = {}
     served_model_name: str | None = None
+    tokenizer: str = ""  # --tokenizer: a directory with tokenizer.json (else the model's)
+    chat_template: str = ""  # --chat-template's template text (else the tokenizer's)
     host: str = "127.0.0.1"
     port: int = 30000
     zmq_client_port: int | None = None
@@ -107,6 +109,10 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     api_key: str = ""  # --api-key: Bearer key of every endpoint but /health and /metrics
     zmq_client_key: str = ""  # --zmq-client-key: the ZeroMQ client endpoint's (else api_key)
     allowed_adapter_roots: list[str] = []
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return self.tokenizer or self.model
 
     def __post_init__(self):
         if self.adapter_failure_policy not in ("reject", "base"):

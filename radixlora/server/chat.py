@@ -62,6 +62,11 @@ def _token_text(value) -> str | None:
     return value
 
 
+# template variables a request's chat_template_kwargs may not set: the request's own
+RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                                "continue_final_message"})
+
+
 class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "",
                  special_tokens: dict[str, str] | None = None):
@@ -75,12 +80,14 @@ class ChatTemplate:
         }
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> ChatTemplate:
-        """The template of a checkpoint directory: its chat_template.jinja (which transformers
-        prefers), else tokenizer_config.json's chat_template, else DEFAULT_CHAT_TEMPLATE."""
+    def from_dir(cls, path: str | Path, source: str = "") -> ChatTemplate:
+        """The template of a checkpoint directory: `source` when given (--chat-template), else
+        its chat_template.jinja (which transformers prefers), else tokenizer_config.json's
+        chat_template, else DEFAULT_CHAT_TEMPLATE; the special tokens are the directory's."""
         file, jinja = Path(path) / "tokenizer_config.json", Path(path) / "chat_template.jinja"
         config = json.loads(file.read_text()) if file.is_file() else {}
-        source = jinja.read_text() if jinja.is_file() else config.get("chat_template")
+        if not source:
+            source = jinja.read_text() if jinja.is_file() else config.get("chat_template")
         source = source or DEFAULT_CHAT_TEMPLATE
         if isinstance(source, list):  # named templates: [{"name": ..., "template": ...}]
             named = {t.get("name"): t.get("template") for t in source}
@@ -107,3 +114,30 @@ class ChatTemplate:
             raise InvalidRequestError(
                 f"the chat template rejected the messages: {e}", param="messages"
             ) from e
+
+    def prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+               continue_final_message: bool = False,
+               template_kwargs: dict | None = None) -> str:
+        """A chat request's prompt, with vLLM's options: `template_kwargs`
+        (chat_template_kwargs) are more template variables; continue_final_message renders the
+        last message left open, the text cut right after its content (as transformers'
+        apply_chat_template does), for the model to continue it."""
+        kwargs = template_kwargs or {}
+        reserved = sorted(RESERVED_VARIABLES & kwargs.keys())
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                                      param="chat_template_kwargs")
+        if not continue_final_message:
+            return self.render(messages, add_generation_prompt, **kwargs)
+        if add_generation_prompt:
+            raise InvalidRequestError("continue_final_message needs add_generation_prompt: "
+                                      "false", param="continue_final_message")
+        final = messages[-1]["content"]
+        text = self.render(messages, False, **kwargs)
+        for probe in (final, final.strip()):
+            end = text.rfind(probe) if probe else -1
+            if end >= 0:
+                return text[:end + len(probe)]
+        raise InvalidRequestError("the chat template does not render the last message's "
+                                  "content as given, so it cannot be continued",
+                                  param="continue_final_message")

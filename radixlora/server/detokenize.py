@@ -17,9 +17,10 @@ class IncrementalDecoder:
     """decode(ids) computed chunk by chunk with tokenizers' DecodeStream: each push returns the
     new final characters, flush the ones held back at the end (an incomplete character)."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tok = tokenizer
-        self.stream = DecodeStream(skip_special_tokens=True)
+        self.skip = skip_special_tokens
+        self.stream = DecodeStream(skip_special_tokens=self.skip)
         self.released: list[int] = []  # the ids whose text the last released chunk completed
         self.pending: list[int] = []  # the ids after them, their text not final yet
 
@@ -30,8 +31,8 @@ class IncrementalDecoder:
         """The characters still held back; the decoder is done after it."""
         if not self.pending:
             return ""
-        prefix = self.tok.decode(self.released)
-        full = self.tok.decode(self.released + self.pending)
+        prefix = self.tok.decode(self.released, self.skip)
+        full = self.tok.decode(self.released + self.pending, self.skip)
         self.released, self.pending = self.released + self.pending, []
         return full[len(prefix) :]
 
@@ -52,25 +53,27 @@ class IncrementalDecoder:
         """A decoder whose text for more tokens does not extend its text for fewer (byte
         fallback around invalid UTF-8): the released text stays, the characters beyond its
         length are released, and a fresh stream continues from the pending ids."""
-        prefix = self.tok.decode(self.released)
-        full = self.tok.decode(self.released + self.pending)
-        self.stream = DecodeStream(skip_special_tokens=True)
+        prefix = self.tok.decode(self.released, self.skip)
+        full = self.tok.decode(self.released + self.pending, self.skip)
+        self.stream = DecodeStream(skip_special_tokens=self.skip)
         try:
             for token_id in self.pending:
                 self.stream.step(self.tok.hf, token_id)
         except Exception as e:
             if not str(e).startswith(INVALID_PREFIX):
                 raise
-            self.stream = DecodeStream(skip_special_tokens=True)
+            self.stream = DecodeStream(skip_special_tokens=self.skip)
         return full[len(prefix) :]
 
 
 class StopMatcher:
     """Finds the first stop string to complete in the generated text; holds back a tail that
-    may still become one. `emitted` characters of `text` have been released."""
+    may still become one. `emitted` characters of `text` have been released. With
+    include_stop, the text ends with the matched stop string instead of just before it."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include_stop: bool = False):
         self.stops = [s for s in stops if s]
+        self.include_stop = include_stop
         self.longest = max((len(s) for s in self.stops), default=0)
         self.text = ""
         self.emitted = 0
@@ -78,15 +81,16 @@ class StopMatcher:
 
     def feed(self, delta: str) -> str:
         """Add text; returns what may be released now. After a match, `matched` is set and
-        the text is cut just before the stop string."""
+        the text is cut just before the stop string (just after it with include_stop)."""
         scan_from = max(0, len(self.text) - self.longest + 1)
         self.text += delta
         hit = self._earliest_stop(scan_from)
         if hit is not None:
             pos, stop = hit
-            self.text = self.text[:pos]
+            end = pos + len(stop) if self.include_stop else pos
+            self.text = self.text[:end]
             self.matched = stop
-            return self._release(pos)
+            return self._release(end)
         return self._release(len(self.text) - self._held_tail())
 
     def flush(self) -> str:

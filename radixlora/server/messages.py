@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -77,9 +77,25 @@ class Message(msgspec.Struct, tag=True, kw_only=True):
 # ---- api -> tokenizer ------------------------------------------------------------------------
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str
     content: str
+    name: str | None = None  # the participant's name, for templates that show it
+
+    def as_dict(self) -> dict:
+        """The message as the chat template sees it: `name` only when given."""
+        out = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatOptions(msgspec.Struct, kw_only=True):
+    """How a chat request's messages are rendered (vLLM's fields of the same names)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = {}  # chat_template_kwargs: more template variables
 
 
 class GenerateReq(Message):
@@ -95,6 +111,9 @@ class GenerateReq(Message):
     messages: list[ChatMessage] | None = None
     adapters: list[AdapterChoice] | None = None
     stop: list[str] = []
+    include_stop: bool = False  # the matched stop string ends the text (else cut before)
+    skip_special_tokens: bool = True  # special tokens left out of the text
+    chat: ChatOptions | None = None  # with messages: how they are rendered
     token_texts: bool = False  # attach per-token strings (for logprobs)
     logprob_start: Count | None = None  # return the logprobs of prompt tokens from here on
     score_only: bool = False  # max_new_tokens 0 with prompt logprobs: drop the sampled token

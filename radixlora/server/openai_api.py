@@ -17,7 +17,7 @@ from radixlora.server.http import (
     stream_body,
     until_disconnect,
 )
-from radixlora.server.messages import GenerateReq, SampleOutput, ids_to_bytes
+from radixlora.server.messages import ChatOptions, GenerateReq, SampleOutput, ids_to_bytes
 from radixlora.server.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -58,6 +58,8 @@ class OpenAIHandlers:
             reqs.append(GenerateReq(
                 rid=f"{rid}-{p}", params=params, fill_context=req.max_tokens is None, prompt=text,
                 input_ids=ids, adapters=adapters, stop=stops,
+                include_stop=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
                 token_texts=req.logprobs is not None,
             ))
         return reqs, batch_label(choices)
@@ -92,7 +94,7 @@ class OpenAIHandlers:
             offsets[index] = offsets.get(index, 0) + len(out.text)
             choice = completion_choice(index, out.text, logprobs, out.finish_reason)
             yield sse({**head, **fallback_fields(gens), "choices": [choice],
-                       **obfuscation(req, out.text)})
+                       **obfuscation(req, out.text), **continuous_usage(req, gens)})
         if include_usage(req):
             yield sse({**head, "choices": [], "usage": _usage(gens)})
         yield SSE_DONE
@@ -107,7 +109,12 @@ class OpenAIHandlers:
         gen = GenerateReq(
             rid=rid, params=params, fill_context=max_tokens is None,
             messages=chat_messages(req.messages),
-            adapters=choices, stop=stop_list(req.stop), token_texts=bool(req.logprobs),
+            chat=ChatOptions(add_generation_prompt=req.add_generation_prompt,
+                             continue_final_message=req.continue_final_message,
+                             template_kwargs=req.chat_template_kwargs or {}),
+            adapters=choices, stop=stop_list(req.stop),
+            include_stop=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens, token_texts=bool(req.logprobs),
         )
         return gen, adapter_label(choices)
 
@@ -134,13 +141,13 @@ class OpenAIHandlers:
                 started.add(out.index)
                 first = {"index": out.index, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None}
-                yield sse({**head, "choices": [first]})
+                yield sse({**head, "choices": [first], **continuous_usage(req, gens)})
             delta = {"content": out.text} if out.text else {}
             logprobs = _chat_logprobs(_as_sample(out)) if req.logprobs else None
             choice = {"index": out.index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": out.finish_reason}
             yield sse({**head, **fallback_fields(gens), "choices": [choice],
-                       **obfuscation(req, out.text)})
+                       **obfuscation(req, out.text), **continuous_usage(req, gens)})
         if include_usage(req):
             yield sse({**head, "choices": [], "usage": _usage(gens)})
         yield SSE_DONE
@@ -162,6 +169,13 @@ def batch_label(choices: list) -> str:
 
 def include_usage(req) -> bool:
     return req.stream_options is not None and bool(req.stream_options.include_usage)
+
+
+def continuous_usage(req, gens: list[Generation]) -> dict:
+    """stream_options.continuous_usage_stats (vLLM): the usage so far in every chunk."""
+    if req.stream_options is None or not req.stream_options.continuous_usage_stats:
+        return {}
+    return {"usage": _usage(gens)}
 
 
 OBFUSCATION_CHARS = string.ascii_letters + string.digits

@@ -5,10 +5,11 @@ tokenizer/scheduler with an InvalidRequestError naming the field."""
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
+from radixlora.adapters import BASE_ALIAS
 from radixlora.errors import InvalidRequestError
 from radixlora.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from radixlora.server.messages import AdapterChoice, ChatMessage
@@ -34,6 +35,7 @@ class Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class StreamOptions(Strict):
     include_usage: bool | None = False
     include_obfuscation: bool | None = None
+    continuous_usage_stats: bool | None = False  # vLLM: usage so far in every chunk
 
 
 class AdapterRef(Strict):
@@ -46,7 +48,7 @@ class _Sampling(Strict):
     (top_k, min_p, ignore_eos, stop_token_ids as vLLM and SGLang take them; `adapters`;
     SGLang's `lora_path`; LoRAX's `adapter_id`)."""
 
-    model: str
+    model: str = ""  # "" (left out) or "default": the base model, as in SGLang
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int32 | None = None
@@ -65,6 +67,8 @@ class _Sampling(Strict):
     adapters: list[AdapterRef] | None = None
     lora_path: str | list[str | None] | None = None
     adapter_id: str | None = None
+    skip_special_tokens: bool = True  # vLLM: special tokens left out of the text
+    include_stop_str_in_output: bool = False  # vLLM: the matched stop string ends the text
 
     def __post_init__(self):
         self.n = 1 if self.n is None else self.n  # null means the default, as at OpenAI
@@ -93,7 +97,7 @@ class ContentPart(Strict):
 class ChatMessageIn(Strict):
     role: str
     content: str | list[ContentPart] | None = None
-    name: object = None
+    name: str | None = None
     tool_calls: object = None
     tool_call_id: object = None
     function_call: object = None
@@ -108,6 +112,10 @@ class ChatRequest(_Sampling, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: Int32 | None = None
     parallel_tool_calls: bool | None = None  # nothing to call: tools are refused
+    # vLLM's: template variables, the generation prompt, continuing the last message
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     prompt_cache_key: str | None = None  # every prefix is cached, whatever the key
     safety_identifier: str | None = None
     # accepted only at the value that asks for nothing radixlora lacks (NEUTRAL_CHAT)
@@ -152,7 +160,7 @@ NEUTRAL_CHAT: dict[str, tuple] = {
     "web_search_options": (),
 }
 NEUTRAL_MESSAGE: dict[str, tuple] = {
-    "name": (), "tool_calls": ([],), "tool_call_id": (), "function_call": (), "refusal": (),
+    "tool_calls": ([],), "tool_call_id": (), "function_call": (), "refusal": (),
     "audio": (),
 }
 
@@ -175,8 +183,9 @@ class SglSamplingParams(Strict):
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     spaces_between_special_tokens: bool | None = None  # only matters when they are kept
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None  # the matched stop string ends the text
     # accepted only at the value that asks for nothing radixlora lacks (NEUTRAL_SGL_SAMPLING)
-    skip_special_tokens: object = None
     min_new_tokens: object = None
     stop_regex: object = None
     regex: object = None
@@ -184,7 +193,6 @@ class SglSamplingParams(Strict):
     ebnf: object = None
     structural_tag: object = None
     beam_width: object = None
-    no_stop_trim: object = None
     stream_interval: object = None
     logit_bias: object = None
     custom_params: object = None
@@ -192,7 +200,6 @@ class SglSamplingParams(Strict):
 
 
 NEUTRAL_SGL_SAMPLING: dict[str, tuple] = {
-    "skip_special_tokens": (True,),
     "min_new_tokens": (0,),
     "stop_regex": ([], ""),
     "regex": (),
@@ -200,7 +207,6 @@ NEUTRAL_SGL_SAMPLING: dict[str, tuple] = {
     "ebnf": (),
     "structural_tag": (),
     "beam_width": (),
-    "no_stop_trim": (False,),
     "stream_interval": (1,),
     "logit_bias": ({},),
     "custom_params": ({},),
@@ -357,8 +363,8 @@ def prompt_adapters(model: str, base_name: str, adapters: list[AdapterRef] | Non
     base); SGLang's `lora_path` names one adapter (null: the base) for every prompt or, as a
     list, for each; LoRAX's `adapter_id` names one. Fields that name different adapters for
     one prompt are a 400 naming the later field."""
-    if not model:
-        raise InvalidRequestError("model must name the base model or an adapter", param="model")
+    if not model or model == BASE_ALIAS:  # no model, or SGLang's "default": the base
+        model = base_name
     named, source = None, "model"
     if model.startswith(base_name + ":"):
         named = model[len(base_name) + 1 :]
@@ -416,6 +422,9 @@ def build_params(vocab_size: int, **fields) -> SamplingParams:
 
 
 def _common(req: _Sampling, vocab_size: int, max_tokens, logprobs) -> SamplingParams:
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequestError("stream_options is only allowed when stream is true",
+                                  param="stream_options")
     if req.logit_bias:
         raise InvalidRequestError("logit_bias is not supported", param="logit_bias",
                                   code="unsupported_parameter")
@@ -504,7 +513,7 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
         if m.role not in CHAT_ROLES:
             raise InvalidRequestError(f"unknown role {m.role!r}", param="messages")
         refuse_unsupported(m, NEUTRAL_MESSAGE, f"messages[{i}].")
-        out.append(ChatMessage(role=m.role, content=_content_text(m.content, i)))
+        out.append(ChatMessage(role=m.role, content=_content_text(m.content, i), name=m.name))
     return out
 
 

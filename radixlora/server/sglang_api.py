@@ -70,6 +70,8 @@ class SglangHandlers:
                 logprob_start=scored,
                 adapters=adapters,
                 stop=stop_list(sp.stop),
+                include_stop=bool(sp.no_stop_trim),
+                skip_special_tokens=sp.skip_special_tokens is not False,
                 token_texts=returned,
             ))
         return reqs, batched

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 import zmq
 
@@ -35,6 +34,7 @@ from radixlora.server.ipc import (
 )
 from radixlora.server.messages import (
     AbortReq,
+    ChatOptions,
     GenerateReq,
     OutputBatch,
     ReqError,
@@ -71,6 +71,8 @@ class ReqState:
     n: int
     stop: list[str]
     token_texts: bool
+    include_stop: bool = False
+    skip_special_tokens: bool = True
     head: int | None = None  # logprob_start 0: the first prompt token, reported unscored
     samples: dict[int, SampleState] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
@@ -84,8 +86,8 @@ class TokenizerService:
     def __init__(self, args: ServerArgs):
         self.model_cfg = ModelConfig.from_dir(args.model)
         self.max_total = max_total_tokens(self.model_cfg, args.engine_config())
-        self.tokenizer = Tokenizer.from_dir(args.model)
-        self.chat = ChatTemplate.from_dir(args.model)
+        self.tokenizer = Tokenizer.from_dir(args.tokenizer_dir)
+        self.chat = ChatTemplate.from_dir(args.tokenizer_dir, args.chat_template)
         self.reqs: dict[str, ReqState] = {}
         # Guards reqs and pending. A pool thread sends its result while holding it, so an abort
         # either finds its request pending or follows its TokenizedReq to the scheduler.
@@ -135,8 +137,10 @@ class TokenizerService:
                 "this model has no tokenizer.json; send token ids", param="prompt"
             )
         if req.messages is not None:
-            messages = [msgspec.structs.asdict(m) for m in req.messages]
-            text = self.chat.render(messages)
+            chat = req.chat or ChatOptions()
+            text = self.chat.prompt([m.as_dict() for m in req.messages],
+                                    chat.add_generation_prompt, chat.continue_final_message,
+                                    chat.template_kwargs)
             self.check_bytes(text, "messages")
             ids = self.tokenizer.encode_unlocked(text, add_special_tokens=False)
         else:
@@ -176,7 +180,8 @@ class TokenizerService:
             return [], [self._empty_outputs(req, len(outcome.input_ids) // 4)]
         head = int(bytes_to_ids(outcome.input_ids)[0]) if req.logprob_start == 0 else None
         with self.lock:
-            self.reqs[req.rid] = ReqState(req.params.n, req.stop, req.token_texts, head)
+            self.reqs[req.rid] = ReqState(req.params.n, req.stop, req.token_texts,
+                                          req.include_stop, req.skip_special_tokens, head)
             self.routes[req.rid] = self.router.route(req.adapters,
                                                      bytes_to_ids(outcome.input_ids),
                                                      req.params.n, req.data_parallel_rank)
@@ -263,9 +268,8 @@ class TokenizerService:
         sample = state.samples.get(out.index)
         input_ids = out.input_ids
         if sample is None:
-            sample = SampleState(
-                IncrementalDecoder(self.tokenizer), StopMatcher(state.stop), state.token_texts
-            )
+            sample = SampleState(IncrementalDecoder(self.tokenizer, state.skip_special_tokens),
+                                 StopMatcher(state.stop, state.include_stop), state.token_texts)
             state.samples[out.index] = sample
             if state.head is not None:
                 input_ids = ids_to_bytes([state.head, *bytes_to_ids(input_ids).tolist()])

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -48,10 +47,11 @@ class UtilityHandlers:
     def _tokenizer(self) -> tuple[Tokenizer, ChatTemplate]:
         with self.lock:
             if self._loaded is None:
-                tokenizer = Tokenizer.from_dir(self.args.model)
+                tokenizer = Tokenizer.from_dir(self.args.tokenizer_dir)
                 if tokenizer is None:
                     raise HttpError(400, "this model has no tokenizer.json", "no_tokenizer")
-                self._loaded = tokenizer, ChatTemplate.from_dir(self.args.model)
+                self._loaded = tokenizer, ChatTemplate.from_dir(self.args.tokenizer_dir,
+                                                                self.args.chat_template)
             return self._loaded
 
     async def tokenize(self, request: Request) -> Response:
@@ -67,7 +67,7 @@ class UtilityHandlers:
         long prompt never hold the event loop (the tokenizer releases the GIL)."""
         tokenizer, template = self._tokenizer()
         if messages is not None:
-            text = template.render([msgspec.structs.asdict(m) for m in messages],
+            text = template.render([m.as_dict() for m in messages],
                                    add_generation_prompt=body.add_generation_prompt)
             special = bool(body.add_special_tokens)
         else:

@@ -1,0 +1,161 @@
+"""vLLM's and SGLang's extension fields, as their clients send them to `radixlora serve` (one
+server on the tiny model, with a chat template of the test's own): stop strings kept in the
+output, special tokens in the text, chat template variables, message names, continuing the
+last message, usage in every streamed chunk, and the base model when `model` is left out."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from radixlora.adapters import check_adapter_name
+from radixlora.errors import InvalidRequestError
+from radixlora.server.chat import ChatTemplate
+from radixlora.tokenizer import Tokenizer
+from scripts.checkpoints import SPECIALS
+from tests.server_harness import MODEL_NAME, build_checkpoints, running_server
+
+PROMPT = "A radix cache shares prefix KV"
+TEMPLATE = ("{% for m in messages %}{% if m.name %}{{ m.name }}: {% endif %}{{ m.content }}"
+            "{% if not loop.last %} | {% endif %}{% endfor %}"
+            "{% if add_generation_prompt %} | A:{% endif %}{% if shout %} LOUDLY{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("extensions")
+    model, adapters = build_checkpoints(root)
+    template = root / "template.jinja"
+    template.write_text(TEMPLATE)
+    with running_server(model, adapters, root / "server.log",
+                        "--chat-template", str(template)) as proc:
+        yield proc, Tokenizer.from_dir(model), ChatTemplate(TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def client(setup):
+    return openai.OpenAI(base_url=setup[0].url + "/v1", api_key="unused", max_retries=0)
+
+
+def complete(client, **kwargs) -> str:
+    body = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0,
+                extra_body={"ignore_eos": True, **kwargs.pop("extra_body", {})}, **kwargs)
+    return client.completions.create(**body).choices[0].text
+
+
+def test_include_stop_str_in_output_and_no_stop_trim(setup, client):
+    server = setup[0]
+    full = complete(client)
+    stop = full[5:8]
+    kept = full[: full.index(stop) + len(stop)]
+    assert complete(client, stop=[stop]) == full[: full.index(stop)]
+    assert complete(client, stop=[stop], extra_body={"include_stop_str_in_output": True}) == kept
+    chunks = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16,
+                                       temperature=0, stop=[stop], stream=True,
+                                       extra_body={"ignore_eos": True,
+                                                   "include_stop_str_in_output": True})
+    assert "".join(c.choices[0].text for c in chunks) == kept
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 16, "temperature": 0,
+                                                "ignore_eos": True, "stop": [stop],
+                                                "no_stop_trim": True}}
+    assert server.http.post("/generate", json=body).json()["text"] == kept
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(setup):
+    """Sampled outputs until one holds a special token: its text with skip_special_tokens
+    false is the tokenizer's decode keeping them, and by default the decode without them."""
+    server, tokenizer, _ = setup
+    specials = {tokenizer.hf.token_to_id(t) for t in SPECIALS}
+    for seed in range(40):
+        sampling = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True,
+                    "sampling_seed": seed}
+        body = {"text": PROMPT, "return_logprob": True, "sampling_params": sampling}
+        out = server.http.post("/generate", json=body).json()
+        ids = [e[1] for e in out["meta_info"]["output_token_logprobs"]]
+        if specials & set(ids):
+            break
+    else:
+        pytest.fail("no sampled output held a special token")
+    assert out["text"] == tokenizer.decode(ids, skip_special_tokens=True)
+    kept = server.http.post("/generate", json={
+        **body, "sampling_params": {**sampling, "skip_special_tokens": False}}).json()
+    assert kept["text"] == tokenizer.decode(ids, skip_special_tokens=False) != out["text"]
+    chat = server.http.post("/v1/completions", json={
+        "model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 24, "temperature": 1.0,
+        "seed": seed, "ignore_eos": True, "skip_special_tokens": False}).json()
+    assert chat["choices"][0]["text"] == kept["text"]
+
+
+def prompt_tokens(client, messages, **extra) -> int:
+    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1,
+                                         temperature=0, extra_body=extra or None)
+    return out.usage.prompt_tokens
+
+
+def test_chat_template_kwargs_names_and_continuing_the_last_message(setup, client):
+    _, tokenizer, template = setup
+    messages = [{"role": "user", "content": "hello there", "name": "bob"},
+                {"role": "assistant", "content": "the red fox"}]
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    plain = template.prompt(messages)
+    assert plain == "bob: hello there | the red fox | A:"
+    assert prompt_tokens(client, messages) == count(plain)
+    loud = template.prompt(messages, template_kwargs={"shout": True})
+    assert prompt_tokens(client, messages, chat_template_kwargs={"shout": True}) == count(loud)
+    assert count(loud) > count(plain)
+    open_end = template.prompt(messages, add_generation_prompt=False,
+                               continue_final_message=True)
+    assert open_end.endswith("the red fox")
+    assert prompt_tokens(client, messages, add_generation_prompt=False,
+                         continue_final_message=True) == count(open_end)
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
+        prompt_tokens(client, messages, continue_final_message=True)
+    with pytest.raises(openai.BadRequestError, match="may not set messages"):
+        prompt_tokens(client, messages, chat_template_kwargs={"messages": []})
+
+
+def test_continuous_usage_stats_in_every_chunk(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+        temperature=0, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    usages = [c.usage for c in chunks if c.choices]
+    assert usages and all(u is not None for u in usages)
+    done = [u.completion_tokens for u in usages]
+    assert done == sorted(done) and done[-1] == 6 == chunks[-1].usage.completion_tokens
+
+
+def test_stream_options_without_stream_is_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2,
+                                  stream_options={"include_usage": True})
+
+
+def test_the_base_model_without_model_or_as_default(setup, client):
+    server = setup[0]
+    want = complete(client)
+    for model in (None, "default"):
+        body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        if model is not None:
+            body["model"] = model
+        resp = server.http.post("/v1/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == want
+    with pytest.raises(InvalidRequestError, match="stands for the base model"):
+        check_adapter_name("default")
+
+
+def test_model_cards_and_server_info(setup):
+    server = setup[0]
+    cards = server.http.get("/v1/models").json()["data"]
+    context = server.http.post("/tokenize", json={"prompt": "x"}).json()["max_model_len"]
+    assert len(cards) == 3 and {card["max_model_len"] for card in cards} == {context}
+    admin = {"authorization": f"Bearer {server.admin_key}"}
+    newer = server.http.get("/server_info", headers=admin)
+    assert newer.status_code == 200 and json.loads(newer.text)["served_model_name"] == MODEL_NAME
+    assert server.http.get("/server_info").status_code == 401
