@@ -188,6 +188,10 @@ class StepExecutor:
         if out.top_logprobs is not None:
             top_ids = [[i for i, _ in row] for row in out.top_logprobs]
             top_lp = [[lp for _, lp in row] for row in out.top_logprobs]
+        input_top_ids = input_top_lp = None
+        if out.input_top is not None:
+            input_top_ids = [[[i for i, _ in row] for row in rows] for rows in out.input_top]
+            input_top_lp = [[[lp for _, lp in row] for row in rows] for rows in out.input_top]
         host = self.runner.adapter_pool.host
         added, dropped = host.drain_changes()
         return StepResult(
@@ -198,6 +202,8 @@ class StepExecutor:
             top_logprobs=top_lp,
             load_seconds=step.load_seconds,
             input_logprobs=out.input_logprobs,
+            input_top_ids=input_top_ids,
+            input_top_logprobs=input_top_lp,
             host_adapters=len(host),
             host_bytes=host.nbytes,
             unread_adapters=self.unread(),

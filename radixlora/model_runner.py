@@ -53,6 +53,8 @@ class StepOutput:
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]] | None
     input_logprobs: list[list[float]] | None = None  # per plan item, when any item is scored
+    # per plan item, per scored prompt token: its item's params.logprobs most likely tokens
+    input_top: list[list[list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -65,6 +67,9 @@ class LaunchedStep:
     top_logprobs: torch.Tensor | None = None
     input_logprobs: torch.Tensor | None = None
     input_counts: list[int] | None = None
+    input_top_ids: torch.Tensor | None = None  # [scored rows, k]
+    input_top_logprobs: torch.Tensor | None = None
+    input_top_k: list[int] | None = None  # per plan item
     done: torch.cuda.Event | None = None
 
     def ready(self) -> bool:
@@ -232,8 +237,11 @@ class ModelRunner:
             host["logits_indices"] = np.concatenate([scored[0], host["logits_indices"]])
         logits = self.model(self._forward_batch(host, segments, resolve))
         if scored is not None:
-            step.input_logprobs = _prompt_logprobs(logits[: len(scored[0])], scored, self.device)
-            step.input_counts = scored[2]
+            ks = [(i.params.logprobs or 0) if i.score_ids is not None else 0 for i in plan.items]
+            (step.input_logprobs, step.input_top_ids,
+             step.input_top_logprobs) = _prompt_logprobs(logits[: len(scored[0])], scored,
+                                                         self.device, max(ks))
+            step.input_counts, step.input_top_k = scored[2], ks
             logits = logits[len(scored[0]) :]
         sampled = [i for i in plan.items if i.sample]
         return sample(logits, self._sampling_batch(sampled)) if sampled else None
@@ -246,23 +254,26 @@ class ModelRunner:
         """Wait for a launched step and read its outputs."""
         if step.done is not None:
             step.done.synchronize()
-        input_logprobs = None
+        input_logprobs = input_top = None
         if step.input_counts is not None:
             values = step.input_logprobs.tolist()
             ends = np.cumsum(step.input_counts)
             input_logprobs = [values[e - c : e] for c, e in zip(step.input_counts, ends)]
+            input_top = _prompt_top(step, ends)
         if step.token_ids is None:
-            return StepOutput([], [], None, input_logprobs)
+            return StepOutput([], [], None, input_logprobs, input_top)
         top = None
         if step.top_ids is not None:
             top = [list(zip(i, lp))
                    for i, lp in zip(step.top_ids.tolist(), step.top_logprobs.tolist())]
-        return StepOutput(step.token_ids.tolist(), step.logprobs.tolist(), top, input_logprobs)
+        return StepOutput(step.token_ids.tolist(), step.logprobs.tolist(), top, input_logprobs,
+                          input_top)
 
     def _copy_to_host(self, step: LaunchedStep) -> LaunchedStep:
         if self.device.type != "cuda":
             return step
-        for name in ("token_ids", "logprobs", "top_ids", "top_logprobs", "input_logprobs"):
+        for name in ("token_ids", "logprobs", "top_ids", "top_logprobs", "input_logprobs",
+                     "input_top_ids", "input_top_logprobs"):
             value = getattr(step, name)
             if value is not None:
                 setattr(step, name, value.to("cpu", non_blocking=True))
@@ -412,10 +423,26 @@ def _scored_rows(plan: StepPlan) -> tuple[np.ndarray, np.ndarray, list[int]] | N
     return np.concatenate(rows), np.concatenate(targets), counts
 
 
-def _prompt_logprobs(logits: torch.Tensor, scored, device) -> torch.Tensor:
-    """The logprob of the prompt token each scored row predicts."""
+def _prompt_logprobs(logits: torch.Tensor, scored, device, k: int = 0):
+    """(the logprob of the prompt token each scored row predicts, and with k > 0 each row's k
+    most likely tokens and their logprobs, else None, None)."""
     ids = to_device(scored[1], torch.int64, device)
-    return torch.log_softmax(logits.float(), dim=-1).gather(1, ids[:, None])[:, 0]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, ids[:, None])[:, 0]
+    if not k:
+        return chosen, None, None
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    return chosen, top_ids, top_logprobs
+
+
+def _prompt_top(step: LaunchedStep, ends: np.ndarray):
+    """Per plan item, per scored prompt token, its item's k (token id, logprob) pairs; None
+    when no item asked for any."""
+    if step.input_top_ids is None:
+        return None
+    ids, lps = step.input_top_ids.tolist(), step.input_top_logprobs.tolist()
+    return [[list(zip(i[:k], lp[:k])) for i, lp in zip(ids[e - c : e], lps[e - c : e])]
+            for c, e, k in zip(step.input_counts, ends, step.input_top_k)]
 
 
 def _lora_segments(plan: StepPlan) -> LoraSegments | None:

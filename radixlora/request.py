@@ -136,6 +136,7 @@ class Req:
     # filled in during prefill (prefix-cache matches stop before position logprob_start - 1).
     logprob_start: int | None = None
     input_logprobs: list[float] = field(default_factory=list)
+    input_top: list[list[tuple[int, float]]] = field(default_factory=list)  # with k > 0
 
     @property
     def kv_slots(self) -> np.ndarray:

@@ -500,6 +500,7 @@ class Scheduler:
         req.pending = 0
         req.status = ReqStatus.WAITING
         req.input_logprobs.clear()  # recomputed with the prompt
+        req.input_top.clear()
         req.num_retractions += 1
         self.num_retractions += 1
         self.waiting.appendleft(req)
@@ -513,6 +514,7 @@ class Scheduler:
         logprobs: list[float],
         top: list[list[tuple[int, float]]] | None,
         input_logprobs: list[list[float]] | None = None,
+        input_top: list[list[list[tuple[int, float]]]] | None = None,
     ) -> list[Req]:
         """Fold one step's sampled tokens (and, for items with scored positions, their prompt
         logprobs, one list per plan item) in; returns the requests that finished. Plans are
@@ -527,6 +529,8 @@ class Scheduler:
                 continue  # finished, aborted or retracted after the plan was made
             if input_logprobs is not None:
                 req.input_logprobs += input_logprobs[k]
+            if input_top is not None:
+                req.input_top += input_top[k]
             if not item.sample:
                 continue
             req.pending -= 1

@@ -79,7 +79,7 @@ class StepLoop:
             return Folded(batch, error=result.error, failed_adapters=result.failed_adapters)
         sampled = [item.req for item in batch.items if item.sample and sched.is_live(item)]
         sched.process_results(batch, bytes_to_ids(result.token_ids).tolist(), result.logprobs,
-                              result.top(), result.input_logprobs)
+                              result.top(), result.input_logprobs, result.input_top())
         return Folded(batch, sampled)
 
     def _count(self, plan: StepPlan, planned_at: float) -> None:

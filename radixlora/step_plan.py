@@ -81,6 +81,9 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     error: str | None = None  # the step did not run
     load_seconds: list[float] = []  # one per adapter load of the step
     input_logprobs: list[list[float]] | None = None  # per plan item: scored prompt tokens
+    # per plan item, per scored prompt token: the most likely tokens (item's params.logprobs)
+    input_top_ids: list[list[list[int]]] | None = None
+    input_top_logprobs: list[list[list[float]]] | None = None
     host_adapters: int = 0  # the executor's host tier after the step
     host_bytes: int = 0
     # adapters that entered / left the host tier since the previous result
@@ -95,6 +98,12 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
         if self.top_ids is None:
             return None
         return [list(zip(i, lp)) for i, lp in zip(self.top_ids, self.top_logprobs)]
+
+    def input_top(self) -> list[list[list[tuple[int, float]]]] | None:
+        if self.input_top_ids is None:
+            return None
+        return [[list(zip(i, lp)) for i, lp in zip(ids, lps)]
+                for ids, lps in zip(self.input_top_ids, self.input_top_logprobs)]
 
 
 class StepTotals(msgspec.Struct, array_like=True):

@@ -1,7 +1,8 @@
 """vLLM's and SGLang's extension fields, as their clients send them to `radixlora serve` (one
 server on the tiny model, with a chat template of the test's own): stop strings kept in the
 output, special tokens in the text, chat template variables, message names, continuing the
-last message, usage in every streamed chunk, and the base model when `model` is left out."""
+last message, usage in every streamed chunk, the base model when `model` is left out, and
+`echo` with prompt logprobs (against transformers)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 
 import openai
 import pytest
+import torch
+import transformers
 
 from radixlora.adapters import check_adapter_name
 from radixlora.errors import InvalidRequestError
@@ -31,7 +34,7 @@ def setup(tmp_path_factory):
     template.write_text(TEMPLATE)
     with running_server(model, adapters, root / "server.log",
                         "--chat-template", str(template)) as proc:
-        yield proc, Tokenizer.from_dir(model), ChatTemplate(TEMPLATE)
+        yield proc, Tokenizer.from_dir(model), ChatTemplate(TEMPLATE), model
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +69,7 @@ def test_include_stop_str_in_output_and_no_stop_trim(setup, client):
 def test_skip_special_tokens_false_keeps_them_in_the_text(setup):
     """Sampled outputs until one holds a special token: its text with skip_special_tokens
     false is the tokenizer's decode keeping them, and by default the decode without them."""
-    server, tokenizer, _ = setup
+    server, tokenizer = setup[:2]
     specials = {tokenizer.hf.token_to_id(t) for t in SPECIALS}
     for seed in range(40):
         sampling = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True,
@@ -95,7 +98,7 @@ def prompt_tokens(client, messages, **extra) -> int:
 
 
 def test_chat_template_kwargs_names_and_continuing_the_last_message(setup, client):
-    _, tokenizer, template = setup
+    tokenizer, template = setup[1:3]
     messages = [{"role": "user", "content": "hello there", "name": "bob"},
                 {"role": "assistant", "content": "the red fox"}]
 
@@ -159,3 +162,48 @@ def test_model_cards_and_server_info(setup):
     newer = server.http.get("/server_info", headers=admin)
     assert newer.status_code == 200 and json.loads(newer.text)["served_model_name"] == MODEL_NAME
     assert server.http.get("/server_info").status_code == 401
+
+
+def reference_logprobs(model_dir, ids: list[int]) -> torch.Tensor:
+    """transformers' log-softmax over the next token at every prompt position (fp32)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
+                                                              torch_dtype=torch.float32)
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_echo_scores_the_prompt_as_transformers_does(setup, client):
+    """lm-eval's loglikelihood request: token ids, echo, logprobs, max_tokens 0."""
+    tokenizer, model_dir = setup[1], setup[3]
+    ids = tokenizer.encode(PROMPT)
+    ref = reference_logprobs(model_dir, ids)
+    out = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=0, echo=True,
+                                    logprobs=2, temperature=0)
+    choice = out.choices[0]
+    assert choice.text == tokenizer.decode(ids) and out.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+    want = [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert lp.top_logprobs[0] is None
+    for i, row in enumerate(lp.top_logprobs[1:], start=1):
+        top = ref[i - 1].topk(2).values.tolist()
+        assert sorted(row.values(), reverse=True) == pytest.approx(top, abs=1e-4)
+
+
+def test_echo_with_generated_tokens_and_without_logprobs(client):
+    plain = complete(client)
+    both = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16,
+                                     temperature=0, echo=True, logprobs=0,
+                                     extra_body={"ignore_eos": True})
+    choice = both.choices[0]
+    assert choice.text == PROMPT + plain and both.usage.completion_tokens == 16
+    assert len(choice.logprobs.token_logprobs) == both.usage.prompt_tokens + 16
+    assert choice.logprobs.text_offset[0] == 0
+    only = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0, echo=True)
+    assert only.choices[0].text == PROMPT and only.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, echo=True,
+                                  stream=True)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0)

@@ -87,9 +87,14 @@ class Sample:
     input_logprobs: list[float] = field(default_factory=list)
     input_ids: list[int] = field(default_factory=list)
     input_texts: list[str] = field(default_factory=list)
+    input_top: list[list[tuple[int, float, str]]] = field(default_factory=list)
+    prompt_text: str | None = None  # an echoed token-id prompt's text
 
     def add(self, out: SampleOutput, ids: list[int]) -> None:
+        if out.prompt_text is not None:
+            self.prompt_text = out.prompt_text
         self.input_logprobs += out.input_logprobs
+        self.input_top += out.input_top or []
         self.input_ids += bytes_to_ids(out.input_ids).tolist()
         self.input_texts += out.input_texts or []
         self.text += out.text

@@ -117,6 +117,7 @@ class GenerateReq(Message):
     token_texts: bool = False  # attach per-token strings (for logprobs)
     logprob_start: Count | None = None  # return the logprobs of prompt tokens from here on
     score_only: bool = False  # max_new_tokens 0 with prompt logprobs: drop the sampled token
+    echo: bool = False  # /v1/completions echo: a token-id prompt's text comes back decoded
     data_parallel_rank: Count | None = None  # run on this replica (None: the router picks)
 
     def validate(self) -> None:
@@ -166,6 +167,8 @@ class TokenOut(msgspec.Struct, array_like=True):
     # with the first token: its adapters served on another weight format than they were
     # trained on (--qlora-mismatch serve), "name: why; ..."
     base_mismatch: str = ""
+    # with input_logprobs, when params.logprobs > 0: each scored prompt token's most likely
+    input_top: list[list[tuple[int, float]]] = []
 
 
 class TokenBatch(Message):
@@ -205,6 +208,8 @@ class SampleOutput(msgspec.Struct, array_like=True):
     input_texts: list[str] | None = None  # input_ids' strings (with token_texts)
     scheduled_at: float = 0.0  # as in TokenOut: with the first output
     base_mismatch: str = ""  # as in TokenOut: with the first output
+    input_top: list[list[tuple[int, float, str]]] | None = None  # as top, for input_ids
+    prompt_text: str | None = None  # echo of a token-id prompt: its text, with the first output
 
 
 class OutputBatch(Message):

@@ -26,6 +26,7 @@ from radixlora.server.protocol import (
     chat_params,
     completion_params,
     completion_prompts,
+    echo_only,
     request_adapters,
     stop_list,
 )
@@ -52,12 +53,15 @@ class OpenAIHandlers:
         prompts = completion_prompts(req.prompt)
         choices = request_adapters(req, self.model_name, len(prompts))
         stops = stop_list(req.stop)
+        scored, only = bool(req.echo) and req.logprobs is not None, echo_only(req)
         reqs = []
         for p, (prompt, adapters) in enumerate(zip(prompts, choices)):
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, ids_to_bytes(prompt))
             reqs.append(GenerateReq(
                 rid=f"{rid}-{p}", params=params, fill_context=req.max_tokens is None, prompt=text,
-                input_ids=ids, adapters=adapters, stop=stops,
+                input_ids=ids, adapters=adapters, stop=stops, echo=bool(req.echo),
+                logprob_start=0 if scored else None, prompt_only=only and not scored,
+                score_only=only and scored,
                 include_stop=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 token_texts=req.logprobs is not None,
@@ -71,18 +75,14 @@ class OpenAIHandlers:
         if req.stream:
             return await self._stream(request, gens, self._completion_chunks(gens, head, req))
         await until_disconnect(request, self.runtime.collect(gens))
-        n = req.n
+        prompts = completion_prompts(req.prompt)
         choices = [
-            completion_choice(
-                p * n + s.index,
-                s.text,
-                _completion_logprobs(s) if req.logprobs is not None else None,
-                s.finish_reason,
-            )
+            _completion_choice(req, prompts[p], p * req.n + s.index, s)
             for p, gen in enumerate(gens)
             for s in sorted(gen.samples.values(), key=lambda s: s.index)
         ]
-        return fallback_response({**head, "choices": choices, "usage": _usage(gens)}, gens)
+        return fallback_response(
+            {**head, "choices": choices, "usage": _usage(gens, dropped=echo_only(req))}, gens)
 
     async def _completion_chunks(self, gens, head, req) -> AsyncIterator[bytes]:
         offsets: dict[int, int] = {}
@@ -220,8 +220,34 @@ def _as_sample(out: SampleOutput) -> Sample:
     return sample
 
 
-def _usage(gens: list[Generation]) -> dict:
-    completion = sum(len(s.token_ids) for g in gens for s in g.samples.values())
+def _completion_choice(req: CompletionRequest, prompt: str | list[int], index: int,
+                       s: Sample) -> dict:
+    """One choice of a finished completion; with echo, the prompt's text (and with logprobs
+    its tokens, the first one's logprob null, as OpenAI's legacy API) comes first, and with
+    max_tokens 0 only the prompt (the token sampled to finish the step is dropped)."""
+    out = Sample(s.index, finish_reason="length") if echo_only(req) else s
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = _echo_logprobs(s, out, req.logprobs) if req.echo else _completion_logprobs(s)
+    text = out.text
+    if req.echo:
+        text = (prompt if isinstance(prompt, str) else s.prompt_text or "") + text
+    return completion_choice(index, text, logprobs, out.finish_reason)
+
+
+def _echo_logprobs(s: Sample, out: Sample, k: int) -> dict:
+    """The prompt's tokens (s.input_*, scored from position 0) then the output's."""
+    logprobs = completion_logprobs(s.input_texts + out.token_texts,
+                                   [None, *s.input_logprobs, *out.logprobs], [])
+    if k:
+        prompt_top = [{text: lp for _, lp, text in row} for row in s.input_top]
+        logprobs["top_logprobs"] = [None, *prompt_top, *(dict(row) for row in _top(out))]
+    return logprobs
+
+
+def _usage(gens: list[Generation], dropped: bool = False) -> dict:
+    """dropped: each sample's sampled token was dropped (echo with max_tokens 0)."""
+    completion = 0 if dropped else sum(len(s.token_ids) for g in gens for s in g.samples.values())
     return usage(
         sum(g.prompt_tokens for g in gens), completion, sum(g.cached_tokens for g in gens)
     )

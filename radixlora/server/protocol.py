@@ -446,8 +446,10 @@ def _common(req: _Sampling, vocab_size: int, max_tokens, logprobs) -> SamplingPa
 
 
 def completion_params(req: CompletionRequest, vocab_size: int) -> SamplingParams:
-    if req.echo:
-        raise InvalidRequestError("echo is not supported", param="echo",
+    """With echo, max_tokens 0 scores the prompt only: one token is sampled to finish the step
+    and dropped (GenerateReq.score_only / prompt_only)."""
+    if req.echo and req.stream:
+        raise InvalidRequestError("echo is not supported with stream yet", param="echo",
                                   code="unsupported_parameter")
     if req.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix",
@@ -455,7 +457,13 @@ def completion_params(req: CompletionRequest, vocab_size: int) -> SamplingParams
     if req.best_of not in (None, 1, req.n):
         raise InvalidRequestError("best_of is not supported", param="best_of",
                                   code="unsupported_parameter")
-    return _common(req, vocab_size, req.max_tokens, req.logprobs)
+    max_tokens = 1 if echo_only(req) else req.max_tokens
+    return _common(req, vocab_size, max_tokens, req.logprobs)
+
+
+def echo_only(req: CompletionRequest) -> bool:
+    """echo with max_tokens 0: the prompt (and its logprobs) only, as OpenAI's legacy API."""
+    return bool(req.echo) and req.max_tokens == 0
 
 
 def chat_params(req: ChatRequest, vocab_size: int) -> SamplingParams:

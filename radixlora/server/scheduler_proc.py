@@ -246,6 +246,7 @@ class SchedulerService:
         if req.logprob_start is not None and len(req.output_ids) == 1:  # with the first token
             out.input_logprobs = list(req.input_logprobs)
             out.input_ids = ids_to_bytes(req.prompt_ids[req.logprob_start :])
+            out.input_top = list(req.input_top)
         if req.finish_reason is not None:
             self._drop(req)
         return out

@@ -74,6 +74,7 @@ class ReqState:
     include_stop: bool = False
     skip_special_tokens: bool = True
     head: int | None = None  # logprob_start 0: the first prompt token, reported unscored
+    prompt_text: str | None = None  # echo of a token-id prompt (GenerateReq.echo)
     samples: dict[int, SampleState] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
 
@@ -176,12 +177,13 @@ class TokenizerService:
     def _answer(self, req: GenerateReq, outcome: TokenizedReq | ReqError):
         if isinstance(outcome, ReqError):
             return [], [outcome]
+        text = self._echo_text(req, outcome)
         if req.prompt_only:
-            return [], [self._empty_outputs(req, len(outcome.input_ids) // 4)]
+            return [], [self._empty_outputs(req, len(outcome.input_ids) // 4, text)]
         head = int(bytes_to_ids(outcome.input_ids)[0]) if req.logprob_start == 0 else None
         with self.lock:
             self.reqs[req.rid] = ReqState(req.params.n, req.stop, req.token_texts,
-                                          req.include_stop, req.skip_special_tokens, head)
+                                          req.include_stop, req.skip_special_tokens, head, text)
             self.routes[req.rid] = self.router.route(req.adapters,
                                                      bytes_to_ids(outcome.input_ids),
                                                      req.params.n, req.data_parallel_rank)
@@ -234,13 +236,21 @@ class TokenizerService:
                 to_sched += held
             self.send(to_sched, to_api)
 
+    def _echo_text(self, req: GenerateReq, outcome: TokenizedReq) -> str | None:
+        """An echoed token-id prompt's text (a text prompt is echoed by the api as given)."""
+        if not req.echo or req.input_ids is None or self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(bytes_to_ids(outcome.input_ids).tolist(),
+                                     req.skip_special_tokens)
+
     @staticmethod
-    def _empty_outputs(req: GenerateReq, prompt_tokens: int) -> OutputBatch:
+    def _empty_outputs(req: GenerateReq, prompt_tokens: int,
+                       prompt_text: str | None = None) -> OutputBatch:
         return OutputBatch(outputs=[
             SampleOutput(rid=req.rid, index=i, text="", token_ids=b"", logprobs=[],
                          token_texts=[] if req.token_texts else None, top=None,
                          finish_reason="length", matched_stop=None,
-                         prompt_tokens=prompt_tokens, cached_tokens=0)
+                         prompt_tokens=prompt_tokens, cached_tokens=0, prompt_text=prompt_text)
             for i in range(req.params.n)
         ])
 
@@ -266,8 +276,9 @@ class TokenizerService:
 
     def _output(self, state: ReqState, out: TokenOut) -> SampleOutput:
         sample = state.samples.get(out.index)
-        input_ids = out.input_ids
+        input_ids, prompt_text = out.input_ids, None
         if sample is None:
+            prompt_text = state.prompt_text
             sample = SampleState(IncrementalDecoder(self.tokenizer, state.skip_special_tokens),
                                  StopMatcher(state.stop, state.include_stop), state.token_texts)
             state.samples[out.index] = sample
@@ -301,6 +312,8 @@ class TokenizerService:
             base_mismatch=out.base_mismatch,
             input_logprobs=out.input_logprobs,
             input_ids=input_ids,
+            input_top=self._top(out.input_top) if sample.token_texts and out.input_top else None,
+            prompt_text=prompt_text,
             input_texts=self._texts(bytes_to_ids(input_ids).tolist())
             if sample.token_texts and input_ids else None,
             scheduled_at=out.scheduled_at,
