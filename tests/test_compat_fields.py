@@ -167,8 +167,6 @@ def test_unsupported_message_and_completion_fields_are_named(server):
         ("/generate", {"text": PROMPT, "image_data": "x.png"}, "image_data"),
         ("/generate", {"text": PROMPT, "token_ids_logprob": [1, 2]}, "token_ids_logprob"),
         ("/generate", {"text": PROMPT, "log_metrics": False}, "log_metrics"),
-        ("/generate", {"text": PROMPT, "return_logprob": True, "top_logprobs_num": 2,
-                       "logprob_start_len": 0}, "top_logprobs_num"),
     ]
     for path, body, param in cases:
         if path != "/generate":

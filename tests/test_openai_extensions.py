@@ -207,3 +207,18 @@ def test_echo_with_generated_tokens_and_without_logprobs(client):
                                   stream=True)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0)
+
+
+def test_sglang_prompt_top_logprobs_equal_transformers(setup):
+    server, tokenizer, model_dir = setup[0], setup[1], setup[3]
+    ids = tokenizer.encode(PROMPT)
+    ref = reference_logprobs(model_dir, ids)
+    body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 3,
+            "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 0}}
+    meta = server.http.post("/generate", json=body).json()["meta_info"]
+    rows = meta["input_top_logprobs"]
+    assert len(rows) == len(ids) and rows[0] is None
+    for i, row in enumerate(rows[1:], start=1):
+        top = ref[i - 1].topk(3)
+        assert [t for _, t, _ in row] == top.indices.tolist()
+        assert [lp for lp, _, _ in row] == pytest.approx(top.values.tolist(), abs=1e-4)

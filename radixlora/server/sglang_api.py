@@ -137,7 +137,7 @@ def _prompts(req: GenerateRequest) -> tuple[list, bool]:
 def logprob_options(req: GenerateRequest, count: int) -> list[tuple[bool, int, int]]:
     """(return_logprob, top_logprobs_num, logprob_start_len) of each prompt: each option is one
     value or a list with one per prompt, as in SGLang; -1 (the default) scores no prompt
-    token. Top logprobs of prompt tokens are not computed, so they are refused."""
+    token."""
     returned = _per_prompt(req.return_logprob, count, "return_logprob")
     tops = _per_prompt(req.top_logprobs_num, count, "top_logprobs_num")
     starts = _per_prompt(req.logprob_start_len, count, "logprob_start_len")
@@ -153,10 +153,6 @@ def logprob_options(req: GenerateRequest, count: int) -> list[tuple[bool, int, i
         if start < -1:
             raise InvalidRequestError("logprob_start_len must be -1 or a prompt position",
                                       param="logprob_start_len")
-        if r and top and start >= 0:
-            raise InvalidRequestError(
-                "top logprobs of prompt tokens (top_logprobs_num with logprob_start_len >= 0) "
-                "are not supported", param="top_logprobs_num", code="unsupported_parameter")
         out.append((bool(r), top, start))
     return out
 
@@ -196,7 +192,7 @@ def meta_output(gen: Generation, s: Sample, req: GenerateRequest, latency: float
         meta["adapter_base_mismatch"] = gen.base_mismatch
     if gen.req.score_only:  # max_new_tokens 0: the token sampled to finish the step is dropped
         s = Sample(s.index, finish_reason="length", input_logprobs=s.input_logprobs,
-                   input_ids=s.input_ids, input_texts=s.input_texts)
+                   input_ids=s.input_ids, input_texts=s.input_texts, input_top=s.input_top)
         meta["finish_reason"], meta["completion_tokens"] = _finish(s), 0
     if gen.req.params.logprobs is not None:  # return_logprob
         texts = bool(req.return_text_in_logprobs)
@@ -205,7 +201,7 @@ def meta_output(gen: Generation, s: Sample, req: GenerateRequest, latency: float
             [lp, t, text if texts else None]
             for lp, t, text in zip(s.logprobs, s.token_ids, s.token_texts)
         ]
-        meta["input_top_logprobs"] = []
+        meta["input_top_logprobs"] = input_top_logprobs(s, gen.req.logprob_start, texts)
         meta["output_top_logprobs"] = [
             [[lp, t, text if texts else None] for t, lp, text in row] for row in s.top
         ]
@@ -223,6 +219,15 @@ def input_token_logprobs(s: Sample, start: int | None, texts: bool) -> list[list
     # no logprob
     lps = ([None] if start == 0 and s.input_ids else []) + s.input_logprobs
     return [[lp, t, name] for lp, t, name in zip(lps, s.input_ids, names)]
+
+
+def input_top_logprobs(s: Sample, start: int | None, texts: bool) -> list:
+    """SGLang's top [logprob, token_id, text] rows per prompt token, as input_token_logprobs
+    (None at position 0); [] without top_logprobs_num or prompt logprobs."""
+    if start is None or not s.input_top:
+        return []
+    rows = [[[lp, t, text if texts else None] for t, lp, text in row] for row in s.input_top]
+    return ([None] if start == 0 and s.input_ids else []) + rows
 
 
 def _finish(s: Sample) -> dict | None:
