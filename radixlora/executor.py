@@ -45,7 +45,7 @@ import numpy as np
 from radixlora.errors import AdapterError
 from radixlora.lora.adapter import LoraAdapter
 from radixlora.lora.host_cache import PackedAdapter, read_packed
-from radixlora.lora.packer import ProcessPacker
+from radixlora.lora.packer import FILES_CHANGED, ProcessPacker
 from radixlora.model_runner import LaunchedStep, ModelRunner
 from radixlora.step_plan import AdapterLoad, StepPlan, StepResult, bytes_to_ids, ids_to_bytes
 
@@ -251,9 +251,7 @@ class StepExecutor:
         self._count("adapter files")
         adapter = self.source(load)
         if adapter.adapter_id != load.adapter_id:
-            raise AdapterError(
-                load.name, "its files changed on disk after validation (content hash differs)"
-            )
+            raise AdapterError(load.name, FILES_CHANGED)
         packed = pool.pack(adapter)
         if pool.host.pin:
             packed = dataclasses.replace(packed, data=packed.data.pin_memory())

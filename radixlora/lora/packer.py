@@ -30,7 +30,8 @@ from radixlora.lora.pool import PoolLayout
 from radixlora.lora.registration import JobOutcome, PackTarget, one_torch_thread, validate_job
 from radixlora.step_plan import AdapterLoad
 
-CHANGED = "its files changed on disk after validation (content hash differs)"
+# an adapter whose files no longer hash to the id the scheduler validated
+FILES_CHANGED = "its files changed on disk after validation (content hash differs)"
 
 
 class ProcessPacker:
@@ -54,7 +55,7 @@ class ProcessPacker:
             if outcome.error is not None:
                 raise AdapterError(load.name, *outcome.error)
             if outcome.content_hash != load.adapter_id:
-                raise AdapterError(load.name, CHANGED)
+                raise AdapterError(load.name, FILES_CHANGED)
             packed = read_packed(target.directory(load.adapter_id), layout.key,
                                  load.adapter_id, pin)
         finally:
