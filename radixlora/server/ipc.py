@@ -14,6 +14,7 @@ import threading
 import time
 
 import msgspec
+import torch
 import zmq
 
 from radixlora.errors import RadixLoraError
@@ -135,9 +136,15 @@ def read_args() -> ServerArgs:
     return ServerArgs.from_json(raw)
 
 
-def child_main(proc: str, run) -> None:
-    """Entry point of a child: `python -m radixlora.server.X`, ServerArgs as JSON on stdin."""
+def child_main(proc: str, run, torch_threads: int | None = 1) -> None:
+    """Entry point of a child: `python -m radixlora.server.X`, ServerArgs as JSON on stdin.
+    torch_threads: the child's intra-op threads (None: torch's default, one per core). Only
+    the worker computes; the others' few tensor operations (adapter validation) run one per
+    thread or process, and a pool of a thread per core in each of them would contend with the
+    worker's compiles and with each other (run 33: 8 adapters took 70 s to validate)."""
     args = read_args()
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)
     replica = args.data_parallel_size > 1 and proc in ("scheduler", "worker")
     setup_logging(args.log_level, f"{proc}-dp{args.dp_rank}" if replica else proc)
     die_with_parent(args.launcher_pid)
