@@ -36,7 +36,11 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.rope = rope
-        self.register_buffer("inv_freq", inv_frequencies(head_dim, rope), persistent=False)
+        # on the meta device (the loader's) only allocated: arithmetic there imports
+        # torch._dynamo; the loader calls reset_parameters once the model has a device
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
+        if not self.inv_freq.is_meta:
+            self.reset_parameters()
 
     def reset_parameters(self) -> None:
         self.inv_freq = inv_frequencies(self.head_dim, self.rope).to(self.inv_freq.device)
