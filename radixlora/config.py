@@ -225,6 +225,9 @@ class EngineConfig:
     lora_side_stream: bool = True  # in graphs, LoRA work runs beside the base GEMMs
     overlap_schedule: bool = True  # plan step N+1 while step N runs on the device
     warm_up: bool = True  # CUDA: compile kernels and capture every graph before serving
+    # CUDA: compiled kernels and their manifests, kept across starts (radixlora.compile_cache;
+    # None: ~/.cache/radixlora/compile, or Triton's TRITON_CACHE_DIR when that is set)
+    compile_cache_dir: str | None = None
     seed: int = 0
     load_format: str = "safetensors"  # or "dummy": random weights, for benchmarks
 

@@ -326,6 +326,31 @@ class CudaGraphRunner(StaticInputs):
         pool's memory)."""
         self.capture(graph_keys(self.max_batch, self.max_rows))
 
+    def startup_keys(self) -> list[GraphKey]:
+        """The graphs to capture before serving when the rest may wait (capture_next): every
+        decode bucket, and the extends of one request (a lone prompt's prefill)."""
+        return [k for k in graph_keys(self.max_batch, self.max_rows) if k.decode or k.batch == 1]
+
+    def pending(self) -> list[GraphKey]:
+        """The graphs serving can replay that are not captured yet, smallest first."""
+        keys = [k for k in graph_keys(self.max_batch, self.max_rows) if k not in self.graphs]
+        return sorted(keys, key=lambda k: (k.batch, k.tokens, k.rows))
+
+    def capture_next(self) -> bool:
+        """Capture one pending graph (the server calls this when idle); whether any remain."""
+        keys = self.pending()
+        if keys:
+            self._capture(keys[0])
+        return len(keys) > 1
+
+    def dry_run(self) -> None:
+        """Run the forward of every graph capture_all would capture, once each, eagerly (under
+        KernelCache.dry_run, to find the kernel variants they launch)."""
+        for key in graph_keys(self.max_batch, self.max_rows):
+            self._reset_inputs(key)
+            with blas_library("cublaslt" if key.tokens <= CUBLASLT_MAX_TOKENS else None):
+                self._run(key)
+
     def capture(self, keys: list[GraphKey]) -> None:
         todo = sorted((k for k in keys if k not in self.graphs),
                       key=lambda k: (k.tokens, k.batch, k.rows), reverse=True)  # fmt: skip
@@ -340,9 +365,8 @@ class CudaGraphRunner(StaticInputs):
     def _capture_graph(self, key: GraphKey) -> _Graph:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compiles Triton kernels and settles allocations
-                self._run(key)
+        with torch.cuda.stream(stream):  # compiles or loads kernels, initialises cuBLAS
+            self._run(key)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the executor's disk reads may pin host memory on their threads meanwhile

@@ -7,6 +7,8 @@ outs = engine.generate(["Hello"], SamplingParams(max_tokens=16), adapters=[("sql
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +27,12 @@ from radixlora.request import AdapterSet, Req, ReqStatus, uses_adapter
 from radixlora.sampling import SamplingParams
 from radixlora.scheduler import Scheduler
 from radixlora.server.detokenize import IncrementalDecoder, StopMatcher
+from radixlora.startup import phase_line
 from radixlora.step_loop import StepLoop
 from radixlora.step_plan import AdapterLoad
 from radixlora.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,6 +79,7 @@ class Engine:
         config: EngineConfig | None = None,
         **overrides,
     ):
+        started = time.perf_counter()
         self.config = dataclasses.replace(config or EngineConfig(), **overrides)
         self.model_path = Path(model)
         self.model_cfg = ModelConfig.from_dir(self.model_path).served(self.config)
@@ -95,8 +101,10 @@ class Engine:
         self.executor = StepExecutor(self.runner, self._version)
         self._next_rid = 0
         self._stops: weakref.WeakKeyDictionary[Req, _StopState] = weakref.WeakKeyDictionary()
-        for adapter in self.registry.load_all(adapters or {}):
-            self._versions[adapter.adapter_id] = adapter
+        with self.runner.phase("adapters"):
+            for adapter in self.registry.load_all(adapters or {}):
+                self._versions[adapter.adapter_id] = adapter
+        log.info(phase_line(time.perf_counter() - started, self.runner.phases))
 
     # ---- adapters ----------------------------------------------------------------------------
 

@@ -3,8 +3,10 @@ plans: load adapter rows, build the forward batch once, run, sample."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from radixlora import compile_cache
 from radixlora.attention import AttentionInputs, TritonAttentionBackend, make_attention_backend
 from radixlora.config import EngineConfig, ModelConfig
 from radixlora.cuda_graph import CudaGraphRunner, graph_reserve
@@ -92,15 +95,24 @@ class ModelRunner:
         self.dtype = config.torch_dtype(model_cfg)
         self.lora_dtype = config.lora_pool_dtype(model_cfg)  # the adapter pool's storage
         self.attention_name = config.attention_backend
-        started = time.perf_counter()
-        self.model = load_model(model_path, model_cfg, self.dtype, self.device, config.load_format,
-                                tp)
-        log.info("weights loaded in %.1f s", time.perf_counter() - started)
+        cuda = self.device.type == "cuda"
+        self.phases: dict[str, float] = {}  # start-up phase -> seconds (phase_line)
+        self.kernels = self._open_kernel_cache(config) if cuda else None
+        with self.phase("weights"):
+            self.model = load_model(model_path, model_cfg, self.dtype, self.device,
+                                    config.load_format, tp)
+        log.info("weights loaded in %.1f s", self.phases["weights"])
         self.lora_backend = make_lora_backend(config.lora_backend, self.device)
         self.graphs = None
         self.sizing: PoolSizing | None = None
-        cuda = self.device.type == "cuda"
-        config = self._size_for_cuda(config) if cuda else cpu_config(config)
+        if self.kernels is not None:
+            with self.phase("compile"):
+                loaded = self.kernels.finish()
+            if loaded:
+                log.info("%d kernels compiled or loaded ahead in %.1f s after the weights",
+                         loaded, self.phases["compile"])
+        with self.phase("sizing"):
+            config = self._size_for_cuda(config) if cuda else cpu_config(config)
         self.config = config
         self._build_pools(config.kv_pages * config.page_size, config.adapter_rows,
                           config.host_adapter_bytes)
@@ -114,6 +126,41 @@ class ModelRunner:
                 config.max_rank * config.max_stacked,
                 config.lora_side_stream,
             )
+
+    def _open_kernel_cache(self, config: EngineConfig) -> compile_cache.KernelCache:
+        """The compile cache of this configuration (of this rank's shard), recording from now
+        until warm-up ends; the variants its manifest lists start loading (or compiling, in
+        processes that split the cores between tensor-parallel ranks) while the weights
+        load."""
+        root = compile_cache.use_cache_dir(config.compile_cache_dir)
+        key = compile_cache.manifest_key(self.cfg, config, torch.cuda.get_device_name(self.device))
+        ranks = self.tp.size if self.tp is not None else 1
+        kernels = compile_cache.KernelCache(root, key, (os.cpu_count() or 2) // ranks - 1)
+        kernels.start_recording()
+        kernels.start()
+        return kernels
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Time a start-up phase; a phase inside another is not counted in the outer one."""
+        outer, self._inner = getattr(self, "_inner", 0.0), 0.0
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - started
+            self.phases[name] = self.phases.get(name, 0.0) + elapsed - self._inner
+            self._inner = outer + elapsed
+
+    def compile_dry(self, run) -> None:
+        """On a start without a kernel manifest: run `run` dry, its kernel variants compiled in
+        parallel processes, then loaded (see radixlora.compile_cache)."""
+        if self.kernels is None or self.kernels.found_manifest:
+            return
+        with self.phase("compile"):
+            with self.kernels.dry_run():
+                run()
+            self.kernels.finish()
 
     def _build_pools(self, num_slots: int, adapter_rows: int, host_bytes: int) -> None:
         cfg = self.cfg
@@ -161,9 +208,11 @@ class ModelRunner:
         eager path's kernels)."""
         tokens, running, rank = config.max_batch_tokens, config.max_running, config.max_rank
         self._build_pools(tokens + running + 1, rank, 0)
+        plans = (profile_plan(tokens, min(running, tokens), rank),
+                 profile_plan(running, running, rank))  # fmt: skip
+        self.compile_dry(lambda: [self.finish(self.launch(plan)) for plan in plans])
         peaks = []
-        for plan in (profile_plan(tokens, min(running, tokens), rank),
-                     profile_plan(running, running, rank)):  # fmt: skip
+        for plan in plans:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
@@ -172,26 +221,49 @@ class ModelRunner:
         del self.kv_pool, self.adapter_pool, self.attn_backend
         return peaks[0], peaks[1]
 
-    def warm_up(self) -> None:
-        """On CUDA, before the first request: capture every graph serving can replay, then run
-        eager steps of the shapes graphs do not cover (long prefills, cached prefixes, with and
+    def warm_up(self, defer_graphs: bool = False) -> None:
+        """On CUDA, before the first request: capture every graph serving can replay (with
+        defer_graphs, only CudaGraphRunner.startup_keys: the caller captures the rest with
+        capture_next while idle, or a step captures its own on first use), then run eager
+        steps of the shapes graphs do not cover (long prefills, cached prefixes, with and
         without adapters, lengths that are and are not multiples of 16), so no request waits
-        for a kernel compile or a capture."""
+        for a kernel compile. Without a kernel manifest, the kernel variants of all of these
+        are first found in a dry run and compiled in parallel (radixlora.compile_cache)."""
         if self.device.type != "cuda" or not self.config.warm_up:
+            if self.kernels is not None:
+                self.kernels.stop_recording(warn_late=False)
             return
-        started = time.perf_counter()
-        reserved = torch.cuda.memory_reserved(self.device)
-        if self.graphs is not None:
-            self.graphs.capture_all()
-        torch.cuda.synchronize(self.device)
-        graph_bytes = torch.cuda.memory_reserved(self.device) - reserved
-        captured = time.perf_counter()
         num_slots = self.kv_pool.k_cache[0].shape[0]
-        for plan in warm_up_plans(self.config, self.config.max_context(self.cfg), num_slots):
-            self.finish(self.launch(plan))
-        log.info("warm-up: %d graphs captured in %.1f s (%.2f GiB), eager steps compiled in "
-                 "%.1f s", len(self.graphs.graphs) if self.graphs else 0, captured - started,
-                 graph_bytes / (1 << 30), time.perf_counter() - captured)  # fmt: skip
+        plans = warm_up_plans(self.config, self.config.max_context(self.cfg), num_slots)
+
+        def dry_run() -> None:
+            graphs, self.graphs = self.graphs, None  # eager only: nothing captured dry
+            try:
+                if graphs is not None:
+                    graphs.dry_run()
+                for plan in plans:
+                    self.finish(self.launch(plan))
+            finally:
+                self.graphs = graphs
+
+        self.compile_dry(dry_run)
+        reserved = torch.cuda.memory_reserved(self.device)
+        with self.phase("graphs"):
+            if self.graphs is not None and defer_graphs:
+                self.graphs.capture(self.graphs.startup_keys())
+            elif self.graphs is not None:
+                self.graphs.capture_all()
+            torch.cuda.synchronize(self.device)
+        graph_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        with self.phase("warm-up"):
+            for plan in plans:
+                self.finish(self.launch(plan))
+        log.info("warm-up: %d graphs captured in %.1f s (%.2f GiB; %d more when idle), eager "
+                 "steps in %.1f s", len(self.graphs.graphs) if self.graphs else 0,
+                 self.phases["graphs"], graph_bytes / (1 << 30),
+                 len(self.graphs.pending()) if self.graphs else 0, self.phases["warm-up"])
+        self.kernels.stop_recording(warn_late=True)
+        self.kernels.save()
 
     def launch(self, plan: StepPlan,
                loads: list[tuple[PackedAdapter, np.ndarray]] = ()) -> LaunchedStep:  # fmt: skip

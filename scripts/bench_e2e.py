@@ -426,6 +426,16 @@ class Server:
         self.stop()
         raise RuntimeError(f"the server was not ready in {timeout_s} s:\n{self.log_tail()}")
 
+    def phase_line(self) -> str | None:
+        """The server's last start-up line (`ready in T s: weights ..., other ...`)."""
+        for _ in range(50):  # logged just after /health starts answering
+            found = re.findall(r"INFO radixlora\.server\.launcher: (ready in .*)",
+                               self.log_path.read_text(errors="replace"))
+            if found:
+                return found[-1]
+            time.sleep(0.1)
+        return None
+
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
@@ -828,7 +838,8 @@ def run_rows(name: str, r: dict) -> list[tuple[str, str]]:
 
 
 def rows(results: dict) -> list[tuple[str, str]]:
-    out = [("time to ready s", fmt(results.get("time_to_ready_s")))]
+    out = [("time to ready s", fmt(results.get("time_to_ready_s"))),
+           ("server's start-up line", results.get("startup_phases") or "-")]
     b = results.get("b")
     if b:
         out += [("b: first request s (TTFT ms)",
@@ -981,6 +992,8 @@ def main(argv=None) -> None:
     try:
         ctx.ready_s = results["time_to_ready_s"] = server.start(args.ready_timeout)
         log(f"ready in {ctx.ready_s:.1f} s")
+        results["startup_phases"] = server.phase_line()
+        log(f"server's start-up line: {results['startup_phases']}")
         info = server.admin("GET", "/get_server_info")
         results["sizing"] = sizing_report(info.json()) if info.status_code == 200 else {}
         log(f"server sizing: {json.dumps(results['sizing'])}")

@@ -391,6 +391,37 @@ def _batch_parser(sub) -> None:
     p.set_defaults(func=lambda args: sys.exit(batch.run_from_args(args)))
 
 
+def _warmup_parser(sub) -> None:
+    p = sub.add_parser("warmup", formatter_class=HelpFormatter,
+                       help="compile every GPU kernel a model serves with into the compile "
+                            "cache, then exit (for container images)",
+                       description="Load the model with the given engine flags, compile and "
+                                   "warm up everything `radixlora serve` with the same flags "
+                                   "would, and keep the compiled kernels in --compile-cache-dir, "
+                                   "so that later starts on this machine, or in a container "
+                                   "that mounts the directory, compile nothing.")
+    add_model_flags(p, positional=True)
+    add_engine_flags(p)
+    p.set_defaults(func=warmup)
+
+
+def warmup(args: argparse.Namespace) -> None:
+    from radixlora.server.ipc import setup_logging
+
+    setup_logging(getattr(args, "log_level", "info"), "warmup")
+    from radixlora import compile_cache
+    from radixlora.engine import Engine
+
+    model, _, _ = model_and_adapters(args)
+    engine = Engine(model, **resolved_overrides(args, model))
+    kernels = engine.runner.kernels
+    if kernels is None:
+        raise SystemExit("radixlora warmup: nothing to compile on the CPU; run it where the "
+                         "server will run, on a GPU")
+    print(f"compile cache: {compile_cache.use_cache_dir(engine.config.compile_cache_dir)} "
+          f"({len(kernels.known)} kernel variants in {kernels.path})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixlora", formatter_class=HelpFormatter,
                                      description="A multi-LoRA LLM serving runtime.")
@@ -404,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=demo)
     _serve_parser(sub)
     _batch_parser(sub)
+    _warmup_parser(sub)
     return parser
 
 

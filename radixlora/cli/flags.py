@@ -119,6 +119,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-cuda-graph", "--enforce-eager", dest="cuda_graph",
                    action="store_false", default=None,
                    help="run every step eagerly (default: CUDA graphs on a GPU)")
+    p.add_argument("--compile-cache-dir", dest="compile_cache_dir", default=None, metavar="DIR",
+                   help="where compiled GPU kernels are kept for later starts; mount it in a "
+                        "container, or fill it ahead with `radixlora warmup` (default: "
+                        "~/.cache/radixlora/compile, or TRITON_CACHE_DIR when that is set)")
     p.add_argument("--disable-radix-cache", dest="enable_radix_cache", action="store_false",
                    default=None, help="no prefix cache: every prompt is computed in full "
                                       "(default: the radix cache on)")
@@ -132,7 +136,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def engine_overrides(args: argparse.Namespace) -> dict:
-    fields = (*ENGINE_FLAGS, "overlap_schedule", "cuda_graph", "enable_radix_cache")
+    fields = (*ENGINE_FLAGS, "overlap_schedule", "cuda_graph", "enable_radix_cache",
+              "compile_cache_dir")
     out = {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
     if "dtype" in out:
         out["dtype"] = DTYPE_ALIASES.get(out["dtype"], out["dtype"])

@@ -47,6 +47,7 @@ from radixlora.server.ipc import Inbox, setup_logging, subscribe
 from radixlora.server.messages import GenerateReq, Heartbeat, LauncherInbox, Ready, Sized
 from radixlora.server.metrics import Metrics
 from radixlora.server.tracing import Tracer
+from radixlora.startup import phase_line, process_age_s
 
 log = logging.getLogger(__name__)
 
@@ -511,6 +512,7 @@ class Launcher:
         tracer = Tracer.for_endpoint(args.otlp_traces_endpoint, args.model_name)
         self.runtime = runtime = ProcessBridge(args, metrics, event_sub=self.registry_events)
         worker = ready[children.workers[0]].info
+        self.phases = worker.get("phases") or {}
         api = Api(args, runtime, metrics, vocab_size, children.pids, worker.get("sizing"))
         gateway = ClientGateway(runtime, args.endpoints.client, vocab_size,
                                 key=args.zmq_client_key or args.api_key or None)
@@ -563,6 +565,9 @@ class Launcher:
         log.info("radixlora ready: http://%s:%d (model %s, adapters %s; zmq clients: %s)",
                  self.args.host, self.args.port, self.args.model_name,
                  sorted(self.args.adapters) or "none", self.args.endpoints.client)
+        age = process_age_s()
+        if age is not None:
+            log.info(phase_line(age, self.phases))
 
     async def watch(self, children: Children) -> None:
         while True:

@@ -85,8 +85,9 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
         follow(executor, args, ctx, rank)
         return
     send_ready(ctx, args, "worker", ready_info(runner), kind=Sized)
-    runner.warm_up()
-    prefetch_adapters(runner, args)
+    runner.warm_up(defer_graphs=runner.tp is None)  # ranks must capture in step
+    with runner.phase("adapters"):
+        prefetch_adapters(runner, args)
     inbox = Inbox(ctx, args.endpoints.worker, WorkerInbox)
     to_scheduler = Outbox(ctx, args.endpoints.scheduler)
     heart = Heartbeats(ctx, args, "worker")
@@ -150,6 +151,7 @@ def ready_info(runner: ModelRunner) -> dict:
         "device": str(runner.device),
         "engine": {name: getattr(runner.config, name) for name in SIZED_FIELDS},
         "sizing": runner.sizing.to_dict() if runner.sizing else None,
+        "phases": runner.phases,
     }
 
 
@@ -160,12 +162,17 @@ def serve(executor: StepExecutor, inbox: Inbox, to_scheduler: Outbox, heart: Hea
     for step N's tokens) while step N runs, so the device never waits for the host. The loop
     beats between steps with the number of steps answered, so a step that never ends silences
     the worker. Under tensor parallel, the plans go to the other ranks first (see `follow`),
-    and at least every BEAT_POLL_MS, none if there are none."""
+    and at least every BEAT_POLL_MS, none if there are none; without it, the loop captures the
+    graphs warm-up left while idle (IdleCapture)."""
     answered = 0
     sent_at = time.monotonic()
+    runner = executor.runner
+    idle = IdleCapture(runner.graphs if tp is None and runner.config.warm_up else None)
     while True:
         heart.beat(answered)
-        plans = inbox.recv_nowait() if executor.in_flight else inbox.recv_within(BEAT_POLL_MS)
+        plans = (inbox.recv_nowait() if executor.in_flight
+                 else inbox.recv_within(idle.poll_ms(BEAT_POLL_MS)))  # fmt: skip
+        idle.step(not plans and not executor.in_flight, time.monotonic())
         if tp is not None and (plans or time.monotonic() - sent_at >= BEAT_POLL_MS / 1000):
             tp.send_plans(plans)
             sent_at = time.monotonic()
@@ -174,6 +181,32 @@ def serve(executor: StepExecutor, inbox: Inbox, to_scheduler: Outbox, heart: Hea
         for result in executor.collect(keep=1, done_too=True):
             to_scheduler.send(result)
             answered += 1
+
+
+class IdleCapture:
+    """Captures the graphs warm-up left (ModelRunner.warm_up's defer_graphs), one at a time
+    (about 0.1 s each on an H200), once the worker has been idle IDLE_S: a client sending
+    requests one after another is not delayed, and a request arriving later waits for at
+    most one capture. A step that needs a graph not captured yet captures it itself."""
+
+    IDLE_S = 0.2
+    POLL_MS = 20
+
+    def __init__(self, graphs) -> None:
+        self.graphs = graphs
+        self.left = graphs is not None and bool(graphs.pending())
+        self.idle_since: float | None = None
+
+    def poll_ms(self, default: int) -> int:
+        return self.POLL_MS if self.left else default
+
+    def step(self, idle: bool, now: float) -> None:
+        if not (self.left and idle):
+            self.idle_since = None
+        elif self.idle_since is None:
+            self.idle_since = now
+        elif now - self.idle_since >= self.IDLE_S:
+            self.left = self.graphs.capture_next()
 
 
 def submit(executor: StepExecutor, plan: StepPlan) -> None:
@@ -203,4 +236,5 @@ def check_ranges(plan: StepPlan, runner: ModelRunner) -> None:
 
 
 if __name__ == "__main__":
-    child_main(worker_rank_name(rank_from_env()), run)  # rank r > 0 logs as worker-tp<r>
+    # rank r > 0 logs as worker-tp<r>
+    child_main(worker_rank_name(rank_from_env()), run, torch_threads=None)

@@ -1,0 +1,229 @@
+"""The compile cache's bookkeeping (radixlora.compile_cache) on the CPU: manifests, the Triton
+hook in recording and dry-run modes, the compile processes' protocol, and the start-up phase
+line. Triton compiles nothing on the CPU, so here Triton's side is the hook's arguments and
+preload(); the cache hits themselves show on a GPU as a restart's compile phase of 0.0 s in
+the start-up line (docs/PERF.md, "Start-up")."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import types
+
+import pytest
+from triton import knobs
+
+from radixlora import compile_cache
+from radixlora.compile_cache import KernelCache, manifest_key
+from radixlora.config import EngineConfig, ModelConfig
+from radixlora.demo import DEMO_MODEL_DIR
+from radixlora.model_runner import ModelRunner
+from radixlora.startup import phase_line
+
+
+def hook_args(name: str, data: str) -> dict:
+    """What Triton passes jit_cache_hook for a variant (the fields KernelCache reads)."""
+    fn = types.SimpleNamespace(module="radixlora.kernels.fake", name=name, jit_function=None)
+    return {"key": data, "repr": f"{name}[...]", "fn": fn,
+            "compile": {"specialization_data": data}, "is_manual_warmup": False,
+            "already_compiled": False}
+
+
+class FakeCompiler:
+    """Stands in for a compile process: keeps what it is sent."""
+
+    sent: list = []
+
+    def __init__(self):
+        self.pending = 0
+
+    def send(self, entry) -> None:
+        FakeCompiler.sent.append(entry)
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def preloaded(monkeypatch):
+    """Every (module, name, data) preloaded in this process, in order; no compile process."""
+    calls = []
+
+    def jit_function(module, qualname):
+        return types.SimpleNamespace(preload=lambda data: calls.append((module, qualname, data)))
+
+    monkeypatch.setattr(compile_cache, "_jit_function", jit_function)
+    monkeypatch.setattr(compile_cache, "_Compiler", FakeCompiler)
+    FakeCompiler.sent = []
+    saved = knobs.runtime.jit_cache_hook
+    yield calls
+    knobs.runtime.jit_cache_hook = saved
+
+
+def test_manifest_key_is_the_same_for_serve_warmup_and_the_engine():
+    config = EngineConfig(max_rank=32)
+    engine_cfg = ModelConfig.from_dir(DEMO_MODEL_DIR).served(config)
+    server_cfg = dataclasses.replace(engine_cfg, base_roots=(str(DEMO_MODEL_DIR),))
+    server_config = dataclasses.replace(config, host_adapter_bytes=1 << 30,
+                                        compile_cache_dir="/elsewhere", seed=7)
+    key = manifest_key(engine_cfg, config, "NVIDIA H200")
+    assert manifest_key(server_cfg, server_config, "NVIDIA H200") == key
+    assert manifest_key(engine_cfg, EngineConfig(max_rank=64), "NVIDIA H200") != key
+    assert manifest_key(engine_cfg, config, "NVIDIA H100") != key
+
+
+def test_recorded_variants_become_the_manifest_a_later_start_preloads(tmp_path, preloaded):
+    first = KernelCache(tmp_path, "k", processes=4)
+    assert not first.found_manifest
+    first.start_recording()
+    hook = knobs.runtime.jit_cache_hook
+    assert hook(**hook_args("rmsnorm", '{"a": 1}')) is None  # recorded, compiled as usual
+    assert hook(**hook_args("rmsnorm", '{"a": 1}')) is None
+    assert hook(**hook_args("sgmv", '{"b": 2}')) is None
+    first.stop_recording(warn_late=False)
+    first.save()
+    assert knobs.runtime.jit_cache_hook is None
+
+    again = KernelCache(tmp_path, "k", processes=4)
+    assert again.found_manifest and len(again.known) == 2
+    (tmp_path / "triton").mkdir()
+    for i in range(2):  # the cache directory holds as many compiled kernels
+        (tmp_path / "triton" / f"kernel{i}").mkdir()
+    again.start()  # loads on a thread, no compile process
+    assert again.finish() == 2
+    assert sorted(name for _, name, _ in preloaded) == ["rmsnorm", "sgmv"]
+    assert FakeCompiler.sent == []
+
+
+def test_manifest_without_its_compiled_kernels_goes_to_the_compile_processes(tmp_path,
+                                                                             preloaded):
+    cache = KernelCache(tmp_path, "k", processes=2)
+    cache.start_recording()
+    knobs.runtime.jit_cache_hook(**hook_args("rmsnorm", '{"a": 1}'))
+    cache.stop_recording(warn_late=False)
+    cache.save()
+    mounted = KernelCache(tmp_path, "k", processes=2)  # the triton/ directory is empty
+    mounted.start()
+    assert [e[1] for e in FakeCompiler.sent] == ["rmsnorm"]
+    assert mounted.finish() == 1 and [c[1] for c in preloaded] == ["rmsnorm"]
+
+
+def test_dry_run_sends_each_new_variant_once_and_skips_its_launch(tmp_path, preloaded):
+    cache = KernelCache(tmp_path, "k", processes=3)
+    cache.start_recording()
+    hook = knobs.runtime.jit_cache_hook
+    with cache.dry_run():
+        assert hook(**hook_args("attention", '{"t": 16}')) is True  # not compiled, not run
+        assert hook(**hook_args("attention", '{"t": 16}')) is True
+        assert hook(**hook_args("attention", '{"t": 32}')) is True
+    assert hook(**hook_args("sampler", '{"v": 1}')) is None  # outside: compiled as usual
+    assert [e[2] for e in FakeCompiler.sent] == ['{"t": 16}', '{"t": 32}']
+    assert cache.finish() == 2
+    cache.stop_recording(warn_late=True)
+    cache.save()
+    assert len(KernelCache(tmp_path, "k", 1).known) == 3
+
+
+def test_a_compile_after_warm_up_is_logged(tmp_path, preloaded, caplog):
+    cache = KernelCache(tmp_path, "k", processes=1)
+    cache.start_recording()
+    cache.stop_recording(warn_late=True)
+    with caplog.at_level(logging.WARNING, logger="radixlora.compile_cache"):
+        assert knobs.runtime.jit_cache_hook(**hook_args("late", "{}")) is None
+    assert "compiled after warm-up: late[...]" in caplog.text
+
+
+def test_a_damaged_manifest_is_ignored(tmp_path):
+    (tmp_path / compile_cache.MANIFESTS).mkdir()
+    (tmp_path / compile_cache.MANIFESTS / "k.json").write_text('{"version": 1, "kernels": [1')
+    assert not KernelCache(tmp_path, "k", 1).found_manifest
+
+
+def test_compile_process_answers_every_variant_even_one_it_cannot_compile(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    compiler = compile_cache._Compiler()
+    compiler.send(("radixlora.kernels.no_such_module", "kernel", "{}"))
+    compiler.send(("radixlora.kernels.rmsnorm", "no_such_kernel", "{}"))
+    compiler.wait()
+    assert compiler.pending == 0
+    compiler.close()
+    assert compiler.proc.returncode == 0
+
+
+def test_cache_dir_flag_points_triton_there(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    root = compile_cache.use_cache_dir(tmp_path / "cc")
+    assert root == tmp_path / "cc" and root.is_dir()
+    assert knobs.cache.dir == str(tmp_path / "cc" / "triton")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    assert compile_cache.use_cache_dir(None) == tmp_path / "xdg" / "radixlora" / "compile"
+    assert knobs.cache.dir == str(tmp_path / "mine")  # the user's own Triton cache stays
+
+
+def test_phase_line_splits_the_time_to_ready():
+    line = phase_line(30.0, {"weights": 4.0, "graphs": 9.5, "compile": 0.2, "adapters": 1.0})
+    assert line == ("ready in 30.0 s: weights 4.0 s, compile 0.2 s, graphs 9.5 s, "
+                    "adapters 1.0 s, other 15.3 s")
+
+
+def test_nested_phases_are_not_counted_twice(monkeypatch):
+    clock = iter([0.0, 1.0, 3.0, 10.0, 10.0, 11.0])
+    monkeypatch.setattr("radixlora.model_runner.time.perf_counter", lambda: next(clock))
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.phases = {}
+    with runner.phase("sizing"), runner.phase("compile"):  # 0 .. 10, compile 1 .. 3
+        pass
+    with runner.phase("compile"):  # 10 .. 11
+        pass
+    assert runner.phases == {"sizing": 8.0, "compile": 3.0}
+
+
+def test_engine_start_ends_with_the_phase_line(caplog):
+    from radixlora import Engine
+
+    with caplog.at_level(logging.INFO, logger="radixlora.engine"):
+        Engine(DEMO_MODEL_DIR)
+    line = [r.message for r in caplog.records if r.name == "radixlora.engine"][-1]
+    assert line.startswith("ready in ") and "weights" in line and "other" in line
+
+
+class FakeGraphs:
+    def __init__(self, keys: int):
+        self.left = list(range(keys))
+        self.captured: list[int] = []
+
+    def pending(self) -> list[int]:
+        return self.left
+
+    def capture_next(self) -> bool:
+        self.captured.append(self.left.pop(0))
+        return bool(self.left)
+
+
+def test_worker_captures_left_graphs_only_after_it_has_been_idle_a_while():
+    from radixlora.server.worker_proc import IdleCapture
+
+    graphs = FakeGraphs(2)
+    idle = IdleCapture(graphs)
+    assert idle.poll_ms(250) == IdleCapture.POLL_MS
+    idle.step(True, 10.0)
+    idle.step(True, 10.1)  # idle, but not long enough
+    idle.step(False, 10.15)  # a step: the wait starts again
+    idle.step(True, 10.2)
+    idle.step(True, 10.3)
+    assert graphs.captured == []
+    idle.step(True, 10.4)
+    idle.step(True, 10.5)
+    assert graphs.captured == [0, 1] and not idle.left
+    assert idle.poll_ms(250) == 250
+    idle.step(True, 20.0)  # nothing left: no capture asked for
+    assert graphs.captured == [0, 1]
+    nothing = IdleCapture(None)
+    nothing.step(True, 0.0)
+    nothing.step(True, 1.0)
+    assert not nothing.left
