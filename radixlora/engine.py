@@ -232,7 +232,7 @@ class Engine:
         new_ids = req.output_ids[state.seen :]
         state.seen = len(req.output_ids)
         matcher = state.matcher
-        matcher.feed(state.decoder.push(new_ids))
+        matcher.feed_tokens(state.decoder, new_ids)
         if matcher.matched is None and req.finish_reason is not None:
             matcher.feed(state.decoder.flush())
             if matcher.matched is None:
@@ -257,7 +257,8 @@ class Engine:
         if params.stop:
             for req in reqs:
                 self._stops[req] = _StopState(IncrementalDecoder(self.tokenizer),
-                                              StopMatcher(list(params.stop)))
+                                              StopMatcher(list(params.stop),
+                                                          min_tokens=params.min_tokens))
         return reqs
 
     def _prompt_ids(self, prompt) -> np.ndarray:

@@ -29,9 +29,11 @@ from radixlora.lora.pool import AdapterPool, LoraContext, LoraSegments
 from radixlora.model.loader import load_model
 from radixlora.sampling import (
     GREEDY,
+    LogitAdjustments,
     SampleOutput,
     SamplingBatch,
     SamplingParams,
+    needs_adjustments,
     sample,
     with_top_logprobs,
 )
@@ -276,7 +278,8 @@ class ModelRunner:
         segments = _lora_segments(plan)
         scored = _scored_rows(plan)
         resolve = self._resolve_placeholders if (host["input_ids"] < 0).any() else None
-        key = self._graph_key(host, segments) if scored is None else None
+        adjusted = any(needs_adjustments(i.params, i.out_index) for i in plan.items if i.sample)
+        key = self._graph_key(host, segments) if scored is None and not adjusted else None
         step = LaunchedStep()
         if key is not None:
             out = self._graph_step(key, plan, host, segments, resolve)
@@ -316,7 +319,11 @@ class ModelRunner:
             step.input_counts, step.input_top_k = scored[2], ks
             logits = logits[len(scored[0]) :]
         sampled = [i for i in plan.items if i.sample]
-        return sample(logits, self._sampling_batch(sampled)) if sampled else None
+        if not sampled:
+            return None
+        adjust = LogitAdjustments.build([i.params for i in sampled],
+                                        [i.out_index for i in sampled], self.cfg.eos_token_ids)
+        return sample(logits, self._sampling_batch(sampled), adjust)
 
     def failed(self) -> None:
         """The last launched step did not run: the next step's placeholders have no tokens."""

@@ -21,6 +21,8 @@ MAX_TOP_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 16  # the server's limits on `stop` (radixlora.server.protocol)
 MAX_STOP_CHARS = 256
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
+LOGIT_BIAS_RANGE = 100.0  # |bias| at most this, as OpenAI allows
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
@@ -39,6 +41,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     stop: tuple[str, ...] = ()
+    # the first min_tokens tokens are never EOS, a stop token or the end of a stop string
+    min_tokens: int = 0
+    # (token id, bias) pairs added to the logits before sampling (a dict is accepted too);
+    # logprobs stay those of the model's distribution
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -48,6 +55,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
             msgspec.structs.force_setattr(self, "stop", stop)
         if not isinstance(self.stop_token_ids, tuple):
             msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = bias.items()
+        if not isinstance(bias, tuple) or any(not isinstance(b, tuple) for b in bias):
+            msgspec.structs.force_setattr(self, "logit_bias", tuple(tuple(b) for b in bias))
 
     def validate(self, vocab_size: int) -> None:
         _check_int("max_tokens", self.max_tokens, 1, None)
@@ -62,6 +74,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
         _check_float("min_p", self.min_p, 0.0, 1.0)
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0, vocab_size - 1)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, "
+                                      f"got {len(self.logit_bias)}", param="logit_bias")
+        for pair in self.logit_bias:
+            if len(pair) != 2:
+                raise InvalidRequestError("logit_bias maps token ids to biases",
+                                          param="logit_bias")
+            _check_int("logit_bias", pair[0], 0, vocab_size - 1)
+            _check_float("logit_bias", pair[1], -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, "
                                       f"got {len(self.stop)}", param="stop")
@@ -130,6 +152,47 @@ class SamplingBatch:
                 for name, values in self.rows().items()}  # fmt: skip
 
 
+@dataclass
+class LogitAdjustments:
+    """Values added to single logits before sampling: a request's logit_bias, and -inf on its
+    stop tokens (EOS unless ignore_eos, and stop_token_ids) while fewer than min_tokens
+    tokens are out. One entry per (row, token, value); a token may repeat (they add up)."""
+
+    rows: np.ndarray  # [n] int64
+    tokens: np.ndarray  # [n] int64
+    values: np.ndarray  # [n] float32
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], steps: list[int],
+              eos_ids: tuple[int, ...]) -> LogitAdjustments | None:  # fmt: skip
+        """None when no row is adjusted (`steps`: each row's output index)."""
+        entries = []
+        for row, (p, step) in enumerate(zip(params, steps)):
+            entries += [(row, token, bias) for token, bias in p.logit_bias]
+            if step < p.min_tokens:
+                held = dict.fromkeys(p.stop_token_ids + (() if p.ignore_eos else eos_ids))
+                entries += [(row, token, -math.inf) for token in held]
+        if not entries:
+            return None
+        rows, tokens, values = zip(*entries)
+        return cls(np.array(rows, np.int64), np.array(tokens, np.int64),
+                   np.array(values, np.float32))
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """A float32 copy of logits [B, V] with the values added."""
+        out = logits.float().clone()
+        dev = out.device
+        out.index_put_((to_device(self.rows, torch.int64, dev),
+                        to_device(self.tokens, torch.int64, dev)),
+                       to_device(self.values, torch.float32, dev), accumulate=True)
+        return out
+
+
+def needs_adjustments(params: SamplingParams, step: int) -> bool:
+    """Whether a row sampling with params at output index `step` has LogitAdjustments."""
+    return bool(params.logit_bias) or step < params.min_tokens
+
+
 ROW_FIELDS = ("temperature", "seeds", "steps", "top_k", "top_p", "min_p")
 ROW_DTYPES = {"temperature": torch.float32, "seeds": torch.int64, "steps": torch.int64,
               "top_k": torch.int64, "top_p": torch.float32, "min_p": torch.float32}  # fmt: skip
@@ -162,8 +225,16 @@ def with_top_logprobs(out: SampleOutput, logits: torch.Tensor, lse: torch.Tensor
     return out
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
-    """logits: [B, V] (any float dtype). Logprobs are of the raw model distribution (before
-    temperature and filters)."""
-    tokens, chosen, lse = draw(logits, batch.to(logits.device), batch.needs_filter)
+def sample(logits: torch.Tensor, batch: SamplingBatch,
+           adjust: LogitAdjustments | None = None) -> SampleOutput:  # fmt: skip
+    """logits: [B, V] (any float dtype). Tokens are drawn from the logits with `adjust`
+    added; logprobs are of the raw model distribution (before adjustments, temperature and
+    filters)."""
+    if adjust is None:
+        tokens, chosen, lse = draw(logits, batch.to(logits.device), batch.needs_filter)
+    else:
+        tokens, _, _ = draw(adjust.apply(logits), batch.to(logits.device), batch.needs_filter)
+        raw = logits.float()
+        lse = torch.logsumexp(raw, dim=-1)
+        chosen = raw.gather(1, tokens[:, None])[:, 0] - lse
     return with_top_logprobs(SampleOutput(tokens, chosen), logits, lse, batch.num_top_logprobs)

@@ -135,7 +135,6 @@ UNSUPPORTED_CHAT = [
     ("store", True),
     ("verbosity", "low"),
     ("web_search_options", {}),
-    ("logit_bias", {"5": 10}),
     ("presence_penalty", 0.5),
     ("frequency_penalty", 0.5),
 ]
@@ -162,8 +161,6 @@ def test_unsupported_message_and_completion_fields_are_named(server):
         ("/v1/completions", {"prompt": PROMPT, "suffix": "x"}, "suffix"),
         ("/v1/completions", {"prompt": PROMPT, "best_of": 3}, "best_of"),
         ("/generate", {"text": PROMPT, "sampling_params": {"regex": "a+"}}, "regex"),
-        ("/generate", {"text": PROMPT, "sampling_params": {"min_new_tokens": 3}},
-         "min_new_tokens"),
         ("/generate", {"text": PROMPT, "image_data": "x.png"}, "image_data"),
         ("/generate", {"text": PROMPT, "token_ids_logprob": [1, 2]}, "token_ids_logprob"),
         ("/generate", {"text": PROMPT, "log_metrics": False}, "log_metrics"),

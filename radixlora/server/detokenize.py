@@ -71,13 +71,33 @@ class StopMatcher:
     may still become one. `emitted` characters of `text` have been released. With
     include_stop, the text ends with the matched stop string instead of just before it."""
 
-    def __init__(self, stops: list[str], include_stop: bool = False):
+    def __init__(self, stops: list[str], include_stop: bool = False, min_tokens: int = 0):
         self.stops = [s for s in stops if s]
         self.include_stop = include_stop
         self.longest = max((len(s) for s in self.stops), default=0)
         self.text = ""
         self.emitted = 0
         self.matched: str | None = None
+        self.min_tokens = min_tokens  # a stop string must end in the text of token min_tokens
+        self.tokens = 0  # tokens fed through feed_tokens
+        self.no_stop_before = 0  # no match may end at or before this text position
+
+    def feed_tokens(self, decoder, ids: list[int]) -> str:
+        """feed() the text of `ids` from `decoder` (an IncrementalDecoder); a stop string that
+        ends within the text of the first min_tokens - 1 tokens does not count."""
+        if self.tokens + 1 >= self.min_tokens:
+            self.tokens += len(ids)
+            return self.feed(decoder.push(ids))
+        out = ""
+        for token in ids:
+            self.tokens += 1
+            text = decoder.push([token])
+            if self.tokens < self.min_tokens:
+                self.no_stop_before = len(self.text) + len(text)
+            out += self.feed(text)
+            if self.matched is not None:
+                break
+        return out
 
     def feed(self, delta: str) -> str:
         """Add text; returns what may be released now. After a match, `matched` is set and
@@ -108,7 +128,7 @@ class StopMatcher:
         arrived one character at a time: the result never depends on how it was chunked."""
         best: tuple[int, int, str] | None = None
         for stop in self.stops:
-            pos = self.text.find(stop, scan_from)
+            pos = self.text.find(stop, max(scan_from, self.no_stop_before - len(stop) + 1))
             if pos >= 0 and (best is None or (pos + len(stop), pos) < best[:2]):
                 best = (pos + len(stop), pos, stop)
         return None if best is None else (best[1], best[2])

@@ -60,7 +60,9 @@ class _Sampling(Strict):
     seed: Int64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM; only 1.0 (none) so far
     logit_bias: dict[str, float] | None = None
+    min_tokens: Int32 | None = None  # vLLM
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
@@ -186,7 +188,8 @@ class SglSamplingParams(Strict):
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None  # the matched stop string ends the text
     # accepted only at the value that asks for nothing radixlora lacks (NEUTRAL_SGL_SAMPLING)
-    min_new_tokens: object = None
+    min_new_tokens: Int32 | None = None
+    logit_bias: dict[str, float] | None = None
     stop_regex: object = None
     regex: object = None
     json_schema: object = None
@@ -194,13 +197,11 @@ class SglSamplingParams(Strict):
     structural_tag: object = None
     beam_width: object = None
     stream_interval: object = None
-    logit_bias: object = None
     custom_params: object = None
     watermark: object = None
 
 
 NEUTRAL_SGL_SAMPLING: dict[str, tuple] = {
-    "min_new_tokens": (0,),
     "stop_regex": ([], ""),
     "regex": (),
     "json_schema": (),
@@ -208,7 +209,6 @@ NEUTRAL_SGL_SAMPLING: dict[str, tuple] = {
     "structural_tag": (),
     "beam_width": (),
     "stream_interval": (1,),
-    "logit_bias": ({},),
     "custom_params": ({},),
     "watermark": (),
 }
@@ -413,9 +413,9 @@ def adapter_label(choices: list[AdapterChoice] | None) -> str:
 
 def build_params(vocab_size: int, **fields) -> SamplingParams:
     """SamplingParams from request fields (None = default), validated; max_tokens None is
-    checked as 1 and resolved after tokenization (GenerateReq.fill_context)."""
+    checked as max(1, min_tokens) and resolved after tokenization (GenerateReq.fill_context)."""
     fields = {k: v for k, v in fields.items() if v is not None}
-    fields.setdefault("max_tokens", 1)
+    fields.setdefault("max_tokens", max(1, fields.get("min_tokens", 0)))
     params = SamplingParams(**fields)
     params.validate(vocab_size)
     return params
@@ -425,11 +425,9 @@ def _common(req: _Sampling, vocab_size: int, max_tokens, logprobs) -> SamplingPa
     if req.stream_options is not None and not req.stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true",
                                   param="stream_options")
-    if req.logit_bias:
-        raise InvalidRequestError("logit_bias is not supported", param="logit_bias",
-                                  code="unsupported_parameter")
     check_penalties(presence_penalty=req.presence_penalty,
-                    frequency_penalty=req.frequency_penalty)
+                    frequency_penalty=req.frequency_penalty,
+                    repetition_penalty=req.repetition_penalty)
     return build_params(
         vocab_size,
         max_tokens=max_tokens,
@@ -442,7 +440,20 @@ def _common(req: _Sampling, vocab_size: int, max_tokens, logprobs) -> SamplingPa
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        min_tokens=req.min_tokens,
+        logit_bias=logit_bias_pairs(req.logit_bias),
     )
+
+
+def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's logit_bias (token ids as JSON object keys) as SamplingParams takes it."""
+    if not bias:
+        return None
+    try:
+        return tuple((int(token), value) for token, value in bias.items())
+    except ValueError:
+        raise InvalidRequestError("logit_bias keys must be token ids (integers as strings)",
+                                  param="logit_bias") from None
 
 
 def completion_params(req: CompletionRequest, vocab_size: int) -> SamplingParams:

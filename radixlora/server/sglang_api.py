@@ -33,6 +33,7 @@ from radixlora.server.protocol import (
     build_params,
     check_penalties,
     completion_prompts,
+    logit_bias_pairs,
     prompt_adapters,
     refuse_unsupported,
     stop_list,
@@ -93,6 +94,8 @@ class SglangHandlers:
             stop_token_ids=tuple(sp.stop_token_ids or ()),
             ignore_eos=sp.ignore_eos,
             logprobs=logprobs,
+            min_tokens=sp.min_new_tokens,
+            logit_bias=logit_bias_pairs(sp.logit_bias),
         )
 
     async def generate(self, request: Request, req: GenerateRequest, owner: str):

@@ -75,6 +75,7 @@ class ReqState:
     skip_special_tokens: bool = True
     head: int | None = None  # logprob_start 0: the first prompt token, reported unscored
     prompt_text: str | None = None  # echo of a token-id prompt (GenerateReq.echo)
+    min_tokens: int = 0
     samples: dict[int, SampleState] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
 
@@ -183,7 +184,8 @@ class TokenizerService:
         head = int(bytes_to_ids(outcome.input_ids)[0]) if req.logprob_start == 0 else None
         with self.lock:
             self.reqs[req.rid] = ReqState(req.params.n, req.stop, req.token_texts,
-                                          req.include_stop, req.skip_special_tokens, head, text)
+                                          req.include_stop, req.skip_special_tokens, head, text,
+                                          req.params.min_tokens)
             self.routes[req.rid] = self.router.route(req.adapters,
                                                      bytes_to_ids(outcome.input_ids),
                                                      req.params.n, req.data_parallel_rank)
@@ -280,12 +282,13 @@ class TokenizerService:
         if sample is None:
             prompt_text = state.prompt_text
             sample = SampleState(IncrementalDecoder(self.tokenizer, state.skip_special_tokens),
-                                 StopMatcher(state.stop, state.include_stop), state.token_texts)
+                                 StopMatcher(state.stop, state.include_stop, state.min_tokens),
+                                 state.token_texts)
             state.samples[out.index] = sample
             if state.head is not None:
                 input_ids = ids_to_bytes([state.head, *bytes_to_ids(input_ids).tolist()])
         ids = bytes_to_ids(out.token_ids).tolist()
-        text = sample.stops.feed(sample.decoder.push(ids)) if self.tokenizer else ""
+        text = sample.stops.feed_tokens(sample.decoder, ids) if self.tokenizer else ""
         finish, matched = out.finish_reason, None
         if sample.stops.matched is not None:
             finish, matched = "stop", sample.stops.matched
