@@ -30,6 +30,7 @@ from radixlora.model.loader import load_model
 from radixlora.sampling import (
     GREEDY,
     LogitAdjustments,
+    Penalties,
     SampleOutput,
     SamplingBatch,
     SamplingParams,
@@ -323,7 +324,44 @@ class ModelRunner:
             return None
         adjust = LogitAdjustments.build([i.params for i in sampled],
                                         [i.out_index for i in sampled], self.cfg.eos_token_ids)
-        return sample(logits, self._sampling_batch(sampled), adjust)
+        penalties = self._penalties(plan.items, host["input_ids"])
+        processors = tuple(p for p in (adjust, penalties) if p is not None)
+        return sample(logits, self._sampling_batch(sampled), processors)
+
+    def _penalties(self, items: list[PlanItem], input_ids: np.ndarray) -> Penalties | None:
+        """The Penalties of the sampling items that have them (rows in sampling order). An
+        item's pending newest output token is its last input token, a placeholder, resolved
+        here as the forward resolved it."""
+        rows, params, outputs, prompts = [], [], [], []
+        ends = np.cumsum([i.extend_len for i in items])
+        for row, (item, end) in enumerate((i, e) for i, e in zip(items, ends) if i.sample):
+            if item.output_ids is None:
+                continue
+            ids = bytes_to_ids(item.output_ids).astype(np.int64)
+            if input_ids[end - 1] < 0:
+                ids = np.append(ids, input_ids[end - 1])
+            rows.append(row)
+            params.append(item.params)
+            outputs.append(ids)
+            prompts.append(bytes_to_ids(item.prompt_ids or b"").astype(np.int64))
+        if not rows:
+            return None
+        dev = self.device
+        tokens = to_device(np.concatenate(outputs), torch.int64, dev)
+        self._resolve_placeholders(tokens)
+
+        def owners(parts: list[np.ndarray]) -> torch.Tensor:
+            return to_device(np.repeat(np.arange(len(parts)), [len(p) for p in parts]),
+                             torch.int64, dev)
+
+        return Penalties(
+            np.array(rows, np.int64),
+            np.array([p.presence_penalty for p in params], np.float32),
+            np.array([p.frequency_penalty for p in params], np.float32),
+            np.array([p.repetition_penalty for p in params], np.float32),
+            (owners(outputs), tokens),
+            (owners(prompts), to_device(np.concatenate(prompts), torch.int64, dev)),
+        )
 
     def failed(self) -> None:
         """The last launched step did not run: the next step's placeholders have no tokens."""

@@ -23,6 +23,7 @@ MAX_STOP_STRINGS = 16  # the server's limits on `stop` (radixlora.server.protoco
 MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
 LOGIT_BIAS_RANGE = 100.0  # |bias| at most this, as OpenAI allows
+MAX_REPETITION_PENALTY = 10.0
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
@@ -46,6 +47,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     # (token id, bias) pairs added to the logits before sampling (a dict is accepted too);
     # logprobs stay those of the model's distribution
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # OpenAI's: subtracted from the logit of each token once it is in the output (presence),
+    # times its count there (frequency); vLLM's: divides positive logits of tokens in the
+    # prompt or the output and multiplies negative ones (1: none)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -75,6 +82,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0, vocab_size - 1)
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY,
+                     low_open=True)
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidRequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, "
                                       f"got {len(self.logit_bias)}", param="logit_bias")
@@ -178,19 +189,54 @@ class LogitAdjustments:
         return cls(np.array(rows, np.int64), np.array(tokens, np.int64),
                    np.array(values, np.float32))
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """A float32 copy of logits [B, V] with the values added."""
-        out = logits.float().clone()
-        dev = out.device
-        out.index_put_((to_device(self.rows, torch.int64, dev),
-                        to_device(self.tokens, torch.int64, dev)),
-                       to_device(self.values, torch.float32, dev), accumulate=True)
-        return out
+    def apply(self, logits: torch.Tensor) -> None:
+        """Add the values to float32 logits [B, V], in place."""
+        dev = logits.device
+        logits.index_put_((to_device(self.rows, torch.int64, dev),
+                           to_device(self.tokens, torch.int64, dev)),
+                          to_device(self.values, torch.float32, dev), accumulate=True)
+
+
+@dataclass
+class Penalties:
+    """The presence, frequency and repetition penalties of the rows that have them. Each
+    row's output tokens so far (`output`: placeholders resolved on the device already) and,
+    with a repetition penalty, its prompt tokens (`prompt`), as (row, token) pairs."""
+
+    rows: np.ndarray  # [P] int64: the penalized rows
+    presence: np.ndarray  # [P] float32
+    frequency: np.ndarray  # [P] float32
+    repetition: np.ndarray  # [P] float32
+    output: tuple[torch.Tensor, torch.Tensor]  # (index into rows, token), int64 on the device
+    prompt: tuple[torch.Tensor, torch.Tensor]
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Penalize float32 logits [B, V] in place: count each row's output tokens, subtract
+        presence and frequency, then apply the repetition penalty to every token seen."""
+        dev, vocab = logits.device, logits.shape[1]
+        rows = to_device(self.rows, torch.int64, dev)
+        counts = torch.zeros(len(self.rows), vocab, dtype=torch.float32, device=dev)
+        counts.index_put_(self.output, torch.ones_like(self.output[1], dtype=torch.float32),
+                          accumulate=True)
+        x = logits[rows]
+        x -= to_device(self.frequency, torch.float32, dev)[:, None] * counts
+        x -= to_device(self.presence, torch.float32, dev)[:, None] * (counts > 0)
+        seen = counts > 0
+        seen[self.prompt] = True
+        r = to_device(self.repetition, torch.float32, dev)[:, None].expand_as(x)
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+        logits[rows] = x
+
+
+def penalized(params: SamplingParams) -> bool:
+    return bool(params.presence_penalty or params.frequency_penalty
+                or params.repetition_penalty != 1.0)
 
 
 def needs_adjustments(params: SamplingParams, step: int) -> bool:
-    """Whether a row sampling with params at output index `step` has LogitAdjustments."""
-    return bool(params.logit_bias) or step < params.min_tokens
+    """Whether a row sampling with params at output index `step` is changed before sampling
+    (LogitAdjustments, Penalties)."""
+    return bool(params.logit_bias) or step < params.min_tokens or penalized(params)
 
 
 ROW_FIELDS = ("temperature", "seeds", "steps", "top_k", "top_p", "min_p")
@@ -226,14 +272,17 @@ def with_top_logprobs(out: SampleOutput, logits: torch.Tensor, lse: torch.Tensor
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch,
-           adjust: LogitAdjustments | None = None) -> SampleOutput:  # fmt: skip
-    """logits: [B, V] (any float dtype). Tokens are drawn from the logits with `adjust`
-    added; logprobs are of the raw model distribution (before adjustments, temperature and
-    filters)."""
-    if adjust is None:
+           processors: tuple = ()) -> SampleOutput:  # fmt: skip
+    """logits: [B, V] (any float dtype). Tokens are drawn from the logits as `processors`
+    (LogitAdjustments, then Penalties, as vLLM orders them) leave them; logprobs are of the
+    raw model distribution (before processors, temperature and filters)."""
+    if not processors:
         tokens, chosen, lse = draw(logits, batch.to(logits.device), batch.needs_filter)
     else:
-        tokens, _, _ = draw(adjust.apply(logits), batch.to(logits.device), batch.needs_filter)
+        processed = logits.float().clone()
+        for processor in processors:
+            processor.apply(processed)
+        tokens, _, _ = draw(processed, batch.to(logits.device), batch.needs_filter)
         raw = logits.float()
         lse = torch.logsumexp(raw, dim=-1)
         chosen = raw.gather(1, tokens[:, None])[:, 0] - lse

@@ -28,6 +28,7 @@ from radixlora.lora.adapter import LoraAdapter
 from radixlora.lora.pool import AdapterResidency
 from radixlora.radix_cache import RadixCache
 from radixlora.request import Req, ReqStatus
+from radixlora.sampling import penalized
 from radixlora.step_plan import AdapterLoad, GroupRows, PlanItem, StepPlan, ids_to_bytes
 from radixlora.token_bucket import SwapCap
 
@@ -85,6 +86,7 @@ class BatchPlan:
                 adapter_set=index[item.req.adapter_set.key],
                 score_from=item.score_from,
                 score_ids=None if item.score_ids is None else ids_to_bytes(item.score_ids),
+                **_penalty_history(item),
             )
             for item in self.items
         ]
@@ -96,6 +98,17 @@ class BatchPlan:
                         adapter_loads=_adapter_loads(self.adapter_loads),
                         prefetch_loads=_adapter_loads(self.prefetch_loads),
                         adapter_sets=list(self.lora_rows.values()))
+
+
+def _penalty_history(item: ScheduledReq) -> dict[str, bytes]:
+    """PlanItem.output_ids and prompt_ids of a sampling item with penalties."""
+    params = item.req.params
+    if not (item.sample and penalized(params)):
+        return {}
+    out = {"output_ids": ids_to_bytes(np.asarray(item.req.output_ids, np.int32))}
+    if params.repetition_penalty != 1.0:
+        out["prompt_ids"] = ids_to_bytes(item.req.prompt_ids)
+    return out
 
 
 def _adapter_loads(loads: list[tuple[LoraAdapter, np.ndarray]]) -> list[AdapterLoad]:

@@ -34,6 +34,11 @@ class PlanItem(msgspec.Struct, array_like=True):
     adapter_set: int  # index into StepPlan.adapter_sets
     score_from: int = 0  # positions score_from, ... of this chunk predict the prompt's score_ids
     score_ids: bytes | None = None  # int32
+    # a sampling item with penalties (sampling.penalized): its output tokens known when the
+    # step was planned (int32; a pending newest one is this item's last input token, a
+    # placeholder), and with a repetition penalty its prompt tokens
+    output_ids: bytes | None = None
+    prompt_ids: bytes | None = None
 
 
 class AdapterLoad(msgspec.Struct, array_like=True):

@@ -135,8 +135,6 @@ UNSUPPORTED_CHAT = [
     ("store", True),
     ("verbosity", "low"),
     ("web_search_options", {}),
-    ("presence_penalty", 0.5),
-    ("frequency_penalty", 0.5),
 ]
 
 

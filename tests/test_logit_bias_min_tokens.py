@@ -1,7 +1,9 @@
-"""logit_bias and min_tokens (OpenAI's logit_bias, vLLM's min_tokens, SGLang's min_new_tokens):
-the Engine's greedy tokens and raw logprobs against transformers' generate with its own
-SequenceBias and MinNewTokensLength processors, stop strings held until min_tokens, the HTTP
-fields, and their validation."""
+"""What changes the logits before sampling: OpenAI's logit_bias, presence and frequency
+penalties, vLLM's min_tokens and repetition_penalty (SGLang's min_new_tokens and penalties).
+The Engine's greedy tokens and raw logprobs against transformers' generate with its own
+SequenceBias and MinNewTokensLength processors, penalties against greedy decoding on
+transformers' logits with its RepetitionPenalty processor (overlap scheduling on and off),
+stop strings held until min_tokens, the HTTP fields, and their validation."""
 
 from __future__ import annotations
 
@@ -112,6 +114,9 @@ def test_validation(engine):
         (SamplingParams(logit_bias={3: float("nan")}), "logit_bias"),
         (SamplingParams(max_tokens=4, min_tokens=5), "min_tokens"),
         (SamplingParams(min_tokens=-1), "min_tokens"),
+        (SamplingParams(presence_penalty=2.5), "presence_penalty"),
+        (SamplingParams(frequency_penalty=-3.0), "frequency_penalty"),
+        (SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
     ]
     for params, param in cases:
         with pytest.raises(InvalidRequestError) as e:
@@ -153,7 +158,8 @@ def test_http_validation(server):
         ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
         ("/v1/completions", {"logit_bias": {"5": 500}}, "logit_bias"),
         ("/v1/completions", {"min_tokens": 99, "max_tokens": 4}, "min_tokens"),
-        ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+        ("/v1/completions", {"repetition_penalty": -1}, "repetition_penalty"),
+        ("/v1/completions", {"presence_penalty": 3}, "presence_penalty"),
     ]
     for path, extra, param in cases:
         body = {"model": MODEL_NAME, "prompt": "a", "max_tokens": 4, **extra}
@@ -163,3 +169,72 @@ def test_http_validation(server):
     ok = server.http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "a",
                                                     "max_tokens": 2, "repetition_penalty": 1.0})
     assert ok.status_code == 200, ok.text
+
+
+def test_penalties_over_http_match_the_engine(server, engine):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    want = run(engine, ignore_eos=True, presence_penalty=-2.0, frequency_penalty=0.5)
+    got = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT_IDS, max_tokens=NEW, temperature=0, logprobs=0,
+        presence_penalty=-2.0, frequency_penalty=0.5, extra_body={"ignore_eos": True})
+    assert got.choices[0].logprobs.token_logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    want = run(engine, ignore_eos=True, repetition_penalty=1.5)
+    sgl = server.http.post("/generate", json={
+        "input_ids": PROMPT_IDS, "return_logprob": True,
+        "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True,
+                            "repetition_penalty": 1.5}}).json()
+    assert [e[1] for e in sgl["meta_info"]["output_token_logprobs"]] == want.token_ids
+
+
+@torch.no_grad()
+def reference_greedy(hf, presence=0.0, frequency=0.0, repetition=1.0,
+                     bias: dict[int, float] | None = None) -> tuple[list[int], list[float]]:
+    """Greedy decoding on transformers' logits: logit_bias added, then OpenAI's presence and
+    frequency penalties over the output so far, then transformers' own repetition penalty
+    processor over prompt and output (vLLM's order); logprobs of the raw logits."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    out, logprobs = [], []
+    for _ in range(NEW):
+        ids = torch.tensor([PROMPT_IDS + out])
+        raw = hf(ids).logits[0, -1].float()
+        x = raw.clone()
+        for token, b in (bias or {}).items():
+            x[token] += b
+        counts = torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=len(x)).float()
+        x -= frequency * counts + presence * (counts > 0).float()
+        if repetition != 1.0:
+            x = RepetitionPenaltyLogitsProcessor(repetition)(ids, x[None])[0]
+        token = int(x.argmax())
+        out.append(token)
+        logprobs.append(torch.log_softmax(raw, -1)[token].item())
+    return out, logprobs
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("penalties", [
+    {"presence_penalty": -2.0}, {"frequency_penalty": -1.5}, {"repetition_penalty": 1.8},
+    {"presence_penalty": 1.5, "repetition_penalty": 0.6},
+    {"presence_penalty": -0.5, "frequency_penalty": 1.2, "repetition_penalty": 0.6},
+], ids=["presence", "frequency", "repetition", "presence+repetition", "all"])
+def test_penalties_match_a_reference_on_transformers_logits(model_dir, hf, penalties, overlap):
+    engine = Engine(model_dir, dtype="float32", overlap_schedule=overlap)
+    want, want_lp = reference_greedy(hf, penalties.get("presence_penalty", 0.0),
+                                     penalties.get("frequency_penalty", 0.0),
+                                     penalties.get("repetition_penalty", 1.0))
+    assert want != hf_greedy(hf)[0]  # the penalties change the path
+    got = run(engine, ignore_eos=True, **penalties)
+    assert got.token_ids == want
+    assert got.logprobs == pytest.approx(want_lp, abs=1e-4)
+
+
+def test_penalties_with_logit_bias_in_a_batch_beside_plain_requests(engine, hf):
+    """One step holds a penalized request, a biased one and a plain one; each gets its own."""
+    bias = {7: 2.0}
+    params = [SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, **extra)
+              for extra in ({"frequency_penalty": -1.5, "logit_bias": bias},
+                            {"logit_bias": bias}, {})]
+    outs = engine.generate([PROMPT_IDS] * 3, params)
+    assert outs[0].outputs[0].token_ids == reference_greedy(hf, frequency=-1.5, bias=bias)[0]
+    assert outs[1].outputs[0].token_ids == hf_greedy(hf, bias)[0]
+    assert outs[2].outputs[0].token_ids == hf_greedy(hf)[0]

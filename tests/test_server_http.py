@@ -344,7 +344,7 @@ BAD = [
     ("/v1/completions", _c(temperature=-1), 400, "temperature"),
     ("/v1/completions", _c(top_p=0), 400, "top_p"),
     ("/v1/completions", _c(top_p=1.5), 400, "top_p"),
-    ("/v1/completions", _c(presence_penalty=1.0), 400, "presence_penalty"),
+    ("/v1/completions", _c(presence_penalty=2.5), 400, "presence_penalty"),
     ("/v1/completions", _c(frequency_penalty=-3.0), 400, "frequency_penalty"),
     ("/v1/completions", _c(top_k=-7), 400, "top_k"),
     # 24: thousands of stop strings

@@ -4,7 +4,6 @@ tokenizer/scheduler with an InvalidRequestError naming the field."""
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any
 
 import msgspec
@@ -60,7 +59,7 @@ class _Sampling(Strict):
     seed: Int64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM; only 1.0 (none) so far
+    repetition_penalty: float | None = None  # vLLM's
     logit_bias: dict[str, float] | None = None
     min_tokens: Int32 | None = None  # vLLM
     user: str | None = None
@@ -291,18 +290,6 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-def check_penalties(**values: float | None) -> None:
-    for name, value in values.items():
-        if value is None:
-            continue
-        if not math.isfinite(value):
-            raise InvalidRequestError(f"{name} must be a finite number", param=name)
-        neutral = 1.0 if name == "repetition_penalty" else 0.0
-        if value != neutral:
-            raise InvalidRequestError(f"{name} is not supported yet", param=name,
-                                      code="unsupported_parameter")
-
-
 def refuse_unsupported(obj, neutral: dict[str, tuple], prefix: str = "") -> None:
     """A 400 unsupported_parameter for the first field of `neutral` set to a value other than
     null or one of its neutral values."""
@@ -425,9 +412,6 @@ def _common(req: _Sampling, vocab_size: int, max_tokens, logprobs) -> SamplingPa
     if req.stream_options is not None and not req.stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true",
                                   param="stream_options")
-    check_penalties(presence_penalty=req.presence_penalty,
-                    frequency_penalty=req.frequency_penalty,
-                    repetition_penalty=req.repetition_penalty)
     return build_params(
         vocab_size,
         max_tokens=max_tokens,
@@ -442,6 +426,9 @@ def _common(req: _Sampling, vocab_size: int, max_tokens, logprobs) -> SamplingPa
         logprobs=logprobs,
         min_tokens=req.min_tokens,
         logit_bias=logit_bias_pairs(req.logit_bias),
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
     )
 
 

@@ -31,7 +31,6 @@ from radixlora.server.protocol import (
     SglSamplingParams,
     adapter_label,
     build_params,
-    check_penalties,
     completion_prompts,
     logit_bias_pairs,
     prompt_adapters,
@@ -78,9 +77,6 @@ class SglangHandlers:
         return reqs, batched
 
     def _params(self, sp: SglSamplingParams, logprobs: int | None):
-        check_penalties(frequency_penalty=sp.frequency_penalty,
-                        presence_penalty=sp.presence_penalty,
-                        repetition_penalty=sp.repetition_penalty)
         return build_params(
             self.vocab_size,
             # 0: prompt only, answered by the tokenizer; None: what the context leaves
@@ -96,6 +92,9 @@ class SglangHandlers:
             logprobs=logprobs,
             min_tokens=sp.min_new_tokens,
             logit_bias=logit_bias_pairs(sp.logit_bias),
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty,
         )
 
     async def generate(self, request: Request, req: GenerateRequest, owner: str):
