@@ -18,6 +18,7 @@ import time
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from radixlora import __version__
 from radixlora.cli import StartError, build_parser, check_device, main, prepare
@@ -30,7 +31,7 @@ from radixlora.sampling import SamplingParams
 from radixlora.server.chat import ChatTemplate
 from radixlora.server.launcher import StderrRelay
 from radixlora.tokenizer import Tokenizer
-from scripts.checkpoints import build_tiny_model
+from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 from tests.server_harness import ServerProcess, free_port
 
 API_KEY = "compat-key"
@@ -201,11 +202,21 @@ def test_bad_adapter_names_fail_before_any_process_starts(adapter, message):
         prepare(args)
 
 
+def nan_adapter(model, path):
+    """An adapter whose config and safetensors header are right and whose values are not:
+    only the full validation, in the scheduler process, refuses it."""
+    adapter = build_tiny_adapter(model, path, rank=4, seed=3)
+    weights = adapter / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    first = sorted(tensors)[0]
+    tensors[first] = torch.full_like(tensors[first], float("nan"))
+    save_file(tensors, weights)
+    return adapter
+
+
 def test_a_childs_start_up_failure_is_printed_once_last(tmp_path):
     model = build_tiny_model(tmp_path / "tiny")
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    (broken / "adapter_config.json").write_text("{not json")
+    broken = nan_adapter(model, tmp_path / "broken")
     done = run_cli("serve", str(model), "--adapter", f"broken={broken}", "--port",
                    str(free_port()), "--kv-pages", "64", timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr
@@ -213,6 +224,18 @@ def test_a_childs_start_up_failure_is_printed_once_last(tmp_path):
     assert "start-up failed: the scheduler process cannot start: adapter 'broken'" in last
     assert done.stderr.count(last.split("cannot start: ")[1]) == 1  # the cause, once
     assert "starting the worker process" in done.stderr and "pools sized" in done.stderr
+
+
+def test_a_wrong_adapter_is_refused_before_any_process_starts(tmp_path):
+    model = build_tiny_model(tmp_path / "tiny")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{not json")
+    done = run_cli("serve", str(model), "--adapter", f"broken={broken}", "--port",
+                   str(free_port()), "--kv-pages", "64", timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert last_line(done.stderr).startswith("radixlora serve: error: adapter 'broken':")
+    assert "starting the worker process" not in done.stderr
 
 
 @pytest.fixture(scope="module")

@@ -256,3 +256,31 @@ def test_batch_files_take_the_same_fields(tmp_path):
     message = records["lorax"]["response"]["body"]["choices"][0]["message"]["content"]
     assert message.strip() == WANT["upper"]
     assert "lora_paths" in records["typo"]["error"]["message"]
+
+
+def test_unknown_names_say_what_is_served_and_name_the_right_field(server):
+    """An unknown adapter is a 404 naming the field that named it and listing what is served;
+    each error is counted once in radixlora_request_errors_total."""
+    def errors() -> float:
+        text = server.http.get("/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith('radixlora_request_errors_total{code="adapter_not_found"'))
+
+    before = errors()
+    cases = [
+        ("/v1/completions", {"model": "gpt-4", "prompt": PROMPT, "max_tokens": 2}, "model"),
+        ("/v1/completions", {"model": BASE, "prompt": PROMPT, "max_tokens": 2,
+                             "adapters": [{"name": "upper"}, {"name": "nope"}]}, "adapters"),
+        ("/v1/chat/completions", {"model": BASE, "max_tokens": 2, "lora_path": "nope",
+                                  "messages": [{"role": "user", "content": WORDS}]},
+         "lora_path"),
+        ("/generate", {"text": PROMPT, "lora_path": "nope",
+                       "sampling_params": {"max_new_tokens": 2}}, "lora_path"),
+    ]
+    for path, body, param in cases:
+        resp = server.http.post(path, json=body)
+        assert resp.status_code == 404, resp.text
+        err = resp.json()["error"]
+        assert (err["code"], err["param"]) == ("adapter_not_found", param), body
+        assert f"base model {BASE!r}" in err["message"] and "upper" in err["message"]
+    assert errors() - before == len(cases)

@@ -149,6 +149,7 @@ def test_the_base_model_without_model_or_as_default(setup, client):
         resp = server.http.post("/v1/completions", json=body)
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["text"] == want
+        assert resp.json()["model"] == MODEL_NAME  # what served it
     with pytest.raises(InvalidRequestError, match="stands for the base model"):
         check_adapter_name("default")
 

@@ -94,8 +94,8 @@ def test_the_server_refuses_a_qlora_adapter_on_the_dense_base_at_start(qlora):
     done = run_cli("serve", str(dense), "--adapter", f"q={adapter}", "--port", str(free_port()),
                    "--kv-pages", "64", timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert ("cannot start: adapter 'q': trained on a nf4 base, served on a dense base"
-            in last_line(done.stderr))
+    assert ("radixlora serve: error: adapter 'q': trained on a nf4 base, served on a dense "
+            "base" in last_line(done.stderr))
 
 
 class AdapterSpec:

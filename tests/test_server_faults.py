@@ -154,5 +154,5 @@ def test_startup_failure_exits_nonzero(checkpoints, tmp_path):
            "--adapter", f"broken={broken}", "--port", "1", "--log-level", "warning"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "adapter 'broken'" in proc.stderr and "cannot start" in proc.stderr
+    assert "radixlora serve: error: adapter 'broken'" in proc.stderr  # refused before start
     assert "Traceback" not in proc.stderr

@@ -268,6 +268,8 @@ def test_bad_adapters_are_rejected_and_others_keep_serving(server, env):
         assert name not in _models(server)
     _wait(lambda: "neighbour" in _models(server), what="the good neighbour")
     assert _complete(server.http, "neighbour").status_code == 200
+    refused = _complete(server.http, "r_zero")  # the client is told why, not just "missing"
+    assert refused.status_code == 404 and "it was rejected" in refused.json()["error"]["message"]
     metrics = server.http.get("/metrics").text
     assert 'radixlora_adapter_rejections_total{reason="bad_rank"}' in metrics
     health = server.http.get("/health").json()  # said, and serving is not degraded by them
@@ -299,7 +301,8 @@ def test_admin_guards_and_lifecycle(server, env, want):
         assert resp.status_code in (400, 403), path
         assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
     assert "evil" not in _models(server)
-    assert _admin(server, "load", {"lora_name": "../x", "lora_path": "mine"}).status_code == 400
+    bad_name = _admin(server, "load", {"lora_name": "../x", "lora_path": "mine"})
+    assert bad_name.status_code == 400 and bad_name.json()["error"]["param"] == "lora_name"
     assert _admin(server, "load", body).status_code == 200
     resp = _complete(server.http, "mine")
     assert resp.json()["choices"][0]["text"] == want["v2"]
@@ -317,6 +320,7 @@ def test_a_huge_wrongly_shaped_admin_load_is_refused_from_its_header(server, env
     start = time.monotonic()
     resp = _admin(server, "load", {"lora_name": "huge", "lora_path": str(big)})
     assert resp.status_code == 400 and "shape" in resp.json()["error"]["message"], resp.text
+    assert resp.json()["error"]["param"] == "lora_path"  # the files, not the name, are wrong
     assert time.monotonic() - start < 3.0
     base = next(m["id"] for m in server.http.get("/v1/models").json()["data"]
                 if m.get("parent") is None)

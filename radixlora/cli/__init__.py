@@ -150,13 +150,19 @@ def prepare(args: argparse.Namespace):
     except (ValueError, RadixLoraError) as e:
         raise StartError(_flag_hint(str(e))) from e
     from radixlora.adapters import check_adapter_name
+    from radixlora.lora.adapter import check_header
 
-    for name in adapters:
+    served = server_args.served_model(engine)
+    for name, path in adapters.items():
         try:
             check_adapter_name(name, frozenset({server_args.model_name}))
         except RadixLoraError as e:
             raise StartError(f"{e} (an adapter's name: --adapter, --lora-modules or "
                              "--lora-paths NAME=PATH)") from e
+        try:  # its config and safetensors header, before any process loads the model
+            check_header(name, path, served, engine.max_rank)
+        except RadixLoraError as e:
+            raise StartError(str(e)) from e
     if nodes[1] == 0:  # a node > 0 serves neither HTTP nor ZeroMQ clients
         check_port(args.host, args.port, "--port")
         if args.zmq_client_port is not None:

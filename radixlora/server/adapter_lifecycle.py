@@ -45,6 +45,8 @@ class AdapterLifecycle:
         self.snapshots: dict[str, set[str]] = {}  # adapter id -> its snapshots registered
         self.pinned_names: set[str] = set()
         self.dir_names: set[str] = set()  # names the registry's events registered
+        # --adapter-dir names whose latest version was rejected, and why
+        self.rejected: dict[str, str] = {}
         self.last_seq = 0
 
     # ---- registry events ---------------------------------------------------------------------
@@ -53,6 +55,10 @@ class AdapterLifecycle:
         if event.seq != self.last_seq + 1 and event.kind != "hello" and self.last_seq:
             log.warning("adapter event %d after %d: events were missed", event.seq, self.last_seq)
         self.last_seq = max(self.last_seq, event.seq)
+        if event.kind == "rejected":
+            self.rejected[event.name] = event.message or event.reason
+        elif event.kind in ("added", "updated", "removed"):
+            self.rejected.pop(event.name, None)
         try:
             if event.kind in ("added", "updated"):
                 self._register_from_dir(event)
@@ -138,11 +144,13 @@ class AdapterLifecycle:
             info = self._admin(req, read)
         except AdapterNotFoundError as e:
             return AdminReply(qid=req.qid, status=404, message=str(e), code=e.code)
-        except FilesChanged as e:
-            return AdminReply(qid=req.qid, status=409, message=str(e), code="adapter_changing")
-        except AdapterError as e:
+        except FilesChanged as e:  # about the files: the request's lora_path
+            return AdminReply(qid=req.qid, status=409, message=str(e), code="adapter_changing",
+                              param="lora_path")
+        except AdapterError as e:  # a load's: about its files
             status = 403 if e.code == "path_not_allowed" else 400
-            return AdminReply(qid=req.qid, status=status, message=str(e), code=e.code)
+            return AdminReply(qid=req.qid, status=status, message=str(e), code=e.code,
+                              param="lora_path" if req.op == "load" else "lora_name")
         except InvalidRequestError as e:
             return AdminReply(qid=req.qid, status=400, message=e.message, code=e.code)
         except Exception as e:  # noqa: BLE001 - one adapter's content never stops the scheduler

@@ -89,7 +89,7 @@ class AdminHandlers:
     async def _call(self, op: str, name: str, path: str = "") -> dict:
         reply = await self.runtime.admin(op, name, path)
         if reply.status != 200:
-            raise HttpError(reply.status, reply.message, reply.code, "lora_name")
+            raise HttpError(reply.status, reply.message, reply.code, reply.param)
         return {"status": "ok", "op": op, **reply.info}
 
     @staticmethod

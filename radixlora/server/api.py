@@ -65,9 +65,9 @@ def guarded(fn):
             return self.reject(request, e.status, e.message, e.code, e.param)
         except InvalidRequestError as e:
             return self.reject(request, 400, e.message, e.code, e.param)
-        except ReqFailed as e:  # the bridge logged it (--log-requests), as its request
+        except ReqFailed as e:  # the bridge logged and counted it, as its request
             err = e.error
-            return self.error(err.status, err.message, err.code, err.param)
+            return error_response(err.status, err.message, err.code, err.param)
         except DuplicateRequestId as e:
             return self.reject(request, 409, str(e), "duplicate_request_id", "rid")
         except ServiceUnavailable as e:

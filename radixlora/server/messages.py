@@ -110,6 +110,7 @@ class GenerateReq(Message):
     input_ids: Int32Array | None = None
     messages: list[ChatMessage] | None = None
     adapters: list[AdapterChoice] | None = None
+    adapter_param: str = "model"  # the request field that named the adapters (for errors)
     stop: list[str] = []
     include_stop: bool = False  # the matched stop string ends the text (else cut before)
     skip_special_tokens: bool = True  # special tokens left out of the text
@@ -141,6 +142,7 @@ class TokenizedReq(Message):
     params: SamplingParams
     adapters: list[AdapterChoice] | None = None
     logprob_start: Count | None = None
+    adapter_param: str = "model"  # GenerateReq.adapter_param
 
     def validate(self) -> None:
         check_int32(self.input_ids, "input_ids")
@@ -307,6 +309,7 @@ class AdminReply(Message):
     status: HttpStatus = 200
     message: str = ""
     code: str = ""
+    param: str = "lora_name"  # the request field an error is about
     info: dict = {}
 
 

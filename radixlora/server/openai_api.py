@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 
+from radixlora.adapters import BASE_ALIAS
 from radixlora.server.bridge import Generation, ProcessBridge, Sample
 from radixlora.server.http import (
     SSE_DONE,
@@ -21,6 +22,7 @@ from radixlora.server.messages import ChatOptions, GenerateReq, SampleOutput, id
 from radixlora.server.protocol import (
     ChatRequest,
     CompletionRequest,
+    adapter_field,
     adapter_label,
     chat_messages,
     chat_params,
@@ -59,7 +61,8 @@ class OpenAIHandlers:
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, ids_to_bytes(prompt))
             reqs.append(GenerateReq(
                 rid=f"{rid}-{p}", params=params, fill_context=req.max_tokens is None, prompt=text,
-                input_ids=ids, adapters=adapters, stop=stops, echo=bool(req.echo),
+                input_ids=ids, adapters=adapters, adapter_param=adapter_field(req), stop=stops,
+                echo=bool(req.echo),
                 logprob_start=0 if scored else None, prompt_only=only and not scored,
                 score_only=only and scored,
                 include_stop=req.include_stop_str_in_output,
@@ -69,7 +72,7 @@ class OpenAIHandlers:
         return reqs, batch_label(choices)
 
     async def completions(self, request: Request, req: CompletionRequest, owner: str):
-        head = response_head("cmpl", "text_completion", req.model)
+        head = response_head("cmpl", "text_completion", self._model(req))
         reqs, label = self.completion_reqs(req, head["id"])
         gens = self.runtime.submit(reqs, label, owner)
         if req.stream:
@@ -101,6 +104,10 @@ class OpenAIHandlers:
 
     # ---- /v1/chat/completions ----------------------------------------------------------------
 
+    def _model(self, req) -> str:
+        """The response's model: the request's, or the base's name when it named none."""
+        return self.model_name if req.model in ("", BASE_ALIAS) else req.model
+
     def chat_req(self, req: ChatRequest, rid: str) -> tuple[GenerateReq, str]:
         params = chat_params(req, self.vocab_size)
         choices = request_adapters(req, self.model_name)[0]
@@ -112,14 +119,14 @@ class OpenAIHandlers:
             chat=ChatOptions(add_generation_prompt=req.add_generation_prompt,
                              continue_final_message=req.continue_final_message,
                              template_kwargs=req.chat_template_kwargs or {}),
-            adapters=choices, stop=stop_list(req.stop),
+            adapters=choices, adapter_param=adapter_field(req), stop=stop_list(req.stop),
             include_stop=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, token_texts=bool(req.logprobs),
         )
         return gen, adapter_label(choices)
 
     async def chat(self, request: Request, req: ChatRequest, owner: str):
-        head = response_head("chatcmpl", "chat.completion", req.model)
+        head = response_head("chatcmpl", "chat.completion", self._model(req))
         gen_req, label = self.chat_req(req, head["id"])
         gens = self.runtime.submit([gen_req], label, owner)
         if req.stream:

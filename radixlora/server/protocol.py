@@ -335,6 +335,18 @@ def _unknown(value, info, path: str, found: list[str]) -> None:
             _unknown(item, info.item_type, f"{path.rstrip('.')}[{i}].", found)
 
 
+def adapter_field(req) -> str:
+    """The field of a request (OpenAI's or SGLang's /generate) that named its adapters, which
+    an error about them names as its param."""
+    if getattr(req, "adapters", None):
+        return "adapters"
+    if getattr(req, "lora_path", None) is not None:
+        return "lora_path"
+    if getattr(req, "adapter_id", None) is not None:
+        return "adapter_id"
+    return "model"
+
+
 def request_adapters(req: _Sampling, base_name: str, count: int = 1):
     """The adapter choice of each of the `count` prompts of an OpenAI request."""
     return prompt_adapters(req.model, base_name, req.adapters, req.lora_path, req.adapter_id,

@@ -70,6 +70,7 @@ class SchedulerService:
     """The process's logic without sockets: requests in, plans out, results in, tokens out."""
 
     def __init__(self, args: ServerArgs):
+        self.model_name = args.model_name
         self.config = args.engine_config()
         self.model_cfg = args.served_model(self.config)
         self.scheduler = Scheduler(self.config, max_context=self.config.max_context(self.model_cfg))
@@ -108,6 +109,16 @@ class SchedulerService:
         self.warm_bytes = 0  # their packed bytes
         self.warm_scan_at = 0.0
 
+    def _not_served(self, e: AdapterNotFoundError, listed: int = 20) -> str:
+        """What a request for an unknown name gets told: what is served instead."""
+        names = sorted(self.adapters.by_name)
+        shown = ", ".join(names[:listed]) + (f" and {len(names) - listed} more"
+                                             if len(names) > listed else "")
+        rejected = self.lifecycle.rejected.get(e.name)
+        why = f"; it was rejected: {rejected}" if rejected else ""
+        return (f"{e.name!r} is neither the base model {self.model_name!r} nor a served "
+                f"adapter{why} (adapters: {shown or 'none'}; GET /v1/models lists them)")
+
     def _swap_cost(self, adapter) -> float:
         """Full-size swaps one load of `adapter` is (SwapCap): its packed bytes over those of an
         adapter of the largest allowed rank on every module group."""
@@ -126,9 +137,12 @@ class SchedulerService:
                                                    msg.params, msg.adapters, msg.logprob_start)
         except InvalidRequestError as e:
             return ReqError(rid=msg.rid, message=e.message, code=e.code, param=e.param)
+        except AdapterNotFoundError as e:
+            return ReqError(rid=msg.rid, message=self._not_served(e), code=e.code,
+                            param=msg.adapter_param, status=404)
         except AdapterError as e:
-            status = 404 if isinstance(e, AdapterNotFoundError) else 400
-            return ReqError(rid=msg.rid, message=str(e), code=e.code, param="model", status=status)
+            return ReqError(rid=msg.rid, message=str(e), code=e.code, param=msg.adapter_param,
+                            status=400)
         if fallback:
             self.fallbacks[msg.rid] = fallback
         self.reqs[msg.rid] = group

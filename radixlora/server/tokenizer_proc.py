@@ -128,7 +128,7 @@ class TokenizerService:
         start = 1 if req.logprob_start == 0 else req.logprob_start
         return TokenizedReq(
             rid=req.rid, input_ids=ids_to_bytes(ids), params=params, adapters=req.adapters,
-            logprob_start=start,
+            logprob_start=start, adapter_param=req.adapter_param,
         )
 
     def _prompt_ids(self, req: GenerateReq) -> np.ndarray:
