@@ -147,6 +147,11 @@ def test_http_fields_match_the_engine(server, engine):
         "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True,
                             "stop_token_ids": [stop], "min_new_tokens": 6}}).json()
     assert [e[1] for e in sgl["meta_info"]["output_token_logprobs"]] == want.token_ids
+    open_ended = server.http.post("/generate", json={  # max_new_tokens: what the context leaves
+        "input_ids": PROMPT_IDS, "sampling_params": {"temperature": 0, "min_new_tokens": 5,
+                                                     "stop_token_ids": [stop]}})
+    assert open_ended.status_code == 200, open_ended.text
+    assert open_ended.json()["meta_info"]["completion_tokens"] >= 5
     chat = client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=NEW,
         temperature=0, extra_body={"min_tokens": NEW, "ignore_eos": False})

@@ -415,7 +415,6 @@ def warmup(args: argparse.Namespace) -> None:
     from radixlora.server.ipc import setup_logging
 
     setup_logging(getattr(args, "log_level", "info"), "warmup")
-    from radixlora import compile_cache
     from radixlora.engine import Engine
 
     model, _, _ = model_and_adapters(args)
@@ -424,7 +423,7 @@ def warmup(args: argparse.Namespace) -> None:
     if kernels is None:
         raise SystemExit("radixlora warmup: nothing to compile on the CPU; run it where the "
                          "server will run, on a GPU")
-    print(f"compile cache: {compile_cache.use_cache_dir(engine.config.compile_cache_dir)} "
+    print(f"compile cache: {kernels.path.parents[1]} "
           f"({len(kernels.known)} kernel variants in {kernels.path})")
 
 

@@ -82,7 +82,7 @@ class SglangHandlers:
         return build_params(
             self.vocab_size,
             # 0: prompt only, answered by the tokenizer; None: what the context leaves
-            max_tokens=sp.max_new_tokens or 1,
+            max_tokens=sp.max_new_tokens or None,
             temperature=sp.temperature,
             top_p=sp.top_p,
             top_k=sp.top_k,
