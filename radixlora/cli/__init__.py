@@ -361,6 +361,11 @@ REFUSED_FLAGS = {
                                 "its slice of every adapter already",
     ("--lora-backend",): "not supported: the LoRA kernels are chosen per device (Triton SGMV "
                          "on a GPU, torch on the CPU)",
+    ("--enable-auto-tool-choice", "--tool-call-parser"): "tool calling is not supported yet: "
+                                                         "requests with tools are refused",
+    ("--guided-decoding-backend", "--grammar-backend"): "structured output is not supported "
+                                                        "yet: response_format JSON modes and "
+                                                        "guided/regex fields are refused",
 }
 
 
