@@ -155,7 +155,6 @@ def test_unsupported_message_and_completion_fields_are_named(server):
          "messages[0].tool_call_id"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "messages[0].content"),
-        ("/v1/completions", {"prompt": PROMPT, "echo": True, "stream": True}, "echo"),
         ("/v1/completions", {"prompt": PROMPT, "suffix": "x"}, "suffix"),
         ("/v1/completions", {"prompt": PROMPT, "best_of": 3}, "best_of"),
         ("/generate", {"text": PROMPT, "sampling_params": {"regex": "a+"}}, "regex"),

@@ -203,11 +203,34 @@ def test_echo_with_generated_tokens_and_without_logprobs(client):
     assert choice.logprobs.text_offset[0] == 0
     only = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0, echo=True)
     assert only.choices[0].text == PROMPT and only.choices[0].logprobs is None
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, echo=True,
-                                  stream=True)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0)
+
+
+@pytest.mark.parametrize("prompt_ids", [False, True], ids=["text", "token ids"])
+@pytest.mark.parametrize("max_tokens, logprobs", [(6, None), (6, 2), (0, 2), (0, None)])
+def test_echo_streams_what_it_answers_whole(setup, client, max_tokens, logprobs, prompt_ids):
+    """The streamed chunks of an echoed completion add up to the finished response (whose
+    prompt logprobs are checked against transformers above): the prompt first, then the
+    tokens, the logprobs and offsets in the same order."""
+    prompt = setup[1].encode(PROMPT) if prompt_ids else PROMPT
+    args = dict(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, echo=True,
+                logprobs=logprobs, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**args, stream=True)
+              if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text
+    assert chunks[0].text.startswith(PROMPT) and chunks[-1].finish_reason == whole.finish_reason
+    if logprobs is None:
+        assert all(c.logprobs is None for c in chunks)
+        return
+    for field in ("tokens", "token_logprobs", "text_offset"):
+        streamed = [x for c in chunks for x in getattr(c.logprobs, field)]
+        assert streamed == pytest.approx(getattr(whole.logprobs, field)), field
+    rows = [row for c in chunks for row in c.logprobs.top_logprobs]
+    assert len(rows) == len(whole.logprobs.top_logprobs)
+    for got, want in zip(rows, whole.logprobs.top_logprobs):
+        assert got == want or got == pytest.approx(want, abs=1e-4)
 
 
 def test_sglang_prompt_top_logprobs_equal_transformers(setup):

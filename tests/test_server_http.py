@@ -355,7 +355,6 @@ BAD = [
     ("/v1/completions", _c(prompt=[[1], "x"]), 400, "prompt"),
     ("/v1/chat/completions", {**OK_CHAT, "messages": [{"role": "wizard", "content": "x"}]},
      400, "messages"),
-    ("/v1/completions", _c(echo=True, stream=True), 400, "echo"),
     ("/generate", {"text": "hi", "input_ids": [1]}, 400, "text"),
 ]
 

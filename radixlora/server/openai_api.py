@@ -88,16 +88,39 @@ class OpenAIHandlers:
             {**head, "choices": choices, "usage": _usage(gens, dropped=echo_only(req))}, gens)
 
     async def _completion_chunks(self, gens, head, req) -> AsyncIterator[bytes]:
+        """With echo, each choice's first chunk starts with its prompt (and with logprobs the
+        prompt's tokens, gathered until its first output token), as the finished response
+        does (_completion_choice)."""
+        prompts = completion_prompts(req.prompt) if req.echo else []
         offsets: dict[int, int] = {}
+        echoing: dict[int, Sample] = {}  # echoed choices' events until their first chunk
         async for p, out in self.runtime.events(gens):
             index = p * req.n + out.index
-            logprobs = None
+            first = req.echo and index not in offsets
+            if first:
+                whole = echoing.setdefault(index, Sample(out.index))
+                whole.add(out, [])
+                if not (whole.logprobs or whole.text or whole.finish_reason):
+                    continue
+                del echoing[index]
+            sample = whole if first else _as_sample(out)
+            shown = Sample(out.index, finish_reason=sample.finish_reason and "length") if (
+                echo_only(req)) else sample
+            text, logprobs = shown.text, None
+            if first:
+                prompt = prompts[p]
+                text = (prompt if isinstance(prompt, str) else sample.prompt_text or "") + text
             if req.logprobs is not None:
-                logprobs = _completion_logprobs(_as_sample(out), offsets.get(index, 0))
-            offsets[index] = offsets.get(index, 0) + len(out.text)
-            choice = completion_choice(index, out.text, logprobs, out.finish_reason)
+                logprobs = (_echo_logprobs(sample, shown, req.logprobs) if first
+                            else _completion_logprobs(shown, offsets.get(index, 0)))
+            if logprobs is not None:  # offsets follow the tokens' strings, as when whole
+                base = 0 if first else offsets.get(index, 0)
+                offsets[index] = base + sum(len(t) for t in logprobs["tokens"])
+            else:
+                offsets[index] = offsets.get(index, 0) + len(text)
+            choice = completion_choice(index, text, logprobs, shown.finish_reason)
             yield sse({**head, **fallback_fields(gens), "choices": [choice],
-                       **obfuscation(req, out.text), **continuous_usage(req, gens)})
+                       **obfuscation(req, text), **continuous_usage(req, gens)})
         if include_usage(req):
             yield sse({**head, "choices": [], "usage": _usage(gens)})
         yield SSE_DONE

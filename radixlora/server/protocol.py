@@ -457,10 +457,8 @@ def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, float], 
 
 def completion_params(req: CompletionRequest, vocab_size: int) -> SamplingParams:
     """With echo, max_tokens 0 scores the prompt only: one token is sampled to finish the step
-    and dropped (GenerateReq.score_only / prompt_only)."""
-    if req.echo and req.stream:
-        raise InvalidRequestError("echo is not supported with stream yet", param="echo",
-                                  code="unsupported_parameter")
+    and dropped (GenerateReq.score_only / prompt_only); echo streams too (its first chunk
+    holds the prompt)."""
     if req.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix",
                                   code="unsupported_parameter")
