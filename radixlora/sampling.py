@@ -66,7 +66,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
         if isinstance(bias, dict):
             bias = bias.items()
         if not isinstance(bias, tuple) or any(not isinstance(b, tuple) for b in bias):
-            msgspec.structs.force_setattr(self, "logit_bias", tuple(tuple(b) for b in bias))
+            try:
+                bias = tuple(tuple(b) for b in bias)
+            except TypeError:
+                raise InvalidRequestError("logit_bias maps token ids to biases",
+                                          param="logit_bias") from None
+            msgspec.structs.force_setattr(self, "logit_bias", bias)
 
     def validate(self, vocab_size: int) -> None:
         _check_int("max_tokens", self.max_tokens, 1, None)

@@ -122,6 +122,8 @@ def test_validation(engine):
         with pytest.raises(InvalidRequestError) as e:
             engine.generate(PROMPT_IDS, params)
         assert e.value.param == param
+    with pytest.raises(InvalidRequestError, match="maps token ids"):
+        SamplingParams(logit_bias=5)
 
 
 @pytest.fixture(scope="module")
