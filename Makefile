@@ -42,7 +42,17 @@ $(VENV)/.sglang-frontend: $(VENV)/.installed
 run: setup
 	$(BIN)/radixlora serve
 
-test: setup $(VENV)/.sglang-frontend
+# Prometheus' promtool, for tests/test_alert_rules.py: taken from Debian's prometheus package
+# (pinned), where apt-get can download it; elsewhere the test says how to get it.
+PROMETHEUS_DEB ?= prometheus=2.42.0+ds-5+deb12u1
+
+$(BIN)/promtool: | $(VENV)/.installed
+	@tmp=$$(mktemp -d) && ( cd $$tmp && apt-get download -q $(PROMETHEUS_DEB) >/dev/null 2>&1 \
+	  && dpkg-deb -x prometheus_*.deb x && cp x/usr/bin/promtool $(abspath $(BIN))/promtool ) \
+	  || echo "promtool not installed (Debian's apt-get download $(PROMETHEUS_DEB) failed)"; \
+	  rm -rf $$tmp
+
+test: setup $(VENV)/.sglang-frontend $(BIN)/promtool
 	$(BIN)/ruff check radixlora kernels frontend tests scripts
 	$(BIN)/pytest -q
 
