@@ -303,9 +303,9 @@ BAD = [
     # 16: unknown adapter, in each spelling
     ("/v1/completions", _c(model="nope"), 404, "model"),
     ("/v1/completions", _c(model=f"{MODEL_NAME}:nope"), 404, "model"),
-    ("/v1/completions", _c(adapters=[{"name": "nope"}]), 404, "model"),
+    ("/v1/completions", _c(adapters=[{"name": "nope"}]), 404, "adapters"),
     ("/v1/completions", _c(model="support", adapters=STACK), 400, "adapters"),
-    ("/generate", {"text": "hi", "lora_path": "nope"}, 404, "model"),
+    ("/generate", {"text": "hi", "lora_path": "nope"}, 404, "lora_path"),
     # 17: more adapters than the stacking cap, duplicates
     ("/v1/completions", _c(adapters=[{"name": "support"}] * 9), 400, "adapters"),
     ("/v1/completions", _c(adapters=[{"name": "support"}, {"name": "support"}]), 400,
