@@ -21,7 +21,7 @@ def silu_and_mul_ref(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -
 
 @triton.jit
 def _silu_and_mul_kernel(gate_up_ptr, out_ptr, delta_ptr, inter, stride_in, stride_out,
-                         stride_delta, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):  # fmt: skip
+                         stride_delta, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -96,5 +96,5 @@ def silu_and_mul(
         gate_up, out, gate_up if delta is None else delta, inter, gate_up.stride(0), out.stride(0),
         0 if delta is None else delta.stride(0), BLOCK=block, HAS_DELTA=delta is not None,
         num_warps=4, enable_fp_fusion=False,
-    )  # fmt: skip
+    )
     return out

@@ -110,7 +110,7 @@ def _decode_split_kernel(
             stride_ks, stride_kh, stride_vs, stride_vh, start_n + offs_n, split_hi, None, None,
             offs_d, d_mask, qk_scale, DOT_PRECISION=DOT_PRECISION, CAUSAL=False,
             USE_WINDOW=False,
-        )  # fmt: skip
+        )
 
     # l_i >= 1 when the split saw a key (its max term is exp2(0)), else l_i = 0 and m_i = -inf:
     # clamping to 1 keeps empty splits at lse = -inf (weight 0 in the merge) without log2(0).
@@ -177,7 +177,7 @@ def default_num_splits(batch: int, n_kv_heads: int, device: torch.device) -> int
 
 
 def _check_decode_args(q, k_cache, v_cache, o, kv_indptr, kv_indices, num_splits,
-                       rows) -> None:  # fmt: skip
+                       rows) -> None:
     check_q_and_pool(q, o, k_cache, v_cache, "B")
     if rows is None:
         _check_index("kv_indptr", kv_indptr, q.shape[0] + 1, q.device)
@@ -271,7 +271,7 @@ def decode_attention(
         BLOCK_N=32 if _interpreting() else tuning.block_n, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=tuning.num_warps,
         num_stages=tuning.num_stages, INDIRECT=rows is not None,
-    )  # fmt: skip
+    )
     if num_splits == 1:
         return o
     _decode_merge_kernel[(batch, n_q_heads)](
@@ -279,7 +279,7 @@ def decode_attention(
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
         INDIRECT=rows is not None,
-    )  # fmt: skip
+    )
     return o
 
 

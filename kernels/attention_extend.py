@@ -159,7 +159,7 @@ def _extend_kernel(
             stride_ks, stride_kh, stride_vs, stride_vh, start_n + offs_n, hi, q_pos, window,
             offs_d, d_mask, qk_scale, DOT_PRECISION=DOT_PRECISION, CAUSAL=True,
             USE_WINDOW=USE_WINDOW,
-        )  # fmt: skip
+        )
 
     # l_i >= 1 for any row that saw a key; padded rows have l_i = 0 and acc = 0.
     acc = acc / tl.maximum(l_i, 1.0)[:, None]
@@ -336,7 +336,7 @@ def extend_attention(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         TILES=tiles is not None,
-    )  # fmt: skip
+    )
     return o
 
 

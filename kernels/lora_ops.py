@@ -372,13 +372,13 @@ class TritonLoraBackend(LoraBackend):
             return self._grouped.grouped_shrink(
                 x, a_pool, *_group_index(g), g.row_scales, meta.max_rows,
                 tuning=self._tuning(meta), qscales=qscales,
-            )  # fmt: skip
+            )
         if meta.num_rows == 0:
             return None
         return self._shrink(
             x, a_pool, meta.seg_indptr, meta.row_indptr, meta.row_ids, meta.row_scales,
             meta.max_rows, max_seg_len=meta.max_seg_len, split_k=self.split_k, qscales=qscales,
-        )  # fmt: skip
+        )
 
     def expand(self, v, b_pool, out_offsets, meta, y, accumulate=True, act_dtype=None) -> None:
         """act_dtype: the model's activation dtype where y is not in it (a float32 delta):
@@ -390,11 +390,11 @@ class TritonLoraBackend(LoraBackend):
             self._grouped.grouped_expand(
                 v, b_pool, out_offsets, *_group_index(g), y,
                 tuning=self._tuning(meta), accumulate=accumulate, act_dtype=act_dtype,
-            )  # fmt: skip
+            )
             return
         index = (meta.seg_indptr, meta.row_indptr, meta.row_ids)
         self._expand(v, b_pool, out_offsets, *index, y, max_seg_len=meta.max_seg_len,
-                     accumulate=accumulate, act_dtype=act_dtype)  # fmt: skip
+                     accumulate=accumulate, act_dtype=act_dtype)
 
     def deferred_delta(self, x, a_pool, b_pool, out_offsets, meta, delta, qscales=None) -> None:
         """Grouped: the expand overwrites the rows of the groups' tokens only, so no launch
@@ -412,9 +412,9 @@ class TritonLoraBackend(LoraBackend):
         tuning = self.side_tuning or self._grouped.tuning_for_rows(meta.max_rows, beside_gemm=True)
         index = _group_index(g)
         v = self._grouped.grouped_shrink(x, a_pool, *index, g.row_scales, meta.max_rows,
-                                         tuning=tuning, qscales=qscales)  # fmt: skip
+                                         tuning=tuning, qscales=qscales)
         self._grouped.grouped_expand(v, b_pool, out_offsets, *index, delta, tuning=tuning,
-                                     accumulate=False, act_dtype=x.dtype)  # fmt: skip
+                                     accumulate=False, act_dtype=x.dtype)
 
     def _tuning(self, meta: LoraBatchMeta):
         return self.tuning or self._grouped.tuning_for_rows(meta.max_rows)

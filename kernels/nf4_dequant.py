@@ -23,7 +23,7 @@ def nf4_dequant_ref(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tens
 @triton.jit
 def _nf4_dequant_kernel(packed_ptr, absmax_ptr, code_ptr, word_ptr, num_blocks,
                         HALF_BLOCK: tl.constexpr, ROWS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                        HALF_BITS: tl.constexpr):  # fmt: skip
+                        HALF_BITS: tl.constexpr):
     """OUT_DTYPE: "bfloat16" / "float16" (int32 words) or "float32" (int64 words); HALF_BITS:
     the output dtype's bits, half a word."""
     # a tile of ROWS quantization blocks, a row each; a byte's two weights share its row's
@@ -62,7 +62,7 @@ def _round_to_bf16(x):
 
 
 def nf4_dequant(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
-                out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                out: torch.Tensor) -> torch.Tensor:
     """Semantics:
         idx = stack((packed >> 4, packed & 0xF), -1).reshape(-1)     # high nibble first
         out[:] = (code[idx].view(-1, blocksize) * absmax[:, None]).view(out.shape)  # fp32
@@ -77,7 +77,7 @@ def nf4_dequant(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, 
     _nf4_dequant_kernel[(triton.cdiv(num_blocks, rows),)](
         packed, absmax, code, words, num_blocks, HALF_BLOCK=half, ROWS=rows,
         OUT_DTYPE=str(out.dtype).removeprefix("torch."), HALF_BITS=8 * out.element_size(),
-    )  # fmt: skip
+    )
     return out
 
 

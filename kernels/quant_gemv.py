@@ -54,7 +54,7 @@ FP8_VECTOR_TILE = Tile(block_n=8, block_k=1024, num_warps=4, num_stages=3)
 def _nf4_gemv_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, bias_ptr, y_ptr, N, K, HALF_K,
                      stride_xm, stride_ym, BLOCKSIZE: tl.constexpr, SPAN: tl.constexpr,
                      GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     HAS_BIAS: tl.constexpr):  # fmt: skip
+                     HAS_BIAS: tl.constexpr):
     """One row of x a program. HALF_K = K / 2, the packed bytes of a row: a row's bytes start
     at a multiple of it, so the compiler sees aligned, contiguous tiles and loads them in wide
     vectors."""
@@ -79,7 +79,7 @@ def _nf4_gemv_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, bias_ptr, y_ptr, N
 @triton.jit
 def _nf4_weights(packed_ptr, absmax_ptr, code_ptr, rows, row_ok, K, HALF_K, kb,
                  BLOCKSIZE: tl.constexpr, SPAN: tl.constexpr, GROUPS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+                 BLOCK_N: tl.constexpr, dtype: tl.constexpr):
     """The weights of `rows` from byte kb of each row on, GROUPS tiles of SPAN weights, each
     tile inside one quantization block: (even, odd) [BLOCK_N, GROUPS * SPAN / 2] in dtype,
     code[index] * absmax in fp32 rounded once."""
@@ -88,7 +88,7 @@ def _nf4_weights(packed_ptr, absmax_ptr, code_ptr, rows, row_ok, K, HALF_K, kb,
     groups = tl.arange(0, GROUPS)
     in_step = (groups[:, None] * HALF + tl.arange(0, HALF)[None, :])[None, :, :]
     byte = tl.load(packed_ptr + rows64[:, None, None] * HALF_K + kb + in_step,
-                   mask=row_ok[:, None, None], other=0).to(tl.int32)  # fmt: skip
+                   mask=row_ok[:, None, None], other=0).to(tl.int32)
     first = rows64[:, None] * K + 2 * kb + groups[None, :] * SPAN  # each tile's first weight
     absmax = tl.load(absmax_ptr + first // BLOCKSIZE, mask=row_ok[:, None], other=0.0)[:, :, None]
     even = (tl.load(code_ptr + (byte >> 4)) * absmax).to(dtype)
@@ -101,7 +101,7 @@ def _nf4_weights(packed_ptr, absmax_ptr, code_ptr, rows, row_ok, K, HALF_K, kb,
 def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
                      stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, VECTOR: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+                     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """VECTOR: M = 1, products on the CUDA cores."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -159,7 +159,7 @@ def nf4_span(blocksize: int, in_features: int, tile: Tile = NF4_TILE) -> tuple[i
 
 def nf4_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
              blocksize: int, out_features: int, bias: torch.Tensor | None = None,
-             tile: Tile = NF4_TILE) -> torch.Tensor:  # fmt: skip
+             tile: Tile = NF4_TILE) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) with W [out_features, K] NF4: packed [N * K / 2] uint8 (two
     indices a byte, the first weight in the high nibble), absmax [N * K / blocksize] fp32,
     code [16] fp32. x's last dimension contiguous; y in x's dtype. Each row of x reads the
@@ -177,7 +177,7 @@ def nf4_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: 
         x.stride(0), y.stride(0), BLOCKSIZE=blocksize, SPAN=loop[0], GROUPS=loop[1],
         BLOCK_N=tile.block_n, HAS_BIAS=bias is not None, num_warps=tile.num_warps,
         num_stages=tile.num_stages,
-    )  # fmt: skip
+    )
     return y
 
 
@@ -200,7 +200,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         weight.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, VECTOR=m == 1, HAS_BIAS=bias is not None, **_dot_args(x),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
-    )  # fmt: skip
+    )
     return y
 
 

@@ -44,7 +44,7 @@ def _scaled_rms(h, w, n_cols, eps, x_dtype: tl.constexpr):
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_out, eps,
-                    BLOCK: tl.constexpr):  # fmt: skip
+                    BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -67,12 +67,12 @@ def load_with_delta(ptrs, delta_ptrs, mask, HAS_DELTA: tl.constexpr):
 @triton.jit
 def _fused_add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, delta_ptr, n_cols,
                               stride_x, stride_res, stride_out, stride_res_out, stride_delta, eps,
-                              BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):  # fmt: skip
+                              BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = load_with_delta(x_ptr + row * stride_x + cols, delta_ptr + row * stride_delta + cols, mask,
-                        HAS_DELTA)  # fmt: skip
+                        HAS_DELTA)
     r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     # rounded to x's dtype before the norm reads it, as the unfused `x + residual` is
@@ -162,7 +162,7 @@ def rmsnorm(
     _rmsnorm_kernel[(x.shape[0],)](
         x, weight, out, x.shape[1], x.stride(0), out.stride(0), eps,
         enable_fp_fusion=False, **_launch_config(x.shape[1]),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -212,5 +212,5 @@ def fused_add_rmsnorm(
         x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
         0 if delta is None else delta.stride(0), eps, HAS_DELTA=delta is not None,
         enable_fp_fusion=False, **_launch_config(x.shape[1]),
-    )  # fmt: skip
+    )
     return out, residual_out

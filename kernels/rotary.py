@@ -43,7 +43,7 @@ def _mul_rounded(a, b):
 @triton.jit
 def _rotated_heads(ptr, row, head0, num_heads, stride_t, stride_h, cos, sin, HALF: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, delta_ptr, stride_dt, stride_dh,
-                   HAS_DELTA: tl.constexpr):  # fmt: skip
+                   HAS_DELTA: tl.constexpr):
     """(lo, hi, heads, offs_d, mask): the rotated halves of heads [head0, head0 + BLOCK_H) of
     token `row` (plus its float32 delta, rounded once), in x's dtype."""
     heads = head0 + tl.arange(0, BLOCK_H)
@@ -64,11 +64,11 @@ def _rotated_heads(ptr, row, head0, num_heads, stride_t, stride_h, cos, sin, HAL
 @triton.jit
 def _rotate_heads(ptr, row, head0, num_heads, stride_t, stride_h, cos, sin,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                  delta_ptr, stride_dt, stride_dh, HAS_DELTA: tl.constexpr):  # fmt: skip
+                  delta_ptr, stride_dt, stride_dh, HAS_DELTA: tl.constexpr):
     """Rotates heads [head0, head0 + BLOCK_H) of token `row` in place (delta: as _rotated_heads)."""
     lo, hi, heads, offs_d, mask = _rotated_heads(ptr, row, head0, num_heads, stride_t, stride_h,
                                                  cos, sin, HALF, BLOCK_H, BLOCK_HALF, delta_ptr,
-                                                 stride_dt, stride_dh, HAS_DELTA)  # fmt: skip
+                                                 stride_dt, stride_dh, HAS_DELTA)
     lo_ptrs = ptr + row * stride_t + heads[:, None] * stride_h + offs_d[None, :]
     tl.store(lo_ptrs, lo, mask=mask)
     tl.store(lo_ptrs + HALF, hi, mask=mask)
@@ -86,17 +86,17 @@ def _cos_sin(positions_ptr, inv_freq_ptr, row, HALF: tl.constexpr, BLOCK_HALF: t
 def _rotary_kernel(q_ptr, k_ptr, positions_ptr, inv_freq_ptr, num_q_heads, num_k_heads,
                    q_blocks, stride_qt, stride_qh, stride_kt, stride_kh,
                    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr):  # fmt: skip
+                   BLOCK_HALF: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     cos, sin = _cos_sin(positions_ptr, inv_freq_ptr, row, HALF, BLOCK_HALF)
     if block < q_blocks:
         _rotate_heads(q_ptr, row, block * BLOCK_H, num_q_heads, stride_qt, stride_qh, cos, sin,
-                      HALF, BLOCK_H, BLOCK_HALF, q_ptr, 0, 0, False)  # fmt: skip
+                      HALF, BLOCK_H, BLOCK_HALF, q_ptr, 0, 0, False)
     else:
         _rotate_heads(k_ptr, row, (block - q_blocks) * BLOCK_H, num_k_heads, stride_kt,
                       stride_kh, cos, sin, HALF, BLOCK_H, BLOCK_HALF, k_ptr, 0, 0,
-                      False)  # fmt: skip
+                      False)
 
 
 def _check_heads(name: str, x: torch.Tensor) -> None:
@@ -187,4 +187,4 @@ def apply_rotary_(
         q, k, positions, inv_freq, num_q_heads, num_k_heads, q_blocks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4, enable_fp_fusion=False,
-    )  # fmt: skip
+    )

@@ -45,7 +45,7 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_p
                             q_blocks, kv_blocks, stride_qt, stride_qh, stride_kt, stride_kh,
                             stride_vt, stride_vh, stride_kcs, stride_kch, stride_vcs, stride_vch,
                             stride_dt, stride_dh, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                            BLOCK_HALF: tl.constexpr, HAS_DELTA: tl.constexpr):  # fmt: skip
+                            BLOCK_HALF: tl.constexpr, HAS_DELTA: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     slot = tl.load(loc_ptr + row).to(tl.int64)
@@ -54,12 +54,12 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_p
         if block < q_blocks:
             _rotate_heads(q_ptr, row, block * BLOCK_H, num_q_heads, stride_qt, stride_qh, cos, sin,
                           HALF, BLOCK_H, BLOCK_HALF, dq_ptr, stride_dt, stride_dh,
-                          HAS_DELTA)  # fmt: skip
+                          HAS_DELTA)
         else:
             lo, hi, heads, offs_d, mask = _rotated_heads(
                 k_ptr, row, (block - q_blocks) * BLOCK_H, num_kv_heads, stride_kt, stride_kh, cos,
                 sin, HALF, BLOCK_H, BLOCK_HALF, dk_ptr, stride_dt, stride_dh,
-                HAS_DELTA)  # fmt: skip
+                HAS_DELTA)
             out = k_cache_ptr + slot * stride_kcs + heads[:, None] * stride_kch + offs_d[None, :]
             tl.store(out, lo, mask=mask)
             tl.store(out + HALF, hi, mask=mask)
@@ -69,7 +69,7 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_p
         mask = (heads < num_kv_heads)[:, None] & (offs_d < 2 * HALF)[None, :]
         x = load_with_delta(v_ptr + row * stride_vt + heads[:, None] * stride_vh + offs_d[None, :],
                             dv_ptr + row * stride_dt + heads[:, None] * stride_dh + offs_d[None, :],
-                            mask, HAS_DELTA)  # fmt: skip
+                            mask, HAS_DELTA)
         out = v_cache_ptr + slot * stride_vcs + heads[:, None] * stride_vch + offs_d[None, :]
         tl.store(out, x, mask=mask)
 
@@ -119,7 +119,7 @@ def rotary_store_kv_(
         v_cache.stride(0), v_cache.stride(1), dq.stride(0), dq.stride(1),
         HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, HAS_DELTA=deltas is not None,
         num_warps=4, enable_fp_fusion=False,
-    )  # fmt: skip
+    )
 
 
 def _check_store_args(k, v, k_cache, v_cache, loc) -> None:

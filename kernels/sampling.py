@@ -139,13 +139,13 @@ def _row_filtered(row, hot, top_k_ptr, top_p_ptr, min_p_ptr, FILTER: tl.constexp
     filtered = hot & False
     if FILTER:
         filtered = hot & ((tl.load(top_k_ptr + row) > 0) | (tl.load(top_p_ptr + row) < 1)
-                          | (tl.load(min_p_ptr + row) > 0))  # fmt: skip
+                          | (tl.load(min_p_ptr + row) > 0))
     return filtered
 
 
 @triton.jit
 def _partials(row_ptr, lo, hi, vocab, inv_temp, row_hash,
-              BLOCK: tl.constexpr, HOT: tl.constexpr, TEMPERED_SUM: tl.constexpr):  # fmt: skip
+              BLOCK: tl.constexpr, HOT: tl.constexpr, TEMPERED_SUM: tl.constexpr):
     """One pass over columns [lo, hi): the max and sum of exp of the logits, the sum of exp of
     the tempered scores (taken at max * inv_temp; when TEMPERED_SUM), and the best score with
     its first column (the logit, or when HOT the tempered score plus noise)."""
@@ -161,7 +161,7 @@ def _partials(row_ptr, lo, hi, vocab, inv_temp, row_hash,
         run_sum = _rescaled_sum(run_sum, run_max, new_max, x)
         if TEMPERED_SUM:
             run_sum_t = _rescaled_sum(run_sum_t, run_max * inv_temp, new_max * inv_temp,
-                                      x * inv_temp)  # fmt: skip
+                                      x * inv_temp)
         run_max = new_max
         score = x
         if HOT:
@@ -178,7 +178,7 @@ def _sample_partials_kernel(
     parts_ptr, part_idx_ptr,
     vocab, chunk, num_splits, stride_row, stride_part, min_temp,
     BLOCK: tl.constexpr, FILTER: tl.constexpr,
-):  # fmt: skip
+):
     row = tl.program_id(0)
     split = tl.program_id(1)
     temp = tl.load(temp_ptr + row)
@@ -234,7 +234,7 @@ def _sample_merge_kernel(
     temp_ptr, seed_ptr, step_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
     vocab, num_splits, stride_row, stride_part, rows, min_temp,
     SPLITS: tl.constexpr, BLOCK: tl.constexpr, FILTER: tl.constexpr,
-):  # fmt: skip
+):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     splits = tl.arange(0, SPLITS)
@@ -265,9 +265,9 @@ def _sample_merge_kernel(
             while kept == 0:
                 score = tl.load(row_ptr + token).to(tl.float32) * inv_temp
                 mass, count, above_best = _scan_above(row_ptr, vocab, score, inv_temp, lse_t,
-                                                      row_hash, BLOCK)  # fmt: skip
+                                                      row_hash, BLOCK)
                 kept = ((count < k) & ((top_p >= 1) | (mass < top_p))
-                        & (tl.exp(score - max_t) >= min_p)).to(tl.int32)  # fmt: skip
+                        & (tl.exp(score - max_t) >= min_p)).to(tl.int32)
                 token = tl.where(kept != 0, token, above_best)
     chosen = tl.load(row_ptr + token).to(tl.float32)
     tl.store(token_ptr + row, token.to(tl.int64))
@@ -290,10 +290,10 @@ def _check(logits, temperature, seeds, steps, filters) -> None:
         )
     rows = logits.shape[0]
     named = {"temperature": (temperature, torch.float32), "seeds": (seeds, torch.int64),
-             "steps": (steps, torch.int64)}  # fmt: skip
+             "steps": (steps, torch.int64)}
     if filters is not None:
         named.update(zip(("top_k", "top_p", "min_p"),
-                         zip(filters, (torch.int64, torch.float32, torch.float32))))  # fmt: skip
+                         zip(filters, (torch.int64, torch.float32, torch.float32))))
     for name, (t, dtype) in named.items():
         if t.shape != (rows,) or t.dtype != dtype or t.device != logits.device:
             raise ValueError(
@@ -354,7 +354,7 @@ def sample_tokens(
             logits, temperature, seeds, steps, *filter_ptrs, parts, part_idx,
             vocab, chunk, splits, logits.stride(0), parts.stride(0), MIN_TEMPERATURE,
             BLOCK=block, FILTER=filtered, num_warps=WARPS,
-        )  # fmt: skip
+        )
         _sample_merge_kernel[(rows,)](
             logits, parts, part_idx, tokens, out,
             temperature, seeds, steps, *filter_ptrs,
@@ -362,5 +362,5 @@ def sample_tokens(
             SPLITS=triton.next_power_of_2(triton.cdiv(vocab, block)),  # >= splits, any batch
             BLOCK=filter_block, FILTER=filtered,
             num_warps=FILTER_WARPS if filtered else 1,
-        )  # fmt: skip
+        )
     return tokens, out[0], out[1]

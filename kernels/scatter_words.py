@@ -49,7 +49,7 @@ def scatter_words(packed: torch.Tensor, words: torch.Tensor, num_parts: int, max
     for name, t in (("packed", packed), ("words", words)):
         if t.dtype != torch.int32 or t.dim() != 1 or t.stride(0) != 1:
             raise ValueError(f"{name} must be a contiguous int32 vector, got {t.dtype} "
-                             f"{tuple(t.shape)} strides {t.stride()}")  # fmt: skip
+                             f"{tuple(t.shape)} strides {t.stride()}")
     if packed.device != words.device:
         raise ValueError(f"packed is on {packed.device}, words on {words.device}")
     if num_parts < 0 or 3 * num_parts > packed.numel():

@@ -228,4 +228,4 @@ def sgmv_expand(
         BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_N=block_n,
         FP32_DOT=expand_fp32_dot(b_pool.dtype, act_dtype or y.dtype, b_pool.device),
         INT8_B=b_pool.dtype == torch.int8, ACCUMULATE=accumulate, num_warps=num_warps,
-    )  # fmt: skip
+    )

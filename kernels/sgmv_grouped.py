@@ -83,7 +83,7 @@ WIDE_ROWS = 32
 # <= 32 tokens). There, early-launched PDL programs hold SM slots the GEMM needs, so they run
 # without PDL, with fewer, wider and longer-stepping shrink programs.
 BESIDE_GEMM = {"pdl": False, "shrink_warps": 8, "block_k": 256, "block_n": 256, "col_chunk": 256,
-               "expand_stages": 1, "min_items_per_sm": 1}  # fmt: skip
+               "expand_stages": 1, "min_items_per_sm": 1}
 
 
 def tuning_for_rows(max_rows: int, beside_gemm: bool = False) -> GroupedTuning:
@@ -306,14 +306,14 @@ def _grouped_expand_kernel(
                 m_mask = offs_m < m1
                 tokens = tl.load(token_ids_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
                 v = _load_v(v_slice, tokens, offs_j, m_mask, j_mask, num_parts, stride_vp,
-                            stride_vt, stride_vr, BLOCK_M, BLOCK_R, PARTS_PER_STEP)  # fmt: skip
+                            stride_vt, stride_vr, BLOCK_M, BLOCK_R, PARTS_PER_STEP)
                 for n in tl.range(n_lo, n_hi, BLOCK_N, num_stages=NUM_STAGES):
                     offs_n = n + tl.arange(0, BLOCK_N)
                     n_mask = offs_n < n_hi
                     b = _load_b_tile(b_ptr, rows, j_mask, offs_n, n_mask, stride_br, stride_bn)
                     acc = _dot_vb(v, b, FP32_DOT, INT8_B)
                     _write_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn,
-                             ACCUMULATE)  # fmt: skip
+                             ACCUMULATE)
         else:
             for m in range(m0, m_end, BLOCK_M):
                 offs_m = m + tl.arange(0, BLOCK_M)
@@ -329,12 +329,12 @@ def _grouped_expand_kernel(
                         rows = tl.load(row_ids_ptr + r0 + offs_j, mask=j_mask, other=0)
                         v = _load_v(v_slice, tokens, offs_j, m_mask, j_mask, num_parts,
                                     stride_vp, stride_vt, stride_vr, BLOCK_M, BLOCK_R,
-                                    PARTS_PER_STEP)  # fmt: skip
+                                    PARTS_PER_STEP)
                         b = _load_b_tile(b_ptr, rows.to(tl.int64), j_mask, offs_n, n_mask,
-                                         stride_br, stride_bn)  # fmt: skip
+                                         stride_br, stride_bn)
                         acc += _dot_vb(v, b, FP32_DOT, INT8_B)
                     _write_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn,
-                             ACCUMULATE)  # fmt: skip
+                             ACCUMULATE)
     _wait_for_previous_kernel(PDL)  # a program with no work item must wait too
 
 
@@ -358,7 +358,7 @@ def _wait_for_previous_kernel(PDL: tl.constexpr):
 @triton.jit
 def _load_v(v_slice, tokens, offs_j, m_mask, j_mask, num_parts, stride_vp, stride_vt, stride_vr,
             BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-            PARTS_PER_STEP: tl.constexpr):  # fmt: skip
+            PARTS_PER_STEP: tl.constexpr):
     """The tokens' rank-space activations: the shrink's in_dim partial sums, added in order,
     PARTS_PER_STEP loads in flight at a time (a batch-1 expand adds up to 16 of them)."""
     ptrs = v_slice + tokens[:, None] * stride_vt + offs_j[None, :] * stride_vr
@@ -393,7 +393,7 @@ def _dot_vb(v, b, FP32_DOT: tl.constexpr, INT8_B: tl.constexpr):
 
 @triton.jit
 def _write_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn,
-             ACCUMULATE: tl.constexpr):  # fmt: skip
+             ACCUMULATE: tl.constexpr):
     y_ptrs = y_ptr + tokens[:, None] * stride_yt + offs_n[None, :] * stride_yn
     y_mask = m_mask[:, None] & n_mask[None, :]
     if ACCUMULATE:
@@ -541,7 +541,7 @@ def grouped_shrink(
         PDL=_use_pdl(x.device, tuning),
         num_warps=tuning.shrink_warps, num_stages=tuning.shrink_stages,
         **_launch_options(x.device, tuning),
-    )  # fmt: skip
+    )
     return v
 
 
@@ -619,4 +619,4 @@ def grouped_expand(
         INT8_B=b_pool.dtype == torch.int8, ACCUMULATE=accumulate,
         NUM_STAGES=tuning.expand_stages, PDL=_use_pdl(v.device, tuning),
         num_warps=tuning.expand_warps, **_launch_options(v.device, tuning),
-    )  # fmt: skip
+    )

@@ -322,7 +322,7 @@ def sgmv_shrink(
         v.stride(0), v.stride(1), v.stride(2),
         BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k,
         FP32_DOT=fp32_dot(x.dtype, x.device), DEQUANT=qscales is not None,
-    )  # fmt: skip
+    )
     return v
 
 

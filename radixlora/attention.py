@@ -134,7 +134,7 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonAttentionMeta(to_device(qo, torch.int32, device),
                                    to_device(kv, torch.int32, device),
                                    inputs.kv_indices.to(torch.int32), max_qo, max_qo == 1,
-                                   split)  # fmt: skip
+                                   split)
 
     def _split(self, qo_lens: list[int], device) -> MixedSplit:
         from radixlora.kernels.attention_extend import extend_block_m, extend_tiles
@@ -152,7 +152,7 @@ class TritonAttentionBackend(AttentionBackend):
         return self._attend(q, layer_id, meta)
 
     def forward_with_rope(self, q, k, v, positions, inv_freq, layer_id, out_cache_loc, meta,
-                          deltas=None):  # fmt: skip
+                          deltas=None):
         """One kernel adds the deltas, rotates q and stores rotary(k) and v in the pool, then
         attention."""
         from radixlora.kernels.rotary_kv import rotary_store_kv_
@@ -175,15 +175,15 @@ class TritonAttentionBackend(AttentionBackend):
         if split is None:  # a graph's static batch
             return extend_attention(q, k_cache, v_cache, o, meta.qo_indptr, meta.kv_indptr,
                                     meta.kv_indices, self.sm_scale, sliding_window=window,
-                                    max_qo_len=meta.max_qo_len)  # fmt: skip
+                                    max_qo_len=meta.max_qo_len)
         if split.decodes.numel():
             # one split: a count that follows the decodes would compile a variant per count
             decode_attention(q, k_cache, v_cache, o, meta.kv_indptr, meta.kv_indices,
                              self.sm_scale, sliding_window=window, num_splits=1,
-                             rows=(split.decodes, meta.qo_indptr))  # fmt: skip
+                             rows=(split.decodes, meta.qo_indptr))
         return extend_attention(q, k_cache, v_cache, o, meta.qo_indptr, meta.kv_indptr,
                                 meta.kv_indices, self.sm_scale, sliding_window=window,
-                                tiles=(split.tile_req, split.tile_m))  # fmt: skip
+                                tiles=(split.tile_req, split.tile_m))
 
 
 ATTENTION_BACKENDS = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}

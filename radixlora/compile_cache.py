@@ -100,7 +100,7 @@ class KernelCache:
         if self.known and _cache_entries(self.triton_dir) >= len(self.known):
             self.ahead = dict(self.known)
             self._loader = threading.Thread(target=self._load_ahead, name="kernel-preload",
-                                            daemon=True)  # fmt: skip
+                                            daemon=True)
             self._loader.start()
             return
         self.compilers = [_Compiler() for _ in range(self.processes)]

@@ -64,7 +64,7 @@ class GraphOutputs:
 
     def __getitem__(self, rows) -> GraphOutputs:
         return GraphOutputs(self.logits[rows], self.tokens[rows], self.logprobs[rows],
-                            self.lse[rows])  # fmt: skip
+                            self.lse[rows])
 
 
 @dataclass
@@ -186,7 +186,7 @@ class StaticInputs:
         return GraphKey(bucket, max(token_bucket, bucket + 1), rows)
 
     def static_forward(self, key: GraphKey, host: dict, lora_segments, sampling: SamplingBatch,
-                       resolve=None) -> GraphOutputs:  # fmt: skip
+                       resolve=None) -> GraphOutputs:
         """What a graph replay computes, run eagerly."""
         self._fill(key, host, lora_segments, sampling, resolve)
         return self._run(key)[: len(host["qo_lens"])]
@@ -198,7 +198,7 @@ class StaticInputs:
         return GraphOutputs(logits, *draw(logits, rows))
 
     def _fill(self, key: GraphKey, host: dict, lora_segments, sampling: SamplingBatch,
-              resolve=None) -> None:  # fmt: skip
+              resolve=None) -> None:
         """Copy a batch (with one sampling row per request) into the static buffers; `resolve`
         replaces placeholder ids in place."""
         qo_lens = host["qo_lens"]
@@ -255,7 +255,7 @@ class StaticInputs:
             lora = LoraContext(
                 self.runner.adapter_pool, self.runner.lora_backend, metas,
                 self.lora_streams.get(defer), defer,
-            )  # fmt: skip
+            )
         return ForwardBatch(
             self.input_ids[:t],
             self.positions[:t],
@@ -301,10 +301,10 @@ class CudaGraphRunner(StaticInputs):
             # buckets' GEMMs; a captured graph drops both (torch instantiates it without
             # cudaGraphInstantiateFlagUseNodePriority)
             self.lora_streams = {True: high_priority_stream(runner.device),
-                                 False: torch.cuda.Stream(runner.device)}  # fmt: skip
+                                 False: torch.cuda.Stream(runner.device)}
 
     def forward(self, key: GraphKey, host: dict, lora_segments, sampling: SamplingBatch,
-                resolve=None) -> GraphOutputs:  # fmt: skip
+                resolve=None) -> GraphOutputs:
         """Replays key's graph. Its outputs stay valid until the graph is replayed again: read
         them in stream order before that (copies and kernels queued behind the replay)."""
         entry = self.graphs.get(key) or self._capture(key)  # capture resets the buffers
@@ -353,7 +353,7 @@ class CudaGraphRunner(StaticInputs):
 
     def capture(self, keys: list[GraphKey]) -> None:
         todo = sorted((k for k in keys if k not in self.graphs),
-                      key=lambda k: (k.tokens, k.batch, k.rows), reverse=True)  # fmt: skip
+                      key=lambda k: (k.tokens, k.batch, k.rows), reverse=True)
         for key in tqdm(todo, desc="capturing CUDA graphs", unit="graph", disable=not todo):
             self._capture(key)
 
@@ -461,7 +461,7 @@ def _sampling_parts(sampling: SamplingBatch, batch: int) -> dict[str, np.ndarray
     pad = batch - len(sampling.temperature)
     fill = SamplingBatch.build([GREEDY] * pad, [0] * pad, [0] * pad).rows()
     return {f"sample.{name}": np.concatenate([values, fill[name]])
-            for name, values in sampling.rows().items()}  # fmt: skip
+            for name, values in sampling.rows().items()}
 
 
 def _pad(values: np.ndarray, n: int) -> np.ndarray:

@@ -46,7 +46,7 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
     problems = [f"{what} ({n}) is not a multiple of {size}"
                 for what, n in (("num_attention_heads", cfg.num_heads),
                                 ("intermediate_size", cfg.intermediate_size))
-                if n % size]  # fmt: skip
+                if n % size]
     if kv % size and size % kv:
         problems.append(f"num_key_value_heads ({kv}) neither divides nor is a multiple of {size}")
     if problems:
@@ -136,7 +136,7 @@ class TensorParallel:
 
     @classmethod
     def init(cls, rank: int, size: int, full: ModelConfig, rendezvous: str,
-             device: torch.device) -> TensorParallel:  # fmt: skip
+             device: torch.device) -> TensorParallel:
         """Join the group of `size` ranks meeting at `rendezvous` (a file:// or tcp:// URL);
         on CUDA each rank drives the device given."""
         check_shardable(full, size)
@@ -145,7 +145,7 @@ class TensorParallel:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if cuda else "gloo", init_method=rendezvous, rank=rank,
                                 world_size=size, timeout=COLLECTIVE_TIMEOUT,
-                                device_id=device if cuda else None)  # fmt: skip
+                                device_id=device if cuda else None)
         group = dist.group.WORLD
         control = dist.new_group(backend="gloo") if cuda else group
         return cls(Shard(rank, size, full), group, control)

@@ -137,7 +137,7 @@ class StepExecutor:
             if failed or elsewhere:
                 self.runner.adapter_pool.write_all(loads)
                 return self.unrun(StepResult(step=plan.step, failed_adapters=failed,
-                                             error=elsewhere))  # fmt: skip
+                                             error=elsewhere))
             launched = self.runner.launch(plan, loads)
         except Exception as e:
             if self.runner.tp is not None:  # the ranks are out of step: end this one
@@ -171,7 +171,7 @@ class StepExecutor:
         a failed read is not waited for: the step that needs it reads again and fails."""
         return [adapter_id for adapter_id, owed in self.owed.items()
                 if not owed.failed and not (adapter_id in self.reads
-                                            and self.reads[adapter_id].done())]  # fmt: skip
+                                            and self.reads[adapter_id].done())]
 
     def finish(self, step: InFlight) -> StepResult:
         if step.result is not None:
@@ -183,7 +183,7 @@ class StepExecutor:
             added, dropped = self.runner.adapter_pool.host.drain_changes()
             return StepResult(step=step.step, error=f"{type(e).__name__}: {e}",
                               unread_adapters=self.unread(), host_added=added,
-                              host_dropped=dropped)  # fmt: skip
+                              host_dropped=dropped)
         top_ids = top_lp = None
         if out.top_logprobs is not None:
             top_ids = [[i for i, _ in row] for row in out.top_logprobs]

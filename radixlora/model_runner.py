@@ -168,14 +168,14 @@ class ModelRunner:
     def _build_pools(self, num_slots: int, adapter_rows: int, host_bytes: int) -> None:
         cfg = self.cfg
         self.kv_pool = KVPool(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim,
-                              self.dtype, self.device)  # fmt: skip
+                              self.dtype, self.device)
         shard = self.tp.shard if self.tp is not None else None
         self.adapter_pool = AdapterPool(cfg, adapter_rows, self.lora_dtype, self.device,
                                         host_bytes, shard)
         self.attn_backend = make_attention_backend(
             self.attention_name, self.kv_pool, cfg.num_heads, cfg.head_dim,
             cfg.sliding_window, self.device,
-        )  # fmt: skip
+        )
         # tokens sampled by the last launched step: placeholders of the next step point here
         self.last_sampled = torch.zeros(1, dtype=torch.int64, device=self.device)
 
@@ -196,7 +196,7 @@ class ModelRunner:
             kv_slot_bytes=KVPool.bytes_per_slot(self.cfg.num_layers, self.cfg.num_kv_heads,
                                                 self.cfg.head_dim, self.dtype),
             adapter_row_bytes=AdapterPool.bytes_per_row(self.cfg, self.lora_dtype),
-        )  # fmt: skip
+        )
         log.info(self.sizing.line())
         if self.tp is not None:  # every rank's pools and batches hold the same
             config = dataclasses.replace(config, kv_pages=self.tp.min_int(config.kv_pages),
@@ -212,7 +212,7 @@ class ModelRunner:
         tokens, running, rank = config.max_batch_tokens, config.max_running, config.max_rank
         self._build_pools(tokens + running + 1, rank, 0)
         plans = (profile_plan(tokens, min(running, tokens), rank),
-                 profile_plan(running, running, rank))  # fmt: skip
+                 profile_plan(running, running, rank))
         self.compile_dry(lambda: [self.finish(self.launch(plan)) for plan in plans])
         peaks = []
         for plan in plans:
@@ -269,7 +269,7 @@ class ModelRunner:
         self.kernels.save()
 
     def launch(self, plan: StepPlan,
-               loads: list[tuple[PackedAdapter, np.ndarray]] = ()) -> LaunchedStep:  # fmt: skip
+               loads: list[tuple[PackedAdapter, np.ndarray]] = ()) -> LaunchedStep:
         """Queue a step on the device (on the CPU it runs to the end) without waiting for it,
         after writing `loads` (the plan's adapter loads, weights resolved) into the pool;
         placeholder ids (< 0) in the plan are the tokens the previously launched step samples."""
@@ -293,7 +293,7 @@ class ModelRunner:
         return self._copy_to_host(step)
 
     def _graph_step(self, key, plan: StepPlan, host: dict, segments,
-                    resolve) -> SampleOutput | None:  # fmt: skip
+                    resolve) -> SampleOutput | None:
         """Replay a graph; it samples every request's row (greedy where the item samples
         nothing), so only top logprobs are left to compute here."""
         rows = self._sampling_batch(plan.items)
@@ -304,10 +304,10 @@ class ModelRunner:
         if len(index) < len(plan.items):
             out = out[to_device(index, torch.int64, self.device)]
         return with_top_logprobs(SampleOutput(out.tokens, out.logprobs), out.logits, out.lse,
-                                 rows.num_top_logprobs)  # fmt: skip
+                                 rows.num_top_logprobs)
 
     def _eager_step(self, plan: StepPlan, host: dict, segments, resolve, scored,
-                    step: LaunchedStep) -> SampleOutput | None:  # fmt: skip
+                    step: LaunchedStep) -> SampleOutput | None:
         """Run the model eagerly, then score prompt tokens (into step) and sample."""
         if scored is not None:
             host["logits_indices"] = np.concatenate([scored[0], host["logits_indices"]])
@@ -456,7 +456,7 @@ GREEDY_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 def profile_plan(tokens: int, requests: int, rank: int, start: int = 0, sets: int = 1,
-                 params: SamplingParams = PROFILE_PARAMS) -> StepPlan:  # fmt: skip
+                 params: SamplingParams = PROFILE_PARAMS) -> StepPlan:
     """A synthetic step: `requests` requests extending `tokens` tokens in all (the first ones
     one more when they do not divide evenly) after `start` cached ones, each sampling with
     `params` (default: every filter on), request k on adapter set k % sets, each set `rank`
@@ -465,12 +465,12 @@ def profile_plan(tokens: int, requests: int, rank: int, start: int = 0, sets: in
     extends = np.full(requests, tokens // requests)
     extends[: tokens % requests] += 1
     items = [PlanItem(int(n), start, True, params, k, 0, k % sets)
-             for k, n in enumerate(extends)]  # fmt: skip
+             for k, n in enumerate(extends)]
     slots = 1 + np.arange(int((extends + start).sum()))
     rows = GroupRows(list(range(rank)), [1.0] * rank)
     adapter_set = {group: rows for group in MODULE_GROUPS} if rank else {}
     return StepPlan(step=0, items=items, input_ids=ids_to_bytes(np.ones(tokens)),
-                    kv_slots=ids_to_bytes(slots), adapter_sets=[adapter_set] * sets)  # fmt: skip
+                    kv_slots=ids_to_bytes(slots), adapter_sets=[adapter_set] * sets)
 
 
 def warm_up_plans(config: EngineConfig, max_context: int, num_slots: int) -> list[StepPlan]:
@@ -484,24 +484,24 @@ def warm_up_plans(config: EngineConfig, max_context: int, num_slots: int) -> lis
     wide = min(running, 16)
     base = [(tokens, wide, 0, PROFILE_PARAMS), (tokens - 1, 3, 0, PROFILE_PARAMS),
             (1000, 1, 0, GREEDY_PARAMS), (777, 5, 123, PROFILE_PARAMS),
-            (running + 37, running, 0, PROFILE_PARAMS)]  # fmt: skip
+            (running + 37, running, 0, PROFILE_PARAMS)]
     segments = [(tokens, wide), (24 * wide, wide), (running + 37, running)]
     loras: dict[int, int] = {}  # rank -> adapter sets
     for r, sets in ((16, 8), (32, 1), (rank, 1)) if rank else ():
         loras.setdefault(min(r, rank), sets)
     plans = [profile_plan(n, r, 0, start, params=params) for n, r, start, params in base
-             if fits(n, r, start, config, max_context, num_slots)]  # fmt: skip
+             if fits(n, r, start, config, max_context, num_slots)]
     return plans + [profile_plan(n, r, lora, sets=sets) for n, r in segments
                     for lora, sets in loras.items()
-                    if fits(n, r, 0, config, max_context, num_slots)]  # fmt: skip
+                    if fits(n, r, 0, config, max_context, num_slots)]
 
 
 def fits(tokens: int, requests: int, start: int, config: EngineConfig, max_context: int,
-         num_slots: int) -> bool:  # fmt: skip
+         num_slots: int) -> bool:
     """A synthetic step fits the prefill budget, the context and the KV pool."""
     return (requests <= tokens <= config.max_batch_tokens
             and -(-tokens // requests) + start <= max_context
-            and tokens + requests * start < num_slots)  # fmt: skip
+            and tokens + requests * start < num_slots)
 
 
 def _host_inputs(plan: StepPlan) -> dict:
@@ -571,7 +571,7 @@ def _lora_segments(plan: StepPlan) -> LoraSegments | None:
     dense: dict[int, int] = {}  # set index of the plan -> 0, 1, ... in order of first use
     request_sets = np.array(
         [dense.setdefault(i.adapter_set, len(dense)) if s else -1
-         for i, s in zip(plan.items, sets)], np.int64)  # fmt: skip
+         for i, s in zip(plan.items, sets)], np.int64)
     segments = {}
     for group in MODULE_GROUPS:
         rows = [s.get(group) for s in sets]

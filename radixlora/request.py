@@ -40,7 +40,7 @@ class AdapterSet:
 
 
 def cache_namespace(base_version: str, adapter_set: AdapterSet, cache_salt: str | None,
-                    lora_dtype: str = "auto") -> tuple:  # fmt: skip
+                    lora_dtype: str = "auto") -> tuple:
     """Radix-tree namespace: every component tagged by its kind, so no salt or name can
     impersonate another component; compared in full by the tree, never only by hash. An
     adapter set served from an int8 pool (lora_dtype) computes other KV than from the

@@ -165,7 +165,7 @@ class SamplingBatch:
     def to(self, device) -> dict[str, torch.Tensor]:
         dev = torch.device(device)
         return {name: to_device(values, ROW_DTYPES[name], dev)
-                for name, values in self.rows().items()}  # fmt: skip
+                for name, values in self.rows().items()}
 
 
 @dataclass
@@ -180,7 +180,7 @@ class LogitAdjustments:
 
     @classmethod
     def build(cls, params: list[SamplingParams], steps: list[int],
-              eos_ids: tuple[int, ...]) -> LogitAdjustments | None:  # fmt: skip
+              eos_ids: tuple[int, ...]) -> LogitAdjustments | None:
         """None when no row is adjusted (`steps`: each row's output index)."""
         entries = []
         for row, (p, step) in enumerate(zip(params, steps)):
@@ -246,7 +246,7 @@ def needs_adjustments(params: SamplingParams, step: int) -> bool:
 
 ROW_FIELDS = ("temperature", "seeds", "steps", "top_k", "top_p", "min_p")
 ROW_DTYPES = {"temperature": torch.float32, "seeds": torch.int64, "steps": torch.int64,
-              "top_k": torch.int64, "top_p": torch.float32, "min_p": torch.float32}  # fmt: skip
+              "top_k": torch.int64, "top_p": torch.float32, "min_p": torch.float32}
 
 
 @dataclass
@@ -268,7 +268,7 @@ def draw(logits: torch.Tensor, rows: dict[str, torch.Tensor], filtered: bool = T
 
 
 def with_top_logprobs(out: SampleOutput, logits: torch.Tensor, lse: torch.Tensor,
-                      k: int) -> SampleOutput:  # fmt: skip
+                      k: int) -> SampleOutput:
     """out with the k most likely tokens of each row and their logprobs, when k > 0."""
     if k:
         top_logits, out.top_ids = logits.topk(k, dim=-1)
@@ -277,7 +277,7 @@ def with_top_logprobs(out: SampleOutput, logits: torch.Tensor, lse: torch.Tensor
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch,
-           processors: tuple = ()) -> SampleOutput:  # fmt: skip
+           processors: tuple = ()) -> SampleOutput:
     """logits: [B, V] (any float dtype). Tokens are drawn from the logits as `processors`
     (LogitAdjustments, then Penalties, as vLLM orders them) leave them; logprobs are of the
     raw model distribution (before processors, temperature and filters)."""

@@ -231,7 +231,7 @@ class Scheduler:
         per-request cost of a decode step is a few list operations."""
         kv = self.kv
         pages = [kv.pages_for(req.kv_len + n) - req.num_slots // kv.page_size
-                 for req, n in wanted]  # fmt: skip
+                 for req, n in wanted]
         total = sum(p for p in pages if p > 0)
         if not total:
             return True
@@ -286,10 +286,10 @@ class Scheduler:
         """Whether a waiting request's adapter is not resident (else _prefetch has no work)."""
         resident = self.residency.is_resident
         return any(not resident(a.adapter_id) for req in self.waiting
-                   for a in req.adapter_set.adapters)  # fmt: skip
+                   for a in req.adapter_set.adapters)
 
     def _admit_waiting(self, plan: BatchPlan, budget: int, queue: _WaitingQueue,
-                       reserved: int, hold_unread: bool) -> None:  # fmt: skip
+                       reserved: int, hold_unread: bool) -> None:
         """Admit waiting requests in priority order while KV, rows and the budget allow
         (reserved: the running requests' decode reserve, _admission_room). The distinct
         adapters of a batch are limited by the pool's rows (can_acquire), and by
@@ -583,7 +583,7 @@ class Scheduler:
         return any(a.adapter_id in self.reading
                    or not (a.adapter_id in self.in_host
                            or self.residency.is_resident(a.adapter_id))
-                   for a in req.adapter_set.adapters)  # fmt: skip
+                   for a in req.adapter_set.adapters)
 
     def discard(self, plan: BatchPlan) -> None:
         """A plan the worker did not run: its live requests go back to waiting and recompute

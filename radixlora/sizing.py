@@ -24,7 +24,7 @@ from radixlora.errors import SizingError
 
 GIB = 1 << 30
 CPU_DEFAULTS = {"kv_pages": 4096, "adapter_rows": 512, "max_running": 64,
-                "max_batch_tokens": 2048}  # fmt: skip
+                "max_batch_tokens": 2048}
 # what the worker resolves and the other processes follow
 SIZED_FIELDS = (*CPU_DEFAULTS, "host_adapter_bytes")
 HOST_TIER_SHARE = 0.25  # of the host memory available at start, for packed adapters
@@ -82,7 +82,7 @@ class PoolSizing:
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "adapters_of_rank_16": self.adapters_of_rank(16),
-                "adapters_of_rank_64": self.adapters_of_rank(64)}  # fmt: skip
+                "adapters_of_rank_64": self.adapters_of_rank(64)}
 
 
 def _gib(n: int) -> str:
@@ -140,7 +140,7 @@ def running_limit(kv_tokens: int) -> int:
 
 def size_pools(config: EngineConfig, memory: DeviceMemory, *, weights_bytes: int,
                activation_bytes: int, graph_bytes: int, kv_slot_bytes: int,
-               adapter_row_bytes: int) -> tuple[EngineConfig, PoolSizing]:  # fmt: skip
+               adapter_row_bytes: int) -> tuple[EngineConfig, PoolSizing]:
     """The config with kv_pages, adapter_rows and max_running set (max_batch_tokens must be),
     and what was sized. `memory` is measured after the weights are loaded; explicit kv_pages,
     adapter_rows and max_running win."""

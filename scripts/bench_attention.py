@@ -134,7 +134,7 @@ def bench_decode(batch: int, ctx: int, shape: Shape, smoke: bool, tol: float,
     return Result(
         "decode", batch, ctx - 1, 1, splits, ms, err,
         gb_per_s=bw / 1e9, pct_peak_bw=100 * bw / PEAK_BYTES_PER_S,
-    )  # fmt: skip
+    )
 
 
 def causal_flops(batch: int, prefix: int, new: int, shape: Shape) -> float:
@@ -193,7 +193,7 @@ def sweep_decode(shape: Shape, smoke: bool, tol: float) -> None:
     step x warps x pipeline stages, ms and % of peak bandwidth per setting, best last."""
     cases = [(2, 40)] if smoke else [(256, 576), (32, 288)]
     grid = [(32, 2, 2)] if smoke else [
-        (n, w, st) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]  # fmt: skip
+        (n, w, st) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
     for batch, ctx in cases:
         default = default_num_splits(batch, shape.n_kv_heads, torch.device(shape.device))
         rows = []
@@ -203,10 +203,10 @@ def sweep_decode(shape: Shape, smoke: bool, tol: float) -> None:
                 r = bench_decode(batch, ctx, shape, smoke, tol, splits, tuning)
                 rows.append((r.ms, splits, tuning, r.pct_peak_bw))
                 print(f"decode b={batch} ctx={ctx} splits={splits} {tuning}: {r.ms:.4f} ms "
-                      f"{r.pct_peak_bw:.1f}%", flush=True)  # fmt: skip
+                      f"{r.pct_peak_bw:.1f}%", flush=True)
         best = min(rows, key=lambda row: row[0])
         print(f"best b={batch} ctx={ctx}: splits={best[1]} {best[2]} {best[0]:.4f} ms "
-              f"{best[3]:.1f}%", flush=True)  # fmt: skip
+              f"{best[3]:.1f}%", flush=True)
 
 
 def main() -> None:
@@ -220,7 +220,7 @@ def main() -> None:
         return
     if not cli.smoke:
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-              f"triton {triton.__version__}", flush=True)  # fmt: skip
+              f"triton {triton.__version__}", flush=True)
     results = []
     for batch, ctx in decode_cases:
         results.append(bench_decode(batch, ctx, shape, cli.smoke, tol))

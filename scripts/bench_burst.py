@@ -75,7 +75,7 @@ class Request:
 
 
 def burst_requests(n: int, vocab: int, adapters: list[str], seed: int,
-                   scale: float = 1.0) -> list[Request]:  # fmt: skip
+                   scale: float = 1.0) -> list[Request]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -125,7 +125,7 @@ class StepLog:
         if plan is not None:
             lens = [i.extend_len for i in plan.items]
             self.steps.append(StepRecord(len(lens), sum(lens), max(lens) == 1, start,
-                                         time.perf_counter() - start, 0.0))  # fmt: skip
+                                         time.perf_counter() - start, 0.0))
         return plan
 
     def _timed_submit(self, plan):
@@ -185,7 +185,7 @@ def summarize_steps(log: StepLog, wall_s: float) -> dict:
             "mean_device_ms": statistics.fmean(dev) if dev else None,
             "mean_plan_ms": 1e3 * statistics.fmean(s.plan_s for s, _, _ in rows) if rows else None,
             "mean_launch_ms": (1e3 * statistics.fmean(s.launch_s for s, _, _ in rows)
-                               if rows else None),  # fmt: skip
+                               if rows else None),
         }
     busy = [d for d in device if d is not None]
     out["host"] = {"plan_s": sum(s.plan_s for s in steps),
@@ -226,9 +226,9 @@ def run_burst(engine: Engine, reqs: list[Request], max_running: int | None) -> d
 def burst_floor(engine: Engine, reqs: list[Request], rank: int) -> dict:
     cfg = engine.model_cfg
     shape = Shape(cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads,
-                  cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)  # fmt: skip
+                  cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
     planned = [Planned(len(r.prompt), r.max_tokens, r.adapter, rank if r.adapter else 0)
-               for r in reqs]  # fmt: skip
+               for r in reqs]
     return floor(shape, planned)
 
 
@@ -238,11 +238,11 @@ def synthetic_plan(decodes: int, context: int, prefills: list[int]) -> StepPlan:
     """`decodes` one-token requests over `context` cached tokens beside fresh prefill chunks."""
     items = [PlanItem(1, context, True, PROFILE_PARAMS, k, 0, 0) for k in range(decodes)]
     items += [PlanItem(n, 0, True, PROFILE_PARAMS, decodes + k, 0, 0)
-              for k, n in enumerate(prefills)]  # fmt: skip
+              for k, n in enumerate(prefills)]
     tokens = sum(i.extend_len for i in items)
     slots = 1 + np.arange(sum(i.start + i.extend_len for i in items))
     return StepPlan(step=0, items=items, input_ids=ids_to_bytes(np.full(tokens, 7)),
-                    kv_slots=ids_to_bytes(slots), adapter_sets=[{}])  # fmt: skip
+                    kv_slots=ids_to_bytes(slots), adapter_sets=[{}])
 
 
 def split_prefill(tokens: int, chunks: int) -> list[int]:
@@ -379,9 +379,9 @@ def main() -> None:
     if args.smoke:
         args.requests = min(args.requests, 24)
         SYNTHETIC.update({name: (min(d, 8), min(c, 40), p[:2]) for name, (d, c, p)
-                          in SYNTHETIC.items()})  # fmt: skip
+                          in SYNTHETIC.items()})
     results: dict = {"argv": sys.argv, "commit": os.popen("git rev-parse --short HEAD").read()
-                     .strip()}  # fmt: skip
+                     .strip()}
     out_dir = Path(os.environ.get("OUT", "."))
     started = time.perf_counter()
     engine = Engine(model_dir(shape), load_format="dummy", **kw)
@@ -437,7 +437,7 @@ def _f(x, digits: int = 1) -> str:
 def print_steps(steps: dict) -> None:
     for name, r in steps.items():
         kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r.get("by_kind_ms", {}).items(),
-                                                          key=lambda kv: -kv[1]))  # fmt: skip
+                                                          key=lambda kv: -kv[1]))
         print(f"  step {name:28s} {r['tokens']:5d} tok  wall {_f(r['wall_ms'])} ms  device "
               f"{_f(r['device_ms'])} ms  launch {_f(r['launch_ms'])} ms  [{kinds}]", flush=True)
         for kname, ms in r.get("top", []):

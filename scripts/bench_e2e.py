@@ -299,7 +299,7 @@ def write_checkpoint(path: Path, cfg: dict, device: str, seed: int = 0,
 
 def write_adapter(path: Path, cfg: dict, rank: int, seed: int, device: str = "cpu",
                   dtype: torch.dtype = torch.bfloat16, base_path: str = "",
-                  modules: tuple[str, ...] = PROJECTIONS) -> Path:  # fmt: skip
+                  modules: tuple[str, ...] = PROJECTIONS) -> Path:
     """A PEFT LoRA directory: rank `rank` on `modules` (default every projection) of every
     layer, random non-zero lora_A ~ N(0, 1/in) and lora_B ~ N(0, 0.01^2), keys as PEFT writes
     them."""
@@ -798,7 +798,7 @@ def workload_s(ctx, num_adapters: int) -> dict:
     out = {}
     runs = [("base", [])] + ([(f"{num_adapters} adapters", [f"q{i}" for i in
                                                            range(num_adapters)])]
-                             if num_adapters else [])  # fmt: skip
+                             if num_adapters else [])
     for name, adapters in runs:
         specs = sharegpt_specs(ctx, adapters, seed=401)
         log(f"s: {len(specs)} requests at once, {name}")

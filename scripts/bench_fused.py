@@ -76,9 +76,9 @@ class BenchConfig:
 
 
 FULL = BenchConfig(Shape(4096, 32, 8, 128, 14336, 128256), (1, 64, 256), torch.bfloat16,
-                   (torch.bfloat16, torch.float32), "cuda")  # fmt: skip
+                   (torch.bfloat16, torch.float32), "cuda")
 SMOKE = BenchConfig(Shape(96, 4, 2, 16, 48, 300), (1, 7), torch.float16,
-                    (torch.float16, torch.float32), "cpu")  # fmt: skip
+                    (torch.float16, torch.float32), "cpu")
 
 
 @dataclass
@@ -157,7 +157,7 @@ def norm_ops(cfg: BenchConfig, tokens: int, dtype: torch.dtype) -> list[Op]:
         Op("add+rmsnorm",
            lambda: fused_add_rmsnorm(x, residual, weight, EPS, out=out, residual_out=res_out),
            lambda: fused_add_rmsnorm_ref(x, residual, weight, EPS), check_add),
-    ]  # fmt: skip
+    ]
 
 
 def rotary_op(cfg: BenchConfig, tokens: int, dtype: torch.dtype) -> Op:
@@ -236,11 +236,11 @@ def silu_op(cfg: BenchConfig, tokens: int, dtype: torch.dtype) -> Op:
     def check() -> tuple[float, float, bool]:
         delta = make_randn(cfg, torch.float32)(*gate_up.shape, scale=0.1)
         exact = torch.equal(silu_and_mul(gate_up, delta=delta),
-                            silu_and_mul(add_delta_ref(gate_up, delta)))  # fmt: skip
+                            silu_and_mul(add_delta_ref(gate_up, delta)))
         return (*compare(silu_and_mul(gate_up), silu_and_mul_ref(gate_up)), exact)
 
     return Op("silu*mul", lambda: silu_and_mul(gate_up, out=out),
-              lambda: silu_and_mul_ref(gate_up), check)  # fmt: skip
+              lambda: silu_and_mul_ref(gate_up), check)
 
 
 def sample_ops(cfg: BenchConfig, rows: int, dtype: torch.dtype) -> list[Op]:
@@ -250,12 +250,12 @@ def sample_ops(cfg: BenchConfig, rows: int, dtype: torch.dtype) -> list[Op]:
     steps = torch.randint(0, 4096, (rows,), generator=gen).to(cfg.device)
 
     def op(name: str, temperature: float, top_k: int = -1, top_p: float = 1.0,
-           filter_args: bool = False) -> Op:  # fmt: skip
+           filter_args: bool = False) -> Op:
         args = (logits, torch.full((rows,), temperature, device=cfg.device), seeds, steps)
         if top_k > 0 or top_p < 1 or filter_args:
             args += ((torch.full((rows,), top_k, device=cfg.device),
                       torch.full((rows,), top_p, device=cfg.device),
-                      torch.zeros(rows, device=cfg.device)),)  # fmt: skip
+                      torch.zeros(rows, device=cfg.device)),)
 
         def check() -> tuple[float, float, bool]:
             tokens, logprobs, lse = sample_tokens(*args)
@@ -268,13 +268,13 @@ def sample_ops(cfg: BenchConfig, rows: int, dtype: torch.dtype) -> list[Op]:
     # "as in graphs": filter tensors passed with every row unfiltered, as the decode graphs do
     return [op("sample T=0", 0.0), op("sample T=0 as in graphs", 0.0, filter_args=True),
             op("sample T=0.8", 0.8), op("sample T=0.8 as in graphs", 0.8, filter_args=True),
-            op("sample p0.9", 0.8, top_p=0.9), op("sample k50", 0.8, top_k=50)]  # fmt: skip
+            op("sample p0.9", 0.8, top_p=0.9), op("sample k50", 0.8, top_k=50)]
 
 
 def layer_ops(cfg: BenchConfig, tokens: int, dtype: torch.dtype) -> list[Op]:
     ops = norm_ops(cfg, tokens, dtype)
     return [*ops, rotary_op(cfg, tokens, dtype), rotary_kv_op(cfg, tokens, dtype),
-            silu_op(cfg, tokens, dtype), *sample_ops(cfg, tokens, dtype)]  # fmt: skip
+            silu_op(cfg, tokens, dtype), *sample_ops(cfg, tokens, dtype)]
 
 
 def run_check(op: Op, tokens: int, dtype: torch.dtype) -> Check:
@@ -299,7 +299,7 @@ def layer_total(results: list[Result], tokens: int) -> Result:
         return None if None in values else sum(weight[r.op] * v for r, v in zip(rows, values))
 
     return Result("layer total", tokens, total("fused_us"), total("eager_us"),
-                  total("fused_graph_us"), total("eager_graph_us"))  # fmt: skip
+                  total("fused_graph_us"), total("eager_graph_us"))
 
 
 def bench(cfg: BenchConfig) -> tuple[list[Check], list[Result]]:
@@ -323,16 +323,16 @@ def _us(value: float | None) -> str:
 def format_table(checks: list[Check], results: list[Result]) -> str:
     lines = [f"{'op':<12} {'T':>4} {'dtype':<9} {'rel err':>8} {'exact':>7}  ok"]
     lines += [f"{c.op:<12} {c.tokens:>4} {c.dtype:<9} {c.rel_err:8.1e} {c.exact_frac:7.2%}  "
-              f"{'yes' if c.ok else 'NO'}" for c in checks]  # fmt: skip
+              f"{'yes' if c.ok else 'NO'}" for c in checks]
     lines.append("")
     lines.append(f"{'op':<12} {'T':>4} {'fused us':>9} {'eager us':>9} {'x':>6} "
-                 f"{'graph fused':>11} {'graph eager':>11} {'x':>6}")  # fmt: skip
+                 f"{'graph fused':>11} {'graph eager':>11} {'x':>6}")
     for r in results:
         graph_x = (f"{r.eager_graph_us / r.fused_graph_us:6.2f}"
-                   if r.fused_graph_us and r.eager_graph_us else f"{'-':>6}")  # fmt: skip
+                   if r.fused_graph_us and r.eager_graph_us else f"{'-':>6}")
         lines.append(f"{r.op:<12} {r.tokens:>4} {_us(r.fused_us)} {_us(r.eager_us)} "
                      f"{r.speedup:6.2f} {_us(r.fused_graph_us):>11} "
-                     f"{_us(r.eager_graph_us):>11} {graph_x}")  # fmt: skip
+                     f"{_us(r.eager_graph_us):>11} {graph_x}")
     return "\n".join(lines)
 
 
@@ -347,10 +347,10 @@ def write_json(cfg: BenchConfig, checks: list[Check], results: list[Result]) -> 
     if not (out_dir := os.environ.get("OUT")):
         return
     config = {**asdict(cfg), "dtype": str(cfg.dtype),
-              "check_dtypes": [str(d) for d in cfg.check_dtypes]}  # fmt: skip
+              "check_dtypes": [str(d) for d in cfg.check_dtypes]}
     payload = {"config": config, "env": environment(cfg),
                "checks": [asdict(c) for c in checks],
-               "results": [{**asdict(r), "speedup": r.speedup} for r in results]}  # fmt: skip
+               "results": [{**asdict(r), "speedup": r.speedup} for r in results]}
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     Path(out_dir, "bench_fused.json").write_text(json.dumps(payload, indent=2))
 

@@ -100,9 +100,9 @@ class BenchConfig:
 
 
 FULL = BenchConfig(LayerShape(4096, 14336, 32, 8, 128), 64, 16, 5, torch.bfloat16, "cuda",
-                   256, (16, 64), 256, (8, 64, 256), 8)  # fmt: skip
+                   256, (16, 64), 256, (8, 64, 256), 8)
 SMOKE = BenchConfig(LayerShape(64, 96, 4, 2, 16), 6, 4, 3, torch.bfloat16, "cpu", 12, (3, 6),
-                    12, (2, 6, 12), 2)  # fmt: skip
+                    12, (2, 6, 12), 2)
 
 def tunings(*changes: dict) -> list[GroupedTuning]:
     return [dataclasses.replace(DEFAULT_TUNING, **c) for c in changes]
@@ -110,7 +110,7 @@ def tunings(*changes: dict) -> list[GroupedTuning]:
 
 SMALL_BATCH_SWEEP = tunings(BESIDE_GEMM, {"pdl": False}, {"block_n": 256, "expand_stages": 2},
                             {"min_items_per_sm": 0}, {"min_items_per_sm": 8},
-                            {"shrink_warps": 4})  # fmt: skip
+                            {"shrink_warps": 4})
 GROUP_TOKENS_SWEEP = (32,)
 MIXED_GROUP_TOKENS_SWEEP = (64, 256)  # steps with prefill chunks: fewer, longer groups
 
@@ -186,7 +186,7 @@ def scenarios(cfg: BenchConfig) -> list[Scenario]:
                    [[(i % n, 1.0)] for i in range(cfg.spread_tokens)])
           for n in cfg.spread_adapters),
         *mixed_scenarios(cfg),
-    ]  # fmt: skip
+    ]
 
 
 def mixed_step(name: str, decodes: int, prefill_tokens: int, chunks: int, adapters: int,
@@ -194,7 +194,7 @@ def mixed_step(name: str, decodes: int, prefill_tokens: int, chunks: int, adapte
     """A step of a saturated server: `decodes` one-token segments beside `chunks` prefill
     chunks of `prefill_tokens` tokens in all, segment i on adapter i % adapters."""
     lens = [1] * decodes + [prefill_tokens // chunks + (k < prefill_tokens % chunks)
-                            for k in range(chunks)]  # fmt: skip
+                            for k in range(chunks)]
     return Scenario(name, adapters, rank, [[(i % adapters, 1.0)] for i in range(len(lens))],
                     lens)
 
@@ -208,7 +208,7 @@ def mixed_scenarios(cfg: BenchConfig) -> list[Scenario]:
     return [mixed_step("mixed 240+541 x100", 240, 541, 14, 100, r),
             mixed_step("mixed 900+2361 x100", 900, 2361, 44, 100, r),
             mixed_step("prefill 8192/16 x16", 0, 8192, 16, 16, r),
-            mixed_step("prefill 2048 x1", 0, 2048, 1, 1, r)]  # fmt: skip
+            mixed_step("prefill 2048 x1", 0, 2048, 1, 1, r)]
 
 
 def scattered_rows(num_adapters: int, rank: int, gen: torch.Generator) -> list[list[int]]:
@@ -255,7 +255,7 @@ def build_meta(
     tail = g.group_indptr[-1:].repeat(pad)
     padded = LoraGroups(g.num_groups, torch.cat([g.group_indptr, tail]), g.token_ids,
                         torch.cat([g.row_indptr, g.row_indptr[-1:].repeat(pad)]),
-                        g.row_ids, g.row_scales)  # fmt: skip
+                        g.row_ids, g.row_scales)
     return dataclasses.replace(meta, groups=padded)
 
 
@@ -310,7 +310,7 @@ def bench_variant(scenario, variant, backend, projs, meta, bytes_read, device) -
     if err > MAX_REL_ERR:  # wrong results are not timed
         return Result(scenario, variant, math.nan, None, bytes_read, err)
     ys = [torch.zeros(p.x.shape[0], p.out_offsets[-1], dtype=p.x.dtype, device=device)
-          for p in projs]  # fmt: skip
+          for p in projs]
     eager, graph = time_us(layer_fn(backend, projs, ys, meta), device)
     print(f"{scenario} / {variant}: eager {eager:.1f} us, graph {graph} us", flush=True)
     return Result(scenario, variant, eager, graph, bytes_read, err)
@@ -318,12 +318,12 @@ def bench_variant(scenario, variant, backend, projs, meta, bytes_read, device) -
 
 def tuning_label(t: GroupedTuning) -> str:
     changed = [f"{f.name}={getattr(t, f.name)}" for f in dataclasses.fields(t)
-               if getattr(t, f.name) != getattr(DEFAULT_TUNING, f.name)]  # fmt: skip
+               if getattr(t, f.name) != getattr(DEFAULT_TUNING, f.name)]
     return "grouped " + (",".join(changed) or "default")
 
 
 def bench_scenario(cfg: BenchConfig, sc: Scenario, sweep: list[GroupedTuning],
-                   group_tokens: tuple[int, ...], baselines: bool) -> list[Result]:  # fmt: skip
+                   group_tokens: tuple[int, ...], baselines: bool) -> list[Result]:
     gen = torch.Generator().manual_seed(0)
     adapter_rows = scattered_rows(sc.num_adapters, sc.rank, gen)
     projs = build_projections(cfg, sc.num_adapters * sc.rank + SPARE_ROWS, sc.tokens)
@@ -337,12 +337,12 @@ def bench_scenario(cfg: BenchConfig, sc: Scenario, sweep: list[GroupedTuning],
     ]
     variants += [(tuning_label(t), TritonLoraBackend(tuning=t), grouped) for t in sweep]
     variants += [(f"grouped group_tokens={n}", TritonLoraBackend(), metas[n])
-                 for n in group_tokens]  # fmt: skip
+                 for n in group_tokens]
     if baselines:
         variants += [("naive gather+bmm", NaiveBmmBackend(), per_request),
-                     ("torch masked", TorchLoraBackend(), per_request)]  # fmt: skip
+                     ("torch masked", TorchLoraBackend(), per_request)]
     run = [bench_variant(sc.name, v, b, projs, m, bytes_read, cfg.device)
-           for v, b, m in variants]  # fmt: skip
+           for v, b, m in variants]
     if baselines:
         run[1].extra = per_kernel_breakdown(projs, per_request, cfg.device)
     return run
@@ -376,10 +376,10 @@ def bench_with_base(cfg: BenchConfig, sc: Scenario) -> list[Result]:
     projs = build_projections(cfg, sc.num_adapters * sc.rank + SPARE_ROWS, sc.tokens)
     meta = build_meta(sc, adapter_rows, cfg.device, GROUP_TOKENS)
     weights = [torch.randn(p.out_offsets[-1], p.x.shape[1], dtype=cfg.dtype, device=cfg.device)
-               * p.x.shape[1] ** -0.5 for p in projs]  # fmt: skip
+               * p.x.shape[1] ** -0.5 for p in projs]
     pool = SimpleNamespace(a=[{p.name: p.a_pool for p in projs}],
                            b=[{p.name: p.b_pool for p in projs}],
-                           out_offsets={p.name: p.out_offsets for p in projs})  # fmt: skip
+                           out_offsets={p.name: p.out_offsets for p in projs})
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     metas = {p.name: meta for p in projs}
     variants = {"base GEMMs only": None,
@@ -398,7 +398,7 @@ def bench_with_base(cfg: BenchConfig, sc: Scenario) -> list[Result]:
 
         def shrink(x: torch.Tensor, name: str) -> torch.Tensor:
             return grouped_shrink(x, pool.a[0][name], *index, g.row_scales, meta.max_rows,
-                                  tuning=side_tuning)  # fmt: skip
+                                  tuning=side_tuning)
 
         variants["base + shrink alone beside"] = SideOnly(pool, high, shrink)
     out = []
@@ -432,7 +432,7 @@ def bench_base_gemms(cfg: BenchConfig) -> Result:
     """The layer's 7 base GEMMs (fused as 4), for scale: what the LoRA deltas add to."""
     to = {"dtype": cfg.dtype, "device": cfg.device}
     mats = [(torch.randn(cfg.tokens, i, **to), torch.randn(sum(w), i, **to) * i**-0.5)
-            for _, i, w in cfg.shape.projections()]  # fmt: skip
+            for _, i, w in cfg.shape.projections()]
     weight_bytes = sum(w.numel() * w.element_size() for _, w in mats)
     eager, graph = time_us(lambda: [x @ w.T for x, w in mats], cfg.device)
     return Result("base", "7 base GEMMs", eager, graph, weight_bytes)
@@ -447,7 +447,7 @@ def format_table(results: list[Result]) -> str:
         err = f"{r.rel_err:8.1e}" if r.rel_err is not None else f"{'-':>8}"
         lines.append(f"{r.scenario:<16} {r.variant:<30} {r.eager_us:9.1f} {graph} "
                      f"{r.bytes_read / 1e6:8.2f} {r.floor_us:9.2f} {best / r.floor_us:8.2f} "
-                     f"{err}")  # fmt: skip
+                     f"{err}")
     return "\n".join(lines)
 
 
@@ -484,10 +484,10 @@ def bench_selected(cfg: BenchConfig, names: list[str], variants: list[str], repe
     sweep = [replace_fields(DEFAULT_TUNING, v) for v in variants]
     results = [r for name in names for _ in range(repeat)
                for r in bench_scenario(cfg, known[name], sweep, group_sweep(known[name]),
-                                       baselines=False)]  # fmt: skip
+                                       baselines=False)]
     if out_dir := os.environ.get("OUT"):
         payload = {"env": environment(cfg), "hbm_bytes_per_s": HBM_BYTES_PER_S,
-                   "results": [{**asdict(r), "floor_us": r.floor_us} for r in results]}  # fmt: skip
+                   "results": [{**asdict(r), "floor_us": r.floor_us} for r in results]}
         Path(out_dir, "bench_sgmv.json").write_text(json.dumps(payload, indent=2))
     print(format_table(results))
     if any(math.isnan(r.eager_us) for r in results):
@@ -524,7 +524,7 @@ def main() -> None:
     if out_dir := os.environ.get("OUT"):
         payload = {"config": {**asdict(cfg), "dtype": str(cfg.dtype)}, "env": environment(cfg),
                    "hbm_bytes_per_s": HBM_BYTES_PER_S, "stack_ratio": ratio,
-                   "results": [{**asdict(r), "floor_us": r.floor_us} for r in results]}  # fmt: skip
+                   "results": [{**asdict(r), "floor_us": r.floor_us} for r in results]}
         Path(out_dir, "bench_sgmv.json").write_text(json.dumps(payload, indent=2))
     kernels = ", ".join(f"{k} {v:.1f}" for k, v in results[2].extra.items())
     print(f"per kernel (per-request), {results[2].scenario}, eager us: {kernels}")
@@ -532,7 +532,7 @@ def main() -> None:
         g, p = best_us(results, name, "grouped"), best_us(results, name, "sgmv per-request")
         print(f"{name}: grouped {g:.1f} us vs per-request {p:.1f} us ({p / g:.2f}x)")
     print(f"stack k={cfg.stack_k} r{cfg.rank} / single r{cfg.rank * cfg.stack_k}: {ratio:.3f} "
-          "(target within 10%)")  # fmt: skip
+          "(target within 10%)")
     print(format_table(results))
     failed = [f"{r.scenario} / {r.variant}" for r in results if math.isnan(r.eager_us)]
     if failed:

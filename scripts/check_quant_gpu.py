@@ -192,7 +192,7 @@ def section_pool(rep: Report, shape: dict, device: str) -> None:
     for name, dtype in (("bf16", torch.bfloat16), ("int8", torch.int8)):
         measured = pool_bytes(cfg, dtype, rows, device) / rows
         out[name] = {"bytes_per_row": AdapterPool.bytes_per_row(cfg, dtype),
-                     "allocated_bytes_per_row": measured}  # fmt: skip
+                     "allocated_bytes_per_row": measured}
         rep.check(f"pool {name} bytes per row", measured == out[name]["bytes_per_row"],
                   f"allocated {measured:.0f} B, bytes_per_row {out[name]['bytes_per_row']} B")
     budget = budget_rows * out["bf16"]["allocated_bytes_per_row"]
@@ -253,7 +253,7 @@ def int8_deltas(projs, pools, meta, how: str) -> list[torch.Tensor]:
             g, tuning = meta.groups, tuning_for_rows(meta.max_rows)
             index = (g.num_groups, g.group_indptr, g.token_ids, g.row_indptr, g.row_ids)
             v = grouped_shrink(p.x, qa, *index, g.row_scales, meta.max_rows, tuning=tuning,
-                               qscales=qs)  # fmt: skip
+                               qscales=qs)
             grouped_expand(v, qb, p.out_offsets, *index, y, tuning=tuning,
                            act_dtype=torch.bfloat16)
         out.append(y)
@@ -282,14 +282,14 @@ def section_int8(rep: Report, sgmv_cfg, smoke: bool) -> None:
         refs = {"grouped": torch_deltas(projs, pools, grouped)}
         refs["per-segment"] = torch_deltas(projs, pools, per_segment)
         cases = [("apply", "grouped", "apply"), ("deferred", "grouped", "deferred"),
-                 ("apply", "per-segment", "apply")]  # fmt: skip
+                 ("apply", "per-segment", "apply")]
         if dtype == torch.float32:
             cases.append(("bf16 v", "grouped", "bf16 v"))
         for how, meta_name, label in cases:
             meta = grouped if meta_name == "grouped" else per_segment
             worst = max((rel_err(y, r) for y, r in zip(int8_deltas(projs, pools, meta, how),
                                                         refs[meta_name], strict=True)),
-                        key=lambda e: e[1])  # fmt: skip
+                        key=lambda e: e[1])
             key = f"{name} {label} {meta_name}"
             results[key] = {"max_abs": worst[0], "max_rel": worst[1]}
             detail = f"max abs {worst[0]:.3e}, max rel {worst[1]:.3e}"
@@ -311,9 +311,9 @@ def engine_logprobs(rep: Report, smoke: bool) -> None:
     root = Path(tempfile.mkdtemp(prefix="check-quant-"))
     model = build_tiny_model(root / "model")
     adapters = {f"ad{i}": build_tiny_adapter(model, root / f"ad{i}", rank=r, seed=i)
-                for i, r in enumerate((4, 8, 16, 64))}  # fmt: skip
+                for i, r in enumerate((4, 8, 16, 64))}
     specs = [None, "ad0", "ad1", "ad2", "ad3", [("ad0", 1.0), ("ad3", 0.5)],
-             [("ad1", -0.5), ("ad2", 2.0), ("ad0", 1.0)], "ad3"]  # fmt: skip
+             [("ad1", -0.5), ("ad2", 2.0), ("ad0", 1.0)], "ad3"]
     prompts = [[5 + i] * (3 + 5 * i) for i in range(len(specs))]
     params = SamplingParams(max_tokens=6 if smoke else 24, temperature=0.0, ignore_eos=True,
                             logprobs=2)
@@ -350,10 +350,10 @@ def section_sgmv(rep: Report, sgmv_cfg) -> None:
     variants = {"bf16": [(p.a_pool, p.b_pool, None) for p in projs], "int8": pools}
     for name, tensors in variants.items():
         ys = [torch.zeros(p.x.shape[0], p.out_offsets[-1], dtype=p.x.dtype, device=p.x.device)
-              for p in projs]  # fmt: skip
+              for p in projs]
         read = sum(distinct_rows * (a.shape[0] * a.shape[2] + b.shape[1]) * a.element_size()
                    + (0 if qs is None else distinct_rows * qs.shape[0] * 4)
-                   for a, b, qs in tensors)  # fmt: skip
+                   for a, b, qs in tensors)
         layers = [tensors] + [[tuple(None if t is None else t.clone() for t in ts)
                                for ts in tensors] for _ in range(copies(read, device) - 1)]
 
@@ -409,7 +409,7 @@ def check_nf4(rep: Report, name: str, shape, device: str) -> dict:
     result = {"dequant": timed(cycling(dequant, weights), device),
               "floor_nf4_read_us": floor_us(nf4_bytes),
               "floor_dequant_us": floor_us(nf4_bytes + w.numel() * 2),
-              "floor_dequant_gemm_us": floor_us(nf4_bytes + w.numel() * 4)}  # fmt: skip
+              "floor_dequant_gemm_us": floor_us(nf4_bytes + w.numel() * 4)}
     for batch in (1, 32):
         x = torch.randn(batch, shape[1], dtype=torch.bfloat16, device=device)
         result[f"bs{batch}"] = timed(cycling(
@@ -419,7 +419,7 @@ def check_nf4(rep: Report, name: str, shape, device: str) -> dict:
                nf4_gemv(x, packed, absmax, code, NF4_BLOCKSIZE, shape[0]))
     result["gemv_bs1"] = timed(cycling(
         lambda packed, absmax: nf4_gemv(x, packed, absmax, code, NF4_BLOCKSIZE, shape[0]),
-        weights), device)  # fmt: skip
+        weights), device)
     return result
 
 
@@ -437,7 +437,7 @@ def fp8_case(shape, device: str):
 
 
 def check_fp8(rep: Report, name: str, shape, batch: int, device: str, w8, scale,
-              ref_w) -> dict:  # fmt: skip
+              ref_w) -> dict:
     g = torch.Generator(device=device).manual_seed(2)
     x = torch.randn(batch, shape[1], dtype=torch.bfloat16, device=device, generator=g)
     y = quant_fp8.fp8_linear_w8a8(x, w8, scale, None)
@@ -551,7 +551,7 @@ def decode_base(shape: dict, device: str, quantization: str | None, smoke: bool)
     args = SimpleNamespace(device=device, dtype="bfloat16")
     engine = make_engine(model_dir(shape), args, kv_pages=4096 if smoke else 16384,
                          max_running=32, max_batch_tokens=4096, adapter_rows=64, max_rank=16,
-                         quantization=quantization)  # fmt: skip
+                         quantization=quantization)
     weights = weight_read_bytes(engine.runner.model)
     graphs = engine.runner.graphs
     if graphs is not None:

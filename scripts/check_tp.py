@@ -60,7 +60,7 @@ def request_specs(scale: Scale, vocab: int, seed: int = 0) -> list[dict]:
         ids = [rng.randrange(vocab) for _ in range(rng.randint(*scale.prompt_lens))]
         body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
                 "sampling_params": {"temperature": 0.0, "max_new_tokens": scale.new_tokens,
-                                    "ignore_eos": True}}  # fmt: skip
+                                    "ignore_eos": True}}
         first, second = f"a{i % ADAPTERS}", f"a{(i + 3) % ADAPTERS}"
         if i % 4 == 3:
             body["adapters"] = [{"name": first, "weight": 1.0}, {"name": second, "weight": 0.5}]
@@ -91,7 +91,7 @@ def compare(ref: list[dict], got: list[dict], tie_gap: float) -> dict:
     equal, parted, max_diff = 0, [], 0.0
     for i, (r, g) in enumerate(zip(ref, got, strict=True)):
         step = next((s for s, (a, b) in enumerate(zip(r["tokens"], g["tokens"])) if a != b),
-                    None)  # fmt: skip
+                    None)
         shared = len(r["tokens"]) if step is None else step
         for a, b in zip(r["logprobs"][:shared], g["logprobs"][:shared]):
             max_diff = max(max_diff, abs(a - b))
@@ -102,16 +102,16 @@ def compare(ref: list[dict], got: list[dict], tie_gap: float) -> dict:
         other = top2.get(g["tokens"][step])
         gap = None if other is None else abs(r["logprobs"][step] - other)
         parted.append({"request": i, "step": step, "gap": gap,
-                       "near_tie": gap is not None and gap < tie_gap})  # fmt: skip
+                       "near_tie": gap is not None and gap < tie_gap})
     return {"equal": equal, "requests": len(ref), "parted": parted,
             "max_logprob_diff_shared": max_diff}
 
 
 def run_size(args, model: Path, adapters: dict[str, Path], size: int, specs: list[dict],
-             extra: list[str]) -> list[dict]:  # fmt: skip
+             extra: list[str]) -> list[dict]:
     server = bench_e2e.Server(model, adapters, args.port,
                               [*extra, "--tensor-parallel-size", str(size)],
-                              Path(args.work_dir) / f"server-tp{size}.log")  # fmt: skip
+                              Path(args.work_dir) / f"server-tp{size}.log")
     try:
         ready = server.start(args.ready_timeout)
         bench_e2e.log(f"tensor-parallel size {size}: ready in {ready:.1f} s")
@@ -148,15 +148,15 @@ def main(argv=None) -> int:
     for size in sizes:
         report = compare(ref, run_size(args, model, adapters, size, specs, extra), args.tie_gap)
         ok = (report["equal"] >= args.min_equal * report["requests"]
-              and all(x["near_tie"] for x in report["parted"]))  # fmt: skip
+              and all(x["near_tie"] for x in report["parted"]))
         failed |= not ok
         results[f"tp{size}"] = {**report, "ok": ok}
         parted = ", ".join(f"#{x['request']} at step {x['step']} (gap {x['gap']})"
-                           for x in report["parted"]) or "none"  # fmt: skip
+                           for x in report["parted"]) or "none"
         print(f"{'PASS' if ok else 'FAIL'}  tensor-parallel {size} against 1: "
               f"{report['equal']}/{report['requests']} requests equal; parted: {parted}; max "
               f"|logprob diff| over shared steps {report['max_logprob_diff_shared']:.2e}",
-              flush=True)  # fmt: skip
+              flush=True)
     out = Path(os.environ.get("OUT") or work)
     out.mkdir(parents=True, exist_ok=True)
     (out / "check_tp.json").write_text(json.dumps(results, indent=2))

@@ -219,7 +219,7 @@ def build_peft_adapter(base_path: Path, path: Path, seed: int, **lora_kwargs) ->
 
 
 def build_nf4_model(path: Path, arch: str, double_quant: bool = True, seed: int = 0,
-                    sharded: bool = False) -> Path:  # fmt: skip
+                    sharded: bool = False) -> Path:
     """build_hf_model(arch) saved as an NF4 checkpoint (save_nf4)."""
     dense = build_hf_model(Path(path).with_name(Path(path).name + "-dense"), arch, seed=seed)
     return save_nf4(dense, path, double_quant, sharded)

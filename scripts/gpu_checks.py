@@ -45,9 +45,9 @@ def checked_graphs(engine: Engine, counts: dict[str, int]) -> None:
 def sampling_params(n: int) -> list[SamplingParams]:
     kinds = [dict(temperature=0.0, logprobs=2), dict(temperature=0.8), dict(top_p=0.9),
              dict(temperature=0.7, top_k=5), dict(temperature=1.3, min_p=0.1),
-             dict(top_k=20, top_p=0.8, min_p=0.02)]  # fmt: skip
+             dict(top_k=20, top_p=0.8, min_p=0.02)]
     return [SamplingParams(max_tokens=24, ignore_eos=True, seed=i, **kinds[i % len(kinds)])
-            for i in range(n)]  # fmt: skip
+            for i in range(n)]
 
 
 def main() -> int:
@@ -99,7 +99,7 @@ def main() -> int:
     print(f"graphs captured: {graphs}; sequences with different tokens: {mismatches}/{len(fast)}; "
           f"max |logprob diff| {worst:.2e}; evictions in the small pool: {evictions}")
     ok = (mismatches == 0 and worst < 1e-3 and graphs > 0 and evictions > 0
-          and counts["mismatches"] == 0 and counts["hot rows"] > 0)  # fmt: skip
+          and counts["mismatches"] == 0 and counts["hot rows"] > 0)
     print("gpu checks:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -219,7 +219,7 @@ def test_requests_wait_for_their_prefetch_reads_while_other_work_runs():
 
     lone = make_scheduler(rows=4, max_running=2)  # nothing else to run: no wait
     waiting = [make_req("r0", [a], max_tokens=1), make_req("r1", [a], max_tokens=1),
-               make_req("r2", [b], max_tokens=1)]  # fmt: skip
+               make_req("r2", [b], max_tokens=1)]
     for req in waiting:
         lone.add(req)
     plan = lone.schedule()

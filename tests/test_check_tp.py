@@ -35,7 +35,7 @@ def test_requests_part_only_at_near_ties():
 def test_tensor_parallel_2_serves_the_tokens_of_1(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     code = check_tp.main(["--tiny", "--sizes", "2", "--requests", "8", "--port", "30571",
-                          "--work-dir", str(tmp_path / "work")])  # fmt: skip
+                          "--work-dir", str(tmp_path / "work")])
     report = json.loads((tmp_path / "out" / "check_tp.json").read_text())["tp2"]
     assert code == 0 and report["ok"]
     assert report["equal"] == report["requests"] == 8

@@ -46,7 +46,7 @@ def checkpoints(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     model = build_tiny_model(root / MODEL_NAME)
     adapters = {f"a{i}": build_tiny_adapter(model, root / "adapters" / f"a{i}",
                                             rank=4 if i % 2 else 8, seed=100 + i)
-                for i in range(NUM_ADAPTERS)}  # fmt: skip
+                for i in range(NUM_ADAPTERS)}
     return model, adapters
 
 
@@ -222,7 +222,7 @@ def check_burst_spreads(server) -> None:
     some and neither ever holds more than it can run at once (MAX_RUNNING)."""
     prefix = list(range(100, 100 + PREFIX_TOKENS))
     bodies = [{"model": "a0", "prompt": prefix + [300 + k], "max_tokens": 32, "ignore_eos": True}
-              for k in range(BURST)]  # fmt: skip
+              for k in range(BURST)]
     before = decisions_per_replica(server)
     peaks, stop = {"0": 0, "1": 0}, threading.Event()
     sampler = threading.Thread(target=sample_peaks, args=(server, peaks, stop))
@@ -253,7 +253,7 @@ def check_admin_reaches_every_replica(server, checkpoints) -> None:
     headers = {"authorization": f"Bearer {server.admin_key}"}
     body = {"lora_name": "late", "lora_path": str(adapters["a3"])}
     assert server.http.post("/v1/load_lora_adapter", json=body,
-                            headers=headers).status_code == 200  # fmt: skip
+                            headers=headers).status_code == 200
     replicas = server.info()["scheduler"]["replicas"]
     assert all("late" in {a["name"] for a in r["adapters"]} for r in replicas)
     ids = {a["name"]: a["adapter_id"] for a in server.info()["scheduler"]["adapters"]}
@@ -261,7 +261,7 @@ def check_admin_reaches_every_replica(server, checkpoints) -> None:
     models = {m.id for m in client_of(server).models.list().data}
     assert {"late", "a3", MODEL_NAME} <= models
     assert server.http.post("/v1/unload_lora_adapter", json={"lora_name": "late"},
-                            headers=headers).status_code == 200  # fmt: skip
+                            headers=headers).status_code == 200
     replicas = server.info()["scheduler"]["replicas"]
     assert not any("late" in {a["name"] for a in r["adapters"]} for r in replicas)
 

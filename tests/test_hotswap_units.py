@@ -568,7 +568,7 @@ def test_admin_loads_read_off_the_loop_and_apply_in_order(model, versions, tmp_p
 
 
 def test_published_snapshots_register_from_their_headers(model, versions, tmp_path,
-                                                         monkeypatch):  # fmt: skip
+                                                         monkeypatch):
     """A snapshot of the scheduler's own store, published with its id (the registry validated
     it whole), registers from its config and header alone; the worker still reads and
     re-hashes it, and serves its weights."""

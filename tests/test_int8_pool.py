@@ -44,7 +44,7 @@ def prompt(seed: int, length: int) -> list[int]:
 def setup(request, checkpoints, adapters):
     arch = request.param
     engine = Engine(checkpoints[arch], adapters=adapters[arch], max_rank=64, kv_pages=512,
-                    lora_dtype="int8")  # fmt: skip
+                    lora_dtype="int8")
     yield engine, peft_model(checkpoints[arch], adapters[arch])
     assert_all_free(engine)
 
@@ -91,7 +91,7 @@ def test_demo_adapters_give_the_same_greedy_text():
     for lora_dtype in ("auto", "int8"):
         engine = Engine(DEMO_MODEL_DIR, adapters=DEMO_ADAPTERS, lora_dtype=lora_dtype)
         outs = engine.generate([p for p in prompts for _ in specs], params,
-                               adapters=specs * len(prompts))  # fmt: skip
+                               adapters=specs * len(prompts))
         texts[lora_dtype] = [o.outputs[0].text for o in outs]
         assert_all_free(engine)
     assert texts["int8"] == texts["auto"]
@@ -106,7 +106,7 @@ def test_hot_swap_and_prefix_cache_on_an_int8_pool(checkpoints, adapters, tmp_pa
 
     base = checkpoints["llama"]
     engine = Engine(base, adapters=adapters["llama"], max_rank=64, kv_pages=512,
-                    lora_dtype="int8")  # fmt: skip
+                    lora_dtype="int8")
     ids = prompt(4, 9)
     first = engine.generate(ids, GREEDY, adapters="a")[0]
     again = engine.generate(ids, GREEDY, adapters="a")[0]
@@ -129,7 +129,7 @@ def test_tensor_parallel_int8_pool_equals_one_device(checkpoints, adapters, tmp_
 
     base = checkpoints["qwen2"]
     engine = Engine(base, adapters=adapters["qwen2"], dtype="float32", kv_pages=256,
-                    max_running=8, adapter_rows=160, lora_dtype="int8")  # fmt: skip
+                    max_running=8, adapter_rows=160, lora_dtype="int8")
     swapped = build_peft_adapter(base, tmp_path / "swapped", seed=99, r=8, lora_alpha=32)
     rec, _, _ = record_engine_run(engine, swapped)
     check_same_results(run_ranks(tmp_path, base, engine.config, rec, 2), rec.results)
@@ -176,14 +176,14 @@ def test_equal_pool_bytes_hold_twice_the_adapters():
     sized = {dtype: size_pools(config, memory, weights_bytes=16 << 30, activation_bytes=2 << 30,
                                graph_bytes=1 << 30, kv_slot_bytes=131072,
                                adapter_row_bytes=row)[1]
-             for dtype, row in (("bf16", bf16), ("int8", int8))}  # fmt: skip
+             for dtype, row in (("bf16", bf16), ("int8", int8))}
     assert sized["bf16"].adapter_rows == sized["int8"].adapter_rows == 32 * 64
     saved = sized["bf16"].adapter_bytes - sized["int8"].adapter_bytes
     assert sized["int8"].kv_tokens - sized["bf16"].kv_tokens == saved // 131072
     same_bytes = dataclasses.replace(config, adapter_rows=sized["bf16"].adapter_bytes // int8)
     _, int8_sized = size_pools(same_bytes, memory, weights_bytes=16 << 30,
                                activation_bytes=2 << 30, graph_bytes=1 << 30,
-                               kv_slot_bytes=131072, adapter_row_bytes=int8)  # fmt: skip
+                               kv_slot_bytes=131072, adapter_row_bytes=int8)
     assert int8_sized.adapter_bytes <= sized["bf16"].adapter_bytes
     assert (sized["bf16"].adapters_of_rank(64), int8_sized.adapters_of_rank(64)) == (32, 63)
     assert (sized["bf16"].adapters_of_rank(16), int8_sized.adapters_of_rank(16)) == (128, 255)
@@ -208,7 +208,7 @@ def test_cache_namespace_names_the_int8_pool(checkpoints, adapters):
         engine = Engine(checkpoints["llama"], adapters=adapters["llama"], lora_dtype=lora_dtype)
         for spec in (None, "a"):
             reqs, _ = engine.intake.requests("r", np.arange(2, 9, dtype=np.int32), GREEDY,
-                                             parse_spec(spec))  # fmt: skip
+                                             parse_spec(spec))
             namespaces[lora_dtype, spec] = reqs[0].namespace
     assert namespaces["auto", None] == namespaces["int8", None]
     assert namespaces["auto", "a"] != namespaces["int8", "a"]

@@ -110,14 +110,14 @@ def run_extend(case: PagedCase, sliding_window: int | None = None) -> torch.Tens
     return extend_attention(
         case.q, case.k_cache, case.v_cache, o, case.qo_indptr, case.kv_indptr,
         case.kv_indices, case.sm_scale, sliding_window=sliding_window,
-    )  # fmt: skip
+    )
 
 
 def extend_ref(case: PagedCase, sliding_window: int | None = None) -> torch.Tensor:
     return extend_attention_ref(
         case.q, case.k_cache, case.v_cache, case.qo_indptr, case.kv_indptr,
         case.kv_indices, case.sm_scale, sliding_window=sliding_window,
-    )  # fmt: skip
+    )
 
 
 def run_decode(case: PagedCase, num_splits: int, sliding_window: int | None = None):
@@ -125,14 +125,14 @@ def run_decode(case: PagedCase, num_splits: int, sliding_window: int | None = No
     return decode_attention(
         case.q, case.k_cache, case.v_cache, o, case.kv_indptr, case.kv_indices,
         case.sm_scale, sliding_window=sliding_window, num_splits=num_splits,
-    )  # fmt: skip
+    )
 
 
 def decode_ref(case: PagedCase, sliding_window: int | None = None) -> torch.Tensor:
     return decode_attention_ref(
         case.q, case.k_cache, case.v_cache, case.kv_indptr, case.kv_indices,
         case.sm_scale, sliding_window=sliding_window,
-    )  # fmt: skip
+    )
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -214,7 +214,7 @@ def test_extend_over_tiles_writes_only_their_requests(window: int | None) -> Non
     o = torch.full_like(case.q, float("nan"))
     extend_attention(case.q, case.k_cache, case.v_cache, o, case.qo_indptr, case.kv_indptr,
                      case.kv_indices, case.sm_scale, sliding_window=window,
-                     tiles=tuple(tiles))  # fmt: skip
+                     tiles=tuple(tiles))
     rows = torch.from_numpy(np.repeat(lens > 1, lens))
     assert_close(o[rows], oracle(case, window)[rows], torch.float32)
     assert o[~rows].isnan().all()
@@ -228,7 +228,7 @@ def test_decode_rows_of_a_mixed_batch(num_splits: int, window: int | None) -> No
     o = torch.full_like(case.q, float("nan"))
     decode_attention(case.q, case.k_cache, case.v_cache, o, case.kv_indptr, case.kv_indices,
                      case.sm_scale, sliding_window=window, num_splits=num_splits,
-                     rows=(decodes, case.qo_indptr))  # fmt: skip
+                     rows=(decodes, case.qo_indptr))
     rows = case.qo_indptr[decodes.long()].long()
     assert_close(o[rows], oracle(case, window)[rows], torch.float32)
     others = torch.ones(len(o), dtype=torch.bool)
@@ -240,7 +240,7 @@ def test_decode_rows_of_a_mixed_batch(num_splits: int, window: int | None) -> No
 def test_backend_splits_a_mixed_batch_between_the_kernels(window: int | None) -> None:
     case = make_case(MIXED_QO, MIXED_PREFIX, group=2, page_size=1, seed=14)
     pool = KVPool(1, case.k_cache.shape[0], case.k_cache.shape[1], case.k_cache.shape[2],
-                  torch.float32, torch.device("cpu"))  # fmt: skip
+                  torch.float32, torch.device("cpu"))
     pool.k_cache[0].copy_(case.k_cache)
     pool.v_cache[0].copy_(case.v_cache)
     backend = TritonAttentionBackend(pool, case.q.shape[1], case.q.shape[2], window)
@@ -325,4 +325,4 @@ def test_decode_rejects_bad_arguments() -> None:
         decode_attention(
             case.q[..., :8], case.k_cache, case.v_cache, o[..., :8], case.kv_indptr,
             case.kv_indices, 1.0,
-        )  # fmt: skip
+        )

@@ -36,7 +36,7 @@ DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 EPS = 1e-6
 LLAMA3_ROPE = RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0,
-                         original_max_position=64)  # fmt: skip
+                         original_max_position=64)
 POSITIONS = {0: [], 1: [100], 7: [0, 5, 100, 3, 2047, 1, 70000]}
 
 
@@ -147,7 +147,7 @@ def test_fused_add_rmsnorm_in_place():
     x, residual, weight = randn(7, 96), randn(7, 96, seed=1), norm_weight(96, torch.float32)
     normed_ref, residual_ref = fused_add_rmsnorm_ref(x, residual, weight, EPS)
     normed, new_residual = fused_add_rmsnorm(x, residual, weight, EPS, out=x,
-                                             residual_out=residual)  # fmt: skip
+                                             residual_out=residual)
     assert normed is x and new_residual is residual
     assert torch.equal(residual, residual_ref)
     assert_close(x, normed_ref)
@@ -214,7 +214,7 @@ def test_rotary_store_kv_equals_rotary_then_index_store(dtype, num_tokens, head_
     assert torch.equal(qkv[:, 4 * head_dim :], qkv_before[:, 4 * head_dim :])  # k, v untouched
     q_ref, k_ref, v_ref = qkv_before[:, : 4 * head_dim].view(-1, 4, head_dim), k_cache0, v_cache0
     rotary_store_kv_ref(q_ref, qkv_before[:, 4 * head_dim : 6 * head_dim].view(-1, 2, head_dim),
-                        v, positions, inv_freq, k_ref, v_ref, loc)  # fmt: skip
+                        v, positions, inv_freq, k_ref, v_ref, loc)
     assert_close(q, q_ref)
     assert_close(k_cache, k_ref)
     assert torch.equal(v_cache, v_ref)
@@ -245,7 +245,7 @@ def test_rotary_store_kv_adds_deferred_deltas(dtype, num_tokens):
     q_ref = qkv_before[:, :64].view(-1, 4, head_dim)
     kc_ref, vc_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     rotary_store_kv_ref(q_ref, qkv_before[:, 64:96].view(-1, 2, head_dim), v, positions,
-                        inv_freq, kc_ref, vc_ref, loc, (dq, dk, dv))  # fmt: skip
+                        inv_freq, kc_ref, vc_ref, loc, (dq, dk, dv))
     assert_close(q, q_ref)
     assert_close(k_cache, kc_ref)
     assert torch.equal(v_cache, vc_ref)

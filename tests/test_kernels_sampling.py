@@ -33,16 +33,16 @@ def batch(rows: int, vocab: int, dtype=torch.float32, seed: int = 0, hot: bool =
 def filters(rows: int):
     """Per row: (top_k, top_p, min_p), with rows of each filter alone, all three, and none."""
     table = [(0, 1.0, 0.0), (5, 1.0, 0.0), (-1, 0.6, 0.0), (-1, 1.0, 0.05), (20, 0.9, 0.01),
-             (1, 1.0, 0.0), (-1, 1e-6, 0.0), (-1, 1.0, 1.0), (3, 0.95, 0.0)]  # fmt: skip
+             (1, 1.0, 0.0), (-1, 1e-6, 0.0), (-1, 1.0, 1.0), (3, 0.95, 0.0)]
     rows_of = [table[i % len(table)] for i in range(rows)]
     top_k, top_p, min_p = zip(*rows_of) if rows else ((), (), ())
     return (torch.tensor(top_k, dtype=torch.int64), torch.tensor(top_p, dtype=torch.float32),
-            torch.tensor(min_p, dtype=torch.float32))  # fmt: skip
+            torch.tensor(min_p, dtype=torch.float32))
 
 
 def assert_matches_ref(logits, temps, seeds, steps, filters=None, **kw):
     tokens, logprobs, lse = sample_tokens(logits, temps, seeds, steps, filters,
-                                          block=BLOCK, filter_block=BLOCK, **kw)  # fmt: skip
+                                          block=BLOCK, filter_block=BLOCK, **kw)
     ref = sample_tokens_ref(logits, temps, seeds, steps, filters)
     assert tokens.dtype == torch.int64 and torch.equal(tokens, ref[0])
     torch.testing.assert_close(logprobs, ref[1], atol=1e-5, rtol=1e-5)
@@ -85,7 +85,7 @@ def test_filter_reference_against_its_definition():
             higher = scores[row] > scores[row, col]
             want = ((top_k <= 0 or higher.sum() < top_k)
                     and (top_p >= 1 or probs[row][higher].sum() < top_p)
-                    and probs[row, col] >= min_p * probs[row].max())  # fmt: skip
+                    and probs[row, col] >= min_p * probs[row].max())
             assert kept[row, col] == want, (row, col)
     assert kept[torch.arange(9), scores.argmax(-1)].all()  # the top column always stays
 
@@ -103,7 +103,7 @@ def test_filtered_gumbel_max_draws_from_the_kept_softmax():
     torch.testing.assert_close(freq, want, atol=0.012, rtol=0)
     kernel_tokens, _, _ = sample_tokens(logits[:64], torch.ones(64), seeds[:64], steps[:64],
                                         tuple(t[:64] for t in one), block=BLOCK,
-                                        filter_block=BLOCK)  # fmt: skip
+                                        filter_block=BLOCK)
     assert torch.equal(kernel_tokens, tokens[:64])
 
 
@@ -112,7 +112,7 @@ def test_first_maximum_wins_across_splits():
     logits[0, [250, 20, 140]] = 5.0  # three splits of 128 columns: each holds one maximum
     tokens, logprobs, _ = sample_tokens(logits, torch.zeros(2), torch.zeros(2, dtype=torch.long),
                                         torch.zeros(2, dtype=torch.long), block=BLOCK,
-                                        num_splits=3)  # fmt: skip
+                                        num_splits=3)
     assert tokens.tolist() == [20, 0]
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1)[[0, 1], tokens])
 
@@ -133,7 +133,7 @@ def test_gumbel_max_draws_from_the_tempered_softmax():
     logits = torch.tensor([[1.0, 0.0, -1.0, 2.0, 0.5]]).expand(draws, -1)
     seeds = torch.arange(draws, dtype=torch.int64) * 7919 - 12345
     tokens, _, _ = sample_tokens_ref(logits, torch.full((draws,), temperature), seeds,
-                                     torch.full((draws,), 3, dtype=torch.int64))  # fmt: skip
+                                     torch.full((draws,), 3, dtype=torch.int64))
     freq = torch.bincount(tokens, minlength=5).float() / draws
     torch.testing.assert_close(freq, torch.softmax(logits[0] / temperature, -1), atol=0.012, rtol=0)
 

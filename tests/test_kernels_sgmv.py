@@ -227,7 +227,7 @@ def test_expand_launch_settings_do_not_change_the_result(block_t, block_n):
     v = torch.randn(2, x.shape[0], meta.max_rows)
     y, y_ref = y0.clone(), y0.clone()
     sgmv_expand(v, pool.b, pool.out_offsets, *_meta_args(meta), y, block_t=block_t,
-                block_n=block_n, num_warps=8)  # fmt: skip
+                block_n=block_n, num_warps=8)
     sgmv_expand_ref(v, pool.b, pool.out_offsets, *_meta_args(meta), y_ref)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
 
@@ -297,7 +297,7 @@ def _shrink_call(**bad):
         x=x, a_pool=pool.a, seg_indptr=meta.seg_indptr, row_indptr=meta.row_indptr,
         row_ids=meta.row_ids, row_scales=meta.row_scales, max_rows=meta.max_rows,
         split_k=None, out=None,
-    )  # fmt: skip
+    )
     kwargs.update({k: f(kwargs[k]) if callable(f) else f for k, f in bad.items()})
     return lambda: sgmv_shrink(**kwargs)
 
@@ -327,7 +327,7 @@ def _expand_call(**bad):
     kwargs = dict(
         v=torch.zeros(3, x.shape[0], meta.max_rows), b_pool=pool.b, out_offsets=pool.out_offsets,
         seg_indptr=meta.seg_indptr, row_indptr=meta.row_indptr, row_ids=meta.row_ids, y=y0,
-    )  # fmt: skip
+    )
     kwargs.update({k: f(kwargs[k]) for k, f in bad.items()})
     return lambda: sgmv_expand(**kwargs)
 
@@ -416,7 +416,7 @@ GROUPED_TUNINGS = {"tile_items": GroupedTuning(k_chunk=32, block_k=16, merge_sli
                    "chunk_items": GroupedTuning(k_chunk=32, block_k=16, block_n=16, col_chunk=32,
                                                 expand_stages=2, merge_slices=False),
                    "merged_slices": GroupedTuning(k_chunk=32, block_k=16,
-                                                  merge_slices=True)}  # fmt: skip
+                                                  merge_slices=True)}
 
 
 @pytest.mark.parametrize("tuning", GROUPED_TUNINGS)
@@ -495,7 +495,7 @@ def test_grouped_expand_leaves_tokens_of_no_group_bitwise_untouched():
     meta = grouped_meta(segs)
     y = y0.clone()
     grouped_expand(torch.randn(2, x.shape[0], meta.max_rows), pool.b, pool.out_offsets,
-                   *_group_args(meta), y)  # fmt: skip
+                   *_group_args(meta), y)
     base_only = [0, 2, 3, 6, 7]
     assert torch.equal(y[base_only], y0[base_only])
     assert not torch.equal(y[1], y0[1])
@@ -540,9 +540,9 @@ def test_lora_context_projects_linear_plus_deltas(defer, int8):
         qscales = {"qkv": scales}
     layers = SimpleNamespace(a=[{"qkv": stored.a}] * 2, b=[{"qkv": stored.b}] * 2,
                              qscales=[qscales] * 2,
-                             out_offsets={"qkv": pool.out_offsets})  # fmt: skip
+                             out_offsets={"qkv": pool.out_offsets})
     ctx = LoraContext(layers, TritonLoraBackend(tuning=tuning, side_tuning=tuning),
-                      {"qkv": meta, "o": None}, defer=defer)  # fmt: skip
+                      {"qkv": meta, "o": None}, defer=defer)
     ctx.begin(x.shape[0], x.device)
     linear = functools.partial(torch.matmul, other=weight.T)
     want = expected(pool, x, linear(x), segs)
@@ -563,12 +563,12 @@ def test_lora_context_prefill_batch_gives_linear_plus_deltas(backend, bias):
     pool, x, _, segs = build_case("no_adapter_mix", 3)
     meta = LoraBatchMeta.from_segments(*segs, device="cpu", grouped=False)
     layers = SimpleNamespace(a=[{"qkv": pool.a}], b=[{"qkv": pool.b}], qscales=[{}],
-                             out_offsets={"qkv": pool.out_offsets})  # fmt: skip
+                             out_offsets={"qkv": pool.out_offsets})
     lora = TritonLoraBackend(split_k=2) if backend == "triton" else TorchLoraBackend()
     overwrites = []
     expand = lora.expand
     lora.expand = lambda *args, **kw: (overwrites.append(not kw.get("accumulate", True)),
-                                       expand(*args, **kw))[1]  # fmt: skip
+                                       expand(*args, **kw))[1]
     torch.manual_seed(3)
     linear = torch.nn.Linear(x.shape[1], pool.out_offsets[-1], bias=bias)
     with torch.no_grad(), _nan_filled_empty_tensors():  # a row left unwritten shows as NaN
@@ -682,7 +682,7 @@ def test_grouped_launchers_reject_bad_metadata(case):
         grouped_shrink(x, pool.a, row_scales=meta.groups.row_scales, max_rows=meta.max_rows, **kw)
     with pytest.raises(ValueError):
         grouped_expand(torch.zeros(1, x.shape[0], meta.max_rows), pool.b, pool.out_offsets,
-                       y=y0, **kw)  # fmt: skip
+                       y=y0, **kw)
 
 
 def int8_pool(pool: Pool) -> tuple[Pool, torch.Tensor, Pool]:
@@ -704,7 +704,7 @@ def int8_pool(pool: Pool) -> tuple[Pool, torch.Tensor, Pool]:
 INT8_CASES = [("triton", "stacks", False), ("triton", "skewed", False),
               ("triton", "distinct_mixed_ranks", True), ("triton", "stacks_1_to_8", True),
               ("triton", "no_adapter_rows", True), ("torch", "stacks", False),
-              ("torch", "skewed", True)]  # fmt: skip
+              ("torch", "skewed", True)]
 
 
 @pytest.mark.parametrize("backend,name,grouped", INT8_CASES)

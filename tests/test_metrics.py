@@ -106,7 +106,7 @@ def test_step_totals_become_counters_by_kind():
     for steps in (2, 5):
         metrics.on_stats(stats(step_totals={
             "decode": StepTotals(steps, 0.01 * steps, 0.001 * steps, 8 * steps, 8 * steps),
-            "mixed": StepTotals(1, 0.05, 0.002, 300, 9)}))  # fmt: skip
+            "mixed": StepTotals(1, 0.05, 0.002, 300, 9)}))
     assert value(metrics, "radixlora_steps_total", kind="decode") == 5
     assert value(metrics, "radixlora_step_seconds_total", kind="decode") == 0.05
     assert value(metrics, "radixlora_step_tokens_total", kind="mixed") == 300

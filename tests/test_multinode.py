@@ -58,16 +58,16 @@ def torchrun(node_rank: int, port: int) -> list[str]:
     """torchrun's static rendezvous at 127.0.0.1:port, one radixlora process per node."""
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
             "1", "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port",
-            str(port), "-m", "radixlora.cli"]  # fmt: skip
+            str(port), "-m", "radixlora.cli"]
 
 
 class Node:
     """`radixlora serve` run by `launcher` (a headless node > 0, or a head under torchrun)."""
 
     def __init__(self, model: Path, adapters: dict[str, Path], log_path: Path, *flags: str,
-                 launcher: list[str] = RADIXLORA):  # fmt: skip
+                 launcher: list[str] = RADIXLORA):
         cmd = [*launcher, "serve", "--log-level", "info", *ENGINE_FLAGS, "--model", str(model),
-               *flags]  # fmt: skip
+               *flags]
         for name, path in adapters.items():
             cmd += ["--adapter", f"{name}={path}"]
         self.log_path = log_path
@@ -101,7 +101,7 @@ def start_pair(checkpoints, tmp: Path) -> tuple[ServerProcess, Node]:
     (tmp / "shared").mkdir()
     node = Node(model, start, tmp / "node1.log", *group, "--node-rank", "1")
     head = ServerProcess(model, start, tmp / "head.log", *group, "--node-rank", "0",
-                         "--allowed-adapter-root", str(adapters["legal"].parent))  # fmt: skip
+                         "--allowed-adapter-root", str(adapters["legal"].parent))
     return head, node
 
 
@@ -127,13 +127,13 @@ def completion_equals_engine(client, engine, model: str, adapters: str | None) -
     want = engine.generate(PROMPT, params, adapters=adapters)[0].outputs[0]
     got = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
                                     temperature=0, logprobs=1,
-                                    extra_body={"ignore_eos": True}).choices[0]  # fmt: skip
+                                    extra_body={"ignore_eos": True}).choices[0]
     assert got.text == want.text, model
     assert got.logprobs.token_logprobs == pytest.approx(want.logprobs, abs=TOL), model
 
 
 def test_two_nodes_serve_the_single_device_tokens_and_stop_together(pair, checkpoints, engine,
-                                                                    tmp_path):  # fmt: skip
+                                                                    tmp_path):
     import openai
 
     head, node = pair
@@ -166,7 +166,7 @@ def test_under_torchrun_node_1_exits_when_the_head_dies(checkpoints, engine, tmp
     group = ["--tp-size", "2", "--dtype", "float32"]
     node = Node(model, {}, tmp_path / "node1.log", *group, launcher=torchrun(1, port))
     head = Node(model, {}, tmp_path / "head.log", *group, "--port", str(http_port),
-                launcher=torchrun(0, port))  # fmt: skip
+                launcher=torchrun(0, port))
     url = f"http://127.0.0.1:{http_port}"
     try:
         head.wait_ready(lambda: healthy(httpx, url))
@@ -235,7 +235,7 @@ def test_each_node_runs_its_share_of_the_ranks_on_its_own_devices():
     ({"tensor_parallel_size": 2, "nnodes": 2, "dist_init_addr": "head:0"}, "expects HOST:PORT"),
     ({"tensor_parallel_size": 4, "nnodes": 2, "data_parallel_size": 2, "dist_init_addr": "h:1"},
      "--data-parallel-size"),
-])  # fmt: skip
+])
 def test_bad_node_flags_are_refused(flags, error):
     with pytest.raises(ValueError, match=error):
         ServerArgs(model="m", **flags)
@@ -247,7 +247,7 @@ def test_bad_node_flags_are_refused(flags, error):
     {"tensor_parallel_size": 2, "dist_init_addr": "localhost:29500"},
     {"tensor_parallel_size": 2, "nnodes": 2, "node_rank": 1, "dist_init_addr": "head:29500"},
     {"tensor_parallel_size": 4, "nnodes": 4, "node_rank": 3, "dist_init_addr": "[fd00::1]:1"},
-])  # fmt: skip
+])
 def test_good_node_flags_are_accepted(flags):
     ServerArgs(model="m", **flags)
 
@@ -257,7 +257,7 @@ def test_good_node_flags_are_accepted(flags):
      "--tensor-parallel-size 3 does not split"),
     (["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "h:1", "--state-dir", "/nowhere"],
      "--state-dir /nowhere is not a directory"),
-])  # fmt: skip
+])
 def test_bad_flags_fail_before_anything_starts(checkpoints, flags, error):
     model, _ = checkpoints
     with pytest.raises(SystemExit) as exc:

@@ -162,7 +162,7 @@ def test_step_totals_count_every_step_by_kind(checkpoints, overlap):
     """The loop's cumulative totals: every step once, as decode (one token per request) or
     mixed, with all the tokens and requests the plans held."""
     engine = Engine(checkpoints["llama"], kv_pages=256, max_batch_tokens=16,
-                    overlap_schedule=overlap)  # fmt: skip
+                    overlap_schedule=overlap)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     plans = []
     submit = engine.executor.submit

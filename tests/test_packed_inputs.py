@@ -31,7 +31,7 @@ def test_scatter_words_matches_reference():
     """Empty, one-word and multi-block parts (2500 words: three blocks of 1024), in any order."""
     rng = np.random.default_rng(0)
     parts = [(3000, rng.integers(-(2**31), 2**31, 2500)), (5, np.array([7])), (40, np.zeros(0)),
-             (10, rng.integers(0, 100, 30))]  # fmt: skip
+             (10, rng.integers(0, 100, 30))]
     packed = _packed(parts)
     ref = torch.full((5600,), -5, dtype=torch.int32)
     got = ref.clone()
@@ -69,7 +69,7 @@ def test_packed_inputs_fill_views_of_every_dtype():
     assert scales.dtype == torch.float32 and inputs.words.numel() == 12 + 4 + 8
     scales.fill_(-1.0)
     inputs.send({"ids": np.array([2**40 + 3, -7, 0]), "scales": np.array([0.5, 1e-3]),
-                 "indptr": np.array([0, 1, 2])})  # fmt: skip
+                 "indptr": np.array([0, 1, 2])})
     assert ids[:3].tolist() == [2**40 + 3, -7, 0] and indptr.tolist() == [0, 1, 2]
     assert scales.tolist() == pytest.approx([0.5, 1e-3, -1, -1, -1, -1])
     inputs.send({"ids": np.zeros(0), "scales": np.array([2.0])})  # parts sent are the only ones

@@ -91,7 +91,7 @@ def greedy_against(engine: Engine, model, prompt: list[int], max_tokens: int = 1
     ref = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
     assert out.token_ids == ref.argmax(dim=-1).tolist()
     return max(abs(lp - float(ref[i, t])) for i, (t, lp) in
-               enumerate(zip(out.token_ids, out.logprobs)))  # fmt: skip
+               enumerate(zip(out.token_ids, out.logprobs)))
 
 
 @pytest.mark.parametrize("arch,double_quant", [("llama", True), ("llama", False),

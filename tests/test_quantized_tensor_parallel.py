@@ -34,7 +34,7 @@ from tests import test_tensor_parallel as tpt
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, vocab_size=HF_VOCAB, attention_bias=True,
              mlp_bias=True, initializer_range=0.1, max_position_embeddings=512,
-             tie_word_embeddings=False)  # fmt: skip
+             tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="module")
@@ -60,22 +60,22 @@ def bases(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("base,quantization,sizes", [("nf4", None, [2]), ("dense", "nf4", [2]),
                                                      ("fp8", None, [2, 4]),
                                                      ("dense", "fp8", [2])],
-                         ids=["nf4", "nf4-at-load", "fp8", "fp8-at-load"])  # fmt: skip
+                         ids=["nf4", "nf4-at-load", "fp8", "fp8-at-load"])
 def test_ranks_match_the_single_device_run(bases, base, quantization, sizes, tmp_path):
     # adapters of the dense base served on an NF4 one: the mismatch is not what is tested here
     engine = Engine(bases[base], adapters={"a": bases["adapter"]}, dtype="float32",
                     kv_pages=128, max_running=4, quantization=quantization,
-                    qlora_mismatch="serve")  # fmt: skip
+                    qlora_mismatch="serve")
     assert engine.model_cfg.quantization == (quantization or base)
     rec = tpt.Recorded([], [])
     launch, finish = engine.executor.launch, engine.executor.finish
     engine.executor.launch = lambda plan: rec.plans.append(plan) or launch(plan)
     engine.executor.finish = lambda step: rec.results.append(finish(step)) or rec.results[-1]
     engine.generate([tpt.prompt(1, 7), tpt.prompt(2, 5), tpt.prompt(3, 9)], tpt.GREEDY,
-                    adapters=[None, "a", "a"])  # fmt: skip
+                    adapters=[None, "a", "a"])
     for size in sizes:
         tpt.check_same_results(tpt.run_ranks(tmp_path, bases[base], engine.config, rec, size),
-                               rec.results)  # fmt: skip
+                               rec.results)
 
 
 @pytest.mark.parametrize("stored", [True, False])
@@ -86,6 +86,6 @@ def test_nf4_blocks_a_rank_would_cut_are_refused(checkpoints, stored, tmp_path):
     cfg = ModelConfig.from_dir(path).served(EngineConfig(quantization="nf4"))
     tp = TensorParallel(Shard(1, 2, cfg), group=None, control=None)  # refused before any collective
     with pytest.raises(ModelLoadError, match=r"tensor-parallel-size 2: the NF4 o_proj \[64, 64\] "
-                                             r"of blocksize 64"):  # fmt: skip
+                                             r"of blocksize 64"):
         load_model(path, cfg, torch.float32, "cpu", tp=tp)
 

@@ -198,7 +198,7 @@ def test_eviction_never_walks_the_tree(monkeypatch):
     walks = []
     walk = radix_cache._iter_subtrees
     monkeypatch.setattr(radix_cache, "_iter_subtrees",
-                        lambda starts: walks.append(1) or walk(starts))  # fmt: skip
+                        lambda starts: walks.append(1) or walk(starts))
     cache = RadixCache()
     for i in range(6):
         cache.insert(NS_A, [i, 1, 2], slots(3 * i, 3))
@@ -270,7 +270,7 @@ def lru_eviction_oracle(cache: RadixCache, num_tokens: int) -> list[int]:
     freed: list[int] = []
     while len(freed) < num_tokens:
         leaves = [n for n in nodes if id(n) in children and not children[id(n)]
-                  and n.lock_ref == 0 and n.num_tokens > 0]  # fmt: skip
+                  and n.lock_ref == 0 and n.num_tokens > 0]
         if not leaves:
             break
         leaf = min(leaves, key=lambda n: (n.last_access, n.node_id))
@@ -495,7 +495,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         expected = lru_eviction_oracle(self.cache, num_tokens) if num_tokens > 0 else []
         evicted: list[int] = []
         num_freed = self.cache.evict(num_tokens, lambda s: (evicted.extend(s.tolist()),
-                                                            self.on_evict(s)))  # fmt: skip
+                                                            self.on_evict(s)))
         assert evicted == expected
         assert num_freed == len(self.freed_by_cache) - num_freed_before
         assert num_freed >= num_tokens or self.cache.evictable_size() == 0

@@ -183,7 +183,7 @@ def test_worker_prefetches_the_startup_adapters_the_scheduler_will_load(checkpoi
     worker.source = missed
     reqs = [TokenizedReq(rid=name, input_ids=ids_to_bytes([3, 4, 5]),
                          params=SamplingParams(max_tokens=2, ignore_eos=True),
-                         adapters=[AdapterChoice(name)]) for name in adapters]  # fmt: skip
+                         adapters=[AdapterChoice(name)]) for name in adapters]
     got = _drive(scheduler, worker, reqs)
     assert sorted(got) == [(name, 0) for name in sorted(adapters)]
     one = max(worker.runner.adapter_pool.host.get(i).nbytes for i in ids)

@@ -37,20 +37,20 @@ from tests.conftest import assert_all_free
 LLAMA_8B = ModelConfig.from_hf(model_config(
     "llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-    torch_dtype="bfloat16"))  # fmt: skip
+    torch_dtype="bfloat16"))
 H200 = 140 * GIB  # what torch reports for an H200's 141 GB
 WEIGHTS_8B = 16 * 10**9
 
 
 def size_8b(config: EngineConfig, total: int = H200, in_use: int = WEIGHTS_8B + GIB,
-            activations: int = 3 * GIB, graphs: int = 2 * GIB):  # fmt: skip
+            activations: int = 3 * GIB, graphs: int = 2 * GIB):
     config = with_host_tier(batch_limits(config, total), 100 * GIB)
     return size_pools(
         config, DeviceMemory(total, total - in_use), weights_bytes=WEIGHTS_8B,
         activation_bytes=activations, graph_bytes=graphs,
         kv_slot_bytes=KVPool.bytes_per_slot(32, 8, 128, torch.bfloat16),
         adapter_row_bytes=AdapterPool.bytes_per_row(LLAMA_8B, torch.bfloat16),
-    )  # fmt: skip
+    )
 
 
 def test_llama_8b_on_an_h200_holds_500k_kv_tokens_beside_32_rank_64_adapters():
@@ -88,7 +88,7 @@ def test_running_limit_follows_the_kv_pool(kv_tokens, running):
 
 def test_running_limit_is_set_once_the_kv_pool_is_sized():
     small = size_8b(EngineConfig(), total=40 * GIB, in_use=WEIGHTS_8B + GIB,
-                    activations=GIB, graphs=GIB)  # fmt: skip
+                    activations=GIB, graphs=GIB)
     assert small[0].max_running == running_limit(small[1].kv_tokens) == small[1].max_running
     assert 256 < small[0].max_running < 1024
     assert batch_limits(EngineConfig(), H200).max_running is None
@@ -98,7 +98,7 @@ def test_running_limit_is_set_once_the_kv_pool_is_sized():
 
 def test_explicit_sizes_win():
     config, sizing = size_8b(EngineConfig(kv_pages=1000, adapter_rows=96, max_running=32,
-                                          max_batch_tokens=512, page_size=4))  # fmt: skip
+                                          max_batch_tokens=512, page_size=4))
     assert (config.kv_pages, config.adapter_rows) == (1000, 96)
     assert (config.max_running, config.max_batch_tokens) == (32, 512)
     assert sizing.kv_tokens == 999 * 4
@@ -112,7 +112,7 @@ def test_too_little_memory_is_a_sizing_error_naming_the_flags():
 
 
 @pytest.mark.parametrize("gib, tokens", [(16, 2048), (40, 4096), (80, 8192), (140, 8192),
-                                         (180, 16384)])  # fmt: skip
+                                         (180, 16384)])
 def test_prefill_budget_follows_device_memory(gib, tokens):
     assert batch_limits(EngineConfig(), gib * GIB).max_batch_tokens == tokens
 
@@ -196,7 +196,7 @@ def test_graph_keys_cover_every_key_a_batch_can_get(checkpoints):
     seen = set()
     for batch, extra, rows, lora in itertools.product(
             (1, 2, 3, 5, 9, 16, 17, 100, 256), (0, 1, 15, 40, 300, 600), (0, 1, 33, 512),
-            (False, True)):  # fmt: skip
+            (False, True)):
         qo_lens = [1 + extra] + [1] * (batch - 1)
         key = static.key_for(qo_lens, rows if lora else 0, lora)
         if key is not None:
@@ -210,7 +210,7 @@ def test_graph_keys_cover_every_key_a_batch_can_get(checkpoints):
 
 def test_profile_and_warm_up_steps_run_and_leave_nothing_behind(checkpoints, adapters):
     engine = Engine(checkpoints["llama"], adapters={"a": adapters["llama"]["a"]},
-                    max_rank=8, max_batch_tokens=64, max_running=6)  # fmt: skip
+                    max_rank=8, max_batch_tokens=64, max_running=6)
     runner = engine.runner
     plan = profile_plan(20, 6, 8, start=3)
     assert [i.extend_len for i in plan.items] == [4, 4, 3, 3, 3, 3]
@@ -234,7 +234,7 @@ def test_warm_up_covers_the_lora_tile_sizes_and_both_samplers():
     """Every (segment length, rank) bucket the LoRA kernels tile by, and a greedy step beside
     the filtered ones, on an H200-sized config."""
     config = dataclasses.replace(EngineConfig(), max_batch_tokens=8192, max_running=256,
-                                 max_rank=64)  # fmt: skip
+                                 max_rank=64)
     plans = warm_up_plans(config, max_context=8192, num_slots=10**6)
     buckets = set()
     for plan in plans:
@@ -260,7 +260,7 @@ def test_the_engine_and_runner_share_one_sized_config(checkpoints):
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
     (["--max-num-seqs", "0"], "--max-num-seqs"),
     (["--max-model-len", "100000"], "max_position_embeddings"),
-])  # fmt: skip
+])
 def test_serve_refuses_bad_sizing_flags_before_starting(argv, message, capsys):
     from radixlora.cli import main
 

@@ -52,7 +52,7 @@ def test_sampling_rows_in_static_buffers_match_eager(checkpoints, adapters):
               SamplingParams(max_tokens=5, temperature=1.0, top_p=0.9, seed=2, ignore_eos=True),
               SamplingParams(max_tokens=5, temperature=0.7, top_k=5, seed=3, ignore_eos=True),
               SamplingParams(max_tokens=3, temperature=1.3, min_p=0.1, seed=4, ignore_eos=True,
-                             logprobs=2)]  # fmt: skip
+                             logprobs=2)]
     kw = dict(adapters=dirs, max_rank=64, page_size=2, kv_pages=256)
     ref = Engine(checkpoints["llama"], **kw).generate(prompts, params, adapters=specs)
     eng = Engine(checkpoints["llama"], attention_backend="triton", lora_backend="triton",

@@ -185,7 +185,7 @@ def end_three_ways(bridge: ProcessBridge, reqs: list[GenerateReq]) -> None:
 def test_bridge_logs_each_request_once_finished_aborted_or_failed(tmp_path, caplog):
     args = ServerArgs(model="m", endpoints=Endpoints.in_dir(tmp_path), log_requests=True)
     reqs = [GenerateReq(rid=rid, params=SamplingParams(), prompt="secret")
-            for rid in ("done", "gone", "failed")]  # fmt: skip
+            for rid in ("done", "gone", "failed")]
     with caplog.at_level(logging.INFO, logger="radixlora.server.stats_log"):
         end_three_ways(ProcessBridge(args), reqs)
     lines = [re.sub(r"ttft=\S+ total=\S+", "T", m) for m in caplog.messages]

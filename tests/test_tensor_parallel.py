@@ -80,13 +80,13 @@ def run_ranks(tmp: Path, model: Path, config: EngineConfig, rec: Recorded, size:
     plans_path.write_bytes(msgspec.msgpack.encode(rec.plans))
     job = {"model": str(model), "size": size, "rendezvous": f"file://{tmp}/rendezvous-{size}",
            "plans": str(plans_path), "out": str(out_path),
-           "config": msgspec.to_builtins(config), "unreadable": unreadable}  # fmt: skip
+           "config": msgspec.to_builtins(config), "unreadable": unreadable}
     job_path = tmp / f"job-{size}.json"
     job_path.write_text(json.dumps(job))
     root = Path(__file__).resolve().parent.parent
     procs = [subprocess.Popen([sys.executable, "-m", "tests.test_tensor_parallel", str(job_path),
                                str(rank)], cwd=root, stderr=subprocess.PIPE)
-             for rank in range(size)]  # fmt: skip
+             for rank in range(size)]
     errors = []
     for rank, proc in enumerate(procs):
         try:
@@ -165,13 +165,13 @@ def swapped(tmp_path_factory, checkpoints) -> dict[str, Path]:
     """arch -> another adapter, re-published as "a" mid-run."""
     root = tmp_path_factory.mktemp("swapped")
     return {arch: build_peft_adapter(base, root / arch, seed=99, r=8, lora_alpha=32)
-            for arch, base in checkpoints.items()}  # fmt: skip
+            for arch, base in checkpoints.items()}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_two_ranks_match_single_device_and_peft(arch, checkpoints, adapters, swapped, tmp_path):
     engine = Engine(checkpoints[arch], adapters=adapters[arch], dtype="float32", kv_pages=256,
-                    max_running=8, adapter_rows=160)  # fmt: skip
+                    max_running=8, adapter_rows=160)
     rec, before, after = record_engine_run(engine, swapped[arch])
     sizes = [2, 4] if arch == "llama" else [2]  # llama: 2 KV heads, 4 ranks replicate them
     for size in sizes:
@@ -187,7 +187,7 @@ def test_a_load_failing_on_one_rank_fails_the_step_on_every_rank(checkpoints, ad
     alone runs nowhere (rank 0 answers an error) and the ranks stay in step, ending normally;
     the steps before it are unaffected."""
     engine = Engine(checkpoints["llama"], adapters=adapters["llama"], dtype="float32",
-                    kv_pages=256, max_running=8, adapter_rows=160)  # fmt: skip
+                    kv_pages=256, max_running=8, adapter_rows=160)
     rec = Recorded([], [])
     launch = engine.executor.launch
     engine.executor.launch = lambda plan: rec.plans.append(plan) or launch(plan)

@@ -28,7 +28,7 @@ def body(spec) -> dict:
     if isinstance(spec, str):
         return {"model": spec}
     return {"model": "demo", "extra_body": {"adapters": [{"name": n, "weight": w}
-                                                         for n, w in spec]}}  # fmt: skip
+                                                         for n, w in spec]}}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def server(tmp_path_factory):
                                 "reverse": DEMO_ADAPTERS["reverse"]}, log,
                          str(DEMO_MODEL_DIR), "--served-model-name", "demo", "--tp-size", "2",
                          "--dtype", "float32", "--allowed-adapter-root",
-                         str(DEMO_ADAPTERS["digits"].parent))  # fmt: skip
+                         str(DEMO_ADAPTERS["digits"].parent))
     try:
         proc.wait_ready()
         yield proc
@@ -52,7 +52,7 @@ def test_two_ranks_serve_the_single_device_tokens(server):
     engine = Engine(DEMO_MODEL_DIR, adapters={"upper": DEMO_ADAPTERS["upper"],
                                               "reverse": DEMO_ADAPTERS["reverse"],
                                               "digits": DEMO_ADAPTERS["digits"]},
-                    dtype="float32", kv_pages=600, max_running=16, adapter_rows=64)  # fmt: skip
+                    dtype="float32", kv_pages=600, max_running=16, adapter_rows=64)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     load = {"lora_name": "digits", "lora_path": str(DEMO_ADAPTERS["digits"])}
     loaded = server.http.post("/v1/load_lora_adapter", json=load,  # hot-swap: while serving
@@ -62,7 +62,7 @@ def test_two_ranks_serve_the_single_device_tokens(server):
     messages = [{"role": "user", "content": TEXT}]
     for spec in SPECS:
         out = client.chat.completions.create(messages=messages, max_tokens=MAX_TOKENS,
-                                             temperature=0, **body(spec))  # fmt: skip
+                                             temperature=0, **body(spec))
         assert out.choices[0].message.content == engine_chat(engine, messages, params, spec), spec
         if spec == "reverse":  # what the adapter was trained to do
             assert out.choices[0].message.content.strip() == "fish 42 ate fox red the"

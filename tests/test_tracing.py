@@ -65,7 +65,7 @@ def test_demo_server_exports_one_span_per_request_with_genai_attributes(tmp_path
     endpoint = f"http://127.0.0.1:{collector.server_address[1]}/v1/traces"
     try:
         with running_server(None, {}, tmp_path / "server.log",
-                            "--otlp-traces-endpoint", endpoint) as proc:  # fmt: skip
+                            "--otlp-traces-endpoint", endpoint) as proc:
             cards = {c["id"]: c for c in proc.http.get("/v1/models").json()["data"]}
             replies = {}
             for model in ("radixlora-demo", "radixlora-demo:upper"):
@@ -142,7 +142,7 @@ def test_bridge_ends_one_span_per_generation_finished_aborted_or_failed(tmp_path
     end_three_ways(bridge, [GenerateReq(rid=rid, params=params, prompt="secret",
                                         adapters=[AdapterChoice("sql")],
                                         fill_context=rid == "gone")
-                            for rid in ("done", "gone", "failed")])  # fmt: skip
+                            for rid in ("done", "gone", "failed")])
     spans = {s.attributes["gen_ai.response.id"]: s for s in exporter.get_finished_spans()}
     assert list(spans) == ["done", "gone", "failed"]
     done = spans["done"]

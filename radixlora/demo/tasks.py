@@ -24,7 +24,7 @@ WORDS = (
     "river", "moon", "sun", "star", "boat", "hill", "road", "door", "cake", "lamp",
     "runs", "sees", "ate", "likes", "finds", "jumps", "sings", "reads", "holds", "makes",
     "on", "under", "near", "with", "and", "over", "into", "by", "from", "to",
-)  # fmt: skip
+)
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 MIN_WORDS, MAX_WORDS = 3, 6
 HELDOUT_BUCKETS = 8  # one input in 8 (by a stable hash) is held out from training

@@ -198,7 +198,7 @@ class AdapterPool:
         self.a = [{g: t[layer] for g, t in self.a_all.items()} for layer in range(cfg.num_layers)]
         self.b = [{g: t[layer] for g, t in self.b_all.items()} for layer in range(cfg.num_layers)]
         self.qscales = [{g: t[layer] for g, t in self.qscales_all.items()}
-                        for layer in range(cfg.num_layers)]  # fmt: skip
+                        for layer in range(cfg.num_layers)]
         cuda = self.device.type == "cuda"
         self.host = HostAdapterCache(host_bytes, pin=cuda)
         self.load_stream = torch.cuda.Stream(self.device) if cuda else None
@@ -293,7 +293,7 @@ class AdapterPool:
         if self.quantized:
             scale_bytes = self._num_scales(group_ranks) * SCALE_BYTES
             self._scatter_pools(self.qscales_all, 2, packed[:scale_bytes].view(torch.float32),
-                                group_ranks, idx)  # fmt: skip
+                                group_ranks, idx)
             packed = packed[scale_bytes:]
         offset = 0
         for group, rank in group_ranks.items():
@@ -566,7 +566,7 @@ class LoraContext:
         if self.defer:
             delta = self._delta[group]
             y, _ = self._beside_gemm(linear, x, lambda: self.backend.deferred_delta(
-                x, a, b, out_offsets, meta, delta, qs))  # fmt: skip
+                x, a, b, out_offsets, meta, delta, qs))
             return y, delta
         plain = isinstance(linear, torch.nn.Linear) and linear.bias is None
         if self.side_stream is None and meta.groups is None and plain:
@@ -577,7 +577,7 @@ class LoraContext:
         return y, None
 
     def _delta_then_gemm(self, linear, x: torch.Tensor, a, b, out_offsets, meta,
-                         qs) -> torch.Tensor:  # fmt: skip
+                         qs) -> torch.Tensor:
         """linear(x) plus the deltas, written first and added by the GEMM (beta = 1): the expand
         only stores, and the GEMM reads them in its epilogue instead of an expand reading and
         rewriting y after it. Every row of y is written first: the segments of a

@@ -79,7 +79,7 @@ def base_version(path: Path, load_format: str = "safetensors") -> str:
 
 def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
                load_format: str = "safetensors",
-               tp: TensorParallel | None = None) -> LlamaForCausalLM:  # fmt: skip
+               tp: TensorParallel | None = None) -> LlamaForCausalLM:
     """The model of the checkpoint at `path` (shape `cfg`); with `tp`, this rank's shard of it:
     each tensor is sliced as it is read, so no rank holds the whole model. cfg.quantization
     "nf4" / "fp8": a checkpoint stored so keeps its projections NF4 (bitsandbytes) / FP8; a
@@ -128,7 +128,7 @@ def _stored_format(path: Path, load_format: str) -> str | None:
 
 
 def _quantize_at_load(model: LlamaForCausalLM, quantization: str,
-                      tp: TensorParallel | None) -> LlamaForCausalLM:  # fmt: skip
+                      tp: TensorParallel | None) -> LlamaForCausalLM:
     """The loaded dense projections quantized (--quantization); under tensor parallel o and down
     made row-parallel again, FP8 rows scaled by the absmax of the whole row (every rank's)."""
     if quantization == "nf4":
@@ -139,7 +139,7 @@ def _quantize_at_load(model: LlamaForCausalLM, quantization: str,
 
 
 def _check_quantized(path: Path, cfg: ModelConfig, stored: str | None,
-                     tp: TensorParallel | None, blocksize: int) -> None:  # fmt: skip
+                     tp: TensorParallel | None, blocksize: int) -> None:
     if cfg.quantization is None:
         return
     if cfg.quantization == "nf4" and tp is not None:
@@ -183,7 +183,7 @@ def _nf4_blocksize(path: Path) -> int | None:
 
 
 def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, path: Path,
-                  shard: Shard | None) -> None:  # fmt: skip
+                  shard: Shard | None) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: dict[str, int] = {}  # parameter -> rows loaded (fused weights load in slices)
     parts: dict[str, dict[str, torch.Tensor]] = {}  # quantized weight -> its tensors
@@ -216,7 +216,7 @@ def _quantized_kind(model) -> type | None:
 
 
 def _load_quantized(model, cfg: ModelConfig, parts: dict, loaded: dict[str, int],
-                    shard: Shard | None) -> None:  # fmt: skip
+                    shard: Shard | None) -> None:
     """Each quantized weight (its tensors by part name) into its rows of the module holding it;
     with `shard`, this rank's slice of it."""
     modules = dict(model.named_modules())
@@ -250,7 +250,7 @@ def _shard_nf4(shard: Shard, proj: str, w: NF4Weight) -> NF4Weight:
 
 
 def _shard_fp8(shard: Shard, proj: str, weight: torch.Tensor,
-               scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+               scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's slice of an FP8 weight and its scales: a column-parallel rank's rows with
     their scales, a row-parallel rank's columns with every row's scale (W = W8 * s is linear in
     W8, so the scaled partial products add up to the whole one)."""

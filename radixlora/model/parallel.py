@@ -55,7 +55,7 @@ class RowParallelNF4(RowParallelLinear, NF4Linear):
     """Each row's input columns of this rank: whole blocks of the row (NF4Weight.columns)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, blocksize: int,
-                 tp: TensorParallel):  # fmt: skip
+                 tp: TensorParallel):
         super().__init__(in_features, out_features, bias, blocksize, torch.float32)
         self.tp = tp
 

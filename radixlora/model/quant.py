@@ -29,7 +29,7 @@ NF4_CODE = torch.tensor([
     -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
-], dtype=torch.float32)  # fmt: skip
+], dtype=torch.float32)
 NESTED_BLOCKSIZE = 256
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -51,7 +51,7 @@ class NF4Weight:
         check_nf4_cut(self.shape, bs, rows=cut)
         start, stop = cut.start * k, cut.stop * k
         return NF4Weight(self.packed[start // 2 : stop // 2], self.absmax[start // bs : stop // bs],
-                         (cut.stop - cut.start, k), bs, self.code)  # fmt: skip
+                         (cut.stop - cut.start, k), bs, self.code)
 
     def columns(self, cut: slice) -> NF4Weight:
         """Columns [cut.start, cut.stop) of every row, its blocks unchanged (check_nf4_cut)."""
@@ -60,7 +60,7 @@ class NF4Weight:
         packed = self.packed.view(n, k // 2)[:, cut.start // 2 : cut.stop // 2]
         absmax = self.absmax.view(n, k // bs)[:, cut.start // bs : cut.stop // bs]
         return NF4Weight(packed.reshape(-1), absmax.reshape(-1), (n, cut.stop - cut.start), bs,
-                         self.code)  # fmt: skip
+                         self.code)
 
 
 def nested_absmax(qabsmax: torch.Tensor, absmax2: torch.Tensor, code2: torch.Tensor,
@@ -109,7 +109,7 @@ def check_nf4_cut(shape: tuple[int, int], blocksize: int, rows: slice | None = N
         raise ValueError(f"rows {rows.start}:{rows.stop} of {k} weights each are not whole "
                          f"{blocksize}-blocks")
     if columns is not None and (k % blocksize or columns.start % blocksize
-                                or columns.stop % blocksize):  # fmt: skip
+                                or columns.stop % blocksize):
         raise ValueError(f"columns {columns.start}:{columns.stop} of rows of {k} weights are "
                          f"not whole {blocksize}-blocks")
 
@@ -143,7 +143,7 @@ class NF4Linear(nn.Module):
     another on one stream), and run the dense GEMM. Elsewhere the torch reference."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, blocksize: int,
-                 dtype: torch.dtype):  # fmt: skip
+                 dtype: torch.dtype):
         super().__init__()
         numel = in_features * out_features
         check_nf4_shape((out_features, in_features), blocksize)

@@ -64,7 +64,7 @@ def quantize_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 @triton.jit
 def _quantize_per_token_kernel(x_ptr, q_ptr, scale_ptr, in_dim, stride_xt, stride_qt,
-                               BLOCK: tl.constexpr):  # fmt: skip
+                               BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row, q_row = x_ptr + row * stride_xt, q_ptr + row * stride_qt
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -107,12 +107,12 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x8, scale
     block = min(MAX_QUANT_BLOCK, triton.next_power_of_2(max(x.shape[1], 16)))
     _quantize_per_token_kernel[(x.shape[0],)](x, x8, scale, x.shape[1], x.stride(0),
-                                              x8.stride(0), BLOCK=block)  # fmt: skip
+                                              x8.stride(0), BLOCK=block)
     return x8, scale
 
 
 def fp8_linear_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+                    bias: torch.Tensor | None) -> torch.Tensor:
     """x @ (weight * weight_scale[:, None]).T + bias with x quantized per token to e4m3 and the
     product in FP8 (torch._scaled_mm, fp32 accumulation, scales applied in its epilogue).
     weight [out, in] row-major: weight.t() is the column-major operand _scaled_mm wants, a

@@ -102,7 +102,7 @@ class Api:
         return error_response(status, message, code, param)
 
     def reject(self, request: Request, status: int, message: str, code: str,
-               param: str | None = None) -> Response:  # fmt: skip
+               param: str | None = None) -> Response:
         """An error answered before any request reached the other processes: with
         --log-requests, its line (method, path, status, code, param; never the message, which
         may quote the body)."""
@@ -169,7 +169,7 @@ class Api:
         card = next((c for c in await self._model_cards() if c["id"] == wanted), None)
         if card is None:
             return self.error(404, f"The model '{wanted}' does not exist", "model_not_found",
-                              "model")  # fmt: skip
+                              "model")
         return json_response(card)
 
     async def _model_cards(self) -> list[dict]:

@@ -33,7 +33,7 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def in_dir(cls, directory: str | Path, client: str | None = None,
-               replicas: int = 1) -> Endpoints:  # fmt: skip
+               replicas: int = 1) -> Endpoints:
         def ipc(name: str) -> str:
             return f"ipc://{Path(directory) / name}"
 

@@ -398,7 +398,7 @@ class ProcessBridge:
         gen.queue.put_nowait(out)
 
     def _ended(self, gen: Generation, finish: str, status: int | None = None,
-               error: str | None = None) -> None:  # fmt: skip
+               error: str | None = None) -> None:
         """gen finished, failed or was aborted: its --log-requests line and its span, once."""
         if gen.ended:
             return

@@ -106,7 +106,7 @@ def setup_logging(level: str, proc: str) -> None:
     """The one log format of every process (uvicorn's loggers propagate to it, and Python
     warnings go through it): time, [process], level, logger: message."""
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT.format(proc=proc),
-                        stream=sys.stderr, force=True)  # fmt: skip
+                        stream=sys.stderr, force=True)
     logging.captureWarnings(True)
 
 
@@ -166,7 +166,7 @@ def child_main(proc: str, run, torch_threads: int | None = 1) -> None:
 
 
 def send_ready(ctx: zmq.Context, args: ServerArgs, proc: str, info: dict | None = None,
-               kind: type[Ready | Sized] = Ready) -> None:  # fmt: skip
+               kind: type[Ready | Sized] = Ready) -> None:
     out = Outbox(ctx, args.endpoints.launcher)
     out.send(kind(proc=proc, pid=os.getpid(), info=info or {}))
     out.sock.close(linger=1000)

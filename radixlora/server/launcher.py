@@ -86,7 +86,7 @@ class Children:
         head = args.node_rank == 0
         ranks = tuple(worker_rank_name(r) for r in node_ranks(args.tensor_parallel_size,
                                                               args.nnodes, args.node_rank)
-                      if r > 0)  # fmt: skip
+                      if r > 0)
         # any dead: the server stops; a node > 0 runs only its worker ranks
         self.core = (core_children(args.data_parallel_size) if head else ()) + ranks
         self.workers = tuple(n for n in self.core  # those that size the pools (not TP ranks)
@@ -348,7 +348,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def wait_for(inbox: Inbox, children: Children, timeout_s: float, names: tuple[str, ...],
-             kind: type[Ready | Sized], seen: dict[type, dict]) -> dict:  # fmt: skip
+             kind: type[Ready | Sized], seen: dict[type, dict]) -> dict:
     """The `kind` messages (Ready, or the worker's Sized) of every child in names. Every Ready
     and Sized that arrives meanwhile is kept in seen[type][name], whichever is awaited: they
     come over different sockets, so in any order."""
@@ -360,7 +360,7 @@ def wait_for(inbox: Inbox, children: Children, timeout_s: float, names: tuple[st
         if time.monotonic() > deadline:
             missing = sorted(set(names) - set(seen[kind]))
             raise StartupError(f"no {kind.__name__.lower()} acknowledgement from {missing} in "
-                               f"{timeout_s:.0f} s")  # fmt: skip
+                               f"{timeout_s:.0f} s")
         if inbox.poll(100):
             for msg in inbox.recv_nowait():
                 children.on_beat(msg)
@@ -427,7 +427,7 @@ class Launcher:
             if self.head:
                 self.size_pools(children, seen, started)
             ready = wait_for(self.inbox, children, self.args.ready_timeout_s, children.names,
-                             Ready, seen)  # fmt: skip
+                             Ready, seen)
             children.starting.clear()
             log.info("every process ready in %.1f s", time.monotonic() - started)
             if not self.head:
@@ -479,7 +479,7 @@ class Launcher:
         """Wait for the worker's pool sizes, then hand them to the other children, which start
         while the worker warms up."""
         sized = wait_for(self.inbox, children, self.args.ready_timeout_s, children.workers,
-                         Sized, seen)  # fmt: skip
+                         Sized, seen)
         self.args = sized_args(self.args, sized[children.workers[0]].info)
         rest = [name for name in children.names if name not in children.workers]
         log.info("pools sized in %.1f s; starting the %s processes while the worker warms "
@@ -551,10 +551,10 @@ class Launcher:
         replicas = range(self.args.data_parallel_size)
         reqs = [GenerateReq(rid=f"warm-up-{r}-{k}", params=params, input_ids=ids, adapters=choice,
                             data_parallel_rank=r if len(replicas) > 1 else None)
-                for r in replicas for k, choice in enumerate(choices)]  # fmt: skip
+                for r in replicas for k, choice in enumerate(choices)]
         try:
             await asyncio.wait_for(runtime.collect(runtime.submit(reqs, "warm-up")),
-                                   self.args.ready_timeout_s)  # fmt: skip
+                                   self.args.ready_timeout_s)
         except (ReqFailed, asyncio.TimeoutError) as e:
             raise StartupError(f"the warm-up request failed: {e}") from e
         log.info("pipeline warm-up in %.2f s", time.monotonic() - started)

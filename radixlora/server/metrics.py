@@ -88,7 +88,7 @@ class Metrics:
                 ("plan_seconds", "step_plan_seconds", "Seconds the scheduler spent planning"),
                 ("tokens", "step_tokens", "Tokens the steps computed"),
                 ("requests", "step_requests", "Requests in the steps (one per request a step)"))
-        }  # fmt: skip
+        }
         self.kv_usage = Gauge("radixlora_kv_usage_ratio", "Used KV slots / capacity",
                               registry=r)
         self.kv_cached = Gauge("radixlora_kv_cached_tokens", "KV tokens held by the radix tree",

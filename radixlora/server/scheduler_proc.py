@@ -225,7 +225,7 @@ class SchedulerService:
         bad = [req for req in folded.sampled if req.finish_reason == NON_FINITE_LOGITS]
         errors = [self._fail_non_finite(req) for req in bad if req in self.owner]
         outputs = [out for req in folded.sampled
-                   if req not in bad and (out := self._token_out(req))]  # fmt: skip
+                   if req not in bad and (out := self._token_out(req))]
         return (TokenBatch(outputs=outputs) if outputs else None), errors
 
     def _fail_non_finite(self, req: Req) -> ReqError:

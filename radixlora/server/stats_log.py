@@ -90,7 +90,7 @@ class StatsLog:
 
     @staticmethod
     def line(previous: Snapshot, current: Snapshot, elapsed_s: float,
-             slowest_load_s: float | None = None) -> str | None:  # fmt: skip
+             slowest_load_s: float | None = None) -> str | None:
         """The stats line over the interval from previous to current; None when idle. The
         slowest adapter load (the step waited that long for it: a disk read when its adapter
         was not in the host tier) and the requests the swap cap holds back show when there are

@@ -403,7 +403,7 @@ class LockedOutbox(Outbox):
 
 
 def sender(service: TokenizerService, to_schedulers: list[Outbox],
-           to_api: Outbox) -> Callable[[list, list], None]:  # fmt: skip
+           to_api: Outbox) -> Callable[[list, list], None]:
     """send(to_sched, to_api): each message to the schedulers goes to its request's replica."""
 
     def send(to_sched: list, to_client: list) -> None:

@@ -56,7 +56,7 @@ class Tracer:
         return self.tracer is not None
 
     def record(self, gen, finish: str, adapter_ids: dict[str, str], error: str | None = None
-               ) -> None:  # fmt: skip
+               ) -> None:
         """gen (a bridge Generation) ended now with `finish` (finish reasons, or "abort")."""
         if self.tracer is None:
             return
@@ -101,7 +101,7 @@ class Tracer:
                 attrs["gen_ai.latency.time_in_queue"] = scheduled - gen.created
                 attrs["gen_ai.latency.time_in_model_prefill"] = gen.first_token_at - scheduled
         span = self.tracer.start_span(f"{operation} {self.model}", start_time=start_ns,
-                                      attributes=attrs)  # fmt: skip
+                                      attributes=attrs)
         if error is not None:
             from opentelemetry.trace import Status, StatusCode
 

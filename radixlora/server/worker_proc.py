@@ -171,7 +171,7 @@ def serve(executor: StepExecutor, inbox: Inbox, to_scheduler: Outbox, heart: Hea
     while True:
         heart.beat(answered)
         plans = (inbox.recv_nowait() if executor.in_flight
-                 else inbox.recv_within(idle.poll_ms(BEAT_POLL_MS)))  # fmt: skip
+                 else inbox.recv_within(idle.poll_ms(BEAT_POLL_MS)))
         idle.step(not plans and not executor.in_flight, time.monotonic())
         if tp is not None and (plans or time.monotonic() - sent_at >= BEAT_POLL_MS / 1000):
             tp.send_plans(plans)
