@@ -371,11 +371,14 @@ class TokenizerService:
 
 def make_router(args: ServerArgs) -> Router:
     """The router over args' replicas: each replica's tree bounded by its KV capacity, the load
-    bound a quarter of its running batch (SGLang's default is 64 for a batch of 256)."""
+    bound a quarter of its running batch (SGLang's default is 64 for a batch of 256). args:
+    sized by the worker (the tokenizer starts once it is)."""
     config = args.engine_config()
-    kv_tokens = (config.kv_pages or 1 << 16) * config.page_size
-    return Router(args.data_parallel_size, args.router_policy, max_tree_tokens=kv_tokens,
-                  balance_abs=max(2, (config.max_running or 64) // 4))
+    if not config.sized:
+        raise ValueError("the tokenizer's router needs the worker's pool sizes")
+    return Router(args.data_parallel_size, args.router_policy,
+                  max_tree_tokens=config.kv_pages * config.page_size,
+                  balance_abs=max(2, config.max_running // 4))
 
 
 def _req_error(rid: str, e: InvalidRequestError) -> ReqError:
