@@ -193,3 +193,17 @@ def sparse_adapter(path: Path, config_from: Path, gib: int) -> Path:
         f.write(len(header).to_bytes(8, "little") + header)
         f.truncate(8 + len(header) + elems * 4 + 16)
     return path
+
+
+def batch_ended(core) -> None:
+    """Start validating a registry's directory at start and wait for that batch to end
+    (RegistryCore.admit never waits for it: the loop turns meanwhile)."""
+    core.validate_ahead()
+    while core.ahead is not None and not core.ahead.done():
+        time.sleep(0.01)
+
+
+def registry_turn(core, now: float = 0.0) -> None:
+    """A registry loop turn once the batch validating the directory at start has ended."""
+    batch_ended(core)
+    core.admit(now)

@@ -33,7 +33,7 @@ from radixlora.server.scheduler_proc import SchedulerService
 from radixlora.server.worker_proc import make_executor, prefetch_adapters
 from radixlora.token_bucket import TokenBucket
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
-from tests.server_harness import build_checkpoints, sized
+from tests.server_harness import build_checkpoints, registry_turn, sized
 
 NUM_ADAPTERS = 200
 MAX_RANK = 64
@@ -236,7 +236,7 @@ def scan(root: Path, state: Path, model: ModelConfig) -> list:
     events: list = []
     core = RegistryCore(root, state, model, MAX_RANK, 512, TokenBucket(0.0, 1), events.append)
     core.on_changed(core.names_on_disk())
-    core.admit(0.0)
+    registry_turn(core, 0.0)
     return events
 
 

@@ -9,6 +9,7 @@ import collections
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,7 @@ from radixlora.server.scheduler_proc import SchedulerService
 from radixlora.server.worker_proc import make_executor
 from radixlora.token_bucket import TokenBucket
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
-from tests.server_harness import sized
+from tests.server_harness import batch_ended, registry_turn, sized
 from tests.test_server_units import _drive
 
 ENGINE = dict(kv_pages=200, max_running=8, adapter_rows=32)
@@ -97,7 +98,7 @@ def test_admission_is_sorted_and_paced(model, versions, tmp_path):
     for tick in range(0, 400):
         now = tick * 0.01
         before = len(events)
-        core.admit(now)
+        registry_turn(core, now)
         for e in events[before:]:
             admitted_at[e.name] = now
     assert [e.name for e in events] == names and {e.kind for e in events} == {"added"}
@@ -120,9 +121,10 @@ def test_a_full_directory_at_start_is_published_at_once(model, tmp_path, monkeyp
         build_tiny_adapter(model, root / f"s{i}", rank=2, seed=200 + i)
     core, events = _core(model, root, tmp_path / "state", rate=1.0, burst=1)
     core.on_changed(core.names_on_disk())
+    batch_ended(core)
     published = []
     for _ in range(3):
-        core.admit(0.0)
+        registry_turn(core, 0.0)
         published.append(len(events))
     assert published == [4, 8, 10]
     assert sorted(e.name for e in events) == [f"s{i}" for i in range(10)]
@@ -130,9 +132,9 @@ def test_a_full_directory_at_start_is_published_at_once(model, tmp_path, monkeyp
     build_tiny_adapter(model, root / "late1", rank=2, seed=300)
     build_tiny_adapter(model, root / "late2", rank=2, seed=301)
     core.on_changed(["late1", "late2"])
-    core.admit(0.0)
+    registry_turn(core, 0.0)
     assert [e.name for e in events[10:]] == ["late1"]  # the bucket's one token
-    core.admit(1.0)
+    registry_turn(core, 1.0)
     assert [e.name for e in events[10:]] == ["late1", "late2"]
 
 
@@ -146,12 +148,13 @@ def test_the_directory_at_start_is_validated_while_subscribers_connect(model, tm
         build_tiny_adapter(model, root / f"p{i}", rank=2, seed=400 + i)
     (root / "broken").mkdir()
     core, events = _core(model, root, tmp_path / "state")
-    assert core.validate_ahead() and not core.validate_ahead()
+    batch_ended(core)
+    assert not core.validate_ahead()
     assert sorted(core.prevalidated) == ["p0", "p1", "p2"] and not events
     ahead = {n: a.adapter_id for n, a in core.prevalidated.items()}
     build_tiny_adapter(model, root / "p1", rank=2, seed=500)  # changed after validation
     core.on_changed(core.names_on_disk())
-    core.admit(0.0)
+    registry_turn(core, 0.0)
     published = {e.name: e.adapter_id for e in events if e.kind == "added"}
     assert published["p0"] == ahead["p0"] and published["p2"] == ahead["p2"]
     assert published["p1"] != ahead["p1"]
@@ -213,7 +216,7 @@ def test_bad_adapters_are_rejected_with_reasons(model, versions, tmp_path):
     _copy(versions["v1"], root / "good")
     core, events = _core(model, root, tmp_path / "state")
     core.on_changed(core.names_on_disk())
-    core.admit(0.0)
+    registry_turn(core, 0.0)
     rejected = {e.name: e.reason for e in events if e.kind == "rejected"}
     for name, reason in cases.items():
         assert rejected.get(name) == reason, (name, rejected.get(name))
@@ -233,7 +236,7 @@ def test_a_directory_named_like_an_adapter_flag_is_rejected_unread(model, versio
     read, reads = core._read, []
     monkeypatch.setattr(core, "_read", lambda name, pre: reads.append(name) or read(name, pre))
     core.on_changed(core.names_on_disk())
-    core.admit(0.0)
+    registry_turn(core, 0.0)
     assert [(e.kind, e.name, e.reason) for e in events] == [("added", "other", ""),
                                                             ("rejected", "upper", "name_taken")]
     assert "--adapter" in events[1].message and reads == ["other"]
@@ -253,10 +256,10 @@ def test_a_huge_wrongly_shaped_directory_is_rejected_from_its_header(model, vers
     core, events = _core(model, root, tmp_path / "state", rate=100.0, burst=10)
     start = time.monotonic()
     core.on_changed(core.names_on_disk())
-    core.admit(0.0)
+    registry_turn(core, 0.0)
     sparse_adapter(root / "later", versions["v1"], gib=4)
     core.on_changed(["later"])
-    core.admit(1.0)
+    registry_turn(core, 1.0)
     assert time.monotonic() - start < 3.0
     assert [(e.kind, e.name, e.reason) for e in events] == [
         ("added", "good", ""), ("rejected", "huge", "shape_mismatch"),
@@ -288,49 +291,58 @@ def test_a_name_too_slow_to_validate_is_refused_once_while_the_loop_beats(model,
 
     monkeypatch.setattr(core, "_read", slow_read)
     core.on_changed(core.names_on_disk())
-    core.admit(0.0)
+    registry_turn(core, 0.0)
     release.set()
     assert [(e.kind, e.name, e.reason) for e in events] == [
         ("added", "good", ""), ("rejected", "slow", "validation_timeout")]
     assert len(beats) >= 4
     core.on_changed(["slow"])  # unchanged: not examined again
-    core.admit(1.0)
+    registry_turn(core, 1.0)
     assert len(events) == 2 and reads.count("slow") == 1
     shutil.rmtree(root / "slow")
     _copy(versions["v3"], root / "slow")  # its files changed: examined again
     core.on_changed(["slow"])
-    core.admit(2.0)
+    registry_turn(core, 2.0)
     assert events[-1].kind == "added" and events[-1].name == "slow"
 
 
-def test_a_start_up_batch_is_validated_while_the_loop_beats(model, versions, tmp_path,
-                                                            monkeypatch):
-    """The directory at start is validated as a batch on a thread: the registry keeps beating
-    however long the batch takes, and publishes it afterwards."""
-    import time
+def test_a_start_up_batch_never_holds_the_loop_and_a_wanted_name_goes_first(
+        model, versions, tmp_path, monkeypatch):
+    """The directory at start is validated as batches on a thread: admit returns at once while
+    a batch runs (the loop beats and takes wants meanwhile), publishes the batch once it ends,
+    and a name a held request wants is examined ahead of all of them."""
+    import threading
 
     from radixlora.server import registry_proc
 
-    monkeypatch.setattr(registry_proc, "BEAT_S", 0.02)
     root = tmp_path / "dir"
     root.mkdir()
     names = [f"a{k:02d}" for k in range(registry_proc.REGISTER_BATCH[0])]
     for name in names:
         _copy(versions["v1"], root / name)
     core, events = _core(model, root, tmp_path / "state")
-    beats = []
-    core.beat = lambda: beats.append(1)
+    release = threading.Event()
     real = registry_proc.load_adapters
 
-    def slow_batch(*args, **kw):
-        time.sleep(0.4)
+    def held_batch(*args, **kw):
+        release.wait(10)
         return real(*args, **kw)
 
-    monkeypatch.setattr(registry_proc, "load_adapters", slow_batch)
+    monkeypatch.setattr(registry_proc, "load_adapters", held_batch)
     core.on_changed(core.names_on_disk())
+    core.list_waiting()
+    assert [(e.kind, e.names) for e in events] == [("listed", names)]
     core.admit(0.0)
-    assert len(beats) >= 10
-    assert [e.name for e in events if e.kind == "added"] == names[:registry_proc.PUBLISH_PER_CALL]
+    assert len(events) == 1 and core.ahead is not None  # the batch runs; admit returned
+    core.want(names[-1])
+    core.admit(0.0)
+    assert [(e.kind, e.name) for e in events[1:]] == [("added", names[-1])]
+    release.set()
+    batch_ended(core)
+    for _ in range(3):
+        core.admit(0.0)
+    added = [e.name for e in events if e.kind == "added"]
+    assert added == names[-1:] + names[:-1] and not core.pending
 
 
 def test_aliases_updates_removals_and_restart(model, versions, tmp_path):
@@ -339,15 +351,15 @@ def test_aliases_updates_removals_and_restart(model, versions, tmp_path):
     _copy(versions["v1"], root / "a")
     core, events = _core(model, root, state)
     core.on_changed(["a"])
-    core.admit(0.0)
+    registry_turn(core, 0.0)
     _copy(versions["v1"], root / "b")  # same content, other name: an alias of a's version
     core.on_changed(["b"])
-    core.admit(0.0)
+    registry_turn(core, 0.0)
     assert [(e.kind, e.name) for e in events] == [("added", "a"), ("added", "b")]
     assert (events[1].adapter_id, events[1].path) == (events[0].adapter_id, events[0].path)
     shutil.copy(versions["v2"] / "adapter_model.safetensors", root / "a")
     core.on_changed(["a"])
-    core.admit(0.0)
+    registry_turn(core, 0.0)
     assert [(e.kind, e.name) for e in events[2:]] == [("updated", "a")]
     assert events[-1].adapter_id != events[0].adapter_id == core.active["b"].adapter_id
     assert Path(events[-1].path).parent == state / "adapters"  # an immutable snapshot
@@ -360,7 +372,7 @@ def test_aliases_updates_removals_and_restart(model, versions, tmp_path):
     _copy(versions["v3"], root / "c")
     core2, events2 = _core(model, root, state)
     core2.on_changed(sorted(set(core2.names_on_disk()) | set(core2.active)))
-    core2.admit(0.0)
+    registry_turn(core2, 0.0)
     assert [(e.kind, e.name) for e in events2] == [("added", "c")]
     assert events2[0].seq == events[-1].seq + 1
 
@@ -375,11 +387,11 @@ def test_half_written_adapter_is_never_published(model, versions, tmp_path):
     (target / "adapter_model.safetensors").write_bytes(data[: len(data) // 3])
     core, events = _core(model, root, tmp_path / "state")
     core.on_changed(["slow"])
-    core.admit(0.0)
+    registry_turn(core, 0.0)
     assert [e.kind for e in events] == ["rejected"] and events[0].reason == "corrupted_weights"
     (target / "adapter_model.safetensors").write_bytes(data)
     core.on_changed(["slow"])
-    core.admit(0.0)
+    registry_turn(core, 0.0)
     assert events[-1].kind == "added"
 
 
@@ -467,6 +479,48 @@ def test_republished_name_in_flight_finishes_on_old_version(model, versions, tmp
     assert not sched.scheduler.residency.is_resident(v1.adapter_id)
     assert not Path(v1.path).exists() and Path(v2.path).is_dir()  # v1 forgotten, v2 named
     _assert_nothing_held(sched)
+
+
+def test_a_request_for_a_listed_adapter_waits_for_that_adapter_alone(model, versions,
+                                                                      tmp_path):
+    """Names the registry listed before validating them: a request for one is held (the
+    registry is asked for it) while others run, added when it is published, told why when it
+    is rejected, and given up after HOLD_TIMEOUT_S; an unlisted name is a 404 at once."""
+    from radixlora.server import scheduler_proc
+    from radixlora.server.adapter_store import AdapterStore
+    from radixlora.server.messages import AbortReq
+
+    v1 = AdapterStore(tmp_path / "adapters").snapshot("a", versions["v1"],
+                                                      ModelConfig.from_dir(model), 64)
+    sched, worker = _services(model, tmp_path)
+    assert sched.on_adapter_event(AdapterEvent(seq=1, kind="listed",
+                                               names=["a", "bad", "slow"])) == []
+    for rid, name in (("r1", "a"), ("r2", "bad"), ("r2b", "bad"), ("r3", "slow")):
+        assert sched.add(_req(rid, name)) is None
+    assert sched.take_wanted() == ["a", "bad", "slow"] and not sched.reqs
+    assert sched.add(_req("r1", "a")).code == "duplicate_request_id"
+    unknown = sched.add(_req("r4", "zzz"))
+    assert unknown.status == 404 and "GET /v1/models" in unknown.message
+    assert _drive(sched, worker, [_req("base", None)])[("base", 0)] == _want_base(model)
+    assert sched.on_adapter_event(_event(2, "added", "a", v1)) == []
+    assert list(sched.reqs) == ["r1"]
+    got = _drive(sched, worker, [])
+    assert got[("r1", 0)] == _want(model, versions["v1"])
+    errors = sched.on_adapter_event(AdapterEvent(seq=3, kind="rejected", name="bad",
+                                                 reason="bad_rank", message="rank 0 is bad"))
+    assert [(e.rid, e.status) for e in errors] == [("r2", 404), ("r2b", 404)]
+    assert "rejected: rank 0 is bad" in errors[0].message
+    assert sched.add(_req("r5", "slow")) is None
+    sched.abort(AbortReq(rid="r5"))
+    late = sched.expire_held(time.monotonic() + scheduler_proc.HOLD_TIMEOUT_S + 1)
+    assert [(e.rid, e.status, e.code) for e in late] == [("r3", 503, "adapter_not_ready")]
+    assert not sched.held and not sched.held_rids
+    _assert_nothing_held(sched)
+
+
+def _want_base(model, prompt=(3, 4, 5, 6)):
+    engine = Engine(model, **ENGINE)
+    return engine.generate(list(prompt), PARAMS)[0].outputs[0].token_ids
 
 
 def test_directory_events_never_replace_or_remove_an_adapter_flag_or_admin_load(model, versions,
@@ -778,7 +832,7 @@ def test_host_cache_keeps_the_newest_whatever_its_size():
 
 
 def test_unreadable_adapter_is_rejected_not_fatal(model, versions, tmp_path, monkeypatch):
-    from radixlora.server import adapter_store
+    from radixlora.server import adapter_store, registry_proc
 
     root = tmp_path / "dir"
     root.mkdir()
@@ -788,9 +842,10 @@ def test_unreadable_adapter_is_rejected_not_fatal(model, versions, tmp_path, mon
         raise FileNotFoundError(f"{path} vanished")
 
     monkeypatch.setattr(adapter_store, "read_adapter_files", vanished)
+    monkeypatch.setattr(registry_proc, "read_adapter_files", vanished)
     core, events = _core(model, root, tmp_path / "state")
     core.on_changed(["gone"])
-    core.admit(0.0)
+    registry_turn(core, 0.0)
     assert [(e.kind, e.reason) for e in events] == [("rejected", "unreadable")]
 
 
@@ -808,8 +863,6 @@ def _int_weights(path: Path) -> None:
 def test_content_rules_reject_and_the_registry_goes_on(model, versions, tmp_path, monkeypatch):
     """Special files, integer tensors, the base's name and an unexpected exception are each a
     rejected event; the adapters after them are published."""
-    from radixlora.server import adapter_store
-
     root = tmp_path / "dir"
     root.mkdir()
     for name in ("a_fifo", "b_int", "base", "c_boom", "d_string_alpha", "z_good"):
@@ -819,19 +872,19 @@ def test_content_rules_reject_and_the_registry_goes_on(model, versions, tmp_path
     cfg = json.loads((root / "d_string_alpha" / "adapter_config.json").read_text())
     (root / "d_string_alpha" / "adapter_config.json").write_text(
         json.dumps({**cfg, "lora_alpha": "16"}))
-    real = adapter_store.adapter_from_bytes
-
-    def boom(name, *args):
-        if name == "c_boom":
-            raise TypeError("unexpected")
-        return real(name, *args)
-
-    monkeypatch.setattr(adapter_store, "adapter_from_bytes", boom)
     events: list[AdapterEvent] = []
     core = RegistryCore(root, tmp_path / "state", ModelConfig.from_dir(model), 64, 32,
                         TokenBucket(0.0, 1), events.append, reserved=frozenset({"base"}))
+    real = core.store.save
+
+    def boom(validated):
+        if validated.adapter.name == "c_boom":
+            raise TypeError("unexpected")
+        return real(validated)
+
+    monkeypatch.setattr(core.store, "save", boom)
     core.on_changed(core.names_on_disk())
-    core.admit(0.0)
+    registry_turn(core, 0.0)
     assert [(e.kind, e.name, e.reason) for e in events] == [
         ("rejected", "a_fifo", "special_file"), ("rejected", "b_int", "non_float_weights"),
         ("rejected", "base", "bad_name"), ("rejected", "c_boom", "invalid_adapter"),

@@ -25,6 +25,7 @@ from radixlora.server.registry_proc import RegistryCore
 from radixlora.step_plan import AdapterLoad
 from radixlora.token_bucket import TokenBucket
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
+from tests.server_harness import registry_turn
 from tests.test_hotswap_units import _assert_nothing_held, _req, _services, _want
 from tests.test_server_units import _drive
 
@@ -105,7 +106,7 @@ def _core(model, root: Path, state: Path, layouts, events: list) -> RegistryCore
 def _publish_all(core: RegistryCore) -> None:
     core.on_changed(core.names_on_disk())
     for _ in range(10):
-        core.admit(0.0)
+        registry_turn(core, 0.0)
 
 
 def _assert_snapshots_packed(events, layouts, cfg) -> None:
@@ -132,7 +133,7 @@ def test_registry_snapshots_hold_the_adapter_packed_for_every_rank(model, cfg, t
     _publish_all(core)
     build_tiny_adapter(model, root / "late", rank=3, seed=99)
     core.on_changed(["late"])
-    core.admit(5.0)
+    registry_turn(core, 5.0)
     assert [e.name for e in events][-1] == "late"
     _assert_snapshots_packed(events, layouts, cfg)
     assert not any((tmp_path / "state" / "packed").iterdir())  # every one taken

@@ -117,7 +117,7 @@ def test_the_scheduler_and_registry_apply_quantization_at_load(qlora, tmp_path):
     from radixlora.server.args import ServerArgs
     from radixlora.server.registry_proc import make_core
     from radixlora.server.scheduler_proc import SchedulerService
-    from tests.server_harness import sized
+    from tests.server_harness import registry_turn, sized
 
     nf4, dense, adapter, _ = qlora
     watched = tmp_path / "watched"
@@ -135,7 +135,7 @@ def test_the_scheduler_and_registry_apply_quantization_at_load(qlora, tmp_path):
         events = []
         core = make_core(msgspec.structs.replace(args, adapter_dir=str(watched)), events.append)
         core.on_changed(core.names_on_disk())
-        core.admit(0.0)
+        registry_turn(core, 0.0)
         assert [e.kind for e in events] == [kind]
         if kind == "rejected":
             assert events[0].reason == "quantization_mismatch"

@@ -12,6 +12,7 @@ import shutil
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -278,6 +279,37 @@ def test_bad_adapters_are_rejected_and_others_keep_serving(server, env):
     shutil.rmtree(env["watched"] / "r_zero")  # gone: no longer reported
     _wait(lambda: "r_zero" not in server.http.get("/health").json()["adapters_rejected"],
           what="r_zero leaves /health")
+
+
+def test_a_directory_at_start_is_listed_at_ready_and_requests_wait_for_their_adapter(
+        env, want, tmp_path):
+    """Every name of the directory at start is in /v1/models once the server is ready (served,
+    or listed as validating); requests sent at once, in reverse name order, each wait for
+    their own adapter and equal the offline Engine; the bad one is refused with its reason."""
+    watched = tmp_path / "full"
+    watched.mkdir()
+    names = {f"n{i}": f"v{1 + i % 3}" for i in range(6)}
+    for name, version in names.items():
+        shutil.copytree(env["versions"][version], watched / name)
+    shutil.copytree(env["versions"]["v1"], watched / "bad")
+    (watched / "bad" / "adapter_config.json").write_text("{")
+    with running_server(env["model"], {}, tmp_path / "server.log",
+                        "--adapter-dir", str(watched)) as server:
+        cards = server.http.get("/v1/models").json()["data"][1:]
+        status = {c["id"]: c["status"] for c in cards}
+        assert set(names) <= set(status) <= {*names, "bad"}
+        assert set(status.values()) <= {"ready", "validating"}
+        with ThreadPoolExecutor(len(names) + 1) as pool:
+            answers = dict(zip([*reversed(names), "bad"], pool.map(
+                lambda n: _complete(server.http, n), [*reversed(names), "bad"])))
+        for name, version in names.items():
+            assert answers[name].status_code == 200, answers[name].text
+            assert answers[name].json()["choices"][0]["text"] == want[version]
+        refused = answers["bad"]
+        assert refused.status_code == 404 and "it was rejected" in refused.text
+        served = {c["id"]: c["status"] for c in server.http.get("/v1/models").json()["data"][1:]}
+        assert served == dict.fromkeys(names, "ready")
+        assert_all_kv_free(server.wait_idle())
 
 
 # ---- admin ---------------------------------------------------------------------------------------

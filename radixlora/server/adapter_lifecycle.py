@@ -47,6 +47,7 @@ class AdapterLifecycle:
         self.dir_names: set[str] = set()  # names the registry's events registered
         # --adapter-dir names whose latest version was rejected, and why
         self.rejected: dict[str, str] = {}
+        self.listed: set[str] = set()  # --adapter-dir names listed and not validated yet
         self.last_seq = 0
 
     # ---- registry events ---------------------------------------------------------------------
@@ -55,6 +56,9 @@ class AdapterLifecycle:
         if event.seq != self.last_seq + 1 and event.kind != "hello" and self.last_seq:
             log.warning("adapter event %d after %d: events were missed", event.seq, self.last_seq)
         self.last_seq = max(self.last_seq, event.seq)
+        if event.kind == "listed":
+            self.listed.update(n for n in event.names if n not in self.registry.by_name)
+        self.listed.discard(event.name)
         if event.kind == "rejected":
             self.rejected[event.name] = event.message or event.reason
         elif event.kind in ("added", "updated", "removed"):

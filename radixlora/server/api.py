@@ -178,12 +178,20 @@ class Api:
         created = int(self.started)
         data = [{"id": base, "object": "model", "created": created, "owned_by": "radixlora",
                  "root": self.args.model, "parent": None, "max_model_len": self.max_model_len}]
-        return data + [
+        served = [
             {"id": a["name"], "object": "model", "created": created, "owned_by": "radixlora",
              "root": a["path"], "parent": base, "max_model_len": self.max_model_len,
-             "adapter_id": a["adapter_id"], "rank": a["rank"]}
+             "adapter_id": a["adapter_id"], "rank": a["rank"], "status": "ready"}
             for a in info["adapters"]
         ]
+        names = {a["name"] for a in info["adapters"]}
+        validating = [  # listed from --adapter-dir: a request for one waits for its validation
+            {"id": name, "object": "model", "created": created, "owned_by": "radixlora",
+             "root": None, "parent": base, "max_model_len": self.max_model_len,
+             "status": "validating"}
+            for name in sorted(self.runtime.listed - names)
+        ]
+        return data + served + validating
 
     @guarded
     async def completions(self, request: Request) -> Response:

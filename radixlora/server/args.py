@@ -25,6 +25,7 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
     worker: str
     client: str
     registry: str = ""  # the registry's PUB socket (AdapterEvents)
+    registry_wants: str = ""  # the registry's PULL socket (AdapterWanted)
     # data-parallel replicas (none: one, on scheduler, worker and api): replica i's scheduler
     # and worker, and the api socket its scheduler answers on
     schedulers: list[str] = []
@@ -48,6 +49,7 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
             worker=ipc("worker"),
             client=client or ipc("client"),
             registry=ipc("registry"),
+            registry_wants=ipc("registry-wants"),
             schedulers=each("scheduler"),
             workers=each("worker"),
             replica_apis=each("api"),

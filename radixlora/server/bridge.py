@@ -177,6 +177,7 @@ class ProcessBridge:
         self.recent_events: collections.deque[AdapterEvent] = collections.deque(maxlen=256)
         # --adapter-dir names whose latest version the registry rejected -> the reason label
         self.rejected: dict[str, str] = {}
+        self.listed: set[str] = set()  # --adapter-dir names still being validated
         self.closed = False
 
     def _bind_inbox(self, endpoint: str) -> zmq.asyncio.Socket:
@@ -324,6 +325,8 @@ class ProcessBridge:
                 self.adapter_ids[event.name] = event.adapter_id
             elif event.kind == "removed":
                 self.adapter_ids.pop(event.name, None)
+            self.listed.update(event.names)
+            self.listed.discard(event.name)
             if event.kind == "rejected":
                 self.rejected[event.name] = event.reason
             elif event.kind in ("added", "updated", "removed"):

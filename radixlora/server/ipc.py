@@ -95,8 +95,8 @@ class Outbox:
         self.sock.connect(endpoint)
         self.encoder = msgspec.msgpack.Encoder()
 
-    def send(self, msg: Message) -> None:
-        self.sock.send(self.encoder.encode(msg))
+    def send(self, msg: Message, flags: int = 0) -> None:
+        self.sock.send(self.encoder.encode(msg), flags)
 
 
 LOG_FORMAT = "%(asctime)s [{proc}] %(levelname)s %(name)s: %(message)s"

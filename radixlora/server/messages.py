@@ -283,16 +283,25 @@ class RouterStats(Message):
 class AdapterEvent(Message):
     """One change of the registry's active set. `seq` grows by one per published change and
     survives registry restarts; kind "hello" (a registry that just started and found its
-    subscribers) carries the last seq and changes nothing."""
+    subscribers) carries the last seq and changes nothing; kind "listed" names the adapters
+    found in the directory at start that are still being validated (each is later added or
+    rejected)."""
 
     seq: Count
-    kind: Literal["added", "updated", "removed", "rejected", "skipped", "hello"]
+    kind: Literal["added", "updated", "removed", "rejected", "skipped", "hello", "listed"]
     name: str = ""
+    names: list[str] = []  # listed
     adapter_id: str = ""  # content hash (added, updated, removed, skipped)
     path: str = ""  # the immutable content-addressed snapshot (added, updated)
     reason: str = ""  # rejected / skipped: a label for metrics (duplicate_content, bad_rank...)
     message: str = ""  # rejected: the validation error, for people
     at: float = 0.0  # wall-clock time of publication
+
+
+class AdapterWanted(Message):
+    """A scheduler holds a request for a listed adapter: the registry examines it next."""
+
+    name: str
 
 
 class AdminReq(Message):

@@ -11,6 +11,9 @@ What is published, in this order for each changed sub-directory (sorted by name)
   4. it waits for a token of the admission bucket (--adapter-rate per second, --adapter-burst;
      not the adapters already in the directory when the registry starts), is copied into a
      new immutable snapshot (an alias re-uses its twin's), and published (added / updated).
+The names found at start are published at once as "listed" (the api lists them, the scheduler
+holds a request for one until its outcome); a scheduler holding such a request sends the name
+as AdapterWanted, and it is examined ahead of the others.
 A deleted sub-directory is published as removed at once; an invalid one as rejected with a
 reason label, its previous valid version (if any) staying active; whatever an adapter's
 content, examining it never raises. Names starting with "." are
@@ -28,7 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import msgspec
@@ -51,13 +54,14 @@ from radixlora.server.adapter_store import (
     pack_target,
 )
 from radixlora.server.args import ServerArgs
-from radixlora.server.ipc import Heartbeats, check_local, child_main, send_ready
-from radixlora.server.messages import AdapterEvent
+from radixlora.server.ipc import Heartbeats, Inbox, check_local, child_main, send_ready
+from radixlora.server.messages import AdapterEvent, AdapterWanted
 from radixlora.token_bucket import TokenBucket
 
 log = logging.getLogger(__name__)
 
 TICK_S = 0.02
+TICK_MS = int(TICK_S * 1000)
 MAX_DIRTY_S = 10.0  # a directory that never goes quiet is still examined this often
 SUBSCRIBE_TIMEOUT_S = 60.0
 # names validated together when the bucket has tokens for them: at least the first (fewer are
@@ -205,6 +209,9 @@ class RegistryCore:
         self.readers = ThreadPoolExecutor(PUBLISH_READERS, thread_name_prefix="registry-read")
         self.batches = ThreadPoolExecutor(1, thread_name_prefix="registry-batch")
         self.tried_ahead: set[str] = set()
+        self.ahead: Future | None = None  # the batch validate_ahead is validating
+        self.ahead_names: set[str] = set()  # its names
+        self.wanted: set[str] = set()  # listed names a request waits for: examined first
         self.too_slow: dict[str, tuple] = {}  # name -> file signature that timed out
         self.rejected: set[str] = set()  # names whose latest version was rejected
         self.beat: Callable[[], None] = lambda: None  # the loop's heartbeat, while it waits
@@ -245,29 +252,57 @@ class RegistryCore:
         adapter_id = self.active.pop(name).adapter_id
         self._emit("removed", name, adapter_id=adapter_id)
 
+    def list_waiting(self) -> None:
+        """Publish the names found at start that are not published yet (once subscribers
+        listen): listed before validation, so that clients see them at once."""
+        names = sorted(self.at_start - self.active.keys() - self.taken)
+        if names:
+            self._emit("listed", "", names=names)
+
+    def want(self, name: str) -> None:
+        """A request waits for this listed name: examine it before the others."""
+        if name in self.at_start:
+            self.wanted.add(name)
+
     def admit(self, now: float) -> None:
-        """Examine pending names in sorted order: those in the directory at start at once, the
-        others while the bucket has a token. Many at once (a full directory at start-up, or a
-        bucket with many tokens) are validated together first, in parallel and through the
-        hash cache. At most PUBLISH_PER_CALL names are examined per call, so that the loop
-        beats between calls."""
-        batch = sorted(self.pending & self.at_start)[:REGISTER_BATCH[1]]
-        paced = not batch
-        if paced:
-            tokens = self.bucket.available(now)
-            if tokens < 1:
-                return
-            batch = sorted(self.pending)[:min(tokens, REGISTER_BATCH[1])]
-        rest = [n for n in batch if n not in self.prevalidated and n not in self.tried_ahead]
-        self.tried_ahead.update(rest)
+        """Examine pending names in sorted order: the wanted ones first, then those in the
+        directory at start as their batches are validated, the others while the bucket has a
+        token. Many at once (a full directory at start-up, or a bucket with many tokens) are
+        validated together first, in parallel and through the hash cache. At most
+        PUBLISH_PER_CALL names are examined per call, so that the loop beats between calls."""
+        wanted = sorted(self.wanted & self.pending)[:PUBLISH_PER_CALL]
+        if wanted:
+            self._examine_all(wanted, paced=False, now=now)
+        elif self.pending & self.at_start:
+            self._admit_at_start(now)
+        else:
+            self._admit_paced(now)
+
+    def _admit_at_start(self, now: float) -> None:
+        """Names of the directory at start whose batch is validated, never waiting for the
+        batch that runs (a wanted name is examined meanwhile)."""
+        self.validate_ahead()
+        running = self.ahead_names if self.ahead is not None else set()
+        ready = sorted((self.pending & self.at_start & self.tried_ahead) - running)
+        self._examine_all(ready[:PUBLISH_PER_CALL], paced=False, now=now)
+
+    def _admit_paced(self, now: float) -> None:
+        tokens = self.bucket.available(now)
+        if tokens < 1:
+            return
+        batch = sorted(self.pending)[:min(tokens, REGISTER_BATCH[1])]
+        rest = [n for n in batch if n not in self.prevalidated]
         if len(rest) >= REGISTER_BATCH[0]:
             self.prevalidated |= self._prevalidate(rest)
-        names = batch[:PUBLISH_PER_CALL]
+        self._examine_all(batch[:PUBLISH_PER_CALL], paced=True, now=now)
+
+    def _examine_all(self, names: list[str], paced: bool, now: float) -> None:
         reads = self._read_all(names)
         for name in names:
             self.pending.discard(name)
             self.at_start.discard(name)
             self.tried_ahead.discard(name)
+            self.wanted.discard(name)
             if self.examine(name, reads[name]) and paced:
                 self.bucket.take(now)
 
@@ -301,23 +336,44 @@ class RegistryCore:
         return out
 
     def validate_ahead(self) -> bool:
-        """Validate the next batch of the names in the directory at start, to publish later
-        (while the subscribers connect); False once none is left."""
+        """Start validating the next batch of the names in the directory at start, to publish
+        as it ends (also while the subscribers connect), unless a batch is still running;
+        never waits. False once none is left."""
+        if self.ahead is not None:
+            if not self.ahead.done():
+                return True
+            self.prevalidated |= self._valid(self.ahead)
+            self.ahead = None
         todo = sorted(self.at_start - self.prevalidated.keys() - self.tried_ahead)
         batch = todo[:REGISTER_BATCH[1]]
         self.tried_ahead.update(batch)
         if batch:
-            self.prevalidated |= self._prevalidate(batch)
+            self.ahead, self.ahead_names = self._submit_batch(batch), set(batch)
         return bool(batch)
 
-    def _prevalidate(self, names: list[str]) -> dict[str, LoraAdapter]:
+    def _submit_batch(self, names: list[str]) -> Future:
         """A batch validated together (load_adapters: threads, or processes for many bytes) on
-        a thread of its own, the loop beating every BEAT_S until it is done."""
+        a thread of its own."""
         items = {name: self.root / name for name in names if name not in self.taken}
-        batch = self.batches.submit(load_adapters, items, self.model_cfg, self.max_rank,
-                                    keep_weights=False, cache=self.cache, pack=self.store.pack)
+        return self.batches.submit(load_adapters, items, self.model_cfg, self.max_rank,
+                                   keep_weights=False, cache=self.cache, pack=self.store.pack)
+
+    @staticmethod
+    def _valid(batch: Future) -> dict[str, LoraAdapter]:
+        """The batch's valid adapters; the others (or all, if the batch failed) are validated
+        one by one when examined."""
+        try:
+            results = batch.result()
+        except Exception:  # noqa: BLE001 - validated one by one instead
+            log.exception("validating a batch of adapters failed")
+            return {}
+        return {name: a for name, a in results.items() if isinstance(a, LoraAdapter)}
+
+    def _prevalidate(self, names: list[str]) -> dict[str, LoraAdapter]:
+        """_submit_batch, the loop beating every BEAT_S until it is done."""
+        batch = self._submit_batch(names)
         self._wait_beating([batch])
-        return {name: a for name, a in batch.result().items() if isinstance(a, LoraAdapter)}
+        return self._valid(batch)
 
     def _wait_beating(self, futures, timeout_s: float = math.inf) -> None:
         """Wait until the futures are done or timeout_s has passed, beating every BEAT_S."""
@@ -421,7 +477,7 @@ def wait_subscribers(pub: zmq.Socket, count: int, timeout_s: float, heart: Heart
     working = True
     while seen < count and time.monotonic() < deadline:
         heart.beat()
-        if pub.poll(0 if working else 100) and pub.recv()[:1] == b"\x01":
+        if pub.poll(TICK_MS if working else 100) and pub.recv()[:1] == b"\x01":
             seen += 1
         elif working:
             working = work()
@@ -464,21 +520,26 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
     observer.schedule(_Handler(watch), str(core.root), recursive=True)
     observer.start()
     watch.mark(set(core.names_on_disk()) | set(core.active))
-    send_ready(ctx, args, "registry", {"adapter_dir": str(core.root)})
     subscribers = args.data_parallel_size + 1  # every replica's scheduler and the api
     wait_subscribers(pub, subscribers, SUBSCRIBE_TIMEOUT_S, heart, core.validate_ahead)
     pub.send(encoder.encode(AdapterEvent(seq=core.state.seq, kind="hello")))
+    core.list_waiting()
+    # ready once the directory is listed: the server answers no request before its
+    # schedulers know which adapters to wait for
+    send_ready(ctx, args, "registry", {"adapter_dir": str(core.root)})
     log.info("watching %s (%d adapters published so far)", core.root, len(core.active))
+    wants = Inbox(ctx, args.endpoints.registry_wants, AdapterWanted)
     try:
-        loop(core, watch, pub, args.adapter_quiet_s, heart)
+        loop(core, watch, pub, wants, args.adapter_quiet_s, heart)
     finally:
         observer.stop()
 
 
-def loop(core: RegistryCore, watch: DirWatch, pub: zmq.Socket, quiet_s: float,
+def loop(core: RegistryCore, watch: DirWatch, pub: zmq.Socket, wants: Inbox, quiet_s: float,
          heart: Heartbeats) -> None:
     while True:
-        time.sleep(TICK_S)
+        for wanted in wants.recv_within(TICK_MS):
+            core.want(wanted.name)
         heart.beat(core.state.seq)
         drain_subscriptions(pub)
         try:

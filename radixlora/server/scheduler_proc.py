@@ -38,6 +38,7 @@ from radixlora.server.ipc import (
 from radixlora.server.messages import (
     AbortReq,
     AdapterEvent,
+    AdapterWanted,
     AdminReply,
     AdminReq,
     Codec,
@@ -64,6 +65,8 @@ WARM_SCAN_S = 0.5  # how often plans look for registered adapters to read ahead
 WARM_PER_PLAN = 256
 IDLE_POLL_MS = 100
 MAX_QUEUED_ADMIN = 8  # admin calls waiting for earlier ones (a load's read) before a 429
+HOLD_TIMEOUT_S = 60.0  # a request for a listed adapter waits this long for its validation
+EXPIRY_CHECK_S = 0.1
 
 
 class SchedulerService:
@@ -108,6 +111,11 @@ class SchedulerService:
         self.warm_sent: set[str] = set()  # adapter ids sent as host_reads
         self.warm_bytes = 0  # their packed bytes
         self.warm_scan_at = 0.0
+        # requests for --adapter-dir names listed but not validated yet, by name, with the
+        # time they give up; and the names to ask the registry for (AdapterWanted)
+        self.held: dict[str, list[tuple[TokenizedReq, float]]] = {}
+        self.held_rids: set[str] = set()
+        self.wanted: list[str] = []
 
     def _not_served(self, e: AdapterNotFoundError, listed: int = 20) -> str:
         """What a request for an unknown name gets told: what is served instead."""
@@ -129,7 +137,7 @@ class SchedulerService:
     # ---- intake ------------------------------------------------------------------------------
 
     def add(self, msg: TokenizedReq) -> ReqError | None:
-        if msg.rid in self.reqs:
+        if msg.rid in self.reqs or msg.rid in self.held_rids:
             return ReqError(rid=msg.rid, message=f"request id {msg.rid!r} is already in use",
                             param="rid", code="duplicate_request_id", status=409)
         try:
@@ -138,6 +146,8 @@ class SchedulerService:
         except InvalidRequestError as e:
             return ReqError(rid=msg.rid, message=e.message, code=e.code, param=e.param)
         except AdapterNotFoundError as e:
+            if e.name in self.lifecycle.listed:
+                return self._hold(msg, e.name)
             return ReqError(rid=msg.rid, message=self._not_served(e), code=e.code,
                             param=msg.adapter_param, status=404)
         except AdapterError as e:
@@ -151,7 +161,53 @@ class SchedulerService:
             self.scheduler.add(req)
         return None
 
+    def _hold(self, msg: TokenizedReq, name: str) -> None:
+        """Hold a request for a listed adapter until the registry's outcome for it; the
+        registry is asked to examine that adapter next."""
+        if name not in self.held:
+            self.wanted.append(name)
+        self.held.setdefault(name, []).append((msg, time.monotonic() + HOLD_TIMEOUT_S))
+        self.held_rids.add(msg.rid)
+
+    def on_adapter_event(self, event: AdapterEvent) -> list[ReqError]:
+        """Apply a registry event; the requests held for its adapter are added now (or
+        answered: it was rejected or removed)."""
+        self.lifecycle.on_event(event)
+        if event.kind == "listed":  # a restarted registry: ask it again
+            self.wanted.extend(n for n in self.held if n in self.lifecycle.listed)
+        if event.name in self.lifecycle.listed:
+            return []
+        errors = []
+        for msg, _ in self.held.pop(event.name, []):
+            self.held_rids.discard(msg.rid)
+            error = self.add(msg)
+            if error is not None:
+                errors.append(error)
+        return errors
+
+    def expire_held(self, now: float) -> list[ReqError]:
+        """Fail the held requests whose adapter is still not validated after HOLD_TIMEOUT_S."""
+        errors = []
+        for name, waiting in list(self.held.items()):
+            for msg, deadline in [w for w in waiting if w[1] <= now]:
+                waiting.remove((msg, deadline))
+                self.held_rids.discard(msg.rid)
+                errors.append(ReqError(
+                    rid=msg.rid, code="adapter_not_ready", param=msg.adapter_param,
+                    status=503, message=f"adapter {name!r} is listed but still not validated "
+                                        f"after {HOLD_TIMEOUT_S:g} s; retry later"))
+            if not waiting:
+                del self.held[name]
+        return errors
+
+    def take_wanted(self) -> list[str]:
+        wanted, self.wanted = self.wanted, []
+        return wanted
+
     def abort(self, msg: AbortReq) -> None:
+        if msg.rid in self.held_rids:
+            self._unhold(msg.rid)
+            return
         group = self.reqs.get(msg.rid)
         if group is None:
             log.debug("abort of unknown or finished request %s", msg.rid)
@@ -159,6 +215,13 @@ class SchedulerService:
         for index, req in enumerate(group):
             if msg.index is None or msg.index == index:
                 self._drop(req)
+
+    def _unhold(self, rid: str) -> None:
+        self.held_rids.discard(rid)
+        for name, waiting in list(self.held.items()):
+            waiting[:] = [w for w in waiting if w[0].rid != rid]
+            if not waiting:
+                del self.held[name]
 
     def _drop(self, req: Req) -> None:
         if req.status is not ReqStatus.FINISHED:
@@ -394,12 +457,14 @@ class SchedulerLoop:
                            reject=self.to_tokenizer.send)
         self.heart = Heartbeats(ctx, args, "scheduler")
         self.events = subscribe(ctx, args.endpoints.registry) if args.adapter_dir else None
+        self.to_registry = Outbox(ctx, args.endpoints.registry_wants) if args.adapter_dir else None
         self.event_codec = Codec(AdapterEvent)
         self.poller = zmq.Poller()
         for sock in (self.inbox.sock, self.events):
             if sock is not None:
                 self.poller.register(sock, zmq.POLLIN)
         self.next_stats = 0.0
+        self.next_expiry_check = 0.0
         # admin calls in arrival order, each with its load's read (a future) or None; applied
         # on the loop from the head as their reads end, so the loop never reads an adapter
         self.admin_queue: collections.deque[tuple[AdminReq, Future | None]] = collections.deque()
@@ -417,6 +482,8 @@ class SchedulerLoop:
                     self.handle(msg)
             if self.admin_queue:
                 self.apply_admin()
+            if self.service.held or self.service.wanted:
+                self.tend_held()
             plan = self.service.next_plan()
             if plan is not None:
                 self.to_worker.send(plan)
@@ -445,9 +512,24 @@ class SchedulerLoop:
             if event is None:
                 continue
             try:
-                self.service.lifecycle.on_event(event)
+                for error in self.service.on_adapter_event(event):
+                    self.to_tokenizer.send(error)
             except Exception:  # noqa: BLE001 - one adapter event never stops the scheduler
                 log_failure("scheduler", event)
+
+    def tend_held(self) -> None:
+        """Ask the registry for the adapters held requests wait for; fail those waiting too
+        long."""
+        for name in self.service.take_wanted():
+            try:
+                self.to_registry.send(AdapterWanted(name=name), zmq.NOBLOCK)
+            except zmq.Again:  # the registry is down: its requests wait or expire
+                log.warning("the registry did not take the request for adapter %r", name)
+        now = time.monotonic()
+        if now >= self.next_expiry_check:
+            self.next_expiry_check = now + EXPIRY_CHECK_S
+            for error in self.service.expire_held(now):
+                self.to_tokenizer.send(error)
 
     def handle(self, msg) -> None:
         """dispatch(), with a failure answered (a request) or logged, never raised."""
