@@ -6,11 +6,13 @@ innermost `with s.adapter(...)`, else the base model)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from radixlora.errors import InvalidRequestError
 from radixlora.sampling import SamplingParams
+from radixlora.structured import Structure
 
 # None = the base model, a name = one adapter at weight 1, a list = a weighted stack.
 AdapterSpec = None | str | tuple[tuple[str, float], ...]
@@ -62,6 +64,15 @@ class GenParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    regex: str | None = None  # the output matches it (structured output)
+    json_schema: str | None = None  # the output is JSON valid against it
+
+    def structure(self) -> Structure | None:
+        if self.regex is not None:
+            return Structure("regex", self.regex, param="regex")
+        if self.json_schema is not None:
+            return Structure("json_schema", self.json_schema, param="json_schema")
+        return None
 
     def sampling_params(self) -> SamplingParams:
         """The Engine's SamplingParams (stop strings are applied by the backend)."""
@@ -74,6 +85,7 @@ class GenParams:
             seed=self.seed,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            structure=self.structure(),
         )
 
     def sglang(self) -> dict:
@@ -92,6 +104,10 @@ class GenParams:
             out["stop_token_ids"] = list(self.stop_token_ids)
         if self.seed is not None:
             out["sampling_seed"] = self.seed
+        if self.regex is not None:
+            out["regex"] = self.regex
+        if self.json_schema is not None:
+            out["json_schema"] = self.json_schema
         return out
 
 
@@ -152,12 +168,21 @@ def gen(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     adapter=UNSET,
+    regex: str | None = None,
+    json_schema: str | dict | None = None,
 ) -> Gen:
     """Generate text from the state so far and append it; stored as `s[name]`. The output is
-    cut just before the first stop string (the stop string itself is not appended)."""
+    cut just before the first stop string (the stop string itself is not appended). With
+    `regex` the output matches it; with `json_schema` (a dict or its JSON text) it is JSON
+    valid against it."""
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if regex is not None and json_schema is not None:
+        raise InvalidRequestError("give regex or json_schema, not both", param="json_schema")
+    if isinstance(json_schema, dict):
+        json_schema = json.dumps(json_schema)
     params = GenParams(
-        max_tokens, temperature, top_p, top_k, min_p, seed, stops, tuple(stop_token_ids), ignore_eos
+        max_tokens, temperature, top_p, top_k, min_p, seed, stops, tuple(stop_token_ids),
+        ignore_eos, regex, json_schema,
     )
     return Gen(name, params, _adapter_arg(adapter))
 

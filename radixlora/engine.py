@@ -30,6 +30,7 @@ from radixlora.server.detokenize import IncrementalDecoder, StopMatcher
 from radixlora.startup import phase_line
 from radixlora.step_loop import StepLoop
 from radixlora.step_plan import AdapterLoad
+from radixlora.structured import GrammarCompiler
 from radixlora.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,9 @@ class Engine:
             self.model_cfg, self.config.max_rank, self.config.max_stacked, self.config.adapter_rows
         )
         self.intake = Intake(self.model_cfg, self.base_version, self.registry, self.scheduler,
-                             self.config.seed)
+                             self.config.seed, grammars=GrammarCompiler.for_dir(
+                                 self.model_path, self.model_cfg.vocab_size,
+                                 tuple(self.model_cfg.eos_token_ids)))
         self.loop = StepLoop(self.scheduler, self.config.overlap_schedule)
         # every adapter version a name or a live request still holds, for the executor's loads
         self._versions: weakref.WeakValueDictionary[str, LoraAdapter] = (

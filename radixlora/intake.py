@@ -22,6 +22,7 @@ from radixlora.request import (
 )
 from radixlora.sampling import SamplingParams
 from radixlora.scheduler import Scheduler
+from radixlora.structured import GrammarCompiler, Matcher, Structure
 
 
 def max_total_tokens(model_cfg: ModelConfig, config: EngineConfig) -> int:
@@ -66,8 +67,10 @@ class Intake:
     model (the server's --adapter-failure-policy base) and `fallback` says why."""
 
     def __init__(self, model_cfg: ModelConfig, base_version: str, adapters: AdapterRegistry,
-                 scheduler: Scheduler, seed: int, fallback_to_base: bool = False):
+                 scheduler: Scheduler, seed: int, fallback_to_base: bool = False,
+                 grammars: GrammarCompiler | None = None):
         self.model_cfg = model_cfg
+        self.grammars = grammars  # structured output; None: the model has no tokenizer.json
         self.base_version = base_version
         self.adapters = adapters
         self.scheduler = scheduler
@@ -83,6 +86,9 @@ class Intake:
         params.validate(self.model_cfg.vocab_size)
         check_logprob_start(logprob_start, len(ids))
         adapter_set, fallback = self.resolve(choices)
+        grammar = self.compile(params.structure)
+        if grammar is not None:
+            params = msgspec.structs.replace(params, structure=None)  # plans carry the mask
         base_seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         reqs = build_requests(
             rid, ids, params, adapter_set,
@@ -90,10 +96,20 @@ class Intake:
                             self.scheduler.config.lora_dtype), base_seed,
             self.eos_ids, share_prompt=self.scheduler.tree is not None,
         )
-        for req in reqs:
+        for index, req in enumerate(reqs):
             req.logprob_start = logprob_start
+            if grammar is not None:
+                req.grammar = grammar if index == 0 else grammar.copy()
             self.scheduler.check_admissible(req)
         return reqs, fallback
+
+    def compile(self, structure: Structure | None) -> Matcher | None:
+        if structure is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequestError("structured output needs the model's tokenizer.json",
+                                      param=structure.param)
+        return self.grammars.compile(structure)
 
     def resolve(self, choices: list[AdapterChoice] | None) -> tuple[AdapterSet, str]:
         try:

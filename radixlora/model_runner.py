@@ -34,6 +34,7 @@ from radixlora.sampling import (
     SampleOutput,
     SamplingBatch,
     SamplingParams,
+    TokenMask,
     needs_adjustments,
     sample,
     with_top_logprobs,
@@ -279,7 +280,8 @@ class ModelRunner:
         segments = _lora_segments(plan)
         scored = _scored_rows(plan)
         resolve = self._resolve_placeholders if (host["input_ids"] < 0).any() else None
-        adjusted = any(needs_adjustments(i.params, i.out_index) for i in plan.items if i.sample)
+        adjusted = any(needs_adjustments(i.params, i.out_index) or i.allowed is not None
+                       for i in plan.items if i.sample)
         key = self._graph_key(host, segments) if scored is None and not adjusted else None
         step = LaunchedStep()
         if key is not None:
@@ -325,7 +327,8 @@ class ModelRunner:
         adjust = LogitAdjustments.build([i.params for i in sampled],
                                         [i.out_index for i in sampled], self.cfg.eos_token_ids)
         penalties = self._penalties(plan.items, host["input_ids"])
-        processors = tuple(p for p in (adjust, penalties) if p is not None)
+        mask = TokenMask.build([i.allowed for i in sampled])
+        processors = tuple(p for p in (adjust, penalties, mask) if p is not None)
         return sample(logits, self._sampling_batch(sampled), processors)
 
     def _penalties(self, items: list[PlanItem], input_ids: np.ndarray) -> Penalties | None:

@@ -137,6 +137,9 @@ class Req:
     logprob_start: int | None = None
     input_logprobs: list[float] = field(default_factory=list)
     input_top: list[list[tuple[int, float]]] = field(default_factory=list)  # with k > 0
+    # structured output (radixlora.structured.Matcher): advanced with each folded token; the
+    # request is planned to sample only once its newest token is folded
+    grammar: object = None
 
     @property
     def kv_slots(self) -> np.ndarray:

@@ -16,6 +16,7 @@ import torch
 from radixlora.device import to_device
 from radixlora.errors import InvalidRequestError
 from radixlora.kernels.sampling import sample_tokens, sample_tokens_ref
+from radixlora.structured import Structure
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
@@ -53,6 +54,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # the output must match it (radixlora.structured): a JSON schema, any JSON object, a
+    # regular expression, a choice of strings or a grammar
+    structure: Structure | None = None
 
     def __post_init__(self):
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -231,6 +235,36 @@ class Penalties:
         r = to_device(self.repetition, torch.float32, dev)[:, None].expand_as(x)
         x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
         logits[rows] = x
+
+
+@dataclass
+class TokenMask:
+    """Structured output: each masked row may sample only the tokens its bitmask allows
+    (radixlora.structured; int32 words, bit t % 32 of word t // 32 is token t). Applied after
+    the other processors; a row they left with no allowed finite logit samples uniformly
+    among its allowed tokens."""
+
+    rows: np.ndarray  # [M] int64
+    words: np.ndarray  # [M, ceil(V / 32)] int32
+
+    @classmethod
+    def build(cls, masks: list[bytes | None]) -> TokenMask | None:
+        rows = [row for row, mask in enumerate(masks) if mask is not None]
+        if not rows:
+            return None
+        words = np.stack([np.frombuffer(masks[r], np.int32) for r in rows])
+        return cls(np.array(rows, np.int64), words)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        dev, vocab = logits.device, logits.shape[1]
+        rows = to_device(self.rows, torch.int64, dev)
+        words = to_device(self.words, torch.int32, dev)
+        shifts = torch.arange(32, dtype=torch.int32, device=dev)
+        allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
+        x = logits[rows].masked_fill(~allowed, -math.inf)
+        stuck = ~torch.isfinite(x).any(dim=1, keepdim=True)
+        zeros = torch.zeros_like(x)
+        logits[rows] = torch.where(stuck, zeros.masked_fill(~allowed, -math.inf), x)
 
 
 def penalized(params: SamplingParams) -> bool:

@@ -30,6 +30,7 @@ from radixlora.radix_cache import RadixCache
 from radixlora.request import Req, ReqStatus
 from radixlora.sampling import penalized
 from radixlora.step_plan import AdapterLoad, GroupRows, PlanItem, StepPlan, ids_to_bytes
+from radixlora.structured import next_token_masks
 from radixlora.token_bucket import SwapCap
 
 AGING_STEPS = 64
@@ -75,6 +76,10 @@ class BatchPlan:
 
     def to_step_plan(self, step: int) -> StepPlan:
         index = {key: i for i, key in enumerate(self.lora_rows)}
+        structured = [k for k, item in enumerate(self.items)
+                      if item.sample and item.req.grammar is not None]
+        masks = dict(zip(structured, next_token_masks([self.items[k].req.grammar
+                                                       for k in structured])))
         items = [
             PlanItem(
                 extend_len=len(item.extend_ids),
@@ -86,9 +91,10 @@ class BatchPlan:
                 adapter_set=index[item.req.adapter_set.key],
                 score_from=item.score_from,
                 score_ids=None if item.score_ids is None else ids_to_bytes(item.score_ids),
+                allowed=masks.get(k),
                 **_penalty_history(item),
             )
-            for item in self.items
+            for k, item in enumerate(self.items)
         ]
         input_ids = np.concatenate([item.extend_ids for item in self.items])
         kv_slots = np.concatenate(
@@ -217,6 +223,8 @@ class Scheduler:
         for req in self.running:
             if len(req.output_ids) + req.pending >= req.params.max_tokens:
                 continue  # its last token is being sampled
+            if req.pending and req.grammar is not None:
+                continue  # its next mask needs the token being sampled
             n = min(req.remaining_prefill, budget - used)
             if n > 0:
                 wanted.append((req, n))
@@ -258,6 +266,8 @@ class Scheduler:
                 continue  # retracted while an older request made room
             if len(req.output_ids) + req.pending >= req.params.max_tokens:
                 continue  # its last token is being sampled
+            if req.pending and req.grammar is not None:
+                continue  # its next mask needs the token being sampled
             n = min(req.remaining_prefill, budget - used)
             if n <= 0:
                 continue
@@ -554,6 +564,8 @@ class Scheduler:
                 continue
             req.output_ids.append(tokens[i])
             req.output_logprobs.append(logprobs[i])
+            if req.grammar is not None:
+                req.grammar.advance(tokens[i])
             if top is not None and req.params.logprobs:
                 req.top_logprobs.append(top[i][: req.params.logprobs])
             if not req.prompt_cached:

@@ -39,6 +39,9 @@ class PlanItem(msgspec.Struct, array_like=True):
     # placeholder), and with a repetition penalty its prompt tokens
     output_ids: bytes | None = None
     prompt_ids: bytes | None = None
+    # structured output: the tokens this item may sample, a little-endian int32 bitmask of
+    # ceil(vocab / 32) words (radixlora.structured)
+    allowed: bytes | None = None
 
 
 class AdapterLoad(msgspec.Struct, array_like=True):

@@ -402,6 +402,8 @@ def test_vllm_and_sglang_flags_map_onto_the_engine_config():
     assert config == {"page_size": 4, "seed": 7, "enable_radix_cache": False}
     assert resolved_overrides(parse("--random-seed", "0"), DEMO_MODEL_DIR) == {"seed": 0}
     assert resolved_overrides(parse("--enable-prefix-caching"), DEMO_MODEL_DIR) == {}
+    for backend in ("--guided-decoding-backend guidance", "--grammar-backend llguidance"):
+        assert resolved_overrides(parse(*backend.split()), DEMO_MODEL_DIR) == {}
 
 
 @pytest.mark.parametrize("argv, code, reason", [
@@ -411,7 +413,7 @@ def test_vllm_and_sglang_flags_map_onto_the_engine_config():
     (("--lora-backend", "triton"), 2, "chosen per device"),
     (("--enable-auto-tool-choice",), 2, "tool calling is not supported yet"),
     (("--tool-call-parser", "hermes"), 2, "requests with tools are refused"),
-    (("--grammar-backend", "xgrammar"), 2, "structured output is not supported yet"),
+    (("--grammar-backend", "xgrammar"), 2, "invalid choice: 'xgrammar'"),
     (("--chat-template", "no/such/file.jinja"), 1, "no such file, and not a Jinja template"),
     (("--chat-template", "{% for m in messages %}"), 1, "does not compile"),
     (("--tokenizer", "/"), 1, "no tokenizer.json"),

@@ -7,8 +7,11 @@ is dropped instead of honoured gives the base model's answer and fails."""
 from __future__ import annotations
 
 import json
+import re
+from typing import Literal
 
 import openai
+import pydantic
 import pytest
 
 from radixlora.demo import format_prompt
@@ -122,7 +125,7 @@ UNSUPPORTED_CHAT = [
     ("tool_choice", "required"),
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
-    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "structural_tag"}),
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]),
     ("metadata", {"k": "v"}),
@@ -157,7 +160,7 @@ def test_unsupported_message_and_completion_fields_are_named(server):
             {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "messages[0].content"),
         ("/v1/completions", {"prompt": PROMPT, "suffix": "x"}, "suffix"),
         ("/v1/completions", {"prompt": PROMPT, "best_of": 3}, "best_of"),
-        ("/generate", {"text": PROMPT, "sampling_params": {"regex": "a+"}}, "regex"),
+        ("/generate", {"text": PROMPT, "sampling_params": {"stop_regex": "a+"}}, "stop_regex"),
         ("/generate", {"text": PROMPT, "image_data": "x.png"}, "image_data"),
         ("/generate", {"text": PROMPT, "token_ids_logprob": [1, 2]}, "token_ids_logprob"),
         ("/generate", {"text": PROMPT, "log_metrics": False}, "log_metrics"),
@@ -283,3 +286,80 @@ def test_unknown_names_say_what_is_served_and_name_the_right_field(server):
         assert (err["code"], err["param"]) == ("adapter_not_found", param), body
         assert f"base model {BASE!r}" in err["message"] and "upper" in err["message"]
     assert errors() - before == len(cases)
+
+
+# ---- structured output -----------------------------------------------------------------------
+
+
+class Fish(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    colour: Literal["red", "blue"]
+    count: int = pydantic.Field(ge=0, le=99)
+    tags: list[Literal["a", "b"]] = pydantic.Field(max_length=2)
+
+
+ADAPTERS = (BASE, "upper", "reverse", "digits", "json")
+
+
+@pytest.mark.parametrize("model", ADAPTERS)
+def test_json_schema_output_validates_for_every_demo_adapter(client, model):
+    """The openai SDK's parse() (as LangChain's with_structured_output sends it): strict
+    json_schema from a pydantic model; the content validates, on the base and each adapter."""
+    out = client.chat.completions.parse(
+        model=model, messages=[{"role": "user", "content": WORDS}], max_tokens=60,
+        temperature=0, response_format=Fish)
+    message = out.choices[0].message
+    assert out.choices[0].finish_reason == "stop", message.content
+    assert isinstance(message.parsed, Fish)
+    Fish.model_validate_json(message.content)
+
+
+def test_every_structured_output_field_constrains_the_output(client, server):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+              "required": ["ok"], "additionalProperties": False}
+    # the json adapter writes JSON as json.dumps does, so the constraint leaves its answer be
+    text = chat(client, "json", response_format={"type": "json_object"})
+    assert json.loads(text) == {"words": WORDS.split()}
+    for extra in ({"guided_json": schema}, {"structured_outputs": {"json": schema}}):
+        assert json.loads(complete(client, "reverse", **extra)[0]).keys() == {"ok"}
+    for extra in ({"guided_regex": "[0-9]{3}-[a-z]{2}"}, {"regex": "[0-9]{3}-[a-z]{2}"},
+                  {"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}):
+        assert re.fullmatch("[0-9]{3}-[a-z]{2}", chat(client, **extra)), extra
+    for extra in ({"guided_choice": ["fox", "fish"]},
+                  {"structured_outputs": {"choice": ["fox", "fish"]}}):
+        assert complete(client, "digits", **extra)[0] in ("fox", "fish")
+    grammar = 'root ::= "yes" | "no"'
+    assert chat(client, ebnf=grammar) in ("yes", "no")
+    assert chat(client, guided_grammar=grammar) in ("yes", "no")
+    for sampling in ({"regex": "[A-Z]{4}"}, {"json_schema": json.dumps(schema)},
+                     {"ebnf": grammar}):
+        body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 30, "temperature": 0,
+                                                    **sampling}}
+        out = server.http.post("/generate", json=body).json()["text"]
+        if "regex" in sampling:
+            assert re.fullmatch("[A-Z]{4}", out), out
+        elif "json_schema" in sampling:
+            assert json.loads(out).keys() == {"ok"}
+        else:
+            assert out in ("yes", "no")
+
+
+def test_bad_structured_output_requests_name_their_field(server):
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
+         "response_format"),
+        ({"guided_regex": "a(b"}, "guided_regex"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"regex": "a+", "guided_json": {"type": "object"}}, "regex"),
+        ({"ebnf": "root ::= ("}, "ebnf"),
+    ]
+    for extra, param in cases:
+        body = {"model": BASE, "messages": [{"role": "user", "content": WORDS}],
+                "max_tokens": 4, **extra}
+        resp = server.http.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 400, (extra, resp.text)
+        assert resp.json()["error"]["param"] == param, (extra, resp.text)
+    body = {"text": PROMPT, "sampling_params": {"regex": "a(", "max_new_tokens": 4}}
+    resp = server.http.post("/generate", json=body)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "sampling_params.regex"

@@ -5,6 +5,7 @@ every batch line."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -142,3 +143,32 @@ def test_batch_against_the_server(engine, server, tmp_path):
     for i, model in enumerate(list(specs) * 3):
         body = records[f"r{i}"]["response"]["body"]
         assert body["choices"][0]["text"] == direct(engine, f"{i} {PROMPT}", specs[model], 6)
+
+
+@function
+def constrained(s, adapter, **structure):
+    s += PROMPT
+    s += gen("out", max_tokens=30, temperature=0.0, adapter=adapter, **structure)
+
+
+@pytest.mark.parametrize("structure", [{"regex": "[a-z]{3}-[0-9]{2}"},
+                                       {"json_schema": {"type": "object",
+                                                        "properties": {"ok": {"type": "boolean"}},
+                                                        "required": ["ok"],
+                                                        "additionalProperties": False}}])
+def test_gen_structured_over_http_equals_in_process(engine, endpoint, structure):
+    """gen(regex=...) and gen(json_schema=...) reach the server's /generate and give what the
+    same program gives on the in-process Engine; the output matches its structure."""
+    from radixlora.frontend import Runtime
+
+    over_http = constrained.run("legal", backend=endpoint, **structure)["out"]
+    runtime = Runtime(engine)
+    try:
+        in_process = constrained.run("legal", backend=runtime, **structure)["out"]
+    finally:
+        runtime.shutdown()
+    assert over_http == in_process
+    if "regex" in structure:
+        assert re.fullmatch(structure["regex"], over_http), over_http
+    else:
+        assert json.loads(over_http) == {"ok": json.loads(over_http)["ok"]}

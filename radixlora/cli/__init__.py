@@ -347,6 +347,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="a Jinja chat template file, or the template itself (default: the "
                         "tokenizer's chat_template.jinja or tokenizer_config.json)")
+    p.add_argument("--guided-decoding-backend", "--grammar-backend", dest="grammar_backend",
+                   choices=GRAMMAR_BACKENDS, default="auto",
+                   help="structured output always runs on llguidance; vLLM's `guidance` and "
+                        "SGLang's `llguidance` name it")
     add_engine_flags(p)
     add_refused_flags(p)
     p.set_defaults(func=serve)
@@ -363,10 +367,9 @@ REFUSED_FLAGS = {
                          "on a GPU, torch on the CPU)",
     ("--enable-auto-tool-choice", "--tool-call-parser"): "tool calling is not supported yet: "
                                                          "requests with tools are refused",
-    ("--guided-decoding-backend", "--grammar-backend"): "structured output is not supported "
-                                                        "yet: response_format JSON modes and "
-                                                        "guided/regex fields are refused",
 }
+# structured output runs on llguidance: the peers' names for it (and auto) are accepted
+GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
 
 
 def add_refused_flags(p: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ from radixlora.adapters import BASE_ALIAS
 from radixlora.errors import InvalidRequestError
 from radixlora.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from radixlora.server.messages import AdapterChoice, ChatMessage
+from radixlora.structured import Structure
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -70,6 +71,16 @@ class _Sampling(Strict):
     adapter_id: str | None = None
     skip_special_tokens: bool = True  # vLLM: special tokens left out of the text
     include_stop_str_in_output: bool = False  # vLLM: the matched stop string ends the text
+    # structured output (structure_of): OpenAI's response_format, vLLM's structured_outputs
+    # and older guided_* fields, SGLang's regex / ebnf
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self):
         self.n = 1 if self.n is None else self.n  # null means the default, as at OpenAI
@@ -124,7 +135,6 @@ class ChatRequest(_Sampling, kw_only=True):
     tool_choice: object = None
     functions: object = None
     function_call: object = None
-    response_format: object = None
     audio: object = None
     modalities: object = None
     metadata: object = None
@@ -146,7 +156,6 @@ NEUTRAL_CHAT: dict[str, tuple] = {
     "functions": ([],),
     "tool_choice": ("none",),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "audio": (),
     "modalities": (["text"],),
     "metadata": ({},),
@@ -189,10 +198,10 @@ class SglSamplingParams(Strict):
     # accepted only at the value that asks for nothing radixlora lacks (NEUTRAL_SGL_SAMPLING)
     min_new_tokens: Int32 | None = None
     logit_bias: dict[str, float] | None = None
+    regex: str | None = None  # structured output (sgl_structure)
+    json_schema: str | None = None
+    ebnf: str | None = None
     stop_regex: object = None
-    regex: object = None
-    json_schema: object = None
-    ebnf: object = None
     structural_tag: object = None
     beam_width: object = None
     stream_interval: object = None
@@ -202,9 +211,6 @@ class SglSamplingParams(Strict):
 
 NEUTRAL_SGL_SAMPLING: dict[str, tuple] = {
     "stop_regex": ([], ""),
-    "regex": (),
-    "json_schema": (),
-    "ebnf": (),
     "structural_tag": (),
     "beam_width": (),
     "stream_interval": (1,),
@@ -441,7 +447,90 @@ def _common(req: _Sampling, vocab_size: int, max_tokens, logprobs) -> SamplingPa
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty,
+        structure=structure_of(req),
     )
+
+
+def structure_of(req: _Sampling) -> Structure | None:
+    """The one structured-output constraint of an OpenAI-style request, whichever field gave
+    it; two of them are a 400."""
+    found = [(name, value) for name in STRUCTURE_FIELDS
+             if (value := getattr(req, name)) is not None]
+    found = [(n, v) for n, v in found if not (n == "response_format" and _plain_text(v))]
+    if len(found) > 1:
+        raise InvalidRequestError(f"{found[0][0]} and {found[1][0]} both constrain the output: "
+                                  "give one", param=found[1][0])
+    if not found:
+        return None
+    name, value = found[0]
+    if name == "response_format":
+        return _response_format(value)
+    if name == "structured_outputs":
+        return _structured_outputs(value)
+    kind = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+            "guided_grammar": "grammar", "regex": "regex", "ebnf": "grammar"}[name]
+    return Structure(kind, _text(value), param=name)
+
+
+STRUCTURE_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                    "guided_choice", "guided_grammar", "regex", "ebnf")
+VLLM_STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice",
+                   "grammar": "grammar"}
+
+
+def _plain_text(response_format: dict) -> bool:
+    return response_format.get("type") == "text"
+
+
+def _text(value) -> str:
+    """A schema, pattern, choice list or grammar as Structure holds it (JSON for the first
+    and the third when given as objects)."""
+    return value if isinstance(value, str) else msgspec.json.encode(value).decode()
+
+
+def _response_format(value: dict) -> Structure:
+    kind = value.get("type")
+    if kind == "json_object":
+        return Structure("json_object", param="response_format")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise InvalidRequestError("response_format.json_schema must be an object with a "
+                                      "`schema` object", param="response_format")
+        schema = spec.get("schema", {"type": "object"})
+        return Structure("json_schema", _text(schema), param="response_format",
+                         strict=bool(spec.get("strict")))
+    raise InvalidRequestError(f"response_format type {kind!r} is not supported (text, "
+                              "json_object, json_schema)", param="response_format",
+                              code="unsupported_parameter")
+
+
+def _structured_outputs(value: dict) -> Structure:
+    """vLLM's structured_outputs: one of json, regex, choice, grammar, json_object."""
+    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    if given.keys() == {"json_object"}:
+        return Structure("json_object", param="structured_outputs")
+    if len(given) != 1 or next(iter(given)) not in VLLM_STRUCTURED:
+        raise InvalidRequestError("structured_outputs takes exactly one of json, regex, "
+                                  "choice, grammar, json_object", param="structured_outputs")
+    key, spec = next(iter(given.items()))
+    return Structure(VLLM_STRUCTURED[key], _text(spec), param=f"structured_outputs.{key}")
+
+
+def sgl_structure(sp: SglSamplingParams) -> Structure | None:
+    """SGLang's regex / json_schema / ebnf sampling parameter; two of them are a 400."""
+    found = [(name, value) for name, value in (("regex", sp.regex),
+                                               ("json_schema", sp.json_schema),
+                                               ("ebnf", sp.ebnf)) if value is not None]
+    if len(found) > 1:
+        raise InvalidRequestError(f"sampling_params.{found[0][0]} and {found[1][0]} both "
+                                  "constrain the output: give one",
+                                  param=f"sampling_params.{found[1][0]}")
+    if not found:
+        return None
+    name, value = found[0]
+    kind = {"regex": "regex", "json_schema": "json_schema", "ebnf": "grammar"}[name]
+    return Structure(kind, value, param=f"sampling_params.{name}")
 
 
 def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...] | None:

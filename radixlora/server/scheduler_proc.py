@@ -56,6 +56,7 @@ from radixlora.server.messages import (
 )
 from radixlora.step_loop import StepLoop
 from radixlora.step_plan import AdapterLoad, StepPlan
+from radixlora.structured import GrammarCompiler
 from radixlora.token_bucket import SwapCap
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,10 @@ class SchedulerService:
         base = base_version(Path(args.model), self.config.load_format)
         self.intake = Intake(self.model_cfg, base, self.adapters, self.scheduler,
                              self.config.seed,
-                             fallback_to_base=args.adapter_failure_policy == "base")
+                             fallback_to_base=args.adapter_failure_policy == "base",
+                             grammars=GrammarCompiler.for_dir(
+                                 args.tokenizer_dir, self.model_cfg.vocab_size,
+                                 tuple(self.model_cfg.eos_token_ids)))
         self.loop = StepLoop(self.scheduler, self.config.overlap_schedule)
         self.num_loads = 0
         self.num_load_failures = 0

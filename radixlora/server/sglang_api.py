@@ -36,6 +36,7 @@ from radixlora.server.protocol import (
     logit_bias_pairs,
     prompt_adapters,
     refuse_unsupported,
+    sgl_structure,
     stop_list,
 )
 
@@ -97,6 +98,7 @@ class SglangHandlers:
             presence_penalty=sp.presence_penalty,
             frequency_penalty=sp.frequency_penalty,
             repetition_penalty=sp.repetition_penalty,
+            structure=sgl_structure(sp),
         )
 
     async def generate(self, request: Request, req: GenerateRequest, owner: str):
