@@ -349,11 +349,11 @@ class EngineClient:
     def chat(self, req: ChatRequest) -> dict:
         _no_stream(req.stream)
         _default_text_options(req)
-        params = chat_params(req, self.vocab_size)
+        params, tools = chat_params(req, self.vocab_size)
         adapters = _spec(request_adapters(req, self.model_name)[0])
         text = self.runtime.chat_template.prompt(
             [m.as_dict() for m in chat_messages(req.messages)], req.add_generation_prompt,
-            req.continue_final_message, req.chat_template_kwargs)
+            req.continue_final_message, req.chat_template_kwargs, req.tools or None)
         ids = self.runtime.engine.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = req.max_tokens if req.max_completion_tokens is None else (
             req.max_completion_tokens)
@@ -361,12 +361,11 @@ class EngineClient:
             ids, self._params(params, ids, max_tokens), adapters, stop_list(req.stop)
         )
         samples = future.result()
-        choices = [
-            chat_choice(
-                i, r.text, self._chat_logprobs(r) if req.logprobs else None, r.finish_reason
-            )
-            for i, r in enumerate(samples)
-        ]
+        choices = []
+        for i, r in enumerate(samples):
+            message, finish_reason = tools.message(r.text, r.finish_reason)
+            choices.append(chat_choice(i, message, self._chat_logprobs(r) if req.logprobs
+                                       else None, finish_reason))
         return _body("chatcmpl", "chat.completion", req.model, choices, [samples])
 
     def _ids(self, prompt: str | list[int]) -> list[int]:

@@ -121,8 +121,6 @@ def test_unknown_fields_are_listed(server):
 
 
 UNSUPPORTED_CHAT = [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "required"),
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
     ("response_format", {"type": "structural_tag"}),
@@ -154,8 +152,8 @@ def test_unsupported_chat_fields_are_named(server, field, value):
 def test_unsupported_message_and_completion_fields_are_named(server):
     cases = [
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": WORDS,
-                                                "tool_call_id": "a"}]},
-         "messages[0].tool_call_id"),
+                                                "function_call": {"name": "f"}}]},
+         "messages[0].function_call"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "messages[0].content"),
         ("/v1/completions", {"prompt": PROMPT, "suffix": "x"}, "suffix"),
@@ -363,3 +361,16 @@ def test_bad_structured_output_requests_name_their_field(server):
     body = {"text": PROMPT, "sampling_params": {"regex": "a(", "max_new_tokens": 4}}
     resp = server.http.post("/generate", json=body)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "sampling_params.regex"
+
+
+def test_tools_with_auto_choice_need_a_tool_call_parser(server):
+    """This server has no --tool-call-parser: tools with tool_choice auto (the default) are a
+    400 saying so; "none" serves plain content."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"model": BASE, "messages": [{"role": "user", "content": WORDS}], "max_tokens": 40,
+            "temperature": 0, "tools": tools}
+    resp = server.http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400 and "--tool-call-parser" in resp.text
+    assert resp.json()["error"]["param"] == "tool_choice"
+    plain = server.http.post("/v1/chat/completions", json={**body, "tool_choice": "none"})
+    assert plain.json()["choices"][0]["message"]["content"].strip() == WANT[None]

@@ -26,6 +26,7 @@ from radixlora.cli.flags import (
     positive,
     resolved_overrides,
 )
+from radixlora.tools import PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 log = logging.getLogger("radixlora.cli")
@@ -222,6 +223,7 @@ def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], serv
         api_key=args.api_key or os.environ.get("RADIXLORA_API_KEY", ""),
         zmq_client_key=args.zmq_client_key or os.environ.get("RADIXLORA_ZMQ_CLIENT_KEY", ""),
         allowed_adapter_roots=args.allowed_adapter_root,
+        tool_call_parser=args.tool_call_parser,
     )
 
 
@@ -347,6 +349,13 @@ def _serve_parser(sub) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="a Jinja chat template file, or the template itself (default: the "
                         "tokenizer's chat_template.jinja or tokenizer_config.json)")
+    p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                   help="the model family's tool-call format, for tool_choice \"auto\" (the "
+                        "default with tools): hermes (also qwen25, qwen: <tool_call>), "
+                        "llama3_json (llama3), mistral ([TOOL_CALLS]); without it only "
+                        "\"required\" and named tool_choice are served")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's: accepted; tool_choice \"auto\" is on with --tool-call-parser")
     p.add_argument("--guided-decoding-backend", "--grammar-backend", dest="grammar_backend",
                    choices=GRAMMAR_BACKENDS, default="auto",
                    help="structured output always runs on llguidance; vLLM's `guidance` and "
@@ -365,8 +374,6 @@ REFUSED_FLAGS = {
                                 "its slice of every adapter already",
     ("--lora-backend",): "not supported: the LoRA kernels are chosen per device (Triton SGMV "
                          "on a GPU, torch on the CPU)",
-    ("--enable-auto-tool-choice", "--tool-call-parser"): "tool calling is not supported yet: "
-                                                         "requests with tools are refused",
 }
 # structured output runs on llguidance: the peers' names for it (and auto) are accepted
 GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")

@@ -90,7 +90,8 @@ class Api:
         self.metrics = metrics
         self.pids = pids
         self.started = time.time()
-        self.openai = OpenAIHandlers(runtime, args.model_name, vocab_size)
+        self.openai = OpenAIHandlers(runtime, args.model_name, vocab_size,
+                                     args.tool_call_parser)
         self.sglang = SglangHandlers(runtime, args.model_name, vocab_size)
         self.access = Access(args.api_key, args.admin_api_key, args.enable_admin)
         self.admin = AdminHandlers(args, runtime, self.access)

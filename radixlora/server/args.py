@@ -101,6 +101,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     state_root: str | None = None  # --state-dir: where the launcher makes state_dir
     # hot-swap (docs/server.md, "Hot-swap")
     adapter_dir: str | None = None  # watched by the registry process
+    tool_call_parser: str | None = None  # radixlora.tools.PARSERS: tool_choice "auto"
     adapter_rate: float = 1.0  # new adapters admitted per second (token bucket)
     adapter_burst: int = 1
     adapter_quiet_s: float = 0.5  # a changed adapter directory must be quiet this long

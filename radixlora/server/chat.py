@@ -117,23 +117,24 @@ class ChatTemplate:
 
     def prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                continue_final_message: bool = False,
-               template_kwargs: dict | None = None) -> str:
+               template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
         """A chat request's prompt, with vLLM's options: `template_kwargs`
         (chat_template_kwargs) are more template variables; continue_final_message renders the
         last message left open, the text cut right after its content (as transformers'
-        apply_chat_template does), for the model to continue it."""
+        apply_chat_template does), for the model to continue it. `tools`: the request's tools
+        (OpenAI's shape, which Hugging Face templates take)."""
         kwargs = template_kwargs or {}
         reserved = sorted(RESERVED_VARIABLES & kwargs.keys())
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}",
                                       param="chat_template_kwargs")
         if not continue_final_message:
-            return self.render(messages, add_generation_prompt, **kwargs)
+            return self.render(messages, add_generation_prompt, tools, **kwargs)
         if add_generation_prompt:
             raise InvalidRequestError("continue_final_message needs add_generation_prompt: "
                                       "false", param="continue_final_message")
         final = messages[-1]["content"]
-        text = self.render(messages, False, **kwargs)
+        text = self.render(messages, False, tools, **kwargs)
         for probe in (final, final.strip()):
             end = text.rfind(probe) if probe else -1
             if end >= 0:

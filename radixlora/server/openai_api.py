@@ -40,13 +40,16 @@ from radixlora.server.responses import (
     response_head,
     usage,
 )
+from radixlora.tools import ToolChoice
 
 
 class OpenAIHandlers:
-    def __init__(self, runtime: ProcessBridge, model_name: str, vocab_size: int):
+    def __init__(self, runtime: ProcessBridge, model_name: str, vocab_size: int,
+                 tool_parser: str | None = None):
         self.runtime = runtime
         self.model_name = model_name
         self.vocab_size = vocab_size
+        self.tool_parser = tool_parser  # --tool-call-parser
 
     # ---- /v1/completions ---------------------------------------------------------------------
 
@@ -131,8 +134,8 @@ class OpenAIHandlers:
         """The response's model: the request's, or the base's name when it named none."""
         return self.model_name if req.model in ("", BASE_ALIAS) else req.model
 
-    def chat_req(self, req: ChatRequest, rid: str) -> tuple[GenerateReq, str]:
-        params = chat_params(req, self.vocab_size)
+    def chat_req(self, req: ChatRequest, rid: str) -> tuple[GenerateReq, str, ToolChoice]:
+        params, tools = chat_params(req, self.vocab_size, self.tool_parser)
         choices = request_adapters(req, self.model_name)[0]
         max_tokens = req.max_tokens if req.max_completion_tokens is None else (
             req.max_completion_tokens)
@@ -141,43 +144,61 @@ class OpenAIHandlers:
             messages=chat_messages(req.messages),
             chat=ChatOptions(add_generation_prompt=req.add_generation_prompt,
                              continue_final_message=req.continue_final_message,
-                             template_kwargs=req.chat_template_kwargs or {}),
+                             template_kwargs=req.chat_template_kwargs or {},
+                             tools=req.tools or None),
             adapters=choices, adapter_param=adapter_field(req), stop=stop_list(req.stop),
             include_stop=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, token_texts=bool(req.logprobs),
         )
-        return gen, adapter_label(choices)
+        return gen, adapter_label(choices), tools
 
     async def chat(self, request: Request, req: ChatRequest, owner: str):
         head = response_head("chatcmpl", "chat.completion", self._model(req))
-        gen_req, label = self.chat_req(req, head["id"])
+        gen_req, label, tools = self.chat_req(req, head["id"])
         gens = self.runtime.submit([gen_req], label, owner)
         if req.stream:
             head["object"] = "chat.completion.chunk"
-            return await self._stream(request, gens, self._chat_chunks(gens, head, req))
+            return await self._stream(request, gens, self._chat_chunks(gens, head, req, tools))
         await until_disconnect(request, self.runtime.collect(gens))
-        choices = [
-            chat_choice(
-                s.index, s.text, _chat_logprobs(s) if req.logprobs else None, s.finish_reason
-            )
-            for s in sorted(gens[0].samples.values(), key=lambda s: s.index)
-        ]
+        choices = []
+        for s in sorted(gens[0].samples.values(), key=lambda s: s.index):
+            message, finish_reason = tools.message(s.text, s.finish_reason)
+            choices.append(chat_choice(s.index, message, _chat_logprobs(s) if req.logprobs
+                                       else None, finish_reason))
         return fallback_response({**head, "choices": choices, "usage": _usage(gens)}, gens)
 
-    async def _chat_chunks(self, gens, head, req) -> AsyncIterator[bytes]:
-        started: set[int] = set()
+    async def _chat_chunks(self, gens, head, req, tools: ToolChoice) -> AsyncIterator[bytes]:
+        """Content as it comes; with tools, content that may be a call is held back, and the
+        calls come as one tool_calls delta when the sample ends."""
+        texts: dict[int, str] = {}
+        sent: dict[int, int] = {}  # characters of each sample's text streamed as content
         async for _, out in self.runtime.events(gens):
-            if out.index not in started:
-                started.add(out.index)
+            if out.index not in texts:
+                texts[out.index], sent[out.index] = "", 0
                 first = {"index": out.index, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None}
                 yield sse({**head, "choices": [first], **continuous_usage(req, gens)})
-            delta = {"content": out.text} if out.text else {}
+            texts[out.index] += out.text
+            text = texts[out.index]
+            delta, finish_reason = {}, out.finish_reason
+            if finish_reason is None:
+                upto = max(tools.streamable(text), sent[out.index])
+            else:
+                message, finish_reason = tools.message(text, finish_reason)
+                upto = len(text) if "tool_calls" not in message else max(
+                    tools.streamable(text), sent[out.index])
+                if "tool_calls" in message:
+                    delta["tool_calls"] = [{"index": k, **call}
+                                           for k, call in enumerate(message["tool_calls"])]
+            content = text[sent[out.index]:upto]
+            sent[out.index] = upto
+            if content:
+                delta = {"content": content, **delta}
             logprobs = _chat_logprobs(_as_sample(out)) if req.logprobs else None
             choice = {"index": out.index, "delta": delta, "logprobs": logprobs,
-                      "finish_reason": out.finish_reason}
+                      "finish_reason": finish_reason}
             yield sse({**head, **fallback_fields(gens), "choices": [choice],
-                       **obfuscation(req, out.text), **continuous_usage(req, gens)})
+                       **obfuscation(req, content), **continuous_usage(req, gens)})
         if include_usage(req):
             yield sse({**head, "choices": [], "usage": _usage(gens)})
         yield SSE_DONE

@@ -13,6 +13,12 @@ from radixlora.errors import InvalidRequestError
 from radixlora.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from radixlora.server.messages import AdapterChoice, ChatMessage
 from radixlora.structured import Structure
+from radixlora.tools import (
+    ToolChoice,
+    check_tools,
+    named_structure,
+    required_structure,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -106,12 +112,26 @@ class ContentPart(Strict):
     refusal: object = None
 
 
+class FunctionCallIn(Strict):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(Strict):
+    """A call in an assistant message of the conversation (OpenAI's shape)."""
+
+    function: FunctionCallIn
+    id: str | None = None
+    type: str = "function"
+    index: Int32 | None = None
+
+
 class ChatMessageIn(Strict):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: object = None
-    tool_call_id: object = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
     function_call: object = None
     refusal: object = None
     audio: object = None
@@ -123,16 +143,16 @@ class ChatRequest(_Sampling, kw_only=True):
     max_completion_tokens: Int32 | None = None
     logprobs: bool | None = False
     top_logprobs: Int32 | None = None
-    parallel_tool_calls: bool | None = None  # nothing to call: tools are refused
+    parallel_tool_calls: bool | None = None  # with tool_choice required: one call, or many
     # vLLM's: template variables, the generation prompt, continuing the last message
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     prompt_cache_key: str | None = None  # every prefix is cached, whatever the key
     safety_identifier: str | None = None
+    tools: list[dict[str, Any]] | None = None  # radixlora.tools
+    tool_choice: str | dict[str, Any] | None = None
     # accepted only at the value that asks for nothing radixlora lacks (NEUTRAL_CHAT)
-    tools: object = None
-    tool_choice: object = None
     functions: object = None
     function_call: object = None
     audio: object = None
@@ -152,9 +172,7 @@ class ChatRequest(_Sampling, kw_only=True):
 # Fields of OpenAI's chat spec radixlora cannot honour, with the values that ask for nothing
 # (None is always one): anything else is a 400 unsupported_parameter naming the field.
 NEUTRAL_CHAT: dict[str, tuple] = {
-    "tools": ([],),
     "functions": ([],),
-    "tool_choice": ("none",),
     "function_call": ("none",),
     "audio": (),
     "modalities": (["text"],),
@@ -169,10 +187,7 @@ NEUTRAL_CHAT: dict[str, tuple] = {
     "verbosity": (),
     "web_search_options": (),
 }
-NEUTRAL_MESSAGE: dict[str, tuple] = {
-    "tool_calls": ([],), "tool_call_id": (), "function_call": (), "refusal": (),
-    "audio": (),
-}
+NEUTRAL_MESSAGE: dict[str, tuple] = {"function_call": (), "refusal": (), "audio": ()}
 
 
 class SglSamplingParams(Strict):
@@ -563,7 +578,10 @@ def echo_only(req: CompletionRequest) -> bool:
     return bool(req.echo) and req.max_tokens == 0
 
 
-def chat_params(req: ChatRequest, vocab_size: int) -> SamplingParams:
+def chat_params(req: ChatRequest, vocab_size: int,
+                tool_parser: str | None = None) -> tuple[SamplingParams, ToolChoice]:
+    """The request's SamplingParams and how its output becomes tool calls; tool_parser: the
+    launch's --tool-call-parser."""
     refuse_unsupported(req, NEUTRAL_CHAT)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
@@ -573,7 +591,42 @@ def chat_params(req: ChatRequest, vocab_size: int) -> SamplingParams:
         )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
-    return _common(req, vocab_size, max_tokens, logprobs)
+    params = _common(req, vocab_size, max_tokens, logprobs)
+    tools = tool_choice(req, tool_parser)
+    if tools.structure is None:
+        return params, tools
+    if params.structure is not None:
+        raise InvalidRequestError(f"tool_choice {tools.mode!r} and {params.structure.param} "
+                                  "both constrain the output: give one", param="tool_choice")
+    return msgspec.structs.replace(params, structure=tools.structure), tools
+
+
+def tool_choice(req: ChatRequest, tool_parser: str | None) -> ToolChoice:
+    choice, tools = req.tool_choice, req.tools or []
+    if not tools:
+        if choice not in (None, "none"):
+            raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+        return ToolChoice()
+    schemas = check_tools(tools)
+    if choice is None or choice == "auto":
+        if tool_parser is None:
+            raise InvalidRequestError(
+                'tool_choice "auto" (the default with tools) needs the server launched with '
+                '--tool-call-parser; or ask for "required" or a named function',
+                param="tool_choice")
+        return ToolChoice("auto", parser=tool_parser)
+    if choice == "none":
+        return ToolChoice()
+    if choice == "required":
+        parallel = req.parallel_tool_calls is not False
+        return ToolChoice("required", structure=required_structure(schemas, parallel))
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or choice.get("type", "function") != "function":
+        raise InvalidRequestError('tool_choice must be "none", "auto", "required" or '
+                                  '{"type": "function", "function": {"name": ...}}',
+                                  param="tool_choice")
+    return ToolChoice("named", name=name, structure=named_structure(schemas, name))
 
 
 def completion_prompts(prompt: str | list, param: str = "prompt") -> list[str | list[int]]:
@@ -618,7 +671,13 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
         if m.role not in CHAT_ROLES:
             raise InvalidRequestError(f"unknown role {m.role!r}", param="messages")
         refuse_unsupported(m, NEUTRAL_MESSAGE, f"messages[{i}].")
-        out.append(ChatMessage(role=m.role, content=_content_text(m.content, i), name=m.name))
+        calls = None
+        if m.tool_calls is not None:
+            calls = [{"id": c.id or f"call_{i}_{k}", "type": c.type,
+                      "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                     for k, c in enumerate(m.tool_calls)]
+        out.append(ChatMessage(role=m.role, content=_content_text(m.content, i), name=m.name,
+                               tool_calls=calls, tool_call_id=m.tool_call_id))
     return out
 
 

@@ -34,13 +34,12 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, content: str, logprobs: dict | None, finish_reason) -> dict:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": content},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
+def chat_choice(index: int, message: str | dict, logprobs: dict | None, finish_reason) -> dict:
+    """message: the content, or the whole assistant message (with tool calls)."""
+    if isinstance(message, str):
+        message = {"role": "assistant", "content": message}
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": finish_reason}
 
 
 def completion_logprobs(

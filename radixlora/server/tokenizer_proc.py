@@ -142,7 +142,7 @@ class TokenizerService:
             chat = req.chat or ChatOptions()
             text = self.chat.prompt([m.as_dict() for m in req.messages],
                                     chat.add_generation_prompt, chat.continue_final_message,
-                                    chat.template_kwargs)
+                                    chat.template_kwargs, chat.tools)
             self.check_bytes(text, "messages")
             ids = self.tokenizer.encode_unlocked(text, add_special_tokens=False)
         else:

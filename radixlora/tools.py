@@ -1,0 +1,260 @@
+"""Tool calling (OpenAI's `tools` and `tool_choice`). A request's tools reach the chat template
+as Hugging Face templates expect them; what the model writes becomes `tool_calls` in one of
+three ways:
+- a named function (`tool_choice: {"type": "function", "function": {"name": N}}`): the output
+  is constrained to the function's parameters schema and is its arguments;
+- `required`: the output is constrained to a JSON array of {"name", "parameters"} objects,
+  one of the tools each (at most one with parallel_tool_calls false), as vLLM does;
+- `auto`: the output is free, and the launch's tool-call parser (`--tool-call-parser`) finds
+  the calls in the model family's own format (Hermes / Qwen `<tool_call>`, Llama 3 JSON,
+  Mistral `[TOOL_CALLS]`); the text around them is the message's content."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from radixlora.errors import InvalidRequestError
+from radixlora.structured import Structure
+
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+ANY_OBJECT = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object's text
+
+    def as_openai(self, index: int | None = None) -> dict:
+        """OpenAI's tool_calls entry (with `index` for a streamed delta)."""
+        call = {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def check_tools(tools: Sequence[dict]) -> dict[str, dict]:
+    """Each tool's parameters schema by function name; a 400 naming `tools` for a tool that
+    is not a function with a valid name and an object schema, or a name given twice."""
+    schemas: dict[str, dict] = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if tool.get("type", "function") == "function" else None
+        if not isinstance(function, dict):
+            raise InvalidRequestError(f"tools[{i}] must be {{'type': 'function', 'function': "
+                                      "{...}}", param="tools")
+        name = function.get("name")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise InvalidRequestError(f"tools[{i}].function.name must be 1-64 letters, digits, "
+                                      f"_ or -, got {name!r}", param="tools")
+        if name in schemas:
+            raise InvalidRequestError(f"tool {name!r} is given twice", param="tools")
+        parameters = function.get("parameters") or ANY_OBJECT
+        if not isinstance(parameters, dict):
+            raise InvalidRequestError(f"tools[{i}].function.parameters must be a JSON schema "
+                                      "object", param="tools")
+        schemas[name] = parameters
+    return schemas
+
+
+def named_structure(schemas: dict[str, dict], name: str) -> Structure:
+    """tool_choice naming a function: the output is its arguments."""
+    if name not in schemas:
+        raise InvalidRequestError(f"tool_choice names {name!r}, which is not in tools",
+                                  param="tool_choice")
+    return Structure("json_schema", json.dumps(schemas[name]), param="tools", strict=False)
+
+
+def required_structure(schemas: dict[str, dict], parallel: bool) -> Structure:
+    """tool_choice "required": a JSON array of calls of the tools (one with parallel false)."""
+    calls = [{"type": "object",
+              "properties": {"name": {"const": name}, "parameters": schema},
+              "required": ["name", "parameters"], "additionalProperties": False}
+             for name, schema in schemas.items()]
+    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        array["maxItems"] = 1
+    return Structure("json_schema", json.dumps(array), param="tools", strict=False)
+
+
+def calls_of_required(text: str) -> list[ToolCall]:
+    """The calls of an output written under required_structure (none if it was cut short)."""
+    items = _json(text)
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        return []
+    return [_call(item.get("name"), item.get("parameters")) for item in items]
+
+
+def _json(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _call(name, arguments) -> ToolCall:
+    return ToolCall(str(name), arguments if isinstance(arguments, str)
+                    else json.dumps(arguments if arguments is not None else {},
+                                    ensure_ascii=False))
+
+
+class ToolParser:
+    """Finds a model family's tool calls in its free output (tool_choice auto)."""
+
+    start: str = ""  # what opens the calls; the content is the text before it
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls); no calls: the whole text is the content."""
+        at = text.find(self.start)
+        if at < 0:
+            return text, []
+        calls = self._calls(text[at:])
+        if not calls:
+            return text, []
+        content = text[:at].strip()
+        return content or None, calls
+
+    def streamable(self, text: str) -> int:
+        """How much of the output so far is surely content: up to where calls start, or
+        could start (a partial opening at its end is held back)."""
+        at = text.find(self.start)
+        if at >= 0:
+            return at
+        for keep in range(min(len(self.start) - 1, len(text)), 0, -1):
+            if self.start.startswith(text[-keep:]):
+                return len(text) - keep
+        return len(text)
+
+    def _calls(self, text: str) -> list[ToolCall]:
+        raise NotImplementedError
+
+
+class HermesParser(ToolParser):
+    """Hermes, Qwen 2.5 / 3: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one
+    block per call (the last may lack its closing tag when the output ends there)."""
+
+    start = "<tool_call>"
+    BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+    def _calls(self, text: str) -> list[ToolCall]:
+        calls = []
+        for body in self.BLOCK.findall(text):
+            value = _json(body)
+            if not isinstance(value, dict) or "name" not in value:
+                return []
+            calls.append(_call(value["name"], value.get("arguments")))
+        return calls
+
+
+class Llama3JsonParser(ToolParser):
+    """Llama 3.1 / 3.2 JSON tool calls: the output is `{"name": ..., "parameters": {...}}`
+    (objects separated by ";"), optionally after `<|python_tag|>`."""
+
+    start = "{"
+    TAG = "<|python_tag|>"
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = text.strip()
+        body = body.removeprefix(self.TAG).strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        for part in _split_objects(body):
+            value = _json(part)
+            if not isinstance(value, dict) or "name" not in value:
+                return text, []
+            calls.append(_call(value["name"], value.get("parameters", value.get("arguments"))))
+        return (None, calls) if calls else (text, [])
+
+    def streamable(self, text: str) -> int:
+        """Nothing while the output may still be a call (it starts with "{" or the tag)."""
+        head = text.lstrip()[: len(self.TAG)]
+        if not head or head.startswith("{") or self.TAG.startswith(head):
+            return 0
+        return len(text)
+
+
+def _split_objects(text: str) -> list[str]:
+    """`{...}; {...}` into its objects (a ";" inside a string does not split)."""
+    parts, depth, quoted, escaped, begin = [], 0, False, False, 0
+    for i, ch in enumerate(text):
+        if quoted:
+            escaped, quoted = (False, quoted) if escaped else (ch == "\\", ch != '"')
+            continue
+        if ch == '"':
+            quoted = True
+        elif ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+        elif ch == ";" and depth == 0:
+            parts.append(text[begin:i].strip())
+            begin = i + 1
+    parts.append(text[begin:].strip())
+    return [p for p in parts if p]
+
+
+class MistralParser(ToolParser):
+    """Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`."""
+
+    start = "[TOOL_CALLS]"
+
+    def _calls(self, text: str) -> list[ToolCall]:
+        value = _json(text[len(self.start):].strip())
+        if isinstance(value, dict):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, dict) and "name" in v
+                                                  for v in value):
+            return []
+        return [_call(v["name"], v.get("arguments")) for v in value]
+
+
+class ToolChoice(msgspec.Struct, frozen=True):
+    """How a chat request's output becomes tool calls: mode "none" (plain content), "named"
+    (the output is `name`'s arguments), "required" (a JSON array of calls) or "auto" (the
+    launch's `parser` finds them); `structure` constrains the output of the first two."""
+
+    mode: str = "none"
+    name: str = ""
+    structure: Structure | None = None
+    parser: str | None = None
+
+    def split(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a finished output."""
+        if self.mode == "named":
+            return None, [ToolCall(self.name, text)]
+        if self.mode == "required":
+            calls = calls_of_required(text)
+            return (None, calls) if calls else (text, [])
+        if self.mode == "auto":
+            return PARSERS[self.parser]().parse(text)
+        return text, []
+
+    def streamable(self, text: str) -> int:
+        """How much of the output so far may be streamed as content."""
+        if self.mode == "auto":
+            return PARSERS[self.parser]().streamable(text)
+        return len(text) if self.mode == "none" else 0
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The assistant message of a finished output and its finish_reason ("tool_calls"
+        when calls end it)."""
+        content, calls = self.split(text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.as_openai() for c in calls]
+            if finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return message, finish_reason
+
+
+# vLLM's and SGLang's names for each family
+PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesParser, "qwen25": HermesParser, "qwen": HermesParser,
+    "llama3_json": Llama3JsonParser, "llama3": Llama3JsonParser,
+    "mistral": MistralParser,
+}
