@@ -45,12 +45,13 @@ class Structure(msgspec.Struct, frozen=True, array_like=True):
             raise InvalidRequestError(f"{self.param} is longer than {MAX_STRUCTURE_CHARS} "
                                       "characters", param=self.param)
         if self.kind in ("json_object", "json_schema"):
-            schema = ANY_OBJECT if self.kind == "json_object" else self.value
-            if not isinstance(_check_json(schema, self.param, "a JSON schema"), dict):
+            schema = _check_json(ANY_OBJECT if self.kind == "json_object" else self.value,
+                                 self.param, "a JSON schema")
+            if not isinstance(schema, dict):
                 raise InvalidRequestError(f"{self.param} must be a JSON schema object",
                                           param=self.param)
             return llguidance.LLMatcher.grammar_from_json_schema(
-                schema, defaults={**JSON_LAYOUT, "lenient": not self.strict})
+                closed(schema), defaults={**JSON_LAYOUT, "lenient": not self.strict})
         if self.kind == "choice":
             choices = _check_json(self.value, self.param, "a list of strings")
             if (not isinstance(choices, list) or not choices
@@ -62,6 +63,28 @@ class Structure(msgspec.Struct, frozen=True, array_like=True):
             return llguidance.grammar_from(self.kind, self.value)
         except ValueError as e:
             raise InvalidRequestError(f"{self.param}: {e}", param=self.param) from None
+
+
+def closed(schema):
+    """The schema with `"additionalProperties": false` on every object schema that lists
+    properties and says nothing of others (as xgrammar's strict mode, vLLM's default, reads
+    schemas): a model may not add keys the schema did not name."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k in SUBSCHEMAS else v for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: closed(s) for name, s in schema[key].items()}
+    if ("properties" in schema and "additionalProperties" not in schema
+            and "patternProperties" not in schema):
+        out["additionalProperties"] = False
+    return out
+
+
+SUBSCHEMAS = ("items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "additionalProperties",
+              "if", "then", "else", "contains")
 
 
 def _check_json(text: str, param: str, what: str):

@@ -82,11 +82,28 @@ def required_structure(schemas: dict[str, dict], parallel: bool) -> Structure:
 
 
 def calls_of_required(text: str) -> list[ToolCall]:
-    """The calls of an output written under required_structure (none if it was cut short)."""
+    """The calls of an output written under required_structure: every complete one (an
+    output cut short keeps the calls it finished)."""
     items = _json(text)
-    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-        return []
-    return [_call(item.get("name"), item.get("parameters")) for item in items]
+    if not isinstance(items, list):
+        items = _complete_items(text)
+    return [_call(item["name"], item.get("parameters")) for item in items
+            if isinstance(item, dict) and "name" in item]
+
+
+def _complete_items(text: str) -> list:
+    """The complete elements of a JSON array cut short."""
+    decoder, items = json.JSONDecoder(), []
+    at = text.find("[") + 1
+    while 0 < at < len(text):
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            break
+        items.append(item)
+        while at < len(text) and text[at] in ", \n\t":
+            at += 1
+    return items
 
 
 def _json(text: str):

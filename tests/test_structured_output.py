@@ -164,3 +164,22 @@ def test_token_mask_keeps_only_allowed_tokens_and_never_leaves_a_row_empty():
         assert list(allowed_tokens(masks[row], vocab)) == tokens
     assert torch.equal(logits[1], before[1])
     assert torch.equal(logits[0, [1, 33, 69]], before[0, [1, 33, 69]])
+
+
+def test_object_schemas_are_closed_unless_they_say_otherwise():
+    """As xgrammar's strict mode reads schemas (vLLM's default): an object schema that lists
+    properties and says nothing of others admits no others; one that allows them keeps that."""
+    from radixlora.structured import closed
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+        "c": {"type": "array", "items": {"properties": {"d": {}}}},
+        "e": {"type": "object", "properties": {}, "additionalProperties": True}},
+        "$defs": {"X": {"anyOf": [{"properties": {"y": {}}}]}}}
+    out = closed(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["a"]["additionalProperties"] is False
+    assert out["properties"]["c"]["items"]["additionalProperties"] is False
+    assert out["properties"]["e"]["additionalProperties"] is True
+    assert out["$defs"]["X"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the request's own schema is left alone

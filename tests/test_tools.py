@@ -7,8 +7,10 @@ was steered into by a regex), streamed and not, and the 400s."""
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import openai
+import pydantic
 import pytest
 
 from radixlora.errors import InvalidRequestError
@@ -216,3 +218,42 @@ def test_tool_requests_that_cannot_be_served_are_400s(server):
         assert resp.status_code == 400, (extra, resp.text)
         assert resp.json()["error"]["param"] == param, (extra, resp.text)
 
+
+
+# ---- LangChain -------------------------------------------------------------------------------
+
+
+class Fish(pydantic.BaseModel):
+    colour: Literal["red", "blue"]
+    count: int = pydantic.Field(ge=0, le=99)
+
+
+def test_langchain_structured_output_and_bound_tools(server):
+    """LangChain's ChatOpenAI as agent code uses it: with_structured_output (json_schema and
+    function_calling), bind_tools with a named tool and with "any", streamed tool-call chunks,
+    and auto calls found by the parser."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_time(zone: Literal["UTC", "CET"]) -> str:
+        """The time in a zone."""
+        return "12:00"
+
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="upper",
+                     temperature=0, max_tokens=60, max_retries=0)
+    for method in ("json_schema", "function_calling"):
+        fish = llm.with_structured_output(Fish, method=method).invoke("a fish, as JSON")
+        assert isinstance(fish, Fish), method
+    for choice in ("get_time", "any"):
+        (call,) = llm.bind_tools([get_time], tool_choice=choice).invoke("time?").tool_calls
+        assert call["name"] == "get_time" and call["args"]["zone"] in ("UTC", "CET")
+    chunks = [c for c in llm.bind_tools([get_time], tool_choice="any").stream("time?")
+              if c.tool_call_chunks]
+    (chunk,) = chunks
+    assert chunk.tool_call_chunks[0]["name"] == "get_time"
+    steered = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="reverse",
+                         temperature=0, max_tokens=120, max_retries=0,
+                         extra_body={"guided_regex": HERMES_CALL})
+    message = steered.bind_tools([get_time]).invoke("time?")
+    assert message.content == "Checking." and message.tool_calls[0]["name"] == "get_time"
