@@ -311,16 +311,18 @@ class ModelRunner:
     def _eager_step(self, plan: StepPlan, host: dict, segments, resolve, scored,
                     step: LaunchedStep) -> SampleOutput | None:
         """Run the model eagerly, then score prompt tokens (into step) and sample."""
-        if scored is not None:
+        if scored is None:
+            logits = self.model(self._forward_batch(host, segments, resolve))
+        else:
             host["logits_indices"] = np.concatenate([scored[0], host["logits_indices"]])
-        logits = self.model(self._forward_batch(host, segments, resolve))
-        if scored is not None:
+            hidden = self.model.hidden(self._forward_batch(host, segments, resolve))
             ks = [(i.params.logprobs or 0) if i.score_ids is not None else 0 for i in plan.items]
             (step.input_logprobs, step.input_top_ids,
-             step.input_top_logprobs) = _prompt_logprobs(logits[: len(scored[0])], scored,
+             step.input_top_logprobs) = _prompt_logprobs(hidden[: len(scored[0])],
+                                                         self.model.logits, scored,
                                                          self.device, max(ks))
             step.input_counts, step.input_top_k = scored[2], ks
-            logits = logits[len(scored[0]) :]
+            logits = self.model.logits(hidden[len(scored[0]) :])
         sampled = [i for i in plan.items if i.sample]
         if not sampled:
             return None
@@ -543,16 +545,28 @@ def _scored_rows(plan: StepPlan) -> tuple[np.ndarray, np.ndarray, list[int]] | N
     return np.concatenate(rows), np.concatenate(targets), counts
 
 
-def _prompt_logprobs(logits: torch.Tensor, scored, device, k: int = 0):
+SCORE_ROWS = 256  # prompt positions whose full-vocabulary logits exist at once
+
+
+@torch.inference_mode()
+def _prompt_logprobs(hidden: torch.Tensor, head, scored, device, k: int = 0):
     """(the logprob of the prompt token each scored row predicts, and with k > 0 each row's k
-    most likely tokens and their logprobs, else None, None)."""
+    most likely tokens and their logprobs, else None, None), from the rows' final hidden
+    states, whose logits `head` makes SCORE_ROWS rows at a time, each slice reduced at once:
+    a long prompt never holds logits for every position."""
     ids = to_device(scored[1], torch.int64, device)
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, ids[:, None])[:, 0]
+    chosen, top_ids, top_logprobs = [], [], []
+    for at in range(0, len(hidden), SCORE_ROWS):
+        logits = head(hidden[at : at + SCORE_ROWS]).float()
+        lse = torch.logsumexp(logits, dim=-1)
+        chosen.append(logits.gather(1, ids[at : at + SCORE_ROWS, None])[:, 0] - lse)
+        if k:
+            values, top = logits.topk(k, dim=-1)
+            top_ids.append(top)
+            top_logprobs.append(values - lse[:, None])
     if not k:
-        return chosen, None, None
-    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
-    return chosen, top_ids, top_logprobs
+        return torch.cat(chosen), None, None
+    return torch.cat(chosen), torch.cat(top_ids), torch.cat(top_logprobs)
 
 
 def _prompt_top(step: LaunchedStep, ends: np.ndarray):

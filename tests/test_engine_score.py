@@ -49,3 +49,25 @@ def test_scoring_next_to_generation(setup):
     assert generated[0].output_ids == alone
     with pytest.raises(Exception, match="logprob_start"):
         engine.submit(ids, params, logprob_start=0)
+
+
+def test_long_prompts_are_scored_a_few_rows_of_logits_at_a_time(tmp_path, monkeypatch):
+    """Prompt logprobs and their top tokens when the scored rows' logits are made 3 rows at a
+    time (SCORE_ROWS; no step holds a prompt's full-vocabulary logits): as transformers."""
+    from radixlora import model_runner
+
+    monkeypatch.setattr(model_runner, "SCORE_ROWS", 3)
+    model = build_tiny_model(tmp_path / "tiny")
+    engine = Engine(model)
+    oracle = peft_model(model, {"a1": build_tiny_adapter(model, tmp_path / "a1", rank=4,
+                                                         seed=2)})
+    ids = engine.tokenizer.encode("Long prompts are scored in slices of a few rows each")
+    reqs = engine.submit(ids, SamplingParams(max_tokens=1, seed=0, logprobs=2), logprob_start=1)
+    while engine.scheduler.has_work():
+        engine.step()
+    table = logprobs(oracle, ids, None)
+    assert reqs[0].input_logprobs == pytest.approx(reference(oracle, ids, 1, None), abs=1e-4)
+    for i, top in enumerate(reqs[0].input_top, start=1):
+        values, tokens = table[i - 1].topk(2)
+        assert [t for t, _ in top] == tokens.tolist()
+        assert [lp for _, lp in top] == pytest.approx(values.tolist(), abs=1e-4)

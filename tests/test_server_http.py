@@ -231,6 +231,35 @@ def test_generate_prompt_logprobs_equal_engine_score(server, engine):
     assert out["text"] == "" and out["meta_info"]["completion_tokens"] == 0
 
 
+def test_vllm_prompt_logprobs_equal_engine_score(server, engine):
+    """vLLM's prompt_logprobs on completions and chat: null for the first token, then each
+    prompt token's logprob (as Engine.score), with the k most likely tokens ranked; the
+    output's own logprobs only when asked."""
+    ids = engine.tokenizer.encode(PROMPT)
+    body = {"model": "legal", "prompt": ids, "max_tokens": 2, "temperature": 0,
+            "prompt_logprobs": 2}
+    out = server.http.post("/v1/completions", json=body).json()
+    choice = out["choices"][0]
+    assert choice["logprobs"] is None
+    rows = choice["prompt_logprobs"]
+    want = engine.score(ids, 1, adapters="legal")[0]
+    assert rows[0] is None and len(rows) == len(ids)
+    for token, row, logprob in zip(ids[1:], rows[1:], want):
+        assert row[str(token)]["logprob"] == pytest.approx(logprob, abs=1e-5)
+        ranks = sorted(e["rank"] for t, e in row.items() if e["rank"] is not None)
+        assert ranks == [1, 2] and len(row) in (2, 3)
+        best = max(row.values(), key=lambda e: e["logprob"])
+        assert best["rank"] == 1 and best["logprob"] >= row[str(token)]["logprob"]
+    chat = server.http.post("/v1/chat/completions", json={
+        "model": "support", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2,
+        "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 2
+    assert all(len(row) == 1 for row in chat["prompt_logprobs"][1:])
+    streamed = server.http.post("/v1/completions", json={**body, "stream": True})
+    assert streamed.status_code == 400
+    assert streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_models_and_model_info(client, server):
     ids = {m.id for m in client.models.list().data}
     assert {MODEL_NAME, "support", "legal"} <= ids <= {MODEL_NAME, "support", "legal", "fickle"}

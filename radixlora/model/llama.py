@@ -110,10 +110,20 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits (in the model's dtype, as lm_head rounds them) of the tokens at
         fb.logits_indices: [num_logits, vocab]."""
+        return self.logits(self.hidden(fb))
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)
+
+    @torch.inference_mode()
+    def hidden(self, fb: ForwardBatch) -> torch.Tensor:
+        """The final hidden states (normed) of the tokens at fb.logits_indices, which lm_head
+        turns into logits: [num_logits, hidden]."""
         fb.begin()
         h, delta, residual = self.embed_tokens(fb.input_ids), None, None
         for layer in self.layers:
             h, delta, residual = layer(h, delta, residual, fb, self.rotary.inv_freq)
         rows = fb.logits_indices
         h, _ = self.norm(h[rows], residual[rows], None if delta is None else delta[rows])
-        return self.lm_head(h)
+        return h

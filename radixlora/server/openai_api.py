@@ -58,7 +58,8 @@ class OpenAIHandlers:
         prompts = completion_prompts(req.prompt)
         choices = request_adapters(req, self.model_name, len(prompts))
         stops = stop_list(req.stop)
-        scored, only = bool(req.echo) and req.logprobs is not None, echo_only(req)
+        only = echo_only(req)
+        scored = bool(req.echo) and req.logprobs is not None or req.prompt_logprobs is not None
         reqs = []
         for p, (prompt, adapters) in enumerate(zip(prompts, choices)):
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, ids_to_bytes(prompt))
@@ -70,7 +71,7 @@ class OpenAIHandlers:
                 score_only=only and scored,
                 include_stop=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
-                token_texts=req.logprobs is not None,
+                token_texts=req.logprobs is not None or scored,
             ))
         return reqs, batch_label(choices)
 
@@ -148,7 +149,9 @@ class OpenAIHandlers:
                              tools=req.tools or None),
             adapters=choices, adapter_param=adapter_field(req), stop=stop_list(req.stop),
             include_stop=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens, token_texts=bool(req.logprobs),
+            skip_special_tokens=req.skip_special_tokens,
+            token_texts=bool(req.logprobs) or req.prompt_logprobs is not None,
+            logprob_start=None if req.prompt_logprobs is None else 0,
         )
         return gen, adapter_label(choices), tools
 
@@ -165,7 +168,11 @@ class OpenAIHandlers:
             message, finish_reason = tools.message(s.text, s.finish_reason)
             choices.append(chat_choice(s.index, message, _chat_logprobs(s) if req.logprobs
                                        else None, finish_reason))
-        return fallback_response({**head, "choices": choices, "usage": _usage(gens)}, gens)
+        body = {**head, "choices": choices, "usage": _usage(gens)}
+        if req.prompt_logprobs is not None:  # vLLM: one list for the request's one prompt
+            body["prompt_logprobs"] = vllm_prompt_logprobs(
+                next(iter(gens[0].samples.values())), req.prompt_logprobs)
+        return fallback_response(body, gens)
 
     async def _chat_chunks(self, gens, head, req, tools: ToolChoice) -> AsyncIterator[bytes]:
         """Content as it comes; with tools, content that may be a call is held back, and the
@@ -271,6 +278,23 @@ def _as_sample(out: SampleOutput) -> Sample:
     return sample
 
 
+def vllm_prompt_logprobs(s: Sample, k: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: None for the first prompt token, then for each token a map from
+    token id to {logprob, rank, decoded_token}: the token itself and the k most likely at its
+    position (rank 1 the likeliest; the token's own rank when it is one of them, else null)."""
+    out: list[dict | None] = [None]
+    rows = zip(s.input_ids[1:], s.input_texts[1:], s.input_logprobs,
+               s.input_top or [[]] * len(s.input_logprobs))
+    for token, text, logprob, top in rows:
+        ranked = {tid: (rank, lp, t) for rank, (tid, lp, t) in enumerate(top[:k], start=1)}
+        entry = {str(tid): {"logprob": lp, "rank": rank, "decoded_token": t}
+                 for tid, (rank, lp, t) in ranked.items()}
+        rank = ranked[token][0] if token in ranked else None
+        entry[str(token)] = {"logprob": logprob, "rank": rank, "decoded_token": text}
+        out.append(entry)
+    return out
+
+
 def _completion_choice(req: CompletionRequest, prompt: str | list[int], index: int,
                        s: Sample) -> dict:
     """One choice of a finished completion; with echo, the prompt's text (and with logprobs
@@ -283,7 +307,10 @@ def _completion_choice(req: CompletionRequest, prompt: str | list[int], index: i
     text = out.text
     if req.echo:
         text = (prompt if isinstance(prompt, str) else s.prompt_text or "") + text
-    return completion_choice(index, text, logprobs, out.finish_reason)
+    choice = completion_choice(index, text, logprobs, out.finish_reason)
+    if req.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(s, req.prompt_logprobs)
+    return choice
 
 
 def _echo_logprobs(s: Sample, out: Sample, k: int) -> dict:

@@ -87,6 +87,8 @@ class _Sampling(Strict):
     guided_grammar: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # vLLM's: each prompt token's logprob with the k most likely tokens at its position
+    prompt_logprobs: Int32 | None = None
 
     def __post_init__(self):
         self.n = 1 if self.n is None else self.n  # null means the default, as at OpenAI
@@ -445,6 +447,14 @@ def _common(req: _Sampling, vocab_size: int, max_tokens, logprobs) -> SamplingPa
     if req.stream_options is not None and not req.stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true",
                                   param="stream_options")
+    if req.prompt_logprobs is not None:  # the k of both: the response shows what was asked
+        if not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"prompt_logprobs must be between 0 and "
+                                      f"{MAX_TOP_LOGPROBS}", param="prompt_logprobs")
+        if req.stream:
+            raise InvalidRequestError("prompt_logprobs is not returned when streaming",
+                                      param="prompt_logprobs")
+        logprobs = max(logprobs or 0, req.prompt_logprobs)
     return build_params(
         vocab_size,
         max_tokens=max_tokens,
