@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from radixlora.server.chat import ChatTemplate
+from radixlora.text.chat import ChatTemplate
 
 from .ir import AdapterSpec, GenParams
 

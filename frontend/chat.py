@@ -4,13 +4,13 @@ A program's text only grows (so its prefix stays in the radix cache), yet chat t
 whole conversations. A role's text is therefore found by difference: render the messages so far,
 render them plus the new message with a sentinel as its content, and split what was added around
 the sentinel into (prefix, suffix). With the fallback template (`<|role|>\\ncontent\\n`, see
-radixlora.server.chat) this gives exactly `render(messages)`; a template whose rendering of a
+radixlora.text.chat) this gives exactly `render(messages)`; a template whose rendering of a
 conversation is not a prefix of its rendering with one more message (rare) falls back to the
 message rendered alone."""
 
 from __future__ import annotations
 
-from radixlora.server.chat import ChatTemplate
+from radixlora.text.chat import ChatTemplate
 
 SENTINEL = "\x00radixlora-content\x00"
 

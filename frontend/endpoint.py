@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from radixlora.errors import RadixLoraError
-from radixlora.server.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from radixlora.text.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 
 from .backend import Backend, GenResult, TextCallback
 from .ir import AdapterSpec, GenParams

@@ -20,8 +20,8 @@ from radixlora.engine import Engine
 from radixlora.errors import InvalidRequestError, RadixLoraError
 from radixlora.request import Req, ReqStatus
 from radixlora.sampling import SamplingParams
-from radixlora.server.chat import ChatTemplate
-from radixlora.server.detokenize import IncrementalDecoder, StopMatcher
+from radixlora.text.chat import ChatTemplate
+from radixlora.text.detokenize import StopStream
 
 from .backend import Backend, GenResult, TextCallback
 from .ir import AdapterSpec, GenParams
@@ -32,8 +32,7 @@ T = TypeVar("T")
 @dataclass
 class _Sample:
     req: Req
-    decoder: IncrementalDecoder | None
-    matcher: StopMatcher | None
+    stream: StopStream | None  # with stop strings or a text callback
     seen: int = 0
     emitted: str = ""
     matched: str | None = None  # the stop string that ended it
@@ -190,14 +189,7 @@ class Runtime(Backend):
             return
         watch = bool(stops) or on_text is not None
         tok = self.engine.tokenizer
-        samples = [
-            _Sample(
-                r,
-                IncrementalDecoder(tok) if watch else None,
-                StopMatcher(list(stops)) if watch else None,
-            )
-            for r in reqs
-        ]
+        samples = [_Sample(r, StopStream(tok, list(stops)) if watch else None) for r in reqs]
         self._tasks.append(_GenTask(samples, stops, on_text, future))
 
     def _step(self) -> None:
@@ -223,12 +215,14 @@ class Runtime(Backend):
     def _advance_sample(self, task: _GenTask, sample: _Sample) -> None:
         req = sample.req
         finished = req.status is ReqStatus.FINISHED
-        if sample.matcher is not None:
+        if sample.stream is not None:
             new_ids = req.output_ids[sample.seen :]
             sample.seen = len(req.output_ids)
-            self._emit(task, sample, sample.matcher.feed(sample.decoder.push(new_ids)))
-            if sample.matcher.matched is not None:
-                sample.matched = sample.matcher.matched
+            text, _, stopped = sample.stream.step(new_ids, req.finish_reason if finished
+                                                  else None)
+            self._emit(task, sample, text)
+            if isinstance(stopped, str):  # a stop string matched
+                sample.matched = stopped
                 if not finished:
                     self.engine.scheduler.abort(req)
                 finished = True

@@ -26,12 +26,12 @@ from radixlora.model_runner import ModelRunner
 from radixlora.request import AdapterSet, Req, ReqStatus, uses_adapter
 from radixlora.sampling import SamplingParams
 from radixlora.scheduler import Scheduler
-from radixlora.server.detokenize import IncrementalDecoder, StopMatcher
 from radixlora.startup import phase_line
 from radixlora.step_loop import StepLoop
 from radixlora.step_plan import AdapterLoad
 from radixlora.structured import GrammarCompiler
-from radixlora.tokenizer import Tokenizer
+from radixlora.text.detokenize import StopStream
+from radixlora.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,10 @@ class CompletionOutput:
 
 @dataclass
 class _StopState:
-    """Stop strings of one sample, applied as the server's tokenizer process applies them:
-    incremental detokenization into a StopMatcher; a match aborts the request."""
+    """Stop strings of one sample, applied as the server's tokenizer process applies them
+    (StopStream); a match aborts the request."""
 
-    decoder: IncrementalDecoder
-    matcher: StopMatcher
+    stream: StopStream
     seen: int = 0  # output tokens fed so far
     stop_reason: str | int | None = None
 
@@ -234,19 +233,11 @@ class Engine:
         """Feed the sample's new tokens to its stop strings; on a match, end it there."""
         new_ids = req.output_ids[state.seen :]
         state.seen = len(req.output_ids)
-        matcher = state.matcher
-        matcher.feed_tokens(state.decoder, new_ids)
-        if matcher.matched is None and req.finish_reason is not None:
-            matcher.feed(state.decoder.flush())
-            if matcher.matched is None:
-                matcher.flush()
-                if req.finish_reason == "stop":
-                    state.stop_reason = req.output_ids[-1]
-        if matcher.matched is not None:
+        _, finish_reason, state.stop_reason = state.stream.step(new_ids, req.finish_reason)
+        if isinstance(state.stop_reason, str):  # a stop string matched
             if req.status is not ReqStatus.FINISHED:
                 self.scheduler.abort(req)  # frees its KV at once, as the server does
-            req.finish_reason = "stop"
-            state.stop_reason = matcher.matched
+            req.finish_reason = finish_reason
 
     def make_requests(
         self, prompt, params: SamplingParams, spec, cache_salt, logprob_start: int | None = None
@@ -259,9 +250,8 @@ class Engine:
                                        params, parse_spec(spec), logprob_start, cache_salt)
         if params.stop:
             for req in reqs:
-                self._stops[req] = _StopState(IncrementalDecoder(self.tokenizer),
-                                              StopMatcher(list(params.stop),
-                                                          min_tokens=params.min_tokens))
+                self._stops[req] = _StopState(StopStream(self.tokenizer, list(params.stop),
+                                                         min_tokens=params.min_tokens))
         return reqs
 
     def _prompt_ids(self, prompt) -> np.ndarray:
@@ -287,7 +277,7 @@ class Engine:
             assert req.status is ReqStatus.FINISHED
             state = self._stops.get(req)
             if state is not None:
-                text, stop_reason = state.matcher.text, state.stop_reason
+                text, stop_reason = state.stream.matcher.text, state.stop_reason
             else:
                 text = self.tokenizer.decode(req.output_ids) if self.tokenizer else None
                 stop_reason = req.output_ids[-1] if req.finish_reason == "stop" else None

@@ -38,8 +38,15 @@ from radixlora.intake import fill_context, max_total_tokens
 from radixlora.lang.backend import GenResult
 from radixlora.lang.endpoint import http_client, http_error
 from radixlora.lang.runtime import Runtime
-from radixlora.sampling import SamplingParams
-from radixlora.server.protocol import (
+from radixlora.protocol.responses import (
+    chat_choice,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+    response_head,
+    usage,
+)
+from radixlora.protocol.schemas import (
     ChatRequest,
     CompletionRequest,
     chat_messages,
@@ -49,14 +56,7 @@ from radixlora.server.protocol import (
     request_adapters,
     stop_list,
 )
-from radixlora.server.responses import (
-    chat_choice,
-    chat_logprobs,
-    completion_choice,
-    completion_logprobs,
-    response_head,
-    usage,
-)
+from radixlora.sampling import SamplingParams
 
 URLS = ("/v1/completions", "/v1/chat/completions")
 DEFAULT_CONCURRENCY = 64
@@ -301,7 +301,7 @@ def _spec(choices) -> list[tuple[str, float]] | None:
 
 class EngineClient:
     """Serves /v1/completions and /v1/chat/completions bodies on a Runtime, with the server's
-    validation (radixlora.server.protocol) and response bodies (radixlora.server.responses)."""
+    validation (radixlora.protocol.schemas) and response bodies (radixlora.protocol.responses)."""
 
     def __init__(self, runtime: Runtime, model_name: str | None = None):
         self.runtime = runtime

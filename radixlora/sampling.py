@@ -20,7 +20,7 @@ from radixlora.structured import Structure
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
-MAX_STOP_STRINGS = 16  # the server's limits on `stop` (radixlora.server.protocol)
+MAX_STOP_STRINGS = 16  # the server's limits on `stop` (radixlora.protocol.schemas)
 MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
 LOGIT_BIAS_RANGE = 100.0  # |bias| at most this, as OpenAI allows

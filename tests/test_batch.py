@@ -15,7 +15,7 @@ import pytest
 from radixlora import Engine, SamplingParams
 from radixlora.cli.batch import main
 from radixlora.run_batch import completed_ids, parse_line, run_batch
-from radixlora.server.chat import ChatTemplate
+from radixlora.text.chat import ChatTemplate
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 
 PROMPT = "A radix cache shares prefix KV between"

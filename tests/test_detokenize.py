@@ -16,8 +16,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers
 
 from radixlora.demo import DEMO_MODEL_DIR
-from radixlora.server.detokenize import IncrementalDecoder, StopMatcher
-from radixlora.tokenizer import Tokenizer
+from radixlora.text.detokenize import IncrementalDecoder, StopMatcher
+from radixlora.text.tokenizer import Tokenizer
 from scripts.checkpoints import TINY_CORPUS, build_tokenizer
 
 

@@ -23,7 +23,7 @@ from radixlora.frontend import (
 from radixlora.lang.chat import role_affixes
 from radixlora.lang.runtime import cut_at_stop
 from radixlora.request import cache_namespace
-from radixlora.server.chat import ChatTemplate
+from radixlora.text.chat import ChatTemplate
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 
 CHATML = (

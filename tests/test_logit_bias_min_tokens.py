@@ -13,7 +13,7 @@ import torch
 
 from radixlora import Engine, SamplingParams
 from radixlora.errors import InvalidRequestError
-from radixlora.server.detokenize import StopMatcher
+from radixlora.text.detokenize import StopMatcher
 from tests.oracle import hf_model
 from tests.server_harness import MODEL_NAME, build_checkpoints, running_server
 

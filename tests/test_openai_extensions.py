@@ -15,8 +15,8 @@ import transformers
 
 from radixlora.adapters import check_adapter_name
 from radixlora.errors import InvalidRequestError
-from radixlora.server.chat import ChatTemplate
-from radixlora.tokenizer import Tokenizer
+from radixlora.text.chat import ChatTemplate
+from radixlora.text.tokenizer import Tokenizer
 from scripts.checkpoints import SPECIALS
 from tests.server_harness import MODEL_NAME, build_checkpoints, running_server
 

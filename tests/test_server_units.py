@@ -12,8 +12,6 @@ from hypothesis import strategies as st
 
 from radixlora import Engine, SamplingParams
 from radixlora.server.args import ServerArgs
-from radixlora.server.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
-from radixlora.server.detokenize import IncrementalDecoder, StopMatcher
 from radixlora.server.messages import (
     AbortReq,
     AdapterChoice,
@@ -28,7 +26,9 @@ from radixlora.server.messages import (
 from radixlora.server.scheduler_proc import SchedulerService
 from radixlora.server.tokenizer_proc import TokenizerService
 from radixlora.server.worker_proc import make_executor, prefetch_adapters
-from radixlora.tokenizer import Tokenizer
+from radixlora.text.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from radixlora.text.detokenize import IncrementalDecoder, StopMatcher
+from radixlora.text.tokenizer import Tokenizer
 from tests.server_harness import build_checkpoints, sized
 
 

@@ -71,7 +71,7 @@ def test_two_ranks_serve_the_single_device_tokens(server):
 
 def engine_chat(engine: Engine, messages: list[dict], params: SamplingParams, spec) -> str:
     """The single-device answer to a chat request, rendered as the server renders it."""
-    from radixlora.server.chat import ChatTemplate
+    from radixlora.text.chat import ChatTemplate
 
     rendered = ChatTemplate.from_dir(DEMO_MODEL_DIR).render(messages)
     ids = engine.tokenizer.encode(rendered, add_special_tokens=False)

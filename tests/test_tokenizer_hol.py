@@ -30,7 +30,7 @@ from radixlora.server.messages import (
     bytes_to_ids,
 )
 from radixlora.server.tokenizer_proc import TokenizerService
-from radixlora.tokenizer import UNICODE_SHRINK, Tokenizer
+from radixlora.text.tokenizer import UNICODE_SHRINK, Tokenizer
 from tests.server_harness import running_server, sized
 
 DEMO_SPEC = json.loads((DEMO_MODEL_DIR / "tokenizer.json").read_text())

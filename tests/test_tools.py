@@ -14,8 +14,7 @@ import pydantic
 import pytest
 
 from radixlora.errors import InvalidRequestError
-from radixlora.server.chat import ChatTemplate
-from radixlora.server.messages import ChatMessage
+from radixlora.text.chat import ChatMessage, ChatTemplate
 from radixlora.tools import (
     PARSERS,
     ToolChoice,

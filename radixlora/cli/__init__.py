@@ -253,7 +253,7 @@ def chat_template_source(value: str | None) -> str:
         raise SystemExit(f"--chat-template {value}: no such file, and not a Jinja template")
     import jinja2
 
-    from radixlora.server.chat import ChatTemplate
+    from radixlora.text.chat import ChatTemplate
 
     try:
         ChatTemplate(source)

@@ -13,10 +13,10 @@ from pathlib import Path
 import msgspec
 from starlette.requests import Request
 
+from radixlora.protocol.schemas import Int32
 from radixlora.server.args import ServerArgs
 from radixlora.server.bridge import ProcessBridge
 from radixlora.server.http import Access, HttpError, json_response, read_json
-from radixlora.server.protocol import Int32
 
 
 class LoadLoraRequest(msgspec.Struct, kw_only=True):

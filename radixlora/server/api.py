@@ -18,6 +18,12 @@ from starlette.routing import Route
 from radixlora import __version__
 from radixlora.config import ModelConfig
 from radixlora.errors import InvalidRequestError
+from radixlora.protocol.schemas import (
+    AbortRequest,
+    ChatRequest,
+    CompletionRequest,
+    GenerateRequest,
+)
 from radixlora.server.admin import AdminHandlers
 from radixlora.server.args import ServerArgs
 from radixlora.server.bridge import (
@@ -39,12 +45,6 @@ from radixlora.server.http import (
 )
 from radixlora.server.metrics import Metrics
 from radixlora.server.openai_api import OpenAIHandlers
-from radixlora.server.protocol import (
-    AbortRequest,
-    ChatRequest,
-    CompletionRequest,
-    GenerateRequest,
-)
 from radixlora.server.sglang_api import SglangHandlers
 from radixlora.server.utility_api import UtilityHandlers
 

@@ -13,6 +13,7 @@ import msgspec
 import zmq
 
 from radixlora.errors import InvalidRequestError
+from radixlora.protocol.schemas import adapter_label, stop_list
 from radixlora.server.bridge import DuplicateRequestId, ProcessBridge, ReqFailed, ServiceUnavailable
 from radixlora.server.ipc import check_local
 from radixlora.server.messages import (
@@ -23,7 +24,6 @@ from radixlora.server.messages import (
     OutputBatch,
     ReqError,
 )
-from radixlora.server.protocol import adapter_label, stop_list
 
 log = logging.getLogger(__name__)
 

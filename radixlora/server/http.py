@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixlora.errors import InvalidRequestError
+from radixlora.protocol.schemas import unknown_fields
 from radixlora.server.bridge import ReqFailed
-from radixlora.server.protocol import unknown_fields
 
 _PATH = re.compile(r"at `\$\.?([^`\[]*)")
 MAX_DEPTH = 64  # nesting of JSON arrays and objects in a request body

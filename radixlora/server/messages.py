@@ -26,7 +26,6 @@ it carries a request id (Codec.decode's `reject`).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from radixlora.sampling import SamplingParams
 from radixlora.step_plan import StepPlan, StepResult, StepTotals
 from radixlora.step_plan import bytes_to_ids as bytes_to_ids
 from radixlora.step_plan import ids_to_bytes as ids_to_bytes
+from radixlora.text.chat import ChatMessage as ChatMessage
 
 log = logging.getLogger(__name__)
 
@@ -76,39 +76,6 @@ class Message(msgspec.Struct, tag=True, kw_only=True):
 
 
 # ---- api -> tokenizer ------------------------------------------------------------------------
-
-
-class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
-    role: str
-    content: str
-    name: str | None = None  # the participant's name, for templates that show it
-    # an assistant message's calls, OpenAI's shape ({"id", "type", "function": {"name",
-    # "arguments"}}); a tool message's answer is to tool_call_id
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-
-    def as_dict(self) -> dict:
-        """The message as the chat template sees it (the optional fields only when given;
-        each call's arguments as an object, as Hugging Face templates expect them)."""
-        out = {"role": self.role, "content": self.content}
-        if self.name is not None:
-            out["name"] = self.name
-        if self.tool_calls is not None:
-            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        return out
-
-
-def _template_call(call: dict) -> dict:
-    function = dict(call.get("function") or {})
-    try:
-        arguments = json.loads(function.get("arguments") or "{}")
-    except (TypeError, ValueError):
-        arguments = None
-    if isinstance(arguments, dict):
-        function["arguments"] = arguments
-    return {**call, "function": function}
 
 
 class ChatOptions(msgspec.Struct, kw_only=True):

@@ -9,17 +9,15 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 
 from radixlora.adapters import BASE_ALIAS
-from radixlora.server.bridge import Generation, ProcessBridge, Sample
-from radixlora.server.http import (
-    SSE_DONE,
-    EventStream,
-    json_response,
-    sse,
-    stream_body,
-    until_disconnect,
+from radixlora.protocol.responses import (
+    chat_choice,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+    response_head,
+    usage,
 )
-from radixlora.server.messages import ChatOptions, GenerateReq, SampleOutput, ids_to_bytes
-from radixlora.server.protocol import (
+from radixlora.protocol.schemas import (
     ChatRequest,
     CompletionRequest,
     adapter_field,
@@ -32,14 +30,16 @@ from radixlora.server.protocol import (
     request_adapters,
     stop_list,
 )
-from radixlora.server.responses import (
-    chat_choice,
-    chat_logprobs,
-    completion_choice,
-    completion_logprobs,
-    response_head,
-    usage,
+from radixlora.server.bridge import Generation, ProcessBridge, Sample
+from radixlora.server.http import (
+    SSE_DONE,
+    EventStream,
+    json_response,
+    sse,
+    stream_body,
+    until_disconnect,
 )
+from radixlora.server.messages import ChatOptions, GenerateReq, SampleOutput, ids_to_bytes
 from radixlora.tools import ToolChoice
 
 

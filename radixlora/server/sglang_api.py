@@ -12,19 +12,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 
 from radixlora.errors import InvalidRequestError
-from radixlora.sampling import MAX_TOP_LOGPROBS
-from radixlora.server.bridge import Generation, ProcessBridge, Sample
-from radixlora.server.http import (
-    SSE_DONE,
-    EventStream,
-    json_response,
-    sse,
-    stream_body,
-    until_disconnect,
-)
-from radixlora.server.messages import GenerateReq, ids_to_bytes
-from radixlora.server.openai_api import FALLBACK_HEADER
-from radixlora.server.protocol import (
+from radixlora.protocol.schemas import (
     NEUTRAL_GENERATE,
     NEUTRAL_SGL_SAMPLING,
     GenerateRequest,
@@ -39,6 +27,18 @@ from radixlora.server.protocol import (
     sgl_structure,
     stop_list,
 )
+from radixlora.sampling import MAX_TOP_LOGPROBS
+from radixlora.server.bridge import Generation, ProcessBridge, Sample
+from radixlora.server.http import (
+    SSE_DONE,
+    EventStream,
+    json_response,
+    sse,
+    stream_body,
+    until_disconnect,
+)
+from radixlora.server.messages import GenerateReq, ids_to_bytes
+from radixlora.server.openai_api import FALLBACK_HEADER
 
 
 class SglangHandlers:

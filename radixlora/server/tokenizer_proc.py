@@ -21,8 +21,6 @@ from radixlora.config import ModelConfig
 from radixlora.errors import InvalidRequestError
 from radixlora.intake import check_prompt_ids, fill_context, max_total_tokens
 from radixlora.server.args import ServerArgs
-from radixlora.server.chat import ChatTemplate
-from radixlora.server.detokenize import IncrementalDecoder, StopMatcher
 from radixlora.server.ipc import (
     Heartbeats,
     Inbox,
@@ -48,7 +46,9 @@ from radixlora.server.messages import (
     ids_to_bytes,
 )
 from radixlora.server.router import Router
-from radixlora.tokenizer import Tokenizer
+from radixlora.text.chat import ChatTemplate
+from radixlora.text.detokenize import StopStream
+from radixlora.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,7 @@ RECENT_ROUTES = 4096  # ended requests whose replica is remembered (a late abort
 
 @dataclass
 class SampleState:
-    decoder: IncrementalDecoder
-    stops: StopMatcher
+    stream: StopStream | None  # None: the model has no tokenizer (no text)
     token_texts: bool
 
 
@@ -281,24 +280,19 @@ class TokenizerService:
         input_ids, prompt_text = out.input_ids, None
         if sample is None:
             prompt_text = state.prompt_text
-            sample = SampleState(IncrementalDecoder(self.tokenizer, state.skip_special_tokens),
-                                 StopMatcher(state.stop, state.include_stop, state.min_tokens),
-                                 state.token_texts)
+            stream = None if self.tokenizer is None else StopStream(
+                self.tokenizer, state.stop, state.include_stop, state.min_tokens,
+                state.skip_special_tokens)
+            sample = SampleState(stream, state.token_texts)
             state.samples[out.index] = sample
             if state.head is not None:
                 input_ids = ids_to_bytes([state.head, *bytes_to_ids(input_ids).tolist()])
         ids = bytes_to_ids(out.token_ids).tolist()
-        text = sample.stops.feed_tokens(sample.decoder, ids) if self.tokenizer else ""
-        finish, matched = out.finish_reason, None
-        if sample.stops.matched is not None:
-            finish, matched = "stop", sample.stops.matched
-        elif finish is not None:
-            text += sample.stops.feed(sample.decoder.flush()) if self.tokenizer else ""
-            if sample.stops.matched is not None:
-                matched = sample.stops.matched
-            else:
-                text += sample.stops.flush()
-                matched = ids[-1] if finish == "stop" and ids else None
+        finish = out.finish_reason
+        if sample.stream is not None:
+            text, finish, matched = sample.stream.step(ids, finish)
+        else:
+            text, matched = "", ids[-1] if finish == "stop" and ids else None
         return SampleOutput(
             rid=out.rid,
             index=out.index,

@@ -8,7 +8,7 @@ import logging
 import time
 
 from radixlora.errors import RadixLoraError
-from radixlora.server.protocol import adapter_label
+from radixlora.protocol.schemas import adapter_label
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from starlette.responses import Response
 
 from radixlora import __version__
 from radixlora.errors import InvalidRequestError
+from radixlora.protocol.schemas import ChatMessageIn, Strict, TokenId, chat_messages
 from radixlora.server.args import ServerArgs
-from radixlora.server.chat import ChatTemplate
 from radixlora.server.http import Access, HttpError, json_response, read_json
-from radixlora.server.protocol import ChatMessageIn, Strict, TokenId, chat_messages
-from radixlora.tokenizer import Tokenizer
+from radixlora.text.chat import ChatTemplate
+from radixlora.text.tokenizer import Tokenizer
 
 
 class TokenizeRequest(Strict):

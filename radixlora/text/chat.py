@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
+import msgspec
 from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -142,3 +144,36 @@ class ChatTemplate:
         raise InvalidRequestError("the chat template does not render the last message's "
                                   "content as given, so it cannot be continued",
                                   param="continue_final_message")
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str
+    content: str
+    name: str | None = None  # the participant's name, for templates that show it
+    # an assistant message's calls, OpenAI's shape ({"id", "type", "function": {"name",
+    # "arguments"}}); a tool message's answer is to tool_call_id
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def as_dict(self) -> dict:
+        """The message as the chat template sees it (the optional fields only when given;
+        each call's arguments as an object, as Hugging Face templates expect them)."""
+        out = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls is not None:
+            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _template_call(call: dict) -> dict:
+    function = dict(call.get("function") or {})
+    try:
+        arguments = json.loads(function.get("arguments") or "{}")
+    except (TypeError, ValueError):
+        arguments = None
+    if isinstance(arguments, dict):
+        function["arguments"] = arguments
+    return {**call, "function": function}

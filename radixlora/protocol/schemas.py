@@ -8,11 +8,11 @@ from typing import Annotated, Any
 
 import msgspec
 
-from radixlora.adapters import BASE_ALIAS
+from radixlora.adapters import BASE_ALIAS, AdapterChoice
 from radixlora.errors import InvalidRequestError
 from radixlora.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from radixlora.server.messages import AdapterChoice, ChatMessage
 from radixlora.structured import Structure
+from radixlora.text.chat import ChatMessage
 from radixlora.tools import (
     ToolChoice,
     check_tools,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
-from radixlora.tokenizer import Tokenizer
+from radixlora.text.tokenizer import Tokenizer
 
 INVALID_PREFIX = "Invalid prefix encountered"
 
@@ -142,3 +142,29 @@ class StopMatcher:
                     held = k
                     break
         return held
+
+
+class StopStream:
+    """One sample's output as it grows, as the Engine, the frontend's runtime and the server's
+    tokenizer process all apply it: new token ids detokenized incrementally into a
+    StopMatcher. `step` returns the text that became final, the finish reason ("stop" once a
+    stop string matched, else the one given) and what stopped it (the stop string, or the
+    last token id when the sample ended on a stop token)."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: list[str], include_stop: bool = False,
+                 min_tokens: int = 0, skip_special_tokens: bool = True):
+        self.decoder = IncrementalDecoder(tokenizer, skip_special_tokens)
+        self.matcher = StopMatcher(stops, include_stop, min_tokens)
+
+    def step(self, ids: list[int], finish_reason: str | None
+             ) -> tuple[str, str | None, str | int | None]:
+        matcher = self.matcher
+        text = matcher.feed_tokens(self.decoder, ids)
+        if matcher.matched is None and finish_reason is not None:
+            text += matcher.feed(self.decoder.flush())
+            if matcher.matched is None:
+                text += matcher.flush()
+                return text, finish_reason, ids[-1] if finish_reason == "stop" and ids else None
+        if matcher.matched is not None:
+            return text, "stop", matcher.matched
+        return text, finish_reason, None
