@@ -29,7 +29,10 @@ its max_tokens; a fresh prompt set per run, so runs do not hit each other's pref
      flags); the ratio HTTP / Engine of the medians.
   d  1000 requests (512 in, 128 out) over z0..z99 picked by Zipf popularity (exponent 1), all
      sent at once (no cap on requests in flight): fixed lengths, then lognormal lengths of the
-     same means, then the fixed requests on the base model. A small warm-up run first.
+     same means, then the fixed requests on the base model. A small warm-up run first. With
+     --d-json, then the fixed requests again, each constrained to D_JSON_SCHEMA (structured
+     output: a JSON array of integers, which no output of 128 tokens completes), and their
+     output tok/s over the unconstrained run's.
   e  Poisson arrivals at 70% of d's fixed-length request rate (or --e-rate), min(60 s worth,
      600) requests, d's shapes: TTFT and ITL P50 / P99, and TTFT split between the adapters
      that hold half the requests and the rest. Then "decode step alone": a closed batch of C
@@ -494,10 +497,14 @@ def sizing_report(info: dict) -> dict:
 
 # ---- HTTP workloads -------------------------------------------------------------------------
 
-def client_args(url: str) -> SimpleNamespace:
+def client_args(url: str, extra_body: dict | None = None) -> SimpleNamespace:
     """The fields bench_serving's request functions read."""
     return SimpleNamespace(base_url=url, timeout=3600.0, max_concurrency=None, temperature=0.0,
-                           ignore_eos=True)
+                           ignore_eos=True, extra_body=extra_body)
+
+
+# d --d-json: every request's output constrained to this schema
+D_JSON_SCHEMA = {"type": "array", "items": {"type": "integer"}}
 
 
 def plan(n: int, input_len: int, output_len: int, adapters: list[str], popularity: str,
@@ -509,11 +516,13 @@ def plan(n: int, input_len: int, output_len: int, adapters: list[str], popularit
     return bench_serving.plan_requests(spec, adapters, random.Random(seed))
 
 
-def drive(url: str, gaps: list[float], specs: list, allow_failed: bool = False) -> dict:
-    """Send the requests; bench_serving's summary. Fails loudly on a failed request, unless
-    allow_failed (the summary then counts them, and the token check covers the others)."""
+def drive(url: str, gaps: list[float], specs: list, allow_failed: bool = False,
+          extra_body: dict | None = None) -> dict:
+    """Send the requests (each body with extra_body's fields); bench_serving's summary. Fails
+    loudly on a failed request, unless allow_failed (the summary then counts them, and the
+    token check covers the others)."""
     async def go():
-        args = client_args(url)
+        args = client_args(url, extra_body)
         async with bench_serving.make_client(args) as client:
             return await bench_serving.send_requests(client, args, gaps, specs)
 
@@ -714,6 +723,14 @@ def workload_d(ctx) -> dict:
             for sp in sent["fixed"]]
     log(f"d: base model only, {len(base)} requests at once")
     out["base"] = with_floor(drive(ctx.url, [0.0] * len(base), base), base, ctx.ranks, ctx)
+    if ctx.d_json:
+        log(f"d: the fixed requests again, each constrained to {D_JSON_SCHEMA}")
+        fixed = sent["fixed"]
+        json_mode = {"structured_outputs": {"json": D_JSON_SCHEMA}}
+        out["fixed_json"] = with_floor(drive(ctx.url, [0.0] * len(fixed), fixed,
+                                             extra_body=json_mode), fixed, ctx.ranks, ctx)
+        out["json_over_fixed"] = (out["fixed_json"]["output_token_throughput"]
+                                  / out["fixed"]["output_token_throughput"])
     return out
 
 
@@ -862,8 +879,12 @@ def rows(results: dict) -> list[tuple[str, str]]:
                     ("c: HTTP / Engine", fmt(c["http_over_engine"]))]
     d = results.get("d")
     if d:
-        for key in ("fixed", "lognormal", "base"):
-            out += run_rows(f"d {key}", d[key])
+        for key in ("fixed", "lognormal", "base", "fixed_json"):
+            if key in d:
+                out += run_rows(f"d {key}", d[key])
+        if "json_over_fixed" in d:
+            out.append(("d: fixed with a JSON schema / without (target >= 0.9)",
+                        fmt(d["json_over_fixed"])))
     for name, r in (results.get("s") or {}).items():
         out += run_rows(f"s {name}", r)
         out += [(f"s {name}: failed requests", f"{r['failed']} {r['errors'] or ''}")]
@@ -953,6 +974,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="s: client processes sending the burst (each its own event loop)")
     p.add_argument("--s-adapters", type=int, default=None,
                    help="s: rank-8 q/k/v/o adapters of the second run (default 100; --tiny 4)")
+    p.add_argument("--d-json", action="store_true",
+                   help="d: also run the fixed requests with a JSON schema on each (structured "
+                        "output) and report their output tok/s over the unconstrained run's")
     p.add_argument("--e-rate", type=float, default=None,
                    help="e: Poisson arrivals per second (default: 70%% of d's fixed-length "
                         "request rate, measured first when d is not run)")
@@ -988,7 +1012,8 @@ def main(argv=None) -> None:
     ctx = SimpleNamespace(scale=scale, shape=Shape.from_config(cfg), vocab=cfg["vocab_size"],
                           url=server.url, server=server, ranks=ranks, extra=extra,
                           peak_flops=args.peak_flops, peak_bw=args.peak_bw,
-                          client_processes=args.client_processes, work=work)
+                          client_processes=args.client_processes, work=work,
+                          d_json=args.d_json)
     try:
         ctx.ready_s = results["time_to_ready_s"] = server.start(args.ready_timeout)
         log(f"ready in {ctx.ready_s:.1f} s")

@@ -84,6 +84,7 @@ async def one_request(client: httpx.AsyncClient, args, adapter: str, prompt, max
             "temperature": args.temperature, "stream_options": {"include_usage": True}}
     if args.ignore_eos:
         body["ignore_eos"] = True
+    body.update(getattr(args, "extra_body", None) or {})
     result = Result(adapter, ok=False)
     start = last = time.perf_counter()
     try:
