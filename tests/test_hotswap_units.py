@@ -337,12 +337,15 @@ def test_a_start_up_batch_never_holds_the_loop_and_a_wanted_name_goes_first(
     core.want(names[-1])
     core.admit(0.0)
     assert [(e.kind, e.name) for e in events[1:]] == [("added", names[-1])]
+    shutil.rmtree(root / names[0])  # listed, then gone before it was examined
+    core.on_changed([names[0]])
+    assert [(e.kind, e.name) for e in events[2:]] == [("removed", names[0])]
     release.set()
     batch_ended(core)
     for _ in range(3):
         core.admit(0.0)
     added = [e.name for e in events if e.kind == "added"]
-    assert added == names[-1:] + names[:-1] and not core.pending
+    assert added == names[-1:] + names[1:-1] and not core.pending
 
 
 def test_aliases_updates_removals_and_restart(model, versions, tmp_path):

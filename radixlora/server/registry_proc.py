@@ -247,6 +247,10 @@ class RegistryCore:
                 elif name in self.rejected:  # the subscribers stop reporting its rejection
                     self.rejected.discard(name)
                     self._emit("removed", name)
+                elif name in self.at_start:  # listed, gone before it was examined
+                    self.at_start.discard(name)
+                    self.wanted.discard(name)
+                    self._emit("removed", name)
 
     def _remove(self, name: str) -> None:
         adapter_id = self.active.pop(name).adapter_id
