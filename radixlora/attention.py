@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from radixlora.device import to_device
-from radixlora.kv_cache import KVPool
+from radixlora.kv_pool import KVPool
 from radixlora.model.ops import add_delta_ref, rotary
 
 

@@ -35,8 +35,11 @@ from radixlora.forward_batch import ForwardBatch
 from radixlora.kernels.lora_ops import HostGroups, LoraBatchMeta, LoraGroups
 from radixlora.kernels.scatter_words import scatter_words
 from radixlora.lora.adapter import MODULE_GROUPS
-from radixlora.lora.pool import LoraContext, LoraSegments, high_priority_stream
-from radixlora.sampling import GREEDY, ROW_DTYPES, ROW_FIELDS, SamplingBatch, draw
+from radixlora.lora.context import LoraContext, LoraSegments, high_priority_stream
+
+# Decode batches above 256 replay graphs too: at 1,024 running requests on an H200 a graph step
+from radixlora.sampler import ROW_DTYPES, ROW_FIELDS, SamplingBatch, draw
+from radixlora.sampling import GREEDY
 
 # Decode batches above 256 replay graphs too: at 1,024 running requests on an H200 a graph step
 # took 13.2 ms against 20.5 ms eager, whose kernel launches outlast the device work.

@@ -10,7 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from radixlora.attention import AttentionBackend
-    from radixlora.lora.pool import LoraContext
+    from radixlora.lora.context import LoraContext
 
 
 @dataclass

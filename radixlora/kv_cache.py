@@ -1,36 +1,10 @@
-"""Paged KV cache: device tensors (KVPool, owned by the worker) and page bookkeeping
-(KVAllocator, owned by the scheduler). A token's KV lives in one slot; slot = page * page_size +
-offset. Page 0 is reserved as the padding target: slots 0..page_size-1 are never handed out."""
+"""Paged KV cache, the scheduler's side: page bookkeeping (KVAllocator); the worker holds the
+tensors (radixlora.kv_pool). A token's KV lives in one slot; slot = page * page_size + offset.
+Page 0 is reserved as the padding target: slots 0..page_size-1 are never handed out."""
 
 from __future__ import annotations
 
 import numpy as np
-import torch
-
-
-class KVPool:
-    def __init__(
-        self,
-        num_layers: int,
-        num_slots: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: str | torch.device,
-    ):
-        shape = (num_slots, num_kv_heads, head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-
-    def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_cache[layer_id][loc] = k
-        self.v_cache[layer_id][loc] = v
-
-    @staticmethod
-    def bytes_per_slot(
-        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
 class KVAllocator:

@@ -22,23 +22,22 @@ from radixlora.device import to_device
 from radixlora.distributed import TensorParallel
 from radixlora.forward_batch import ForwardBatch
 from radixlora.kernels.lora_ops import LoraBatchMeta, make_lora_backend
-from radixlora.kv_cache import KVPool
+from radixlora.kv_pool import KVPool
 from radixlora.lora.adapter import MODULE_GROUPS
+from radixlora.lora.context import LoraContext, LoraSegments
 from radixlora.lora.host_cache import PackedAdapter
-from radixlora.lora.pool import AdapterPool, LoraContext, LoraSegments
+from radixlora.lora.pool import AdapterPool
 from radixlora.model.loader import load_model
-from radixlora.sampling import (
-    GREEDY,
+from radixlora.sampler import (
     LogitAdjustments,
     Penalties,
     SampleOutput,
     SamplingBatch,
-    SamplingParams,
     TokenMask,
-    needs_adjustments,
     sample,
     with_top_logprobs,
 )
+from radixlora.sampling import GREEDY, SamplingParams, needs_adjustments
 from radixlora.sizing import (
     DeviceMemory,
     PoolSizing,

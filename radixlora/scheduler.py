@@ -25,7 +25,7 @@ from radixlora.config import EngineConfig
 from radixlora.errors import InvalidRequestError
 from radixlora.kv_cache import KVAllocator
 from radixlora.lora.adapter import LoraAdapter
-from radixlora.lora.pool import AdapterResidency
+from radixlora.lora.residency import AdapterResidency
 from radixlora.radix_cache import RadixCache
 from radixlora.request import Req, ReqStatus
 from radixlora.sampling import penalized

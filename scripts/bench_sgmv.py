@@ -58,7 +58,7 @@ from radixlora.kernels.sgmv_grouped import (  # noqa: E402
     tuning_for_rows,
 )
 from radixlora.kernels.sgmv_shrink import sgmv_shrink  # noqa: E402
-from radixlora.lora.pool import LoraContext, high_priority_stream  # noqa: E402
+from radixlora.lora.context import LoraContext, high_priority_stream  # noqa: E402
 
 HBM_BYTES_PER_S = 4.24e12  # measured device-to-device copy on the H200
 MAX_REL_ERR = 2e-2

@@ -22,7 +22,8 @@ from radixlora.config import EngineConfig, ModelConfig
 from radixlora.errors import AdapterError, RadixLoraError
 from radixlora.lora.adapter import LoraAdapter
 from radixlora.lora.host_cache import HostAdapterCache, PackedAdapter
-from radixlora.lora.pool import AdapterPool, AdapterResidency
+from radixlora.lora.pool import AdapterPool
+from radixlora.lora.residency import AdapterResidency
 from radixlora.request import AdapterSet, Req, ReqStatus, cache_namespace
 from radixlora.scheduler import AGING_STEPS, BatchPlan, Scheduler
 from radixlora.step_plan import GroupRows, bytes_to_ids

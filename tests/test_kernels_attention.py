@@ -18,7 +18,7 @@ from radixlora.kernels.attention_extend import (  # noqa: E402
     extend_attention_ref,
     extend_tiles,
 )
-from radixlora.kv_cache import KVPool  # noqa: E402
+from radixlora.kv_pool import KVPool  # noqa: E402
 
 # The interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584), so the
 # half-precision cases here use fp16; scripts/bench_attention.py checks bf16 on the GPU.

@@ -36,7 +36,8 @@ from radixlora.kernels.sgmv_grouped import (  # noqa: E402
     grouped_shrink_ref,
 )
 from radixlora.kernels.sgmv_shrink import sgmv_shrink, sgmv_shrink_ref  # noqa: E402
-from radixlora.lora.pool import LoraContext, quantize_rows  # noqa: E402
+from radixlora.lora.context import LoraContext  # noqa: E402
+from radixlora.lora.pool import quantize_rows  # noqa: E402
 
 RANKS = [4, 8, 16, 32, 64, 12, 4, 8, 16, 24]
 SLICE_WIDTHS = {1: [96], 2: [48, 32], 3: [40, 16, 24]}  # q/k/v unequal, as under GQA

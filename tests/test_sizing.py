@@ -16,7 +16,7 @@ from radixlora.cli.flags import add_engine_flags, engine_overrides
 from radixlora.config import EngineConfig, ModelConfig
 from radixlora.cuda_graph import StaticInputs, graph_keys, graph_reserve
 from radixlora.errors import SizingError
-from radixlora.kv_cache import KVPool
+from radixlora.kv_pool import KVPool
 from radixlora.lora.pool import AdapterPool
 from radixlora.model_runner import profile_plan, warm_up_plans
 from radixlora.sizing import (

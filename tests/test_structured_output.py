@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from radixlora import Engine, SamplingParams
 from radixlora.errors import InvalidRequestError
-from radixlora.sampling import TokenMask
+from radixlora.sampler import TokenMask
 from radixlora.structured import Structure, allowed_tokens, mask_words
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 from tests.conftest import assert_all_free

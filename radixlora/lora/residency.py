@@ -1,0 +1,165 @@
+"""The scheduler's side of the adapter pool: which adapter holds which pool rows (the rows of
+every layer's and module group's tensors share one free list), reference counts, pins and
+eviction. Bookkeeping only: the loads it returns are executed by the worker's AdapterPool
+(radixlora.lora.pool)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from radixlora.lora.adapter import LoraAdapter
+
+
+class RowAllocator:
+    def __init__(self, num_rows: int):
+        self.num_rows = num_rows
+        self._free = list(range(num_rows - 1, -1, -1))
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> np.ndarray:
+        if n > len(self._free):
+            raise MemoryError(f"adapter pool exhausted: need {n} rows, {len(self._free)} free")
+        return np.array([self._free.pop() for _ in range(n)], dtype=np.int32)
+
+    def free(self, rows: np.ndarray) -> None:
+        self._free.extend(int(r) for r in rows)
+
+
+@dataclass
+class ResidentAdapter:
+    adapter: LoraAdapter
+    rows: np.ndarray
+    refs: int = 0
+    pinned: bool = False
+    group_rows: dict[str, list[int]] | None = None
+
+
+class AdapterResidency:
+    """Which adapter occupies which pool rows, with reference counts and eviction of
+    unreferenced adapters. Bookkeeping only: loads are returned for the worker to execute.
+
+    `needs` (adapter id -> position in the waiting queue of the first request that needs it)
+    orders eviction: first the unreferenced adapters no queued request needs, least recently
+    used first, then those needed only by requests furthest back in the queue. Referenced
+    adapters (held by running or just scheduled requests) and pinned ones are never evicted.
+    A prefetched adapter is resident with no reference until a request acquires it."""
+
+    def __init__(self, num_rows: int):
+        self.rows = RowAllocator(num_rows)
+        self.resident: OrderedDict[str, ResidentAdapter] = OrderedDict()
+        self.pinned: set[str] = set()  # adapter ids never evicted while resident
+        self.num_evictions = 0
+
+    def pin(self, adapter_id: str) -> None:
+        self.pinned.add(adapter_id)
+        if adapter_id in self.resident:
+            self.resident[adapter_id].pinned = True
+
+    def unpin(self, adapter_id: str) -> None:
+        self.pinned.discard(adapter_id)
+        if adapter_id in self.resident:
+            self.resident[adapter_id].pinned = False
+
+    def is_resident(self, adapter_id: str) -> bool:
+        return adapter_id in self.resident
+
+    def rows_of(self, adapter_id: str) -> np.ndarray:
+        return self.resident[adapter_id].rows
+
+    def group_rows(self, adapter_id: str) -> dict[str, list[int]]:
+        """Pool rows each module group of a resident adapter uses (its first group-rank rows)."""
+        entry = self.resident[adapter_id]
+        if entry.group_rows is None:
+            rows = entry.rows.tolist()
+            entry.group_rows = {g: rows[:r] for g, r in entry.adapter.group_ranks.items()}
+        return entry.group_rows
+
+    def can_acquire(self, adapters: list[LoraAdapter]) -> bool:
+        missing = sum(a.rank for a in adapters if a.adapter_id not in self.resident)
+        if missing <= self.rows.num_free():
+            return True
+        protected = {a.adapter_id for a in adapters}
+        reclaimable = sum(len(self.resident[k].rows) for k in self._idle(protected))
+        return missing <= self.rows.num_free() + reclaimable
+
+    def acquire(self, adapters: list[LoraAdapter],
+                needs: Mapping[str, int] | None = None) -> list[tuple[LoraAdapter, np.ndarray]]:
+        """Take a reference on each adapter, making it resident; returns the loads to execute.
+        Call only after can_acquire() said yes."""
+        loads = []
+        protected = {a.adapter_id for a in adapters}
+        for adapter in adapters:
+            entry = self.resident.get(adapter.adapter_id)
+            if entry is None:
+                if self.rows.num_free() < adapter.rank:
+                    self._reclaim(adapter.rank, self._victims(protected, needs or {}))
+                entry = self._place(adapter)
+                loads.append((adapter, entry.rows))
+            entry.refs += 1
+            self.resident.move_to_end(adapter.adapter_id)
+        return loads
+
+    def prefetch(self, adapter: LoraAdapter, needs: Mapping[str, int],
+                 position: int) -> np.ndarray | None:
+        """Make a non-resident adapter resident with no reference, ahead of the queued request
+        at `position` that needs it: its rows are free rows or rows of adapters that no queued
+        request at or before `position` needs. Returns the rows to load, None if too few."""
+        if self.rows.num_free() < adapter.rank:
+            victims = [k for k in self._victims({adapter.adapter_id}, needs)
+                       if needs.get(k, position + 1) > position]
+            reclaimable = sum(len(self.resident[k].rows) for k in victims)
+            if adapter.rank > self.rows.num_free() + reclaimable:
+                return None
+            self._reclaim(adapter.rank, victims)
+        return self._place(adapter).rows
+
+    def _place(self, adapter: LoraAdapter) -> ResidentAdapter:
+        entry = ResidentAdapter(adapter, self.rows.alloc(adapter.rank),
+                                pinned=adapter.adapter_id in self.pinned)
+        self.resident[adapter.adapter_id] = entry
+        return entry
+
+    def release(self, adapter_ids) -> None:
+        for adapter_id in adapter_ids:
+            entry = self.resident[adapter_id]
+            if entry.refs <= 0:
+                raise RuntimeError(f"adapter {adapter_id[:12]} released more often than acquired")
+            entry.refs -= 1
+
+    def refs(self, adapter_id: str) -> int:
+        entry = self.resident.get(adapter_id)
+        return entry.refs if entry else 0
+
+    def evict(self, adapter_id: str) -> bool:
+        """Drop an unreferenced adapter from the pool; False if it is in use."""
+        entry = self.resident.get(adapter_id)
+        if entry is None:
+            return True
+        if entry.refs > 0:
+            return False
+        self.rows.free(entry.rows)
+        del self.resident[adapter_id]
+        self.num_evictions += 1
+        return True
+
+    def _idle(self, protected: set[str]) -> list[str]:
+        """Evictable adapters (unreferenced, unpinned, not protected), least recently used
+        first."""
+        return [k for k, r in self.resident.items()
+                if r.refs == 0 and not r.pinned and k not in protected]
+
+    def _victims(self, protected: set[str], needs: Mapping[str, int]) -> list[str]:
+        """Evictable adapters in eviction order (see the class docstring)."""
+        return sorted(self._idle(protected), key=lambda k: (k in needs, -needs.get(k, 0)))
+
+    def _reclaim(self, need: int, victims: list[str]) -> None:
+        for adapter_id in victims:
+            if self.rows.num_free() >= need:
+                return
+            self.evict(adapter_id)
