@@ -13,6 +13,7 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from radixlora.adapters import AdapterRegistry, parse_spec
@@ -243,9 +244,13 @@ class Engine:
         self, prompt, params: SamplingParams, spec, cache_salt, logprob_start: int | None = None
     ) -> list[Req]:
         self._next_rid += 1
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need the model's tokenizer.json",
-                                      param="stop")
+        for name, needed in (("stop", params.stop), ("bad_words", params.bad_words)):
+            if needed and self.tokenizer is None:
+                raise InvalidRequestError(f"{name} needs the model's tokenizer.json",
+                                          param=name)
+        if params.bad_words and not params.bad_words_ids:
+            params = msgspec.structs.replace(
+                params, bad_words_ids=self.tokenizer.bad_words_ids(params.bad_words))
         reqs, _ = self.intake.requests(f"req-{self._next_rid}", self._prompt_ids(prompt),
                                        params, parse_spec(spec), logprob_start, cache_salt)
         if params.stop:

@@ -326,7 +326,8 @@ class ModelRunner:
         if not sampled:
             return None
         adjust = LogitAdjustments.build([i.params for i in sampled],
-                                        [i.out_index for i in sampled], self.cfg.eos_token_ids)
+                                        [i.out_index for i in sampled], self.cfg.eos_token_ids,
+                                        [i.banned for i in sampled])
         penalties = self._penalties(plan.items, host["input_ids"])
         mask = TokenMask.build([i.allowed for i in sampled])
         processors = tuple(p for p in (adjust, penalties, mask) if p is not None)

@@ -60,21 +60,26 @@ class SamplingBatch:
 
 @dataclass
 class LogitAdjustments:
-    """Values added to single logits before sampling: a request's logit_bias, and -inf on its
+    """Values added to single logits before sampling: a request's logit_bias, -inf on its
     stop tokens (EOS unless ignore_eos, and stop_token_ids) while fewer than min_tokens
-    tokens are out. One entry per (row, token, value); a token may repeat (they add up)."""
+    tokens are out, and -inf on the tokens that would complete one of its bad words. One entry
+    per (row, token, value); a token may repeat (they add up)."""
 
     rows: np.ndarray  # [n] int64
     tokens: np.ndarray  # [n] int64
     values: np.ndarray  # [n] float32
 
     @classmethod
-    def build(cls, params: list[SamplingParams], steps: list[int],
-              eos_ids: tuple[int, ...]) -> LogitAdjustments | None:
-        """None when no row is adjusted (`steps`: each row's output index)."""
+    def build(cls, params: list[SamplingParams], steps: list[int], eos_ids: tuple[int, ...],
+              banned: list[bytes | None] | None = None) -> LogitAdjustments | None:
+        """None when no row is adjusted (`steps`: each row's output index; `banned`: each
+        row's bad-word tokens, int32, as the scheduler found them)."""
         entries = []
         for row, (p, step) in enumerate(zip(params, steps)):
             entries += [(row, token, bias) for token, bias in p.logit_bias]
+            if banned is not None and banned[row]:
+                tokens = dict.fromkeys(np.frombuffer(banned[row], "<i4").tolist())
+                entries += [(row, token, -math.inf) for token in tokens]
             if step < p.min_tokens:
                 held = dict.fromkeys(p.stop_token_ids + (() if p.ignore_eos else eos_ids))
                 entries += [(row, token, -math.inf) for token in held]

@@ -17,6 +17,7 @@ MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
 LOGIT_BIAS_RANGE = 100.0  # |bias| at most this, as OpenAI allows
 MAX_REPETITION_PENALTY = 10.0
+MAX_BAD_WORDS = 64
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
@@ -49,6 +50,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     # the output must match it (radixlora.structured): a JSON schema, any JSON object, a
     # regular expression, a choice of strings or a grammar
     structure: Structure | None = None
+    # vLLM's: words never generated; their token sequences (bad_words_ids) are filled in by
+    # whoever holds the tokenizer (radixlora.text.tokenizer.bad_words_ids)
+    bad_words: tuple[str, ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -58,6 +63,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
             msgspec.structs.force_setattr(self, "stop", stop)
         if not isinstance(self.stop_token_ids, tuple):
             msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.bad_words, str) or not isinstance(self.bad_words, tuple):
+            words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+            msgspec.structs.force_setattr(self, "bad_words", tuple(words or ()))
+        if not isinstance(self.bad_words_ids, tuple) or any(
+                not isinstance(ids, tuple) for ids in self.bad_words_ids):
+            msgspec.structs.force_setattr(self, "bad_words_ids",
+                                          tuple(tuple(ids) for ids in self.bad_words_ids))
         bias = self.logit_bias
         if isinstance(bias, dict):
             bias = bias.items()
@@ -96,6 +108,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
                                           param="logit_bias")
             _check_int("logit_bias", pair[0], 0, vocab_size - 1)
             _check_float("logit_bias", pair[1], -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE)
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidRequestError(f"bad_words may hold at most {MAX_BAD_WORDS} words",
+                                      param="bad_words")
+        for word in self.bad_words:
+            if not isinstance(word, str) or not 1 <= len(word.strip()) <= MAX_STOP_CHARS:
+                raise InvalidRequestError(f"bad_words must be 1-{MAX_STOP_CHARS} characters, "
+                                          f"got {word!r}", param="bad_words")
+        for ids in self.bad_words_ids:
+            for t in ids:
+                _check_int("bad_words", t, 0, vocab_size - 1)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, "
                                       f"got {len(self.stop)}", param="stop")
@@ -129,7 +151,25 @@ def penalized(params: SamplingParams) -> bool:
                 or params.repetition_penalty != 1.0)
 
 
+def banned_tokens(params: SamplingParams, output_ids) -> list[int]:
+    """vLLM's bad_words: the last token of each bad word's sequence whose other tokens end the
+    output so far (a one-token word: always)."""
+    banned = []
+    for ids in params.bad_words_ids:
+        head = len(ids) - 1
+        if head == 0 or (len(output_ids) >= head
+                         and tuple(output_ids[len(output_ids) - head:]) == ids[:-1]):
+            banned.append(ids[-1])
+    return banned
+
+
+def bans_after_newest(params: SamplingParams) -> bool:
+    """Whether a bad word's ban depends on the output's newest token (a word of 2+ tokens)."""
+    return any(len(ids) > 1 for ids in params.bad_words_ids)
+
+
 def needs_adjustments(params: SamplingParams, step: int) -> bool:
     """Whether a row sampling with params at output index `step` is changed before sampling
-    (LogitAdjustments, Penalties)."""
-    return bool(params.logit_bias) or step < params.min_tokens or penalized(params)
+    (LogitAdjustments, Penalties; bad words are banned through LogitAdjustments)."""
+    return (bool(params.logit_bias) or step < params.min_tokens or penalized(params)
+            or bool(params.bad_words_ids))

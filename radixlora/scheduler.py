@@ -28,7 +28,7 @@ from radixlora.lora.adapter import LoraAdapter
 from radixlora.lora.residency import AdapterResidency
 from radixlora.radix_cache import RadixCache
 from radixlora.request import Req, ReqStatus
-from radixlora.sampling import penalized
+from radixlora.sampling import banned_tokens, bans_after_newest, penalized
 from radixlora.step_plan import AdapterLoad, GroupRows, PlanItem, StepPlan, ids_to_bytes
 from radixlora.structured import next_token_masks
 from radixlora.token_bucket import SwapCap
@@ -92,6 +92,7 @@ class BatchPlan:
                 score_from=item.score_from,
                 score_ids=None if item.score_ids is None else ids_to_bytes(item.score_ids),
                 allowed=masks.get(k),
+                banned=_banned(item),
                 **_penalty_history(item),
             )
             for k, item in enumerate(self.items)
@@ -104,6 +105,21 @@ class BatchPlan:
                         adapter_loads=_adapter_loads(self.adapter_loads),
                         prefetch_loads=_adapter_loads(self.prefetch_loads),
                         adapter_sets=list(self.lora_rows.values()))
+
+
+def _needs_newest(req: Req) -> bool:
+    """Whether planning req's next token needs its newest one folded: a grammar's mask, or a
+    bad word of several tokens."""
+    return req.grammar is not None or bans_after_newest(req.params)
+
+
+def _banned(item: ScheduledReq) -> bytes | None:
+    """PlanItem.banned of a sampling item with bad words: what they ban after its output so
+    far (a request whose bans depend on its newest token is planned only once it is folded)."""
+    params = item.req.params
+    if not item.sample or not params.bad_words_ids:
+        return None
+    return ids_to_bytes(banned_tokens(params, item.req.output_ids))
 
 
 def _penalty_history(item: ScheduledReq) -> dict[str, bytes]:
@@ -223,8 +239,8 @@ class Scheduler:
         for req in self.running:
             if len(req.output_ids) + req.pending >= req.params.max_tokens:
                 continue  # its last token is being sampled
-            if req.pending and req.grammar is not None:
-                continue  # its next mask needs the token being sampled
+            if req.pending and _needs_newest(req):
+                continue  # its next mask or bans need the token being sampled
             n = min(req.remaining_prefill, budget - used)
             if n > 0:
                 wanted.append((req, n))
@@ -266,8 +282,8 @@ class Scheduler:
                 continue  # retracted while an older request made room
             if len(req.output_ids) + req.pending >= req.params.max_tokens:
                 continue  # its last token is being sampled
-            if req.pending and req.grammar is not None:
-                continue  # its next mask needs the token being sampled
+            if req.pending and _needs_newest(req):
+                continue  # its next mask or bans need the token being sampled
             n = min(req.remaining_prefill, budget - used)
             if n <= 0:
                 continue

@@ -42,6 +42,8 @@ class PlanItem(msgspec.Struct, array_like=True):
     # structured output: the tokens this item may sample, a little-endian int32 bitmask of
     # ceil(vocab / 32) words (radixlora.structured)
     allowed: bytes | None = None
+    # bad words: the tokens this item may not sample (int32), found by the scheduler
+    banned: bytes | None = None
 
 
 class AdapterLoad(msgspec.Struct, array_like=True):

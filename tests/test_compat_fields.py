@@ -374,3 +374,10 @@ def test_tools_with_auto_choice_need_a_tool_call_parser(server):
     assert resp.json()["error"]["param"] == "tool_choice"
     plain = server.http.post("/v1/chat/completions", json={**body, "tool_choice": "none"})
     assert plain.json()["choices"][0]["message"]["content"].strip() == WANT[None]
+
+
+def test_bad_words_are_never_written(client):
+    """vLLM's bad_words through the openai SDK: the upper adapter's answer loses the word."""
+    assert "FOX" in chat(client, "upper")
+    text = chat(client, "upper", bad_words=["FOX"])
+    assert "FOX" not in text and text.startswith("THE RED")

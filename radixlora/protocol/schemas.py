@@ -89,6 +89,7 @@ class _Sampling(Strict):
     ebnf: str | None = None
     # vLLM's: each prompt token's logprob with the k most likely tokens at its position
     prompt_logprobs: Int32 | None = None
+    bad_words: list[str] | None = None  # vLLM's: never generated
 
     def __post_init__(self):
         self.n = 1 if self.n is None else self.n  # null means the default, as at OpenAI
@@ -473,6 +474,7 @@ def _common(req: _Sampling, vocab_size: int, max_tokens, logprobs) -> SamplingPa
         frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty,
         structure=structure_of(req),
+        bad_words=tuple(req.bad_words) if req.bad_words else None,
     )
 
 

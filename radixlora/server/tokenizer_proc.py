@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -123,6 +124,12 @@ class TokenizerService:
         if req.fill_context:
             params = fill_context(params, len(ids), self.max_total,
                                   "messages" if req.messages is not None else "prompt")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise InvalidRequestError("bad_words needs the model's tokenizer.json",
+                                          param="bad_words")
+            params = msgspec.structs.replace(
+                params, bad_words_ids=self.tokenizer.bad_words_ids(params.bad_words))
         # position 0 has no context: scoring starts at 1 and the api reports it unscored
         start = 1 if req.logprob_start == 0 else req.logprob_start
         return TokenizedReq(

@@ -74,6 +74,21 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as token sequences: each word as it is tokenized at the start of a
+        text, and, when a leading space makes it another token sequence of the same length
+        (the word inside a text), that one too."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            alone = tuple(self.encode(word.lstrip(), add_special_tokens=False))
+            if not alone:
+                continue  # nothing to ban (SamplingParams.validate refuses such a word)
+            spaced = tuple(self.encode(" " + word.lstrip(), add_special_tokens=False))
+            out.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        return tuple(out)
+
 
 def _max_bytes_per_token(tok: HFTokenizer) -> int | None:
     spec = json.loads(tok.to_str())
