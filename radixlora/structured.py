@@ -127,15 +127,15 @@ class GrammarCompiler:
 
     def compile(self, structure: Structure) -> Matcher:
         """A fresh matcher for `structure`; InvalidRequestError if it does not compile."""
-        import llguidance
-
-        grammar = structure.grammar()
         self._ready.wait()
         if self._tokenizer is None:
-            raise InvalidRequestError(f"structured output is unavailable: the tokenizer could "
-                                      f"not be read ({self._error})", param=structure.param,
+            raise InvalidRequestError(f"structured output is unavailable: "
+                                      f"{type(self._error).__name__}: {self._error}",
+                                      param=structure.param,
                                       code="structured_output_unavailable")
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._tokenizer, structure.grammar(), log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"{structure.param} does not compile: "
                                       f"{matcher.get_error().strip()}", param=structure.param)

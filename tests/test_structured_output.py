@@ -183,3 +183,14 @@ def test_object_schemas_are_closed_unless_they_say_otherwise():
     assert out["properties"]["e"]["additionalProperties"] is True
     assert out["$defs"]["X"]["anyOf"][0]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the request's own schema is left alone
+
+
+def test_a_compiler_without_its_tokenizer_refuses_structured_requests(tmp_path):
+    """Where llguidance's tokenizer cannot be built (here: no file; on a machine without
+    llguidance: its import), structured requests get a 400 saying so; nothing else breaks."""
+    from radixlora.structured import GrammarCompiler
+
+    compiler = GrammarCompiler(tmp_path / "missing.json", 64, (2,))
+    with pytest.raises(InvalidRequestError) as e:
+        compiler.compile(STRUCTURES["regex"])
+    assert e.value.code == "structured_output_unavailable" and e.value.param == "regex"
