@@ -177,28 +177,20 @@ class OpenAIHandlers:
     async def _chat_chunks(self, gens, head, req, tools: ToolChoice) -> AsyncIterator[bytes]:
         """Content as it comes; with tools, content that may be a call is held back, and the
         calls come as one tool_calls delta when the sample ends."""
-        texts: dict[int, str] = {}
-        sent: dict[int, int] = {}  # characters of each sample's text streamed as content
+        texts: dict[int, str] = {}  # with tools: each sample's text so far
+        sent: dict[int, int] = {}  # and how many of its characters went out as content
         async for _, out in self.runtime.events(gens):
-            if out.index not in texts:
+            if out.index not in sent:
                 texts[out.index], sent[out.index] = "", 0
                 first = {"index": out.index, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None}
                 yield sse({**head, "choices": [first], **continuous_usage(req, gens)})
-            texts[out.index] += out.text
-            text = texts[out.index]
-            delta, finish_reason = {}, out.finish_reason
-            if finish_reason is None:
-                upto = max(tools.streamable(text), sent[out.index])
+            if tools.mode == "none":
+                content, delta, finish_reason = out.text, {}, out.finish_reason
             else:
-                message, finish_reason = tools.message(text, finish_reason)
-                upto = len(text) if "tool_calls" not in message else max(
-                    tools.streamable(text), sent[out.index])
-                if "tool_calls" in message:
-                    delta["tool_calls"] = [{"index": k, **call}
-                                           for k, call in enumerate(message["tool_calls"])]
-            content = text[sent[out.index]:upto]
-            sent[out.index] = upto
+                texts[out.index] += out.text
+                content, delta, finish_reason = _tool_delta(tools, texts[out.index], sent,
+                                                            out)
             if content:
                 delta = {"content": content, **delta}
             logprobs = _chat_logprobs(_as_sample(out)) if req.logprobs else None
@@ -276,6 +268,25 @@ def _as_sample(out: SampleOutput) -> Sample:
     sample = Sample(out.index)
     sample.add(out, [])
     return sample
+
+
+def _tool_delta(tools: ToolChoice, text: str, sent: dict[int, int], out: SampleOutput
+                ) -> tuple[str, dict, str | None]:
+    """(content, delta, finish_reason) of a chunk of a request with tools: the text that is
+    surely content (ToolChoice.streamable) as it comes, and when the sample ends the rest of
+    the content and its calls."""
+    delta, finish_reason = {}, out.finish_reason
+    if finish_reason is None:
+        upto = max(tools.streamable(text), sent[out.index])
+    else:
+        message, finish_reason = tools.message(text, finish_reason)
+        upto = len(text)
+        if "tool_calls" in message:
+            upto = max(tools.streamable(text), sent[out.index])
+            delta["tool_calls"] = [{"index": k, **call}
+                                   for k, call in enumerate(message["tool_calls"])]
+    content, sent[out.index] = text[sent[out.index]:upto], upto
+    return content, delta, finish_reason
 
 
 def vllm_prompt_logprobs(s: Sample, k: int) -> list[dict | None]:
