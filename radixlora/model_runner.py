@@ -27,7 +27,7 @@ from radixlora.lora.adapter import MODULE_GROUPS
 from radixlora.lora.context import LoraContext, LoraSegments
 from radixlora.lora.host_cache import PackedAdapter
 from radixlora.lora.pool import AdapterPool
-from radixlora.model.loader import load_model
+from radixlora.model.loader import load_model, weight_files
 from radixlora.sampler import (
     LogitAdjustments,
     Penalties,
@@ -104,7 +104,7 @@ class ModelRunner:
         with self.phase("weights"):
             self.model = load_model(model_path, model_cfg, self.dtype, self.device,
                                     config.load_format, tp)
-        log.info("weights loaded in %.1f s", self.phases["weights"])
+        self._log_weights(model_path, config.load_format)
         self.lora_backend = make_lora_backend(config.lora_backend, self.device)
         self.graphs = None
         self.sizing: PoolSizing | None = None
@@ -142,6 +142,15 @@ class ModelRunner:
         kernels.start_recording()
         kernels.start()
         return kernels
+
+    def _log_weights(self, model_path, load_format: str) -> None:
+        seconds = self.phases["weights"]
+        if load_format != "safetensors":
+            log.info("weights made in %.1f s", seconds)
+            return
+        gb = sum(f.stat().st_size for f in weight_files(Path(model_path))) / 1e9
+        log.info("weights loaded in %.1f s: %.2f GB of checkpoint at %.2f GB/s", seconds, gb,
+                 gb / max(seconds, 1e-9))
 
     @contextlib.contextmanager
     def phase(self, name: str):

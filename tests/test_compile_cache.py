@@ -7,7 +7,11 @@ the start-up line (docs/PERF.md, "Start-up")."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -227,3 +231,34 @@ def test_worker_captures_left_graphs_only_after_it_has_been_idle_a_while():
     nothing.step(True, 0.0)
     nothing.step(True, 1.0)
     assert not nothing.left
+
+
+def test_a_torch_without_bytecode_gets_it_under_the_cache_once(tmp_path, monkeypatch):
+    """Where the installed torch has no bytecode beside its sources, the server's processes
+    read and write theirs under the compile cache, and `radixlora warmup` writes it there
+    ahead; a subprocess with that environment then imports the module from that bytecode."""
+    source = tmp_path / "site" / "fake_torch_root.py"
+    source.parent.mkdir()
+    source.write_text("VALUE = 41 + 1\n")
+    spec = importlib.util.spec_from_file_location("torch", source)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    root = tmp_path / "cache"
+    env = compile_cache.bytecode_env(root)
+    assert env == {"PYTHONPYCACHEPREFIX": str(root / "pycache")}
+    module = types.ModuleType("fake_torch_root")
+    module.__file__ = str(source)
+    assert compile_cache.write_bytecode(root, [module, types.ModuleType("builtin")]) == 1
+    written = list((root / "pycache").rglob("fake_torch_root*.pyc"))
+    assert len(written) == 1 and not (source.parent / "__pycache__").exists()
+    stamp = written[0].stat().st_mtime_ns
+    run = subprocess.run([sys.executable, "-c", "import fake_torch_root as m; print(m.VALUE)"],
+                         env={**os.environ, **env, "PYTHONPATH": str(source.parent)},
+                         capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "42" and written[0].stat().st_mtime_ns == stamp
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    assert compile_cache.bytecode_env(root) == {}
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "elsewhere"))
+    assert compile_cache.bytecode_env(root) == {}

@@ -430,6 +430,7 @@ def warmup(args: argparse.Namespace) -> None:
     from radixlora.server.ipc import setup_logging
 
     setup_logging(getattr(args, "log_level", "info"), "warmup")
+    from radixlora import compile_cache
     from radixlora.engine import Engine
 
     model, _, _ = model_and_adapters(args)
@@ -438,8 +439,10 @@ def warmup(args: argparse.Namespace) -> None:
     if kernels is None:
         raise SystemExit("radixlora warmup: nothing to compile on the CPU; run it where the "
                          "server will run, on a GPU")
-    print(f"compile cache: {kernels.path.parents[1]} "
-          f"({len(kernels.known)} kernel variants in {kernels.path})")
+    root = kernels.path.parents[1]
+    modules = compile_cache.write_bytecode(root)
+    print(f"compile cache: {root} ({len(kernels.known)} kernel variants in {kernels.path}"
+          + (f"; bytecode of {modules} modules" if modules else "") + ")")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,6 +34,7 @@ from radixlora.model.quant_fp8 import (
     fp8_projections,
     fp8_scheme,
 )
+from radixlora.model.weight_reader import WeightReader, stored_tensors
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)$")
 _BNB_PART = re.compile(
@@ -184,22 +185,37 @@ def _nf4_blocksize(path: Path) -> int | None:
 
 def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, path: Path,
                   shard: Shard | None) -> None:
+    """Every checkpoint tensor into its parameter: whole tensors of the parameter's dtype
+    straight from the file's bytes (WeightReader), the rest (a rank's slice, a dtype to
+    convert, quantized parts) through safetensors."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: dict[str, int] = {}  # parameter -> rows loaded (fused weights load in slices)
     parts: dict[str, dict[str, torch.Tensor]] = {}  # quantized weight -> its tensors
     kind = _quantized_kind(model)
     pattern = {NF4Linear: _BNB_PART, Fp8Linear: _FP8_PART}.get(kind)
+    reader = WeightReader(next(iter(params.values())).device)
     for file in weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                part = pattern.match(name) if pattern is not None else None
-                if part is not None:
-                    parts.setdefault(part.group(1), {})[part.group(2) or "weight"] = (
-                        f.get_tensor(name))
-                    continue
-                # a rank reads only its slice of each tensor from the file
-                tensor = f.get_tensor(name) if shard is None else f.get_slice(name)
-                _load_tensor(cfg, params, loaded, name, tensor, shard)
+        slow = []
+        for name, stored in stored_tensors(file).items():
+            part = pattern.match(name) if pattern is not None else None
+            if part is not None or shard is not None:
+                slow.append((name, part))
+                continue
+            place = _destination(cfg, params, name)
+            if place is None:
+                continue
+            target, dst = place
+            if stored.dtype != dst.dtype or not dst.is_contiguous():
+                slow.append((name, None))
+                continue
+            if stored.shape != tuple(dst.shape):
+                raise ModelLoadError(
+                    f"{name}: shape {stored.shape}, expected {tuple(dst.shape)}")
+            reader.add(file, stored, dst)
+            loaded[target] = loaded.get(target, 0) + dst.shape[0]
+        if slow:
+            _load_through_safetensors(file, cfg, params, loaded, parts, slow, shard)
+    reader.run()
     _load_quantized(model, cfg, parts, loaded, shard)
     missing = {n for n, p in params.items() if loaded.get(n, 0) != p.shape[0]}
     missing |= {n for n, m in model.named_modules()
@@ -208,6 +224,21 @@ def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, path: Path,
         missing.discard("lm_head.weight")
     if missing:
         raise ModelLoadError(f"checkpoint {path} lacks tensors: {sorted(missing)[:5]}")
+
+
+def _load_through_safetensors(file: Path, cfg: ModelConfig, params, loaded, parts,
+                              names: list, shard: Shard | None) -> None:
+    """The named tensors of one file (each with its quantized-part match or None) read by
+    safetensors: quantized parts collected into `parts`, the rest loaded (a rank reads only
+    its slice of each)."""
+    with safe_open(str(file), framework="pt") as f:
+        for name, part in names:
+            if part is not None:
+                parts.setdefault(part.group(1), {})[part.group(2) or "weight"] = (
+                    f.get_tensor(name))
+                continue
+            tensor = f.get_tensor(name) if shard is None else f.get_slice(name)
+            _load_tensor(cfg, params, loaded, name, tensor, shard)
 
 
 def _quantized_kind(model) -> type | None:
@@ -260,21 +291,29 @@ def _shard_fp8(shard: Shard, proj: str, weight: torch.Tensor,
 
 
 def _load_tensor(cfg, params, loaded, name, tensor, shard: Shard | None = None) -> None:
-    target, rows = _target(cfg, name)
-    if target is None:
+    place = _destination(cfg, params, name)
+    if place is None:
         return
-    if target == "lm_head.weight" and cfg.tie_word_embeddings:
-        return
-    param = params.get(target)
-    if param is None:
-        raise ModelLoadError(f"unexpected tensor {name} in checkpoint")
-    dst = param.data if rows is None else param.data[rows[0] : rows[1]]
+    target, dst = place
     if shard is not None:
         tensor, dst = _shard_tensor(shard, name, target, tensor, dst)
     if dst.shape != tensor.shape:
         raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
     dst.copy_(tensor)
-    loaded[target] = loaded.get(target, 0) + (param.shape[0] if target in _VOCAB else dst.shape[0])
+    rows = params[target].shape[0] if target in _VOCAB else dst.shape[0]
+    loaded[target] = loaded.get(target, 0) + rows
+
+
+def _destination(cfg: ModelConfig, params, name: str) -> tuple[str, torch.Tensor] | None:
+    """(our parameter's name, the tensor a checkpoint tensor goes into: the parameter or its
+    rows of a fused one); None for tensors the model does not keep."""
+    target, rows = _target(cfg, name)
+    if target is None or (target == "lm_head.weight" and cfg.tie_word_embeddings):
+        return None
+    param = params.get(target)
+    if param is None:
+        raise ModelLoadError(f"unexpected tensor {name} in checkpoint")
+    return target, (param.data if rows is None else param.data[rows[0] : rows[1]])
 
 
 _VOCAB = ("embed_tokens.weight", "lm_head.weight")

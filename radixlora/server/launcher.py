@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -35,6 +36,7 @@ import uvicorn
 import uvloop
 import zmq
 
+from radixlora import compile_cache
 from radixlora.adapters import AdapterChoice
 from radixlora.config import ModelConfig
 from radixlora.distributed import TP_RANK_ENV, node_ranks, worker_rank_name
@@ -92,6 +94,9 @@ class Children:
         self.workers = tuple(n for n in self.core  # those that size the pools (not TP ranks)
                              if n.split("-")[0] == FIRST and n not in ranks)
         self.names = self.core + (OPTIONAL if args.adapter_dir and head else ())
+        cache = args.engine.get("compile_cache_dir")
+        self.bytecode = compile_cache.bytecode_env(
+            Path(cache).expanduser() if cache else compile_cache.default_cache_dir())
         self.sized: dict[str, ServerArgs] = {}  # replica children: their replica's sized args
         self.procs: dict[str, subprocess.Popen] = {}
         self.pids: dict[str, int] = {}  # kept up to date (the api shows it)
@@ -109,7 +114,8 @@ class Children:
     def spawn(self, name: str, send_args: bool = True) -> None:
         module, rank = name.split("-")[0], name.partition("-tp")[2]
         cmd = [sys.executable, "-m", f"radixlora.server.{module}_proc"]
-        env = child_env() | ({TP_RANK_ENV: rank} if rank else {}) | replica_env(name)
+        env = (child_env() | self.bytecode | ({TP_RANK_ENV: rank} if rank else {})
+               | replica_env(name))
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, env=env)
         self.relays[name] = StderrRelay(proc.stderr, self.starting)
