@@ -298,6 +298,7 @@ class CudaGraphRunner(StaticInputs):
     ):
         super().__init__(runner, max_batch, max_context, max_rows)
         self.graphs: dict[GraphKey, _Graph] = {}
+        self.warmed: GraphKey | None = None  # capture_next's eager pass ran for it
         self.pool = torch.cuda.graph_pool_handle()
         if lora_side_stream:
             # high priority where the side branch is the whole delta, normal beside the large
@@ -340,10 +341,21 @@ class CudaGraphRunner(StaticInputs):
         return sorted(keys, key=lambda k: (k.batch, k.tokens, k.rows))
 
     def capture_next(self) -> bool:
-        """Capture one pending graph (the server calls this when idle); whether any remain."""
+        """One idle turn on the pending graphs (the server calls this when idle): the next
+        one's eager pass, or, the turn after, its capture, so that a request arriving meanwhile
+        waits for half a capture at most; whether any turn remains."""
         keys = self.pending()
-        if keys:
-            self._capture(keys[0])
+        if not keys:
+            return False
+        key = keys[0]
+        if self.warmed != key:
+            self.warmed = key
+            self._reset_inputs(key)
+            with blas_library("cublaslt" if key.tokens <= CUBLASLT_MAX_TOKENS else None):
+                self._warm_pass(key)
+            return True
+        self.warmed = None
+        self._capture(key, warm=False)
         return len(keys) > 1
 
     def dry_run(self) -> None:
@@ -360,17 +372,24 @@ class CudaGraphRunner(StaticInputs):
         for key in tqdm(todo, desc="capturing CUDA graphs", unit="graph", disable=not todo):
             self._capture(key)
 
-    def _capture(self, key: GraphKey) -> _Graph:
+    def _capture(self, key: GraphKey, warm: bool = True) -> _Graph:
+        """warm: run the eager pass first (capture_next ran it in an earlier turn otherwise)."""
         self._reset_inputs(key)
         with blas_library("cublaslt" if key.tokens <= CUBLASLT_MAX_TOKENS else None):
+            if warm:
+                self._warm_pass(key)
             return self._capture_graph(key)
 
-    def _capture_graph(self, key: GraphKey) -> _Graph:
+    def _warm_pass(self, key: GraphKey) -> None:
+        """The forward once eagerly on a side stream: it compiles or loads kernels and
+        initialises cuBLAS, which a capture must not do."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # compiles or loads kernels, initialises cuBLAS
+        with torch.cuda.stream(stream):
             self._run(key)
         torch.cuda.current_stream().wait_stream(stream)
+
+    def _capture_graph(self, key: GraphKey) -> _Graph:
         graph = torch.cuda.CUDAGraph()
         # thread_local: the executor's disk reads may pin host memory on their threads meanwhile
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):

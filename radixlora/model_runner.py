@@ -149,7 +149,7 @@ class ModelRunner:
             log.info("weights made in %.1f s", seconds)
             return
         gb = sum(f.stat().st_size for f in weight_files(Path(model_path))) / 1e9
-        log.info("weights loaded in %.1f s: %.2f GB of checkpoint at %.2f GB/s", seconds, gb,
+        log.info("weights loaded in %.1f s: %.3g GB of checkpoint at %.3g GB/s", seconds, gb,
                  gb / max(seconds, 1e-9))
 
     @contextlib.contextmanager

@@ -262,3 +262,36 @@ def test_a_torch_without_bytecode_gets_it_under_the_cache_once(tmp_path, monkeyp
     monkeypatch.setattr(sys, "dont_write_bytecode", False)
     monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "elsewhere"))
     assert compile_cache.bytecode_env(root) == {}
+
+
+def test_each_idle_turn_is_half_a_graph_capture():
+    """capture_next alternates a graph's eager pass and its capture (without a second eager
+    pass), so a request arriving during an idle turn waits for half a capture at most."""
+    from radixlora.cuda_graph import CudaGraphRunner, GraphKey
+
+    class Turns:
+        warmed = None
+
+        def __init__(self, keys):
+            self.left, self.calls = list(keys), []
+
+        def pending(self):
+            return list(self.left)
+
+        def _reset_inputs(self, key):
+            pass
+
+        def _warm_pass(self, key):
+            self.calls.append(("eager", key))
+
+        def _capture(self, key, warm=True):
+            self.calls.append(("capture", key, warm))
+            self.left.remove(key)
+
+    keys = [GraphKey(2, 32, 0), GraphKey(4, 64, 0)]
+    graphs = Turns(keys)
+    remaining = [CudaGraphRunner.capture_next(graphs) for _ in range(4)]
+    assert remaining == [True, True, True, False]
+    assert graphs.calls == [("eager", keys[0]), ("capture", keys[0], False),
+                            ("eager", keys[1]), ("capture", keys[1], False)]
+    assert CudaGraphRunner.capture_next(graphs) is False
