@@ -17,7 +17,7 @@ import httpx
 
 from radixlora.engine import Engine
 from radixlora.server.args import ServerArgs
-from radixlora.server.launcher import sized_args
+from radixlora.server.supervisor import sized_args
 from radixlora.sizing import SIZED_FIELDS, cpu_config
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 

@@ -28,7 +28,7 @@ from radixlora.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR, format_prompt
 from radixlora.engine import Engine
 from radixlora.lora.pool import AdapterPool
 from radixlora.sampling import SamplingParams
-from radixlora.server.launcher import StderrRelay
+from radixlora.server.supervisor import StderrRelay
 from radixlora.text.chat import ChatTemplate
 from radixlora.text.tokenizer import Tokenizer
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
