@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from radixlora.config import ModelConfig
 from radixlora.errors import ModelLoadError
-from radixlora.step_plan import StepPlan
+from radixlora.step_plan import StepMasks, StepPlan
 
 TP_RANK_ENV = "RADIXLORA_TP_RANK"  # set by the launcher on each worker rank's process
 COLUMN_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -132,7 +132,7 @@ class TensorParallel:
         self.rank, self.size = shard.rank, shard.size
         self.group = group
         self.control = control
-        self._plans = msgspec.msgpack.Decoder(list[StepPlan])
+        self._plans = msgspec.msgpack.Decoder(list[StepPlan | StepMasks])
 
     @classmethod
     def init(cls, rank: int, size: int, full: ModelConfig, rendezvous: str,
@@ -177,11 +177,12 @@ class TensorParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
         return int(t.item())
 
-    def send_plans(self, plans: list[StepPlan]) -> None:
-        """Rank 0: hand a batch of plans (possibly none: a tick) to every other rank."""
+    def send_plans(self, plans: list[StepPlan | StepMasks]) -> None:
+        """Rank 0: hand a batch of plans and late masks (possibly none: a tick) to every other
+        rank."""
         self._broadcast(msgspec.msgpack.encode(plans))
 
-    def recv_plans(self) -> list[StepPlan]:
+    def recv_plans(self) -> list[StepPlan | StepMasks]:
         """Other ranks: the next batch rank 0 sends (blocks until it does)."""
         return self._plans.decode(self._broadcast(None))
 

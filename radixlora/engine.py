@@ -217,10 +217,16 @@ class Engine:
         if plan is not None:
             self.executor.submit(plan)
         keep = 1 if plan is not None and self.config.overlap_schedule else 0
-        return [req for result in self.executor.collect(keep) for req in self._fold(result)]
+        finished = []
+        while results := self.executor.collect(keep):  # a fold may let a waiting step sample
+            for result in results:
+                finished += self._fold(result)
+        return finished
 
     def _fold(self, result) -> list[Req]:
         folded = self.loop.fold(result)
+        if folded.masks is not None:
+            self.executor.give_masks(folded.masks)
         if folded.error is not None or folded.failed_adapters:
             raise RadixLoraError(f"step {result.step} did not run: "
                                  f"{folded.error or folded.failed_adapters}")

@@ -47,7 +47,14 @@ from radixlora.lora.adapter import LoraAdapter
 from radixlora.lora.host_cache import PackedAdapter, read_packed
 from radixlora.lora.packer import FILES_CHANGED, ProcessPacker
 from radixlora.model_runner import LaunchedStep, ModelRunner
-from radixlora.step_plan import AdapterLoad, StepPlan, StepResult, bytes_to_ids, ids_to_bytes
+from radixlora.step_plan import (
+    AdapterLoad,
+    StepMasks,
+    StepPlan,
+    StepResult,
+    bytes_to_ids,
+    ids_to_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +88,10 @@ class InFlight:
     def ready(self) -> bool:
         return self.result is not None or self.launched.ready()
 
+    def awaiting(self) -> bool:
+        """Whether its sampling waits for late masks (StepExecutor.give_masks)."""
+        return self.result is None and self.launched.awaiting is not None
+
 
 class StepExecutor:
     """Steps are launched as they are submitted, each behind the one still running on the
@@ -106,6 +117,8 @@ class StepExecutor:
         self._warm_round: tuple[float, collections.Counter] | None = None  # (start, counts)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        if any(i.late_mask for i in plan.items):
+            raise ValueError("a plan with late masks cannot be executed at once")
         return self.finish(self.launch(plan))
 
     def submit(self, plan: StepPlan) -> None:
@@ -113,17 +126,40 @@ class StepExecutor:
 
     def collect(self, keep: int, done_too: bool = False) -> list[StepResult]:
         """Results of the oldest steps, in order: of all but the newest `keep` steps, and with
-        done_too of any further step that has already completed."""
+        done_too of any further step that has already completed; never past a step that
+        waits for its late masks."""
         results = []
-        while self.in_flight and (len(self.in_flight) > keep
-                                  or done_too and self.in_flight[0].ready()):
+        while self.in_flight and not self.in_flight[0].awaiting() and (
+                len(self.in_flight) > keep or done_too and self.in_flight[0].ready()):
             results.append(self.finish(self.in_flight.popleft()))
         return results
 
+    def give_masks(self, msg: StepMasks) -> None:
+        """Sample the step that waits for these late masks; masks for a step that waits for
+        none (it failed at launch) are dropped."""
+        flight = next((f for f in self.in_flight if f.step == msg.step and f.awaiting()), None)
+        if flight is None:
+            log.debug("late masks for step %d, which waits for none", msg.step)
+            return
+        try:
+            self.runner.sample_late(flight.launched, msg.masks)
+        except Exception as e:
+            if self.runner.tp is not None:  # the ranks are out of step: end this one
+                raise
+            log.exception("step %d failed", msg.step)
+            self.runner.failed()
+            flight.result = StepResult(step=msg.step, error=f"{type(e).__name__}: {e}",
+                                       unread_adapters=self.unread())
+
     def launch(self, plan: StepPlan) -> InFlight:
-        """Queue a step on the device; a step that cannot run is answered at once."""
+        """Queue a step on the device; a step that cannot run is answered at once (so is one
+        that arrives while an earlier step still waits for its late masks: its placeholders
+        would read tokens not sampled yet)."""
         started = time.perf_counter()
         ready = []
+        if any(f.awaiting() for f in self.in_flight):
+            return self.unrun(StepResult(step=plan.step, error="a plan arrived before the "
+                                         "late masks of the step before it"))
         try:
             self._warm(plan.host_reads)
             prefetch = self._claim(plan)

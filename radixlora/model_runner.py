@@ -77,9 +77,20 @@ class LaunchedStep:
     input_top_logprobs: torch.Tensor | None = None
     input_top_k: list[int] | None = None  # per plan item
     done: torch.cuda.Event | None = None
+    awaiting: LateSample | None = None  # its sampling waits for late masks (sample_late)
 
     def ready(self) -> bool:
-        return self.done is None or self.done.query()
+        return self.awaiting is None and (self.done is None or self.done.query())
+
+
+@dataclass
+class LateSample:
+    """A launched step's sampling, held until the masks of its late_mask items come."""
+
+    logits: torch.Tensor
+    items: list[PlanItem]  # the sampling items, in sampling order
+    batch: SamplingBatch
+    processors: tuple  # all but the token mask
 
 
 class ModelRunner:
@@ -289,18 +300,35 @@ class ModelRunner:
         scored = _scored_rows(plan)
         resolve = self._resolve_placeholders if (host["input_ids"] < 0).any() else None
         adjusted = any(needs_adjustments(i.params, i.out_index) or i.allowed is not None
-                       for i in plan.items if i.sample)
+                       or i.late_mask for i in plan.items if i.sample)
         key = self._graph_key(host, segments) if scored is None and not adjusted else None
         step = LaunchedStep()
         if key is not None:
             out = self._graph_step(key, plan, host, segments, resolve)
         else:
             out = self._eager_step(plan, host, segments, resolve, scored, step)
+        if step.awaiting is not None:
+            return step
+        self._sampled(step, out)
+        return self._copy_to_host(step)
+
+    def sample_late(self, step: LaunchedStep, masks: list[bytes]) -> None:
+        """Sample a step that waited for the masks of its late_mask items (in plan order)."""
+        late, step.awaiting = step.awaiting, None
+        if len(masks) != sum(i.late_mask for i in late.items):
+            raise ValueError(f"{len(masks)} late masks for "
+                             f"{sum(i.late_mask for i in late.items)} late items")
+        given = iter(masks)
+        mask = TokenMask.build([next(given) if i.late_mask else i.allowed for i in late.items])
+        processors = tuple(p for p in (*late.processors, mask) if p is not None)
+        self._sampled(step, sample(late.logits, late.batch, processors))
+        self._copy_to_host(step)
+
+    def _sampled(self, step: LaunchedStep, out: SampleOutput | None) -> None:
         if out is not None:
             self.last_sampled = out.token_ids
             step.token_ids, step.logprobs = out.token_ids, out.logprobs
             step.top_ids, step.top_logprobs = out.top_ids, out.top_logprobs
-        return self._copy_to_host(step)
 
     def _graph_step(self, key, plan: StepPlan, host: dict, segments,
                     resolve) -> SampleOutput | None:
@@ -338,6 +366,10 @@ class ModelRunner:
                                         [i.out_index for i in sampled], self.cfg.eos_token_ids,
                                         [i.banned for i in sampled])
         penalties = self._penalties(plan.items, host["input_ids"])
+        if any(i.late_mask for i in sampled):
+            step.awaiting = LateSample(logits, sampled, self._sampling_batch(sampled),
+                                       tuple(p for p in (adjust, penalties) if p is not None))
+            return None
         mask = TokenMask.build([i.allowed for i in sampled])
         processors = tuple(p for p in (adjust, penalties, mask) if p is not None)
         return sample(logits, self._sampling_batch(sampled), processors)

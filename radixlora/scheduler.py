@@ -6,10 +6,12 @@ StepPlan an executor runs, then process_results() folds the sampled tokens back 
 Overlap: step N+1 may be planned before step N's results are in. Planning commits optimistically
 (KV positions are reserved and kv_len advanced when planned); a token step N samples is "pending"
 and step N+1 feeds it as a placeholder, -1 - i for the i-th sampled token of step N, which the
-model runner replaces on the device. Results of requests finished, aborted or retracted after a
-plan was made are dropped (the plan item's epoch no longer matches). This is safe because the
-worker runs plans in order: KV slots or adapter rows freed while a step is in flight are written
-again only by later steps."""
+model runner replaces on the device. A grammar's mask for step N+1 needs that token too: the
+item is planned with its mask to come (late_mask), which the StepLoop computes once step N is
+folded, while step N+1's forward runs, and the worker samples step N+1 only then. Results of
+requests finished, aborted or retracted after a plan was made are dropped (the plan item's
+epoch no longer matches). This is safe because the worker runs plans in order: KV slots or
+adapter rows freed while a step is in flight are written again only by later steps."""
 
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ class ScheduledReq:
     # prompt logprobs: positions score_from, score_from + 1, ... of this chunk predict these ids
     score_from: int = 0
     score_ids: np.ndarray | None = None
+    late_mask: bool = False  # its grammar's mask is sent once its newest token is folded
 
 
 @dataclass
@@ -77,7 +80,7 @@ class BatchPlan:
     def to_step_plan(self, step: int) -> StepPlan:
         index = {key: i for i, key in enumerate(self.lora_rows)}
         structured = [k for k, item in enumerate(self.items)
-                      if item.sample and item.req.grammar is not None]
+                      if item.sample and item.req.grammar is not None and not item.late_mask]
         masks = dict(zip(structured, next_token_masks([self.items[k].req.grammar
                                                        for k in structured])))
         items = [
@@ -92,6 +95,7 @@ class BatchPlan:
                 score_from=item.score_from,
                 score_ids=None if item.score_ids is None else ids_to_bytes(item.score_ids),
                 allowed=masks.get(k),
+                late_mask=item.late_mask,
                 banned=_banned(item),
                 **_penalty_history(item),
             )
@@ -107,10 +111,6 @@ class BatchPlan:
                         adapter_sets=list(self.lora_rows.values()))
 
 
-def _needs_newest(req: Req) -> bool:
-    """Whether planning req's next token needs its newest one folded: a grammar's mask, or a
-    bad word of several tokens."""
-    return req.grammar is not None or bans_after_newest(req.params)
 
 
 def _banned(item: ScheduledReq) -> bytes | None:
@@ -227,6 +227,7 @@ class Scheduler:
             req.kv_len += len(item.extend_ids)
             if item.sample:
                 item.out_index = len(req.output_ids) + req.pending
+                item.late_mask = req.grammar is not None and req.pending > 0
                 req.pending += 1
                 req.pending_index = sampled
                 sampled += 1
@@ -239,8 +240,8 @@ class Scheduler:
         for req in self.running:
             if len(req.output_ids) + req.pending >= req.params.max_tokens:
                 continue  # its last token is being sampled
-            if req.pending and _needs_newest(req):
-                continue  # its next mask or bans need the token being sampled
+            if req.pending and bans_after_newest(req.params):
+                continue  # its next bans need the token being sampled
             n = min(req.remaining_prefill, budget - used)
             if n > 0:
                 wanted.append((req, n))
@@ -282,8 +283,8 @@ class Scheduler:
                 continue  # retracted while an older request made room
             if len(req.output_ids) + req.pending >= req.params.max_tokens:
                 continue  # its last token is being sampled
-            if req.pending and _needs_newest(req):
-                continue  # its next mask or bans need the token being sampled
+            if req.pending and bans_after_newest(req.params):
+                continue  # its next bans need the token being sampled
             n = min(req.remaining_prefill, budget - used)
             if n <= 0:
                 continue

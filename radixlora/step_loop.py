@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from radixlora.request import Req
 from radixlora.scheduler import BatchPlan, Scheduler
-from radixlora.step_plan import StepPlan, StepResult, StepTotals, bytes_to_ids
+from radixlora.step_plan import StepMasks, StepPlan, StepResult, StepTotals, bytes_to_ids
+from radixlora.structured import mask_words, next_token_masks
 
 
 @dataclass
@@ -22,6 +23,7 @@ class Folded:
     sampled: list[Req] = field(default_factory=list)
     error: str | None = None
     failed_adapters: dict[str, str] = field(default_factory=dict)
+    masks: StepMasks | None = None  # the next step's late masks, for the worker
 
     @property
     def finished(self) -> list[Req]:
@@ -76,11 +78,27 @@ class StepLoop:
         sched.note_reads(batch, result.unread_adapters)
         if result.error is not None or result.failed_adapters:
             sched.discard(batch)
-            return Folded(batch, error=result.error, failed_adapters=result.failed_adapters)
+            return Folded(batch, error=result.error, failed_adapters=result.failed_adapters,
+                          masks=self._late_masks())
         sampled = [item.req for item in batch.items if item.sample and sched.is_live(item)]
         sched.process_results(batch, bytes_to_ids(result.token_ids).tolist(), result.logprobs,
                               result.top(), result.input_logprobs, result.input_top())
-        return Folded(batch, sampled)
+        return Folded(batch, sampled, masks=self._late_masks())
+
+    def _late_masks(self) -> StepMasks | None:
+        """The masks of the late_mask items of the step now oldest in flight, whose requests'
+        newest tokens were just folded; a request no longer live gets a mask allowing every
+        token (its result is dropped)."""
+        if not self.in_flight:
+            return None
+        plan, batch, _ = self.in_flight[0]
+        late = [item for item in batch.items if item.late_mask]
+        if not late:
+            return None
+        live = [item for item in late if self.scheduler.is_live(item)]
+        computed = dict(zip(map(id, live), next_token_masks([i.req.grammar for i in live])))
+        every = b"\xff" * (4 * mask_words(late[0].req.grammar.vocab_size))
+        return StepMasks(step=plan.step, masks=[computed.get(id(i), every) for i in late])
 
     def _count(self, plan: StepPlan, planned_at: float) -> None:
         now = time.monotonic()

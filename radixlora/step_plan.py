@@ -42,6 +42,9 @@ class PlanItem(msgspec.Struct, array_like=True):
     # structured output: the tokens this item may sample, a little-endian int32 bitmask of
     # ceil(vocab / 32) words (radixlora.structured)
     allowed: bytes | None = None
+    # structured output whose newest token was still being sampled when the step was planned:
+    # its mask comes in the step's StepMasks, and the worker samples the step only then
+    late_mask: bool = False
     # bad words: the tokens this item may not sample (int32), found by the scheduler
     banned: bytes | None = None
 
@@ -79,6 +82,14 @@ class StepPlan(msgspec.Struct, tag=True, kw_only=True):
     # registered adapters to read into the host tier in the background while it has room,
     # ahead of any request (rows unused); the executor keeps reading them between steps
     host_reads: list[AdapterLoad] = []
+
+
+class StepMasks(msgspec.Struct, tag=True, kw_only=True):
+    """The masks of a step's late_mask items, in plan order, sent once the step before it is
+    folded (each mask as PlanItem.allowed)."""
+
+    step: int
+    masks: list[bytes] = []
 
 
 class StepResult(msgspec.Struct, tag=True, kw_only=True):

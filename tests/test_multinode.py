@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +29,7 @@ from radixlora.cli import main
 from radixlora.cli.flags import multinode
 from radixlora.distributed import local_device, node_ranks
 from radixlora.server.args import ServerArgs
+from radixlora.structured import Structure
 from tests.server_harness import (
     ENGINE_FLAGS,
     MODEL_NAME,
@@ -132,6 +134,19 @@ def completion_equals_engine(client, engine, model: str, adapters: str | None) -
     assert got.logprobs.token_logprobs == pytest.approx(want.logprobs, abs=TOL), model
 
 
+def structured_equals_engine(client, engine) -> None:
+    """A regular expression's output: every rank masks with the late masks rank 0 hands over,
+    so the tokens equal the single-device Engine's."""
+    regex = r"[a-c]{2,4}-[0-9]{2}"
+    structure = Structure("regex", regex, param="regex")
+    params = SamplingParams(max_tokens=16, temperature=0.0, structure=structure)
+    want = engine.generate(PROMPT, params, adapters="support")[0].outputs[0].text
+    got = client.completions.create(model="support", prompt=PROMPT, max_tokens=16,
+                                    temperature=0,
+                                    extra_body={"structured_outputs": {"regex": regex}})
+    assert got.choices[0].text == want and re.fullmatch(regex, want)
+
+
 def test_two_nodes_serve_the_single_device_tokens_and_stop_together(pair, checkpoints, engine,
                                                                     tmp_path):
     import openai
@@ -146,6 +161,7 @@ def test_two_nodes_serve_the_single_device_tokens_and_stop_together(pair, checkp
     client = openai.OpenAI(base_url=head.url + "/v1", api_key="none", max_retries=0)
     for model, adapters in ((MODEL_NAME, None), ("support", "support"), ("legal", "legal")):
         completion_equals_engine(client, engine, model, adapters)
+    structured_equals_engine(client, engine)
     ranks = children(node.proc.pid)
     assert ranks, node.logs()
     node.proc.send_signal(signal.SIGKILL)  # the whole node: its ranks die with their launcher

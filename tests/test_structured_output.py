@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 from radixlora import Engine, SamplingParams
 from radixlora.errors import InvalidRequestError
 from radixlora.sampler import TokenMask
+from radixlora.step_plan import StepMasks
 from radixlora.structured import Structure, allowed_tokens, mask_words
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 from tests.conftest import assert_all_free
@@ -111,6 +112,60 @@ def test_structured_outputs_equal_masked_greedy_transformers_in_a_mixed_batch(ti
         assert got[-1] == eos and out.outputs[0].finish_reason == "stop", (kind, adapter)
         _check(kind, _text(model, got, eos))
     assert [o.outputs[0].token_ids for o in outs[-2:]] == alone
+    assert_all_free(engine)
+
+
+def test_a_constrained_request_is_planned_while_its_previous_token_is_sampled(engine,
+                                                                              monkeypatch):
+    """With overlap scheduling each step is planned while the one before runs; a constrained
+    request's mask needs the token that step samples, so it comes after the plan (late_mask)
+    and the executor samples the step only then: the request is in every step, overlapped
+    (the oracle test above checks the tokens such steps give)."""
+    late = []
+    sample_late = engine.runner.sample_late
+
+    def spy(step, masks):
+        late.append(len(masks))
+        sample_late(step, masks)
+
+    monkeypatch.setattr(engine.runner, "sample_late", spy)
+    prompt = engine.tokenizer.encode("The answer is")
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                            structure=STRUCTURES["json"])
+    steps, overlapped = engine.loop.num_steps, engine.loop.num_overlapped
+    out = engine.generate(prompt, params, adapters="a1")[0].outputs[0].token_ids
+    steps, overlapped = engine.loop.num_steps - steps, engine.loop.num_overlapped - overlapped
+    # the prefill samples the first token, each step one more, and the step planned while the
+    # last one (the end of the JSON) was sampled is dropped
+    assert steps == len(out) + 1
+    assert overlapped == steps - 1 and late == [1] * (steps - 1)
+    assert_all_free(engine)
+
+
+def test_late_masks_that_do_not_fit_their_step_fail_that_step_alone(engine):
+    """Masks for a step that waits for none are dropped; masks that do not fit the step fail
+    it (its request recomputes, as after any failed step) and serving goes on."""
+    prompt = engine.tokenizer.encode("The answer is")
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                            structure=STRUCTURES["regex"])
+    engine.submit(prompt, params)
+    executor, loop = engine.executor, engine.loop
+    first = loop.next_plan()
+    executor.submit(first)
+    late = loop.next_plan()  # planned while the first token is being sampled
+    assert [item.late_mask for item in late.items] == [True]
+    executor.submit(late)
+    (result,) = executor.collect(keep=1)
+    folded = loop.fold(result)
+    assert folded.masks.step == late.step and len(folded.masks.masks) == 1
+    executor.give_masks(StepMasks(step=late.step + 1, masks=folded.masks.masks))  # dropped
+    assert executor.collect(keep=0) == []  # the late step still waits
+    executor.give_masks(StepMasks(step=late.step, masks=[]))
+    (failed,) = executor.collect(keep=0)
+    assert failed.error.startswith("ValueError: 0 late masks for 1 late items")
+    assert loop.fold(failed).error is not None
+    while engine.scheduler.has_work():
+        engine.step()
     assert_all_free(engine)
 
 

@@ -6,7 +6,7 @@ Channels (sender -> receiver: messages):
   api -> tokenizer:        GenerateReq, AbortReq
   tokenizer -> scheduler:  TokenizedReq, AbortReq
   api -> scheduler:        InfoQuery
-  scheduler -> worker:     StepPlan (radixlora/step_plan.py)
+  scheduler -> worker:     StepPlan, StepMasks (radixlora/step_plan.py)
   worker -> scheduler:     StepResult
   scheduler -> tokenizer:  TokenBatch, ReqError
   tokenizer -> api:        OutputBatch, ReqError
@@ -35,7 +35,7 @@ import msgspec
 
 from radixlora.adapters import AdapterChoice as AdapterChoice
 from radixlora.sampling import SamplingParams
-from radixlora.step_plan import StepPlan, StepResult, StepTotals
+from radixlora.step_plan import StepMasks, StepPlan, StepResult, StepTotals
 from radixlora.step_plan import bytes_to_ids as bytes_to_ids
 from radixlora.step_plan import ids_to_bytes as ids_to_bytes
 from radixlora.text.chat import ChatMessage as ChatMessage
@@ -339,7 +339,7 @@ class Heartbeat(Message):
 ApiInbox = OutputBatch | ReqError | InfoReply | SchedulerStats | AdminReply | RouterStats
 TokenizerInbox = GenerateReq | AbortReq | TokenBatch | ReqError
 SchedulerInbox = TokenizedReq | AbortReq | InfoQuery | StepResult | AdminReq
-WorkerInbox = StepPlan
+WorkerInbox = StepPlan | StepMasks
 LauncherInbox = Ready | Sized | Heartbeat
 
 
@@ -382,6 +382,9 @@ def validate(msg) -> None:
     enforced by the decoder)."""
     if isinstance(msg, StepPlan):
         validate_plan(msg)
+    elif isinstance(msg, StepMasks):
+        if msg.step < 0:
+            raise InvalidMessage("step", f"must be >= 0, got {msg.step}")
     elif isinstance(msg, StepResult):
         validate_result(msg)
     else:

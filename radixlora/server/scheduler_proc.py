@@ -55,7 +55,7 @@ from radixlora.server.messages import (
     ids_to_bytes,
 )
 from radixlora.step_loop import StepLoop
-from radixlora.step_plan import AdapterLoad, StepPlan
+from radixlora.step_plan import AdapterLoad, StepMasks, StepPlan
 from radixlora.structured import GrammarCompiler
 from radixlora.token_bucket import SwapCap
 
@@ -104,6 +104,7 @@ class SchedulerService:
                                  args.tokenizer_dir, self.model_cfg.vocab_size,
                                  tuple(self.model_cfg.eos_token_ids)))
         self.loop = StepLoop(self.scheduler, self.config.overlap_schedule)
+        self.late_masks: StepMasks | None = None  # from the last fold, for the worker
         self.num_loads = 0
         self.num_load_failures = 0
         self.sent_names: list[str] | None = None  # registered names in the last stats sent
@@ -276,6 +277,7 @@ class SchedulerService:
 
     def on_result(self, result: StepResult) -> tuple[TokenBatch | None, list[ReqError]]:
         folded = self.loop.fold(result)
+        self.late_masks = None if folded is None else folded.masks
         if folded is None:
             log.warning("dropped a result for step %d, which is not the oldest in flight",
                         result.step)
@@ -557,6 +559,9 @@ class SchedulerLoop:
             service.abort(msg)
         elif isinstance(msg, StepResult):
             batch, errors = service.on_result(msg)
+            if service.late_masks is not None:  # the worker waits for them to sample
+                self.to_worker.send(service.late_masks)
+                service.late_masks = None
             for m in ([batch] if batch else []) + errors:
                 self.to_tokenizer.send(m)
         elif isinstance(msg, InfoQuery):

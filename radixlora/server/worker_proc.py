@@ -27,7 +27,7 @@ from radixlora.server.args import ServerArgs
 from radixlora.server.ipc import Heartbeats, Inbox, Outbox, child_main, send_ready
 from radixlora.server.messages import InvalidMessage, Sized, WorkerInbox
 from radixlora.sizing import SIZED_FIELDS, available_host_bytes, with_host_tier
-from radixlora.step_plan import AdapterLoad, StepPlan, StepResult
+from radixlora.step_plan import AdapterLoad, StepMasks, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +114,8 @@ def follow(executor: StepExecutor, args: ServerArgs, ctx: zmq.Context, rank: int
             log.error("rank %d lost rank 0 (node 0's worker stopped, or the network between "
                       "them failed): %s", rank, e)
             raise SystemExit(1) from None
-        for plan in plans:
-            submit(executor, plan)
+        for msg in plans:
+            run_message(executor, msg)
         done += len(executor.collect(keep=1, done_too=True))
 
 
@@ -176,8 +176,8 @@ def serve(executor: StepExecutor, inbox: Inbox, to_scheduler: Outbox, heart: Hea
         if tp is not None and (plans or time.monotonic() - sent_at >= BEAT_POLL_MS / 1000):
             tp.send_plans(plans)
             sent_at = time.monotonic()
-        for plan in plans:
-            submit(executor, plan)
+        for msg in plans:
+            run_message(executor, msg)
         for result in executor.collect(keep=1, done_too=True):
             to_scheduler.send(result)
             answered += 1
@@ -208,6 +208,13 @@ class IdleCapture:
             self.idle_since = now
         elif now - self.idle_since >= self.IDLE_S:
             self.left = self.graphs.capture_next()
+
+
+def run_message(executor: StepExecutor, msg: StepPlan | StepMasks) -> None:
+    if isinstance(msg, StepMasks):
+        executor.give_masks(msg)
+    else:
+        submit(executor, msg)
 
 
 def submit(executor: StepExecutor, plan: StepPlan) -> None:
