@@ -15,6 +15,7 @@ adapter rows freed while a step is in flight are written again only by later ste
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 import time
@@ -317,48 +318,73 @@ class Scheduler:
 
     def _admit_waiting(self, plan: BatchPlan, budget: int, queue: _WaitingQueue,
                        reserved: int, hold_unread: bool) -> None:
-        """Admit waiting requests in priority order while KV, rows and the budget allow
-        (reserved: the running requests' decode reserve, _admission_room). The distinct
-        adapters of a batch are limited by the pool's rows (can_acquire), and by
-        max_adapter_sets_per_batch only when it is set. With hold_unread, a request that
-        _needs_read waits while _prefetch loads its adapter, so no step stops for a disk read
-        while others can run (admitted, it would stop its step for the same read); an aged
-        one also stops admissions behind it, as at the other gates."""
-        adapter_sets = {r.adapter_set.key for r in self.running}
-        max_sets = self.config.max_adapter_sets_per_batch
-        needs = queue.needs
+        """Admit waiting requests in priority order, each through the admission gates in turn
+        (ADMISSION_GATES; reserved: the running requests' decode reserve, _admission_room).
+        A gate that holds a request lets later ones go, unless it has waited AGING_STEPS:
+        then it stops admissions behind it, so that it is not starved. With hold_unread, a
+        request that _needs_read waits while _prefetch loads its adapter, so no step stops for
+        a disk read while others can run."""
+        room = _Admission(budget, reserved, {r.adapter_set.key for r in self.running},
+                          queue.needs, hold_unread)
         for req in queue.order:
-            if budget <= 0 or len(self.running) >= self.config.max_running:
-                return
-            need = req.remaining_prefill + self._decode_reserve(req)
-            if self.running and self.free_kv_tokens() - reserved < need:
-                return
+            verdict = self._admission_verdict(req, room)
             aged = self.step_count - req.arrival_step >= AGING_STEPS
-            if req.parent is not None and not self._parent_ready(req.parent):
-                continue
-            new_set = req.adapter_set.key not in adapter_sets
-            if new_set and max_sets is not None and len(adapter_sets) >= max_sets:
-                if aged:
-                    return
-                continue
-            if not self.residency.can_acquire(req.adapter_set.adapters):
-                if aged:
-                    return  # stop taking rows from the starved request
-                continue
-            if not self._swap_allowed(req):
-                self.num_swap_deferred += 1
-                if aged:
-                    return
-                continue
-            if hold_unread and self._needs_read(req):
-                if aged:
-                    return  # keep the rows its prefetch load takes
-                continue
-            if not self._start(req, plan, budget, needs):
+            if verdict is Gate.STOP or (verdict is Gate.HOLD and aged):
                 return
-            budget -= len(plan.items[-1].extend_ids)
-            adapter_sets.add(req.adapter_set.key)
-            reserved += self._decode_reserve(req)
+            if verdict is not Gate.PASS:
+                continue
+            if not self._start(req, plan, room.budget, room.needs):
+                return
+            room.budget -= len(plan.items[-1].extend_ids)
+            room.adapter_sets.add(req.adapter_set.key)
+            room.reserved += self._decode_reserve(req)
+
+    def _admission_verdict(self, req: Req, room: _Admission) -> Gate:
+        """The first gate's verdict that is not PASS (PASS: admit it)."""
+        for gate in ADMISSION_GATES:
+            verdict = gate(self, req, room)
+            if verdict is not Gate.PASS:
+                return verdict
+        return Gate.PASS
+
+    def _gate_room(self, req: Req, room: _Admission) -> Gate:
+        """The step's token budget, the running limit, and KV for its prompt and decode
+        reserve beside the running requests' reserves."""
+        if room.budget <= 0 or len(self.running) >= self.config.max_running:
+            return Gate.STOP
+        need = req.remaining_prefill + self._decode_reserve(req)
+        if self.running and self.free_kv_tokens() - room.reserved < need:
+            return Gate.STOP
+        return Gate.PASS
+
+    def _gate_parent(self, req: Req, room: _Admission) -> Gate:
+        """A sample of n waits for its first sibling's prompt to be cached (or finished)."""
+        if req.parent is not None and not self._parent_ready(req.parent):
+            return Gate.SKIP
+        return Gate.PASS
+
+    def _gate_adapter_sets(self, req: Req, room: _Admission) -> Gate:
+        """At most max_adapter_sets_per_batch distinct adapter sets, when it is set."""
+        limit = self.config.max_adapter_sets_per_batch
+        if (limit is not None and req.adapter_set.key not in room.adapter_sets
+                and len(room.adapter_sets) >= limit):
+            return Gate.HOLD
+        return Gate.PASS
+
+    def _gate_rows(self, req: Req, room: _Admission) -> Gate:
+        """Pool rows for its adapters (AdapterResidency.can_acquire)."""
+        return Gate.PASS if self.residency.can_acquire(req.adapter_set.adapters) else Gate.HOLD
+
+    def _gate_swap_cap(self, req: Req, room: _Admission) -> Gate:
+        """The swap cap has tokens for its loads (_swap_allowed)."""
+        if self._swap_allowed(req):
+            return Gate.PASS
+        self.num_swap_deferred += 1
+        return Gate.HOLD
+
+    def _gate_unread(self, req: Req, room: _Admission) -> Gate:
+        """With hold_unread, its adapter is in the host tier or on the device (_needs_read)."""
+        return Gate.HOLD if room.hold_unread and self._needs_read(req) else Gate.PASS
 
     def _prefetch(self, plan: BatchPlan, order: list[Req], needs: dict[str, int]) -> None:
         """Start loads for the adapters of waiting requests in queue order, ahead of their
@@ -654,6 +680,31 @@ class Scheduler:
     def flush_cache(self) -> None:
         if self.tree is not None:
             self.tree.evict(self.tree.total_size(), self.kv.free)
+
+
+class Gate(enum.Enum):
+    """An admission gate's verdict on a waiting request."""
+
+    PASS = "pass"  # the next gate decides; past the last one, it is admitted
+    SKIP = "skip"  # not now; requests behind it may go
+    HOLD = "hold"  # not now; requests behind it may go unless it has aged (then none)
+    STOP = "stop"  # no more admissions this step
+
+
+@dataclass
+class _Admission:
+    """What one pass of admissions has left and knows (Scheduler._admit_waiting)."""
+
+    budget: int
+    reserved: int
+    adapter_sets: set
+    needs: dict[str, int]
+    hold_unread: bool
+
+
+# in order: a request is admitted when every one passes it
+ADMISSION_GATES = (Scheduler._gate_room, Scheduler._gate_parent, Scheduler._gate_adapter_sets,
+                   Scheduler._gate_rows, Scheduler._gate_swap_cap, Scheduler._gate_unread)
 
 
 class _WaitingQueue:
