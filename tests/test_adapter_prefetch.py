@@ -539,7 +539,7 @@ def test_engine_with_a_small_pool_equals_one_holding_every_adapter(many_adapters
     engine = small_pool_engine(*many_adapters)
     assert engine_outputs(engine) == reference
     assert engine.scheduler.num_prefetches > 0 and engine.scheduler.residency.num_evictions > 0
-    assert not engine.executor.owed
+    assert not engine.executor.reader.owed
     assert engine.scheduler.in_host == set(engine.executor.runner.adapter_pool.host.ids())
     assert_all_free(engine)
 
@@ -548,7 +548,7 @@ def watched_source(engine: Engine, fail_in_background: set[str], fail_always: se
     """Wrap the executor's adapter source: background reads are slow (steps outrun them) and
     fail for `fail_in_background`; every read fails for `fail_always`. Returns the reads made,
     by thread kind."""
-    source = engine.executor.source
+    source = engine.executor.reader.source
     reads = {"background": 0, "step": 0}
 
     def read(load):
@@ -560,7 +560,7 @@ def watched_source(engine: Engine, fail_in_background: set[str], fail_always: se
             raise AdapterError(load.name, "unreadable")
         return source(load)
 
-    engine.executor.source = read
+    engine.executor.reader.source = read
     return reads
 
 

@@ -799,7 +799,7 @@ def test_worker_host_tier_is_one_bounded_lru_of_packed_adapters(model, versions,
 
     def load(v, adapter_id=None):
         a = adapters[v]
-        return worker._packed(AdapterLoad(adapter_id or a.adapter_id, v, a.path,
+        return worker.reader._packed(AdapterLoad(adapter_id or a.adapter_id, v, a.path,
                                                 ids_to_bytes([0])))
 
     for v in ("v1", "v2", "v1", "v3"):  # v1 used again: v2 is the least recent
@@ -959,7 +959,7 @@ def test_registered_adapters_are_read_into_the_host_tier_ahead_of_need(model, tm
     assert sorted(sched.warm_sent) == sorted(sched.adapters.by_name[n].adapter_id
                                              for n in names[:4])  # the budget: four
     deadline = time.monotonic() + 30
-    while worker.warming and time.monotonic() < deadline:
+    while worker.reader.warming and time.monotonic() < deadline:
         time.sleep(0.05)
     got = _drive(sched, worker, [_req("second", "w2")])
     ids = {n: sched.adapters.by_name[n].adapter_id for n in names}

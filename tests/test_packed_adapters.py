@@ -177,7 +177,7 @@ def test_worker_loads_from_the_packed_file_alone(model, adapter_dir, tmp_path, m
     def no_file_reads(load):
         raise AssertionError(f"read {load.path} instead of its packed file")
 
-    monkeypatch.setattr(worker, "source", no_file_reads)
+    monkeypatch.setattr(worker.reader, "source", no_file_reads)
     got = _drive(sched, worker, [_req("r", "a")])
     assert got[("r", 0)] == _want(model, adapter_dir)
     _assert_nothing_held(sched)
@@ -196,8 +196,8 @@ def test_packed_files_outside_the_snapshots_are_never_read(model, cfg, tmp_path,
     forged = layout.pack(other)
     write_packed(user_dir, layout.key, PackedAdapter(adapter.adapter_id, forged.group_ranks,
                                                      forged.data))
-    reads, real = [], worker.source
-    monkeypatch.setattr(worker, "source", lambda load: reads.append(load.path) or real(load))
+    reads, real = [], worker.reader.source
+    monkeypatch.setattr(worker.reader, "source", lambda load: reads.append(load.path) or real(load))
     got = _drive(sched, worker, [_req("r", "u")])
     assert reads == [str(user_dir)]
     assert got[("r", 0)] == _want(model, user_dir)
@@ -212,28 +212,28 @@ def test_worker_packs_adapters_without_a_snapshot_in_a_process(model, cfg, tmp_p
     user_dir = build_tiny_adapter(model, tmp_path / "user" / "u", rank=4, seed=7)
     sched, worker = _services(model, tmp_path / "state", adapters={"u": str(user_dir)})
     layout = worker.runner.adapter_pool.layout
-    worker.packer = ProcessPacker(tmp_path / "packing", cfg, MAX_RANK, processes=1)
+    worker.reader.packer = ProcessPacker(tmp_path / "packing", cfg, MAX_RANK, processes=1)
 
     def no_file_reads(load):
         raise AssertionError(f"read {load.path} in the worker")
 
-    monkeypatch.setattr(worker, "source", no_file_reads)
+    monkeypatch.setattr(worker.reader, "source", no_file_reads)
     try:
         got = _drive(sched, worker, [_req("r", "u")])
         assert got[("r", 0)] == _want(model, user_dir)
-        assert worker.read_counts == {"a packing process": 1}
+        assert worker.reader.read_counts == {"a packing process": 1}
         assert not list((tmp_path / "packing").iterdir())
         stale = AdapterLoad(adapter_id="0" * 64, name="u", path=str(user_dir), rows=b"")
         with pytest.raises(AdapterError, match="changed on disk after validation"):
-            worker.packer.read(stale, layout, pin=False)
+            worker.reader.packer.read(stale, layout, pin=False)
         broken = tmp_path / "broken"
         broken.mkdir()
         (broken / "adapter_config.json").write_text("{")
         with pytest.raises(AdapterError, match="no adapter_model.safetensors"):
-            worker.packer.read(AdapterLoad(adapter_id="0" * 64, name="b", path=str(broken),
+            worker.reader.packer.read(AdapterLoad(adapter_id="0" * 64, name="b", path=str(broken),
                                            rows=b""), layout, pin=False)
     finally:
-        worker.packer.close()
+        worker.reader.packer.close()
     assert not (tmp_path / "packing").exists()
     _assert_nothing_held(sched)
 
@@ -265,8 +265,8 @@ def test_worker_reads_the_files_when_the_packed_file_does_not_fit(model, adapter
     packed = read_packed(snapshot, layout.key, sched.adapters.by_name["a"].adapter_id, pin=False)
     short = PackedAdapter(packed.adapter_id, packed.group_ranks, packed.data[:-8])
     write_packed(snapshot, layout.key, short)
-    reads, real = [], worker.source
-    monkeypatch.setattr(worker, "source", lambda load: reads.append(load.path) or real(load))
+    reads, real = [], worker.reader.source
+    monkeypatch.setattr(worker.reader, "source", lambda load: reads.append(load.path) or real(load))
     got = _drive(sched, worker, [_req("r", "a")])
     assert reads == [str(snapshot)]
     assert got[("r", 0)] == _want(model, adapter_dir)

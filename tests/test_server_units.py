@@ -180,7 +180,7 @@ def test_worker_prefetches_the_startup_adapters_the_scheduler_will_load(checkpoi
     def missed(load):
         raise AssertionError(f"adapter {load.name} missed the host tier")
 
-    worker.source = missed
+    worker.reader.source = missed
     reqs = [TokenizedReq(rid=name, input_ids=ids_to_bytes([3, 4, 5]),
                          params=SamplingParams(max_tokens=2, ignore_eos=True),
                          adapters=[AdapterChoice(name)]) for name in adapters]

@@ -14,10 +14,11 @@ import numpy as np
 import torch
 import zmq
 
+from radixlora.adapter_reader import WARM_READERS
 from radixlora.config import ModelConfig
 from radixlora.distributed import TensorParallel, local_device, rank_from_env, worker_rank_name
 from radixlora.errors import AdapterError
-from radixlora.executor import WARM_READERS, StepExecutor
+from radixlora.executor import StepExecutor
 from radixlora.lora.adapter import LoraAdapter, load_adapter
 from radixlora.lora.packer import ProcessPacker
 from radixlora.lora.registration import iter_adapters
