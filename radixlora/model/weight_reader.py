@@ -74,7 +74,10 @@ class WeightReader:
     each range land in its tensor, which must be contiguous and of the stored dtype."""
 
     def __init__(self, device: torch.device | str):
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # the readers' threads use it too
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.chunks: list[_Chunk] = []
         self.nbytes = 0
 
