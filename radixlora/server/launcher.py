@@ -202,6 +202,8 @@ class Launcher:
         metrics = Metrics(args.vllm_metric_names)
         tracer = Tracer.for_endpoint(args.otlp_traces_endpoint, args.model_name)
         self.runtime = runtime = ProcessBridge(args, metrics, event_sub=self.registry_events)
+        if "registry" in ready:
+            runtime.listed.update(ready["registry"].info.get("listed", ()))
         worker = ready[children.workers[0]].info
         self.phases = worker.get("phases") or {}
         api = Api(args, runtime, metrics, vocab_size, children.pids, worker.get("sizing"))

@@ -256,12 +256,13 @@ class RegistryCore:
         adapter_id = self.active.pop(name).adapter_id
         self._emit("removed", name, adapter_id=adapter_id)
 
-    def list_waiting(self) -> None:
+    def list_waiting(self) -> list[str]:
         """Publish the names found at start that are not published yet (once subscribers
-        listen): listed before validation, so that clients see them at once."""
+        listen): listed before validation, so that clients see them at once; returns them."""
         names = sorted(self.at_start - self.active.keys() - self.taken)
         if names:
             self._emit("listed", "", names=names)
+        return names
 
     def want(self, name: str) -> None:
         """A request waits for this listed name: examine it before the others."""
@@ -527,10 +528,11 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
     subscribers = args.data_parallel_size + 1  # every replica's scheduler and the api
     wait_subscribers(pub, subscribers, SUBSCRIBE_TIMEOUT_S, heart, core.validate_ahead)
     pub.send(encoder.encode(AdapterEvent(seq=core.state.seq, kind="hello")))
-    core.list_waiting()
+    listed = core.list_waiting()
     # ready once the directory is listed: the server answers no request before its
-    # schedulers know which adapters to wait for
-    send_ready(ctx, args, "registry", {"adapter_dir": str(core.root)})
+    # schedulers know which adapters to wait for; the names ride on Ready too, so the api
+    # lists them at ready even if the event reaches its subscription later
+    send_ready(ctx, args, "registry", {"adapter_dir": str(core.root), "listed": listed})
     log.info("watching %s (%d adapters published so far)", core.root, len(core.active))
     wants = Inbox(ctx, args.endpoints.registry_wants, AdapterWanted)
     try:
