@@ -186,10 +186,10 @@ def serve(executor: StepExecutor, inbox: Inbox, to_scheduler: Outbox, heart: Hea
 
 class IdleCapture:
     """Captures the graphs warm-up left (ModelRunner.warm_up's defer_graphs), one turn at a
-    time (a graph's eager pass, then its capture: about 0.05 s each on an H200), once the
-    worker has been idle IDLE_S: a client sending requests one after another is not delayed,
-    and a request arriving later waits for one turn at most. A step that needs a graph not
-    captured yet captures it itself."""
+    time (a graph's eager pass, then its capture), once the worker has been idle IDLE_S: a
+    client sending requests one after another is not delayed, and a request arriving later
+    waits for one turn at most. A step that needs a graph not captured yet captures it
+    itself."""
 
     IDLE_S = 0.2
     POLL_MS = 20
