@@ -28,7 +28,7 @@ from radixlora.config import EngineConfig
 from radixlora.errors import InvalidRequestError
 from radixlora.kv_cache import KVAllocator
 from radixlora.lora.adapter import LoraAdapter
-from radixlora.lora.residency import AdapterResidency
+from radixlora.lora.residency import AdapterResidency, ReaderView
 from radixlora.radix_cache import RadixCache
 from radixlora.request import Req, ReqStatus
 from radixlora.sampling import banned_tokens, bans_after_newest, penalized
@@ -157,12 +157,7 @@ class Scheduler:
         self.num_swap_deferred = 0  # requests the cap held back in the last schedule()
         self.num_in_flight = 0  # plans made whose results are not folded in yet
         self.num_prefetches = 0  # adapters loaded ahead of the requests that need them
-        # adapter id -> step count of the plan that prefetched it, while its read may not have
-        # ended: waiting requests on it are held while other work runs (note_reads)
-        self.reading: dict[str, int] = {}
-        # adapter ids in the executor's host tier as its results report them (note_host): a
-        # request whose adapter is neither resident nor in it would make its step read disk
-        self.in_host: set[str] = set()
+        self.reads = ReaderView()  # the worker's adapter reads and host tier, as reported
 
     # ---- intake ----------------------------------------------------------------------------
 
@@ -411,7 +406,7 @@ class Scheduler:
                 if self.swap_cap is not None:
                     self.swap_cap.take(cost)
                 plan.prefetch_loads.append((adapter, got))
-                self.reading[adapter.adapter_id] = plan.made_at
+                self.reads.asked(adapter.adapter_id, plan.made_at)
                 rows += adapter.rank
                 self.num_prefetches += 1
 
@@ -620,24 +615,11 @@ class Scheduler:
                 finished.append(req)
         return finished
 
-    def note_reads(self, plan: BatchPlan, unread: list[str]) -> None:
-        """The executor's unread prefetch adapters as of plan's result: a read issued by this
-        plan or an earlier one and not listed has ended (or its load was dropped)."""
-        still = set(unread)
-        for adapter_id, made_at in list(self.reading.items()):
-            if made_at <= plan.made_at and adapter_id not in still:
-                del self.reading[adapter_id]
-
-    def note_host(self, added: list[str], dropped: list[str]) -> None:
-        self.in_host.difference_update(dropped)
-        self.in_host.update(added)
-
     def _needs_read(self, req: Req) -> bool:
         """Whether admitting req now would make its step wait for a read: an adapter of it is
         being read for a prefetch load, or is neither resident nor in the host tier."""
-        return any(a.adapter_id in self.reading
-                   or not (a.adapter_id in self.in_host
-                           or self.residency.is_resident(a.adapter_id))
+        return any(self.reads.waits_for_read(a.adapter_id,
+                                             self.residency.is_resident(a.adapter_id))
                    for a in req.adapter_set.adapters)
 
     def discard(self, plan: BatchPlan) -> None:

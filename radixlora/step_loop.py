@@ -69,13 +69,13 @@ class StepLoop:
 
     def fold(self, result: StepResult) -> Folded | None:
         """Fold the oldest step's result in; None for a result of any other step (dropped)."""
-        self.scheduler.note_host(result.host_added, result.host_dropped)
+        self.scheduler.reads.note_host(result.host_added, result.host_dropped)
         if not self.in_flight or result.step != self.in_flight[0][0].step:
             return None
         plan, batch, planned_at = self.in_flight.popleft()
         self._count(plan, planned_at)
         sched = self.scheduler
-        sched.note_reads(batch, result.unread_adapters)
+        sched.reads.note_reads(batch.made_at, result.unread_adapters)
         if result.error is not None or result.failed_adapters:
             sched.discard(batch)
             return Folded(batch, error=result.error, failed_adapters=result.failed_adapters,

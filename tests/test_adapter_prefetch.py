@@ -56,7 +56,7 @@ def make_req(rid: str, adapters: list[LoraAdapter], prompt_len: int = 4,
 def fold(sched: Scheduler, plan: BatchPlan, unread: list[str] = ()) -> list[Req]:
     """The step loop's fold of plan's result; `unread`: the prefetch reads it says have not
     ended (none: an executor whose reads end at once)."""
-    sched.note_reads(plan, list(unread))
+    sched.reads.note_reads(plan.made_at, list(unread))
     n = sum(item.sample for item in plan.items)
     return sched.process_results(plan, [7] * n, [0.0] * n, None)
 
@@ -251,8 +251,8 @@ def test_requests_on_adapters_only_on_disk_wait_for_a_prefetch_read():
     sched = make_scheduler(rows=8, max_running=4)
     sched.add(make_req("long", [a], max_tokens=8))
     fold(sched, sched.schedule())
-    sched.note_host([in_host.adapter_id, on_disk.adapter_id], [])
-    sched.note_host([], [on_disk.adapter_id])  # the host tier dropped it again
+    sched.reads.note_host([in_host.adapter_id, on_disk.adapter_id], [])
+    sched.reads.note_host([], [on_disk.adapter_id])  # the host tier dropped it again
     sched.add(make_req("disk", [on_disk]))
     sched.add(make_req("host", [in_host]))
     plan = sched.schedule()
@@ -540,7 +540,7 @@ def test_engine_with_a_small_pool_equals_one_holding_every_adapter(many_adapters
     assert engine_outputs(engine) == reference
     assert engine.scheduler.num_prefetches > 0 and engine.scheduler.residency.num_evictions > 0
     assert not engine.executor.reader.owed
-    assert engine.scheduler.in_host == set(engine.executor.runner.adapter_pool.host.ids())
+    assert engine.scheduler.reads.in_host == set(engine.executor.runner.adapter_pool.host.ids())
     assert_all_free(engine)
 
 

@@ -1,7 +1,7 @@
 """The scheduler's side of the adapter pool: which adapter holds which pool rows (the rows of
 every layer's and module group's tensors share one free list), reference counts, pins and
-eviction. Bookkeeping only: the loads it returns are executed by the worker's AdapterPool
-(radixlora.lora.pool)."""
+eviction, and what the worker's adapter reads and host tier hold (ReaderView). Bookkeeping
+only: the loads it returns are executed by the worker's AdapterPool (radixlora.lora.pool)."""
 
 from __future__ import annotations
 
@@ -163,3 +163,34 @@ class AdapterResidency:
             if self.rows.num_free() >= need:
                 return
             self.evict(adapter_id)
+
+
+class ReaderView:
+    """The scheduler's side of the worker's AdapterReader (radixlora.adapter_reader), as the
+    step results report it: the adapters whose prefetch read may not have ended, and those in
+    its host tier. A request on an adapter that is being read, or is neither resident nor in
+    the host tier, would make its step wait for a disk read."""
+
+    def __init__(self) -> None:
+        self.reading: dict[str, int] = {}  # adapter id -> step count of the plan that asked
+        self.in_host: set[str] = set()
+
+    def asked(self, adapter_id: str, made_at: int) -> None:
+        """A prefetch load of the plan made at step count `made_at` reads this adapter."""
+        self.reading[adapter_id] = made_at
+
+    def note_reads(self, made_at: int, unread: list[str]) -> None:
+        """The reader's unread adapters as of the result of the plan made at `made_at`: a read
+        asked by that plan or an earlier one and not listed has ended (or its load was
+        dropped)."""
+        still = set(unread)
+        for adapter_id, asked_at in list(self.reading.items()):
+            if asked_at <= made_at and adapter_id not in still:
+                del self.reading[adapter_id]
+
+    def note_host(self, added: list[str], dropped: list[str]) -> None:
+        self.in_host.difference_update(dropped)
+        self.in_host.update(added)
+
+    def waits_for_read(self, adapter_id: str, resident: bool) -> bool:
+        return adapter_id in self.reading or not (resident or adapter_id in self.in_host)
