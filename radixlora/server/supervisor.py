@@ -42,8 +42,6 @@ EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit)\b.*")
 RELAY_DRAIN_S = 2.0  # how long a failed start-up waits for the dead child's last lines
 
 
-
-
 class StartupError(Exception):
     pass
 
