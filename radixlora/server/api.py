@@ -186,11 +186,14 @@ class Api:
             for a in info["adapters"]
         ]
         names = {a["name"] for a in info["adapters"]}
-        validating = [  # listed from --adapter-dir: a request for one waits for its validation
+        # listed from --adapter-dir, or published but not yet known to the scheduler that
+        # answered: a request for one waits for its validation
+        pending = self.runtime.listed | self.runtime.adapter_ids.keys()
+        validating = [
             {"id": name, "object": "model", "created": created, "owned_by": "radixlora",
              "root": None, "parent": base, "max_model_len": self.max_model_len,
              "status": "validating"}
-            for name in sorted(self.runtime.listed - names)
+            for name in sorted(pending - names)
         ]
         return data + served + validating
 
