@@ -81,7 +81,7 @@ class StepExecutor:
             log.debug("late masks for step %d, which waits for none", msg.step)
             return
         try:
-            self.runner.sample_late(flight.launched, msg.masks)
+            self.runner.sample_late(flight.launched, msg.words)
         except Exception as e:
             if self.runner.tp is not None:  # the ranks are out of step: end this one
                 raise

@@ -49,6 +49,7 @@ from radixlora.sizing import (
     with_host_tier,
 )
 from radixlora.step_plan import GroupRows, PlanItem, StepPlan, bytes_to_ids, ids_to_bytes
+from radixlora.structured import mask_words
 
 log = logging.getLogger(__name__)
 
@@ -301,10 +302,10 @@ class ModelRunner:
         resolve = self._resolve_placeholders if (host["input_ids"] < 0).any() else None
         adjusted = any(needs_adjustments(i.params, i.out_index) or i.allowed is not None
                        or i.late_mask for i in plan.items if i.sample)
-        key = self._graph_key(host, segments) if scored is None and not adjusted else None
+        key = self._graph_key(host, segments) if scored is None else None
         step = LaunchedStep()
         if key is not None:
-            out = self._graph_step(key, plan, host, segments, resolve)
+            out = self._graph_step(key, plan, host, segments, resolve, step if adjusted else None)
         else:
             out = self._eager_step(plan, host, segments, resolve, scored, step)
         if step.awaiting is not None:
@@ -312,13 +313,13 @@ class ModelRunner:
         self._sampled(step, out)
         return self._copy_to_host(step)
 
-    def sample_late(self, step: LaunchedStep, masks: list[bytes]) -> None:
-        """Sample a step that waited for the masks of its late_mask items (in plan order)."""
+    def sample_late(self, step: LaunchedStep, words: bytes) -> None:
+        """Sample a step that waited for the masks of its late_mask items (StepMasks.words)."""
         late, step.awaiting = step.awaiting, None
-        if len(masks) != sum(i.late_mask for i in late.items):
-            raise ValueError(f"{len(masks)} late masks for "
-                             f"{sum(i.late_mask for i in late.items)} late items")
-        given = iter(masks)
+        n, row = sum(i.late_mask for i in late.items), 4 * mask_words(self.cfg.vocab_size)
+        if len(words) != n * row:
+            raise ValueError(f"{len(words) // row} late masks for {n} late items")
+        given = iter(np.frombuffer(words, np.int32).reshape(n, -1))
         mask = TokenMask.build([next(given) if i.late_mask else i.allowed for i in late.items])
         processors = tuple(p for p in (*late.processors, mask) if p is not None)
         self._sampled(step, sample(late.logits, late.batch, processors))
@@ -330,15 +331,20 @@ class ModelRunner:
             step.token_ids, step.logprobs = out.token_ids, out.logprobs
             step.top_ids, step.top_logprobs = out.top_ids, out.top_logprobs
 
-    def _graph_step(self, key, plan: StepPlan, host: dict, segments,
-                    resolve) -> SampleOutput | None:
+    def _graph_step(self, key, plan: StepPlan, host: dict, segments, resolve,
+                    adjusted: LaunchedStep | None) -> SampleOutput | None:
         """Replay a graph; it samples every request's row (greedy where the item samples
-        nothing), so only top logprobs are left to compute here."""
+        nothing), so only top logprobs are left to compute here. A step with penalties, biases
+        or token masks (`adjusted`, the step being launched) samples again from the graph's
+        logits, eagerly: the forward still runs as a graph."""
         rows = self._sampling_batch(plan.items)
         out = self.graphs.forward(key, host, segments, rows, resolve)
         index = [k for k, i in enumerate(plan.items) if i.sample]
         if not index:
             return None
+        if adjusted is not None:  # a copy: the processors write into the logits
+            logits = out.logits[to_device(index, torch.int64, self.device)]
+            return self._sample_adjusted(logits, plan.items, host["input_ids"], adjusted)
         if len(index) < len(plan.items):
             out = out[to_device(index, torch.int64, self.device)]
         return with_top_logprobs(SampleOutput(out.tokens, out.logprobs), out.logits, out.lse,
@@ -359,13 +365,20 @@ class ModelRunner:
                                                          self.device, max(ks))
             step.input_counts, step.input_top_k = scored[2], ks
             logits = self.model.logits(hidden[len(scored[0]) :])
-        sampled = [i for i in plan.items if i.sample]
-        if not sampled:
+        if not any(i.sample for i in plan.items):
             return None
+        return self._sample_adjusted(logits, plan.items, host["input_ids"], step)
+
+    def _sample_adjusted(self, logits: torch.Tensor, items: list[PlanItem],
+                         input_ids: np.ndarray, step: LaunchedStep) -> SampleOutput | None:
+        """Sample the logits of the sampling items (rows in item order) through their
+        penalties, biases and token masks; a step with late_mask items is left awaiting its
+        masks (sample_late) and returns None."""
+        sampled = [i for i in items if i.sample]
         adjust = LogitAdjustments.build([i.params for i in sampled],
                                         [i.out_index for i in sampled], self.cfg.eos_token_ids,
                                         [i.banned for i in sampled])
-        penalties = self._penalties(plan.items, host["input_ids"])
+        penalties = self._penalties(items, input_ids)
         if any(i.late_mask for i in sampled):
             step.awaiting = LateSample(logits, sampled, self._sampling_batch(sampled),
                                        tuple(p for p in (adjust, penalties) if p is not None))

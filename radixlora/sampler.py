@@ -149,13 +149,13 @@ class TokenMask:
     def apply(self, logits: torch.Tensor) -> None:
         dev, vocab = logits.device, logits.shape[1]
         rows = to_device(self.rows, torch.int64, dev)
-        words = to_device(self.words, torch.int32, dev)
-        shifts = torch.arange(32, dtype=torch.int32, device=dev)
-        allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
-        x = logits[rows].masked_fill(~allowed, -math.inf)
+        # little-endian int32 words read as bytes: bit t % 8 of byte t // 8 is token t
+        octets = to_device(self.words.view(np.uint8), torch.uint8, dev)
+        shifts = torch.arange(8, dtype=torch.uint8, device=dev)
+        allowed = ((octets[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
+        x = logits[rows].masked_fill_(~allowed, -math.inf)
         stuck = ~torch.isfinite(x).any(dim=1, keepdim=True)
-        zeros = torch.zeros_like(x)
-        logits[rows] = torch.where(stuck, zeros.masked_fill(~allowed, -math.inf), x)
+        logits[rows] = torch.where(stuck & allowed, 0.0, x)
 
 
 ROW_FIELDS = ("temperature", "seeds", "steps", "top_k", "top_p", "min_p")

@@ -8,10 +8,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from radixlora.request import Req
 from radixlora.scheduler import BatchPlan, Scheduler
 from radixlora.step_plan import StepMasks, StepPlan, StepResult, StepTotals, bytes_to_ids
-from radixlora.structured import mask_words, next_token_masks
+from radixlora.structured import next_token_words
 
 
 @dataclass
@@ -95,10 +97,14 @@ class StepLoop:
         late = [item for item in batch.items if item.late_mask]
         if not late:
             return None
-        live = [item for item in late if self.scheduler.is_live(item)]
-        computed = dict(zip(map(id, live), next_token_masks([i.req.grammar for i in live])))
-        every = b"\xff" * (4 * mask_words(late[0].req.grammar.vocab_size))
-        return StepMasks(step=plan.step, masks=[computed.get(id(i), every) for i in late])
+        live = [k for k, item in enumerate(late) if self.scheduler.is_live(item)]
+        words = next_token_words([late[k].req.grammar for k in live],
+                                 late[0].req.grammar.vocab_size)
+        if len(live) < len(late):
+            every = np.full((len(late), words.shape[1]), -1, np.int32)
+            every[live] = words
+            words = every
+        return StepMasks(step=plan.step, words=words.tobytes())
 
     def _count(self, plan: StepPlan, planned_at: float) -> None:
         now = time.monotonic()

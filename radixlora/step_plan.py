@@ -85,11 +85,12 @@ class StepPlan(msgspec.Struct, tag=True, kw_only=True):
 
 
 class StepMasks(msgspec.Struct, tag=True, kw_only=True):
-    """The masks of a step's late_mask items, in plan order, sent once the step before it is
-    folded (each mask as PlanItem.allowed)."""
+    """The masks of a step's late_mask items, sent once the step before it is folded: one
+    row per late_mask item in plan order, each row a mask as PlanItem.allowed, the rows
+    concatenated into one buffer."""
 
     step: int
-    masks: list[bytes] = []
+    words: bytes = b""  # int32, [late items, ceil(vocab / 32)]
 
 
 class StepResult(msgspec.Struct, tag=True, kw_only=True):

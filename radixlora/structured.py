@@ -172,13 +172,18 @@ class Matcher:
 def next_token_masks(matchers: list[Matcher]) -> list[bytes]:
     """Each matcher's next-token mask (Matcher.mask), computed in parallel on llguidance's
     threads."""
-    if not matchers:
-        return []
-    words = mask_words(matchers[0].vocab_size)
+    return [row.tobytes() for row in next_token_words(matchers)] if matchers else []
+
+
+def next_token_words(matchers: list[Matcher], vocab_size: int | None = None) -> np.ndarray:
+    """next_token_masks as one int32 array, a row per matcher, computed into place."""
+    vocab_size = vocab_size or matchers[0].vocab_size
+    words = mask_words(vocab_size)
     out = np.zeros((len(matchers), words), np.int32)
-    _executor().unsafe_compute_mask_ptr([(m._matcher, i) for i, m in enumerate(matchers)],
-                                        out.ctypes.data, words * 4, len(matchers))
-    return [row.tobytes() for row in out]
+    if matchers:
+        _executor().unsafe_compute_mask_ptr([(m._matcher, i) for i, m in enumerate(matchers)],
+                                            out.ctypes.data, words * 4, len(matchers))
+    return out
 
 
 def mask_words(vocab_size: int) -> int:

@@ -17,6 +17,7 @@ import torch
 from tokenizers import Tokenizer
 
 from radixlora import Engine, SamplingParams
+from radixlora.cuda_graph import StaticInputs
 from radixlora.errors import InvalidRequestError
 from radixlora.sampler import TokenMask
 from radixlora.step_plan import StepMasks
@@ -124,9 +125,9 @@ def test_a_constrained_request_is_planned_while_its_previous_token_is_sampled(en
     late = []
     sample_late = engine.runner.sample_late
 
-    def spy(step, masks):
-        late.append(len(masks))
-        sample_late(step, masks)
+    def spy(step, words):
+        late.append(len(words) // (4 * mask_words(engine.model_cfg.vocab_size)))
+        sample_late(step, words)
 
     monkeypatch.setattr(engine.runner, "sample_late", spy)
     prompt = engine.tokenizer.encode("The answer is")
@@ -157,16 +158,47 @@ def test_late_masks_that_do_not_fit_their_step_fail_that_step_alone(engine):
     executor.submit(late)
     (result,) = executor.collect(keep=1)
     folded = loop.fold(result)
-    assert folded.masks.step == late.step and len(folded.masks.masks) == 1
-    executor.give_masks(StepMasks(step=late.step + 1, masks=folded.masks.masks))  # dropped
+    vocab = engine.model_cfg.vocab_size
+    assert folded.masks.step == late.step and len(folded.masks.words) == 4 * mask_words(vocab)
+    executor.give_masks(StepMasks(step=late.step + 1, words=folded.masks.words))  # dropped
     assert executor.collect(keep=0) == []  # the late step still waits
-    executor.give_masks(StepMasks(step=late.step, masks=[]))
+    executor.give_masks(StepMasks(step=late.step, words=b""))
     (failed,) = executor.collect(keep=0)
     assert failed.error.startswith("ValueError: 0 late masks for 1 late items")
     assert loop.fold(failed).error is not None
     while engine.scheduler.has_work():
         engine.step()
     assert_all_free(engine)
+
+
+class EagerStaticInputs(StaticInputs):
+    forward = StaticInputs.static_forward
+
+
+def test_masked_and_penalised_steps_run_the_graph_forward(tiny, engine):
+    """Steps whose rows have token masks (late ones too), penalties or biases run the
+    static-buffer forward (what a CUDA graph replays, here eagerly) and sample from its logits
+    afterwards: the same tokens as the eager path."""
+    model, adapters = tiny
+    prompts = [engine.tokenizer.encode(t) for t in ("The answer is", "Pick one", "Say", "Go")]
+    params = [SamplingParams(max_tokens=10, temperature=0.0, structure=STRUCTURES["regex"]),
+              SamplingParams(max_tokens=10, temperature=0.9, seed=5, presence_penalty=0.5,
+                             frequency_penalty=0.3, repetition_penalty=1.2, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.0, logit_bias={7: 5.0}, min_tokens=4),
+              SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)]
+    specs = ["a1", None, "a2", "a1"]
+    ref = engine.generate(prompts, params, adapters=specs)
+    eng = Engine(model, adapters=adapters, attention_backend="triton", lora_backend="triton",
+                 **ENGINE)
+    eng.runner.graphs = EagerStaticInputs(eng.runner, max_batch=8, max_context=256, max_rows=64)
+    replays = []
+    forward = eng.runner.graphs.forward
+    eng.runner.graphs.forward = lambda *a, **k: replays.append(a[0]) or forward(*a, **k)
+    got = eng.generate(prompts, params, adapters=specs)
+    for a, b in zip(ref, got, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert len(replays) >= 9  # every decode step
+    assert_all_free(eng)
 
 
 def test_sampled_structured_outputs_match_for_every_sample_and_seed(tiny, engine):
