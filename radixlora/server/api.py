@@ -186,14 +186,11 @@ class Api:
             for a in info["adapters"]
         ]
         names = {a["name"] for a in info["adapters"]}
-        # listed from --adapter-dir, or published but not yet known to the scheduler that
-        # answered: a request for one waits for its validation
-        pending = self.runtime.listed | self.runtime.adapter_ids.keys()
-        validating = [
+        validating = [  # listed from --adapter-dir: a request for one waits for its validation
             {"id": name, "object": "model", "created": created, "owned_by": "radixlora",
              "root": None, "parent": base, "max_model_len": self.max_model_len,
              "status": "validating"}
-            for name in sorted(pending - names)
+            for name in sorted(self.runtime.listed - names)
         ]
         return data + served + validating
 

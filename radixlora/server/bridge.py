@@ -177,7 +177,10 @@ class ProcessBridge:
         self.recent_events: collections.deque[AdapterEvent] = collections.deque(maxlen=256)
         # --adapter-dir names whose latest version the registry rejected -> the reason label
         self.rejected: dict[str, str] = {}
-        self.listed: set[str] = set()  # --adapter-dir names still being validated
+        # --adapter-dir names listed at start, not removed or rejected since: those the
+        # scheduler does not serve yet are listed as validating (the api can see a name's
+        # "added" event before the scheduler does)
+        self.listed: set[str] = set()
         self.closed = False
 
     def _bind_inbox(self, endpoint: str) -> zmq.asyncio.Socket:
@@ -326,7 +329,8 @@ class ProcessBridge:
             elif event.kind == "removed":
                 self.adapter_ids.pop(event.name, None)
             self.listed.update(event.names)
-            self.listed.discard(event.name)
+            if event.kind not in ("added", "updated"):
+                self.listed.discard(event.name)
             if event.kind == "rejected":
                 self.rejected[event.name] = event.reason
             elif event.kind in ("added", "updated", "removed"):
