@@ -1,7 +1,7 @@
 """ZeroMQ plumbing shared by the processes: an inbox (PULL, bound) that drops bytes which are
 not a valid message, outboxes (PUSH, connected), the start-up of a child process (its ServerArgs
 read from an inherited pipe, its stdin: never from the command line, which any local user can
-read) and its heartbeat to the launcher."""
+read), its heartbeat to the launcher, and the main loop every child runs (serve_forever)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import NoReturn
 
 import msgspec
 import torch
@@ -199,6 +201,15 @@ class Heartbeats:
             self.sock.send(self.encoder.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             log.debug("heartbeat not sent: the launcher is not reading")
+
+
+def serve_forever(heart: Heartbeats, turn: Callable[[], int]) -> NoReturn:
+    """The main loop of every child process: a turn (wait, at most the process's own poll
+    interval, for what it serves, and handle it), then a heartbeat carrying the progress count
+    the turn returns. A turn that never ends silences the process, and the launcher's watchdog
+    reports it."""
+    while True:
+        heart.beat(turn())
 
 
 def log_failure(proc: str, msg) -> None:

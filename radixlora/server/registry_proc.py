@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -54,7 +55,14 @@ from radixlora.server.adapter_store import (
     pack_target,
 )
 from radixlora.server.args import ServerArgs
-from radixlora.server.ipc import Heartbeats, Inbox, check_local, child_main, send_ready
+from radixlora.server.ipc import (
+    Heartbeats,
+    Inbox,
+    check_local,
+    child_main,
+    send_ready,
+    serve_forever,
+)
 from radixlora.server.messages import AdapterEvent, AdapterWanted
 from radixlora.token_bucket import TokenBucket
 
@@ -536,22 +544,23 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
     log.info("watching %s (%d adapters published so far)", core.root, len(core.active))
     wants = Inbox(ctx, args.endpoints.registry_wants, AdapterWanted)
     try:
-        loop(core, watch, pub, wants, args.adapter_quiet_s, heart)
+        serve_forever(heart, functools.partial(turn, core, watch, pub, wants, args.adapter_quiet_s))
     finally:
         observer.stop()
 
 
-def loop(core: RegistryCore, watch: DirWatch, pub: zmq.Socket, wants: Inbox, quiet_s: float,
-         heart: Heartbeats) -> None:
-    while True:
-        for wanted in wants.recv_within(TICK_MS):
-            core.want(wanted.name)
-        heart.beat(core.state.seq)
-        drain_subscriptions(pub)
-        try:
-            tick(core, watch, quiet_s)
-        except Exception:  # noqa: BLE001 - the names being examined are dropped, not retried
-            log.exception("registry: examining changed adapters failed; watching on")
+def turn(core: RegistryCore, watch: DirWatch, pub: zmq.Socket, wants: Inbox,
+         quiet_s: float) -> int:
+    """The wanted names that came within TICK_MS, new subscribers, then the names whose files
+    changed; returns the last event's seq."""
+    for wanted in wants.recv_within(TICK_MS):
+        core.want(wanted.name)
+    drain_subscriptions(pub)
+    try:
+        tick(core, watch, quiet_s)
+    except Exception:  # noqa: BLE001 - the names being examined are dropped, not retried
+        log.exception("registry: examining changed adapters failed; watching on")
+    return core.state.seq
 
 
 def tick(core: RegistryCore, watch: DirWatch, quiet_s: float) -> None:

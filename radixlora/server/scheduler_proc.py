@@ -33,6 +33,7 @@ from radixlora.server.ipc import (
     failure_error,
     log_failure,
     send_ready,
+    serve_forever,
     subscribe,
 )
 from radixlora.server.messages import (
@@ -471,32 +472,33 @@ class SchedulerLoop:
                 self.poller.register(sock, zmq.POLLIN)
         self.next_stats = 0.0
         self.next_expiry_check = 0.0
+        self.stalled = False  # nothing could be planned: wait for a result, a request or the timer
         # admin calls in arrival order, each with its load's read (a future) or None; applied
         # on the loop from the head as their reads end, so the loop never reads an adapter
         self.admin_queue: collections.deque[tuple[AdminReq, Future | None]] = collections.deque()
         self.admin_reads = ThreadPoolExecutor(1, thread_name_prefix="admin-read")
 
-    def run(self) -> None:
-        stalled = False  # nothing could be planned: wait for a result, a request or the timer
-        while True:
-            busy = self.service.loop.can_plan() and not stalled
-            ready = dict(self.poller.poll(0 if busy else IDLE_POLL_MS))
-            if self.events is not None and self.events in ready:
-                self.take_events()
-            if self.inbox.sock in ready:
-                for msg in self.inbox.recv_nowait():
-                    self.handle(msg)
-            if self.admin_queue:
-                self.apply_admin()
-            if self.service.held or self.service.wanted:
-                self.tend_held()
-            plan = self.service.next_plan()
-            if plan is not None:
-                self.to_worker.send(plan)
-            stalled = plan is None
-            self.maybe_send_stats()
-            self.check_worker_alive()
-            self.heart.beat(self.service.loop.num_steps)
+    def turn(self) -> int:
+        """Take what came (results, requests, adapter events), plan the next step if one can
+        be planned; waits only when nothing could be planned last turn."""
+        busy = self.service.loop.can_plan() and not self.stalled
+        ready = dict(self.poller.poll(0 if busy else IDLE_POLL_MS))
+        if self.events is not None and self.events in ready:
+            self.take_events()
+        if self.inbox.sock in ready:
+            for msg in self.inbox.recv_nowait():
+                self.handle(msg)
+        if self.admin_queue:
+            self.apply_admin()
+        if self.service.held or self.service.wanted:
+            self.tend_held()
+        plan = self.service.next_plan()
+        if plan is not None:
+            self.to_worker.send(plan)
+        self.stalled = plan is None
+        self.maybe_send_stats()
+        self.check_worker_alive()
+        return self.service.loop.num_steps
 
     def check_worker_alive(self) -> None:
         """A step that never returns means a hung worker: exit, so the launcher reports it and
@@ -627,7 +629,7 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
     loop = SchedulerLoop(args, ctx, service)
     info = {"adapters": service.info()["adapters"]}
     send_ready(ctx, args, "scheduler", info)
-    loop.run()
+    serve_forever(loop.heart, loop.turn)
 
 
 if __name__ == "__main__":

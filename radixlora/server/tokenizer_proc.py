@@ -30,6 +30,7 @@ from radixlora.server.ipc import (
     failure_error,
     log_failure,
     send_ready,
+    serve_forever,
 )
 from radixlora.server.messages import (
     AbortReq,
@@ -429,15 +430,31 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
     inbox = Inbox(ctx, args.endpoints.tokenizer, TokenizerInbox, reject=to_api.send)
     heart = Heartbeats(ctx, args, "tokenizer")
     send_ready(ctx, args, "tokenizer")
-    handled, next_report = 0, 0.0
-    while True:
-        heart.beat(handled)
-        for msg in inbox.recv_within(BEAT_POLL_MS):
-            handled += 1
-            send(*handle(service, msg))
-        if len(to_schedulers) > 1 and time.monotonic() >= next_report:
-            next_report = time.monotonic() + ROUTER_STATS_S
-            to_api.send(service.router_stats())
+    loop = TokenizerLoop(service, inbox, send, to_api, routes=len(to_schedulers) > 1)
+    serve_forever(heart, loop.turn)
+
+
+@dataclass
+class TokenizerLoop:
+    """Each turn handles the messages that came within BEAT_POLL_MS; with several replicas it
+    reports the router's load to the api every ROUTER_STATS_S."""
+
+    service: TokenizerService
+    inbox: Inbox
+    send: Callable
+    to_api: LockedOutbox
+    routes: bool
+    handled: int = 0
+    next_report: float = 0.0
+
+    def turn(self) -> int:
+        for msg in self.inbox.recv_within(BEAT_POLL_MS):
+            self.handled += 1
+            self.send(*handle(self.service, msg))
+        if self.routes and time.monotonic() >= self.next_report:
+            self.next_report = time.monotonic() + ROUTER_STATS_S
+            self.to_api.send(self.service.router_stats())
+        return self.handled
 
 
 def handle(service: TokenizerService, msg) -> tuple[list, list]:

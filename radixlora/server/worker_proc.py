@@ -25,7 +25,14 @@ from radixlora.lora.registration import iter_adapters
 from radixlora.model_runner import ModelRunner
 from radixlora.server.adapter_store import snapshot_roots
 from radixlora.server.args import ServerArgs
-from radixlora.server.ipc import Heartbeats, Inbox, Outbox, child_main, send_ready
+from radixlora.server.ipc import (
+    Heartbeats,
+    Inbox,
+    Outbox,
+    child_main,
+    send_ready,
+    serve_forever,
+)
 from radixlora.server.messages import InvalidMessage, Sized, WorkerInbox
 from radixlora.sizing import SIZED_FIELDS, available_host_bytes, with_host_tier
 from radixlora.step_plan import AdapterLoad, StepMasks, StepPlan, StepResult
@@ -93,7 +100,7 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
     to_scheduler = Outbox(ctx, args.endpoints.scheduler)
     heart = Heartbeats(ctx, args, "worker")
     send_ready(ctx, args, "worker", ready_info(runner))
-    serve(executor, inbox, to_scheduler, heart, runner.tp)
+    serve_forever(heart, WorkerLoop(executor, inbox, to_scheduler, runner.tp).turn)
 
 
 def follow(executor: StepExecutor, args: ServerArgs, ctx: zmq.Context, rank: int) -> None:
@@ -107,8 +114,9 @@ def follow(executor: StepExecutor, args: ServerArgs, ctx: zmq.Context, rank: int
     heart = Heartbeats(ctx, args, name)
     send_ready(ctx, args, name, ready_info(runner))
     done = 0
-    while True:
-        heart.beat(done)
+
+    def turn() -> int:
+        nonlocal done
         try:
             plans = runner.tp.recv_plans()
         except RuntimeError as e:  # what torch.distributed raises when a peer is lost
@@ -118,6 +126,9 @@ def follow(executor: StepExecutor, args: ServerArgs, ctx: zmq.Context, rank: int
         for msg in plans:
             run_message(executor, msg)
         done += len(executor.collect(keep=1, done_too=True))
+        return done
+
+    serve_forever(heart, turn)
 
 
 def prefetch_adapters(runner: ModelRunner, args: ServerArgs,
@@ -156,32 +167,40 @@ def ready_info(runner: ModelRunner) -> dict:
     }
 
 
-def serve(executor: StepExecutor, inbox: Inbox, to_scheduler: Outbox, heart: Heartbeats,
-          tp: TensorParallel | None = None) -> None:
+class WorkerLoop:
     """Launch each plan as soon as it arrives, behind the step still running on the device,
     and answer steps in order as they complete: the scheduler plans step N+1 (with placeholders
-    for step N's tokens) while step N runs, so the device never waits for the host. The loop
-    beats between steps with the number of steps answered, so a step that never ends silences
-    the worker. Under tensor parallel, the plans go to the other ranks first (see `follow`),
-    and at least every BEAT_POLL_MS, none if there are none; without it, the loop captures the
-    graphs warm-up left while idle (IdleCapture)."""
-    answered = 0
-    sent_at = time.monotonic()
-    runner = executor.runner
-    idle = IdleCapture(runner.graphs if tp is None and runner.config.warm_up else None)
-    while True:
-        heart.beat(answered)
-        plans = (inbox.recv_nowait() if executor.in_flight
-                 else inbox.recv_within(idle.poll_ms(BEAT_POLL_MS)))
-        idle.step(not plans and not executor.in_flight, time.monotonic())
-        if tp is not None and (plans or time.monotonic() - sent_at >= BEAT_POLL_MS / 1000):
+    for step N's tokens) while step N runs, so the device never waits for the host. A turn
+    returns the number of steps answered, so a step that never ends silences the worker. Under
+    tensor parallel, the plans go to the other ranks first (see `follow`), and at least every
+    BEAT_POLL_MS, none if there are none; without it, the loop captures the graphs warm-up left
+    while idle (IdleCapture)."""
+
+    def __init__(self, executor: StepExecutor, inbox: Inbox, to_scheduler: Outbox,
+                 tp: TensorParallel | None = None):
+        self.executor = executor
+        self.inbox = inbox
+        self.to_scheduler = to_scheduler
+        self.tp = tp
+        runner = executor.runner
+        self.idle = IdleCapture(runner.graphs if tp is None and runner.config.warm_up else None)
+        self.answered = 0
+        self.sent_at = time.monotonic()
+
+    def turn(self) -> int:
+        executor, tp = self.executor, self.tp
+        plans = (self.inbox.recv_nowait() if executor.in_flight
+                 else self.inbox.recv_within(self.idle.poll_ms(BEAT_POLL_MS)))
+        self.idle.step(not plans and not executor.in_flight, time.monotonic())
+        if tp is not None and (plans or time.monotonic() - self.sent_at >= BEAT_POLL_MS / 1000):
             tp.send_plans(plans)
-            sent_at = time.monotonic()
+            self.sent_at = time.monotonic()
         for msg in plans:
             run_message(executor, msg)
         for result in executor.collect(keep=1, done_too=True):
-            to_scheduler.send(result)
-            answered += 1
+            self.to_scheduler.send(result)
+            self.answered += 1
+        return self.answered
 
 
 class IdleCapture:
