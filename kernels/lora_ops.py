@@ -11,6 +11,8 @@ import torch
 
 from radixlora.device import to_device
 
+from .dora_scale import dora_scale_ref
+
 GROUP_TOKENS = 16  # tokens per group at most: a popular set's tokens split into several groups
 
 
@@ -137,6 +139,9 @@ class LoraBatchMeta:
     max_rows: int  # >= rows of any segment
     max_seg_len: int  # >= tokens of any segment
     groups: LoraGroups | None = None  # the same batch by adapter set; the Triton path uses it
+    # [T] int32, the DoRA magnitude row of each token's adapter (-1: none); None: no token of
+    # the batch has one in this group
+    magnitude_rows: torch.Tensor | None = None
 
     @classmethod
     def from_segments(
@@ -147,10 +152,12 @@ class LoraBatchMeta:
         device: torch.device | str,
         seg_sets: Sequence[int] | None = None,
         grouped: bool = True,
+        seg_magnitudes: Sequence[int] | None = None,
     ) -> LoraBatchMeta:
         """seg_sets: adapter-set id per segment (< 0: none; default: equal rows and scales);
         grouped: build `groups`, which the Triton backend runs every batch with (decodes,
-        prefill chunks and steps mixing both; False: the per-segment kernels, a baseline)."""
+        prefill chunks and steps mixing both; False: the per-segment kernels, a baseline);
+        seg_magnitudes: the DoRA magnitude row of each segment (-1: none)."""
         _check_segments(seg_lens, seg_rows, seg_scales)
         row_counts = [len(rows) for rows in seg_rows]
         # a multiple of 16: the strides of the kernels' rank-space buffers then never depend
@@ -177,6 +184,9 @@ class LoraBatchMeta:
             max_rows=max_rows,
             max_seg_len=max(seg_lens, default=0),
             groups=groups,
+            magnitude_rows=None if seg_magnitudes is None else to_dev(
+                np.repeat(np.asarray(seg_magnitudes, np.int32), np.asarray(seg_lens, np.int64)),
+                torch.int32),
         )
 
     @property
@@ -293,6 +303,15 @@ class LoraBackend(ABC):
     ) -> None:
         """The second phase of `apply`: y += the deltas of v (from this backend's shrink), or
         with accumulate=False y := the deltas (zero in rows of tokens with no adapter)."""
+
+    def scale_dora(self, y: torch.Tensor, b_pool: torch.Tensor, out_offsets: Sequence[int],
+                   meta: LoraBatchMeta, bias: torch.Tensor | None = None,
+                   delta: torch.Tensor | None = None,
+                   qscales: torch.Tensor | None = None) -> None:
+        """DoRA's scales on a complete projection output (radixlora.lora.dora): each token with
+        a magnitude row gets g * (y - bias + delta) + bias, with g - 1 read from that row of
+        b_pool; into y, or with `delta` (a deferred delta) into delta, so y + delta is it."""
+        dora_scale_ref(y, b_pool, out_offsets, meta.magnitude_rows, bias, delta, qscales)
 
     def deferred_delta(
         self,
@@ -415,6 +434,12 @@ class TritonLoraBackend(LoraBackend):
                                          tuning=tuning, qscales=qscales)
         self._grouped.grouped_expand(v, b_pool, out_offsets, *index, delta, tuning=tuning,
                                      accumulate=False, act_dtype=x.dtype)
+
+    def scale_dora(self, y, b_pool, out_offsets, meta, bias=None, delta=None,
+                   qscales=None) -> None:
+        from .dora_scale import dora_scale
+
+        dora_scale(y, b_pool, out_offsets, meta.magnitude_rows, bias, delta, qscales)
 
     def _tuning(self, meta: LoraBatchMeta):
         return self.tuning or self._grouped.tuning_for_rows(meta.max_rows)

@@ -108,14 +108,14 @@ class AdapterRegistry:
 
     def add(self, adapter: LoraAdapter) -> tuple[LoraAdapter, LoraAdapter | None]:
         self.check_name(adapter.name)
-        if adapter.rank > self.pool_rows:
+        if adapter.pool_rows > self.pool_rows:
             raise InvalidRequestError(
                 f"adapter {adapter.name!r} of rank {adapter.rank} exceeds the adapter pool "
                 f"({self.pool_rows} rows)",
                 param="name",
             )
         if not self.keep_weights:
-            adapter = dataclasses.replace(adapter, weights={})
+            adapter = dataclasses.replace(adapter, weights={}, magnitudes={})
         previous = self.by_name.get(adapter.name)
         self.by_name[adapter.name] = adapter
         replaced = previous if previous and previous.adapter_id != adapter.adapter_id else None
@@ -157,7 +157,22 @@ class AdapterRegistry:
                                           param="adapters")
             seen.add(choice.name)
             resolved.append((self.by_name[choice.name], _weight(choice.weight)))
+        _check_dora_alone(resolved)
         return AdapterSet.of(resolved)
+
+
+def _check_dora_alone(resolved: list[tuple[LoraAdapter, float]]) -> None:
+    """A DoRA adapter is served alone at weight 1: its magnitudes rescale the whole projection
+    (base and delta) to the norms it was trained to, and PEFT defines no stack or weighting of
+    that, so radixlora does not invent one."""
+    dora = [a.name for a, _ in resolved if a.dora_groups]
+    if dora and (len(resolved) > 1 or resolved[0][1] != 1.0):
+        raise InvalidRequestError(
+            f"adapter {dora[0]!r} is a DoRA adapter: it is served alone at weight 1, not in a "
+            "stack or with another weight",
+            param="adapters",
+            code="dora_not_stackable",
+        )
 
 
 # `model` in a request naming the base model whatever its served name (SGLang's default)

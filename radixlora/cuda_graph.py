@@ -81,6 +81,9 @@ class GraphKey:
     batch: int
     tokens: int
     rows: int  # LoRA row bucket of the grouped path (0: none)
+    # some request has a DoRA adapter: the graph also scales the projections (LoraContext);
+    # such graphs are captured on first use, so LoRA-only serving never waits for them
+    dora: bool = False
 
     @property
     def decode(self) -> bool:
@@ -146,6 +149,7 @@ class StaticInputs:
                 **{f"row_indptr.{g}": (t + 1, i32) for g in MODULE_GROUPS},
                 **{f"row_ids.{g}": (rows, i32) for g in MODULE_GROUPS},
                 **{f"row_scales.{g}": (rows, torch.float32) for g in MODULE_GROUPS},
+                **{f"magnitude_rows.{g}": (t, i32) for g in MODULE_GROUPS},
                 **{f"sample.{name}": (n, ROW_DTYPES[name]) for name in ROW_FIELDS},
             },
             dev,
@@ -159,6 +163,7 @@ class StaticInputs:
         self.row_indptr = {g: views[f"row_indptr.{g}"] for g in MODULE_GROUPS}
         self.row_ids = {g: views[f"row_ids.{g}"] for g in MODULE_GROUPS}
         self.row_scales = {g: views[f"row_scales.{g}"] for g in MODULE_GROUPS}
+        self.magnitude_rows = {g: views[f"magnitude_rows.{g}"] for g in MODULE_GROUPS}
         self.sampling = {name: views[f"sample.{name}"] for name in ROW_FIELDS}
         for buffer in (self.logits_indices, self.qo_indptr, self.kv_indptr):
             buffer.copy_(torch.arange(len(buffer)))
@@ -166,8 +171,10 @@ class StaticInputs:
         self.no_seg_rows = torch.zeros(n + 1, dtype=i32, device=dev)
         self.no_rows = torch.zeros(0, dtype=i32, device=dev)
 
-    def key_for(self, qo_lens: list[int], max_rows: int, has_lora: bool) -> GraphKey | None:
-        """The graph a batch replays into, or None when it needs the eager path."""
+    def key_for(self, qo_lens: list[int], max_rows: int, has_lora: bool,
+                dora: bool = False) -> GraphKey | None:
+        """The graph a batch replays into, or None when it needs the eager path (dora: some
+        request has a DoRA adapter)."""
         batch, tokens = len(qo_lens), sum(qo_lens)
         if batch > self.buckets[-1] or max_rows > self.row_buckets[-1]:
             return None
@@ -178,7 +185,7 @@ class StaticInputs:
         )
         bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
         if tokens == batch:
-            return GraphKey(bucket, bucket, rows)
+            return GraphKey(bucket, bucket, rows, dora)
         if batch > self.extend_buckets[-1]:
             return None
         bucket = self.extend_buckets[bisect.bisect_left(self.extend_buckets, batch)]
@@ -186,7 +193,7 @@ class StaticInputs:
         if need > EXTEND_TOKEN_BUCKETS[-1]:
             return None
         token_bucket = EXTEND_TOKEN_BUCKETS[bisect.bisect_left(EXTEND_TOKEN_BUCKETS, need)]
-        return GraphKey(bucket, max(token_bucket, bucket + 1), rows)
+        return GraphKey(bucket, max(token_bucket, bucket + 1), rows, dora)
 
     def static_forward(self, key: GraphKey, host: dict, lora_segments, sampling: SamplingBatch,
                        resolve=None) -> GraphOutputs:
@@ -220,6 +227,8 @@ class StaticInputs:
         }
         if lora_segments is not None and key.rows:
             parts.update(_group_parts(qo_lens, lora_segments))
+        if key.dora:
+            parts.update(_magnitude_parts(qo_lens, lora_segments, key.tokens))
         parts.update(_sampling_parts(sampling, key.batch))
         self.inputs.send(parts)
         if resolve is not None:
@@ -251,6 +260,7 @@ class StaticInputs:
                         self.row_ids[g][:n],
                         self.row_scales[g][:n],
                     ),
+                    self.magnitude_rows[g][:t] if key.dora else None,
                 )
                 for g in MODULE_GROUPS
             }
@@ -475,6 +485,21 @@ def _group_parts(qo_lens: list[int], lora_segments: LoraSegments) -> dict[str, n
         parts[f"row_indptr.{group}"] = row_indptr
         parts[f"row_ids.{group}"] = row_ids
         parts[f"row_scales.{group}"] = row_scales
+    return parts
+
+
+def _magnitude_parts(qo_lens: list[int], lora_segments: LoraSegments | None,
+                     tokens: int) -> dict[str, np.ndarray]:
+    """Each token's DoRA magnitude row per group, -1 for the rest and for padding."""
+    lens = np.asarray(qo_lens, np.int64)
+    parts = {}
+    for group in MODULE_GROUPS:
+        rows = np.full(tokens, -1, np.int32)
+        per_request = (lora_segments.magnitudes.get(group) if lora_segments is not None
+                       else None)
+        if per_request is not None:
+            rows[: lens.sum()] = np.repeat(np.asarray(per_request, np.int32), lens)
+        parts[f"magnitude_rows.{group}"] = rows
     return parts
 
 

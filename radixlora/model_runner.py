@@ -25,6 +25,7 @@ from radixlora.kernels.lora_ops import LoraBatchMeta, make_lora_backend
 from radixlora.kv_pool import KVPool
 from radixlora.lora.adapter import MODULE_GROUPS
 from radixlora.lora.context import LoraContext, LoraSegments
+from radixlora.lora.dora import DoraBase
 from radixlora.lora.host_cache import PackedAdapter
 from radixlora.lora.pool import AdapterPool
 from radixlora.model.loader import load_model, weight_files
@@ -193,6 +194,7 @@ class ModelRunner:
         shard = self.tp.shard if self.tp is not None else None
         self.adapter_pool = AdapterPool(cfg, adapter_rows, self.lora_dtype, self.device,
                                         host_bytes, shard)
+        self.adapter_pool.dora_base = DoraBase(self.model, self.dtype)
         self.attn_backend = make_attention_backend(
             self.attention_name, self.kv_pool, cfg.num_heads, cfg.head_dim,
             cfg.sliding_window, self.device,
@@ -468,7 +470,8 @@ class ModelRunner:
         if self.graphs is None:
             return None
         rows = max((len(r) for rows, _ in (segments or {}).values() for r in rows), default=0)
-        return self.graphs.key_for(host["qo_lens"], rows, segments is not None)
+        return self.graphs.key_for(host["qo_lens"], rows, segments is not None,
+                                   bool(segments and segments.magnitudes))
 
     def _forward_batch(self, host: dict, segments, resolve=None) -> ForwardBatch:
         names = ("input_ids", "positions", "out_cache_loc", "kv_indices", "logits_indices")
@@ -484,6 +487,7 @@ class ModelRunner:
                 g: LoraBatchMeta.from_segments(
                     host["qo_lens"], rows, scales, self.device, segments.request_sets,
                     grouped=self.lora_backend.uses_groups,
+                    seg_magnitudes=segments.magnitudes.get(g),
                 )
                 if any(rows)
                 else None
@@ -643,9 +647,11 @@ def _lora_segments(plan: StepPlan) -> LoraSegments | None:
     request_sets = np.array(
         [dense.setdefault(i.adapter_set, len(dense)) if s else -1
          for i, s in zip(plan.items, sets)], np.int64)
-    segments = {}
+    segments, magnitudes = {}, {}
     for group in MODULE_GROUPS:
         rows = [s.get(group) for s in sets]
         segments[group] = ([r.rows if r else [] for r in rows],
                            [r.scales if r else [] for r in rows])
-    return LoraSegments(segments, request_sets)
+        if any(r and r.magnitude >= 0 for r in rows):
+            magnitudes[group] = [r.magnitude if r else -1 for r in rows]
+    return LoraSegments(segments, request_sets, magnitudes)

@@ -180,10 +180,10 @@ class Scheduler:
                 param="max_tokens",
                 code="kv_pool_exceeded",
             )
-        rank = sum(a.rank for a in req.adapter_set.adapters)
+        rank = sum(a.pool_rows for a in req.adapter_set.adapters)
         if rank > self.residency.rows.num_rows:
             raise InvalidRequestError(
-                f"the adapter set needs {rank} rank rows, the adapter pool holds "
+                f"the adapter set needs {rank} pool rows, the adapter pool holds "
                 f"{self.residency.rows.num_rows}",
                 param="adapters",
             )
@@ -395,7 +395,7 @@ class Scheduler:
             for adapter in req.adapter_set.adapters:
                 if self.residency.is_resident(adapter.adapter_id):
                     continue
-                if rows and rows + adapter.rank > PREFETCH_ROWS_PER_STEP:
+                if rows and rows + adapter.pool_rows > PREFETCH_ROWS_PER_STEP:
                     return
                 cost = self._swap_cost([adapter])
                 if self.swap_cap is not None and not self.swap_cap.allows(cost):
@@ -407,7 +407,7 @@ class Scheduler:
                     self.swap_cap.take(cost)
                 plan.prefetch_loads.append((adapter, got))
                 self.reads.asked(adapter.adapter_id, plan.made_at)
-                rows += adapter.rank
+                rows += adapter.pool_rows
                 self.num_prefetches += 1
 
     def _swap_cost(self, adapters) -> float:
@@ -490,6 +490,8 @@ class Scheduler:
                 entry = rows.setdefault(group, GroupRows([], []))
                 entry.rows += group_rows[group]
                 entry.scales += [weight] * rank
+                if group in adapter.dora_groups:  # a DoRA adapter is alone in its set
+                    entry.magnitude = self.residency.magnitude_row(adapter.adapter_id)
         return rows
 
     # ---- KV ----------------------------------------------------------------------------------

@@ -59,10 +59,12 @@ class AdapterLoad(msgspec.Struct, array_like=True):
 
 
 class GroupRows(msgspec.Struct, array_like=True):
-    """An adapter set's pool rows in one module group and the weight of each row."""
+    """An adapter set's pool rows in one module group and the weight of each row; magnitude:
+    the pool row of a DoRA adapter's scales in this group (-1: none; radixlora.lora.dora)."""
 
     rows: list[int]
     scales: list[float]
+    magnitude: int = -1
 
 
 class StepPlan(msgspec.Struct, tag=True, kw_only=True):

@@ -201,7 +201,8 @@ def build_hf_model(path: Path, arch: str, sharded: bool = False, seed: int = 0) 
 
 def build_peft_adapter(base_path: Path, path: Path, seed: int, **lora_kwargs) -> Path:
     """A random LoRA made and saved by PEFT (LoraConfig(**lora_kwargs), every TARGETS module
-    unless given), with a non-zero lora_B: PEFT's default zero B would hide every bug."""
+    unless given), with a non-zero lora_B: PEFT's default zero B would hide every bug. With
+    use_dora=True, the magnitudes are moved off the norms PEFT initialises them to (g = 1)."""
     import transformers
     from peft import LoraConfig, get_peft_model
 
@@ -213,6 +214,8 @@ def build_peft_adapter(base_path: Path, path: Path, seed: int, **lora_kwargs) ->
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.mul_(0.5)
+            if "lora_magnitude_vector" in name:  # DoRA: magnitudes moved off their init norms
+                p.mul_(1 + 0.3 * torch.randn_like(p))
     model.save_pretrained(path)
     assert json.loads((path / "adapter_config.json").read_text()).get("r") is not None
     return path

@@ -98,7 +98,8 @@ def bad_adapters(good: Path, tmp: Path):
         ),
         "truncated": (_truncate(c("truncated")), "corrupted"),
         "pickle_only": (_pickle_only(c("pickle_only")), "never unpickles"),
-        "dora": (edit_config(c("dora"), use_dora=True), "DoRA"),
+        "dora_without_magnitudes": (edit_config(c("dora_without_magnitudes"), use_dora=True),
+                                    "has no lora_magnitude_vector"),
         "modules_to_save": (
             edit_config(c("modules_to_save"), modules_to_save=["lm_head"]),
             "modules_to_save",

@@ -194,8 +194,8 @@ def _write_bad(model, root: Path, versions) -> dict[str, str]:
     path = clone("pickle_only")
     (path / "adapter_model.safetensors").rename(path / "adapter_model.bin")
     cases["pickle_only"] = "pickle_only"
-    config(clone("dora"), use_dora=True)
-    cases["dora"] = "unsupported_feature"
+    config(clone("dora"), use_dora=True)  # DoRA without its magnitude vectors
+    cases["dora"] = "bad_dora"
     path = clone("wrong_shape")
     config(path, r=2)  # tensors are rank 4
     cases["wrong_shape"] = "shape_mismatch"

@@ -14,7 +14,7 @@ import re._constants as sre_constants
 import re._parser as sre_parse
 import stat
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, BinaryIO, Literal, TypeVar
 
@@ -40,9 +40,15 @@ _KEY = re.compile(
     r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))"
     r"\.lora_(A|B)(?:\.[^.]+)?\.weight$"
 )
+# DoRA's magnitude vector m [out] of a module (PEFT saves it without the adapter name)
+_MAGNITUDE = re.compile(
+    r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))"
+    r"\.lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?$"
+)
 MAX_ADAPTER_BYTES = 8 << 30
 MAX_CONFIG_BYTES = 1 << 20
 MAX_ALPHA = 1e6
+MAX_MAGNITUDE = 1e6  # a DoRA magnitude scales a whole projection's output
 MAX_PATTERN_CHARS = 256
 MAX_PATTERN_REPEATS = 4
 MAX_PATTERNS = 512  # keys of rank_pattern or alpha_pattern
@@ -105,6 +111,10 @@ class LoraAdapter:
     # non-empty: trained on another weight format than the served base's, served anyway
     # (ModelConfig.qlora_mismatch "serve"); says which
     base_mismatch: str = ""
+    # DoRA: the module groups whose modules carry a magnitude vector, in MODULE_GROUPS order
+    # (empty: a plain LoRA), and (layer, module) -> m [out] fp32 (with the weights)
+    dora_groups: tuple[str, ...] = ()
+    magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 
     @property
     def adapter_id(self) -> str:
@@ -112,7 +122,14 @@ class LoraAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.numel() + b.numel() for a, b in self.weights.values()) * 4
+        pairs = sum(a.numel() + b.numel() for a, b in self.weights.values())
+        return (pairs + sum(m.numel() for m in self.magnitudes.values())) * 4
+
+    @property
+    def pool_rows(self) -> int:
+        """Rows it takes in the adapter pool: its rank rows, and for DoRA one more, the
+        magnitude row (radixlora.lora.dora)."""
+        return self.rank + bool(self.dora_groups)
 
 
 def load_adapter(name: str, path: str | Path, model: ModelConfig, max_rank: int) -> LoraAdapter:
@@ -130,12 +147,12 @@ def adapter_from_bytes(
     given, must be content_hash of these very bytes, computed by the caller)."""
     config = _parse_config(name, config_bytes)
     tensors = _parse_tensors(name, tensor_bytes)
-    weights = _build_weights(name, config, tensors, model, max_rank)
+    weights, magnitudes = _build_weights(name, config, tensors, model, max_rank)
     group_ranks = _group_ranks((module, a.shape[0]) for (_, module), (a, _) in weights.items())
     digest = digest or content_hash(config_bytes, tensor_bytes)
     trained_on, mismatch = check_base_format(name, config, model)
     return LoraAdapter(name, str(path), digest, max(group_ranks.values()), group_ranks, weights,
-                       trained_on, mismatch)
+                       trained_on, mismatch, _dora_groups(magnitudes), magnitudes)
 
 
 def content_hash(config_bytes: bytes, tensor_bytes: bytes) -> str:
@@ -157,11 +174,13 @@ def adapter_from_header(name: str, path: str | Path, model: ModelConfig, max_ran
     config = _parse_config(name, _read_file(name, config_path, MAX_CONFIG_BYTES, roots))
     tensors = _read_regular(name, tensor_path, MAX_ADAPTER_BYTES, roots,
                             functools.partial(_tensor_header, name))
-    pairs = _checked_pairs(name, config, tensors, model, max_rank)
-    group_ranks = _group_ranks((module, a.shape[0]) for (_, module, _), (a, _), _ in pairs)
+    pairs = list(_checked_pairs(name, config, tensors, model, max_rank))
+    group_ranks = _group_ranks((module, a.shape[0]) for (_, module, _), (a, _), _, _ in pairs)
     trained_on, mismatch = check_base_format(name, config, model)
+    dora = _dora_groups({(layer, module): m for (layer, module, _), _, _, m in pairs
+                         if m is not None})
     return LoraAdapter(name, str(path), digest, max(group_ranks.values()), group_ranks, {},
-                       trained_on, mismatch)
+                       trained_on, mismatch, dora)
 
 
 def check_header(name: str, path: str | Path, model: ModelConfig, max_rank: int,
@@ -223,6 +242,11 @@ def _declared_format(base: str) -> str | None:
         return checkpoint_quantization(qc)
     except (OSError, msgspec.DecodeError, AttributeError, ModelLoadError):
         return None
+
+
+def _dora_groups(magnitudes) -> tuple[str, ...]:
+    groups = {GROUP_OF[module] for _, module in magnitudes}
+    return tuple(g for g in MODULE_GROUPS if g in groups)
 
 
 def _group_ranks(module_ranks) -> dict[str, int]:
@@ -359,7 +383,6 @@ def _parse_config(name: str, raw: bytes) -> LoraConfig:
     if config.peft_type != "LORA":
         raise AdapterError(name, f"peft_type {config.peft_type!r} is not supported (LORA only)")
     unsupported = {
-        "use_dora": "DoRA adapters",
         "modules_to_save": "modules_to_save",
         "fan_in_fan_out": "fan_in_fan_out",
         "trainable_token_indices": "trainable tokens",
@@ -451,15 +474,22 @@ def _parse_tensors(name: str, raw: bytes) -> dict[str, torch.Tensor]:
 
 
 def _build_weights(name, config, tensors, model: ModelConfig, max_rank):
-    weights = {}
-    for (layer, module, key), (a, b), scale in _checked_pairs(name, config, tensors, model,
-                                                              max_rank):
+    """(weights, magnitudes) of LoraAdapter."""
+    weights, magnitudes = {}, {}
+    for (layer, module, key), (a, b), scale, m in _checked_pairs(name, config, tensors, model,
+                                                                 max_rank):
         a, b = a.float(), b.float() * scale
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(name, f"{key} holds NaN or infinite values")
         _check_delta_bound(name, key, a, b, model.hidden_size)
         weights[(layer, module)] = (a.contiguous(), b.contiguous())
-    return weights
+        if m is not None:
+            m = m.float()
+            if not torch.isfinite(m).all() or m.abs().max() > MAX_MAGNITUDE:
+                raise AdapterError(name, f"{key}'s lora_magnitude_vector holds NaN, infinite "
+                                         f"or values past {MAX_MAGNITUDE:g}")
+            magnitudes[(layer, module)] = m.contiguous()
+    return weights, magnitudes
 
 
 def _check_delta_bound(name: str, key: str, a: torch.Tensor, b: torch.Tensor,
@@ -475,9 +505,11 @@ def _check_delta_bound(name: str, key: str, a: torch.Tensor, b: torch.Tensor,
 
 
 def _checked_pairs(name, config, tensors, model: ModelConfig, max_rank):
-    """((layer, module, key), (A, B), scale) of every LoRA pair whose names, layers, ranks,
-    dtypes and shapes fit the model, in order; the checks need tensor metadata only."""
-    pairs = _pair_tensors(name, tensors, model)
+    """((layer, module, key), (A, B), scale, m) of every LoRA pair whose names, layers, ranks,
+    dtypes and shapes fit the model, in order (m: its DoRA magnitude vector, None without
+    use_dora); the checks need tensor metadata only."""
+    pairs, magnitudes = _pair_tensors(name, tensors, model)
+    _check_magnitudes(name, config, pairs, magnitudes)
     layers = _layers_to_transform(config)
     for (layer, module, key), (a, b) in sorted(pairs.items()):
         if layers is not None and layer not in layers:
@@ -485,17 +517,42 @@ def _checked_pairs(name, config, tensors, model: ModelConfig, max_rank):
         rank, alpha = _rank_alpha(config, key)
         _check_shapes(name, key, a, b, rank, model.module_shape(module), max_rank)
         scale = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
-        yield (layer, module, key), (a, b), scale
+        yield (layer, module, key), (a, b), scale, magnitudes.get(key)
     if not pairs:
         raise AdapterError(name, "adapter_model.safetensors holds no LoRA weights")
 
 
+def _check_magnitudes(name, config: LoraConfig, pairs, magnitudes) -> None:
+    """use_dora: every LoRA pair has a floating-point magnitude vector of its output size, and
+    no other module has one; without use_dora, no magnitude vector at all."""
+    if not config.use_dora:
+        if magnitudes:
+            raise AdapterError(name, f"{next(iter(magnitudes))} is a DoRA magnitude vector but "
+                                     "adapter_config.json does not set use_dora",
+                               code="unsupported_adapter")
+        return
+    for (_, _, key), (_, b) in pairs.items():
+        m = magnitudes.get(key)
+        if m is None:
+            raise AdapterError(name, f"{key} has no lora_magnitude_vector (use_dora is set)")
+        if not m.is_floating_point() or tuple(m.shape) != (b.shape[0],):
+            raise AdapterError(name, f"{key}: lora_magnitude_vector must be floating point of "
+                                     f"shape ({b.shape[0]},), got {m.dtype} {tuple(m.shape)}")
+    paired = {key for _, _, key in pairs}
+    for key in magnitudes:
+        if key not in paired:
+            raise AdapterError(name, f"{key} has a lora_magnitude_vector but no LoRA weights")
+
+
 def _pair_tensors(name, tensors, model: ModelConfig):
+    """({(layer, module, key): (A, B)}, {key: DoRA magnitude vector})."""
     halves: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
+    magnitudes: dict[str, torch.Tensor] = {}
     for tensor_name, tensor in tensors.items():
         match = _KEY.match(tensor_name)
-        if "lora_magnitude_vector" in tensor_name:
-            raise AdapterError(name, "DoRA adapters are not supported", code="unsupported_adapter")
+        if match is None and (m := _MAGNITUDE.match(tensor_name)):
+            magnitudes[m.group(1)] = tensor
+            continue
         if match is None:
             raise AdapterError(
                 name,
@@ -519,7 +576,7 @@ def _pair_tensors(name, tensors, model: ModelConfig):
     for (_, _, key), pair in halves.items():
         if set(pair) != {"A", "B"}:
             raise AdapterError(name, f"{key} has lora_{'A' if 'A' not in pair else 'B'} missing")
-    return {k: (v["A"], v["B"]) for k, v in halves.items()}
+    return {k: (v["A"], v["B"]) for k, v in halves.items()}, magnitudes
 
 
 def _layers_to_transform(config: LoraConfig) -> set[int] | None:

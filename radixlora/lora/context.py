@@ -20,11 +20,15 @@ if TYPE_CHECKING:
 class LoraSegments(dict):
     """group -> (rows per request, scales per request) of one batch, in plan order, plus
     request_sets: the adapter-set id of each request (-1: no adapter), by which the grouped
-    SGMV path gathers the tokens of each distinct set."""
+    SGMV path gathers the tokens of each distinct set, and magnitudes: group -> the DoRA
+    magnitude row of each request (-1: none), for the groups some request's DoRA adapter
+    adapts."""
 
-    def __init__(self, per_group: dict[str, tuple[list, list]], request_sets: np.ndarray):
+    def __init__(self, per_group: dict[str, tuple[list, list]], request_sets: np.ndarray,
+                 magnitudes: dict[str, list[int]] | None = None):
         super().__init__(per_group)
         self.request_sets = request_sets
+        self.magnitudes = magnitudes or {}
 
 
 class LoraContext:
@@ -96,14 +100,23 @@ class LoraContext:
             delta = self._delta[group]
             y, _ = self._beside_gemm(linear, x, lambda: self.backend.deferred_delta(
                 x, a, b, out_offsets, meta, delta, qs))
+            self._scale_dora(y, b, out_offsets, meta, qs, linear.bias, delta)
             return y, delta
         plain = isinstance(linear, torch.nn.Linear) and linear.bias is None
         if self.side_stream is None and meta.groups is None and plain:
-            return self._delta_then_gemm(linear, x, a, b, out_offsets, meta, qs), None
-        y, v = self._beside_gemm(linear, x, lambda: self.backend.shrink(x, a, meta, qs))
-        if v is not None:
-            self.backend.expand(v, b, out_offsets, meta, y)
+            y = self._delta_then_gemm(linear, x, a, b, out_offsets, meta, qs)
+        else:
+            y, v = self._beside_gemm(linear, x, lambda: self.backend.shrink(x, a, meta, qs))
+            if v is not None:
+                self.backend.expand(v, b, out_offsets, meta, y)
+        self._scale_dora(y, b, out_offsets, meta, qs, linear.bias)
         return y, None
+
+    def _scale_dora(self, y, b, out_offsets, meta, qs, bias, delta=None) -> None:
+        """DoRA's scales once the output is complete (radixlora.lora.dora): a batch without a
+        DoRA token in this group launches nothing."""
+        if meta.magnitude_rows is not None:
+            self.backend.scale_dora(y, b, out_offsets, meta, bias, delta, qs)
 
     def _delta_then_gemm(self, linear, x: torch.Tensor, a, b, out_offsets, meta,
                          qs) -> torch.Tensor:
@@ -123,11 +136,14 @@ class LoraContext:
         """Tensor parallel, o and down: x and A hold this rank's input columns, so both the
         base product and the shrink are partial sums; the expand is linear in the shrink, so
         each rank's partial delta (its partial shrink times the whole B) is added to its partial
-        product and the one all-reduce of the output sums both: no collective of its own."""
+        product and the one all-reduce of the output sums both: no collective of its own.
+        DoRA's scale is per output channel, so it scales each partial sum; the bias is added
+        after the all-reduce."""
         y = linear.partial(x)
         v = self.backend.shrink(x, a, meta, qs)
         if v is not None:
             self.backend.expand(v, b, out_offsets, meta, y)
+        self._scale_dora(y, b, out_offsets, meta, qs, None)
         return linear.reduce(y)
 
     def _beside_gemm(self, linear, x: torch.Tensor, lora_work):

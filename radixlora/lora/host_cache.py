@@ -38,11 +38,14 @@ class PackedAdapter:
     AdapterPool.write() order: `group_ranks[g]` rows for each group g it has (the rows the
     kernels read), none for the others. For an int8 pool `data` is one int8 tensor: the
     groups' float32 dequantization scales as bytes, then the int8 rows (AdapterPool.pack), so
-    a load stays one host-to-device copy and nbytes counts the scales."""
+    a load stays one host-to-device copy and nbytes counts the scales. A DoRA adapter's data
+    starts with its magnitude vectors, float32 [layers, out_total] for each of `dora_groups`
+    (radixlora.lora.dora)."""
 
     adapter_id: str
     group_ranks: dict[str, int]
     data: torch.Tensor
+    dora_groups: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -122,7 +125,8 @@ def write_packed(directory: str | Path, layout_key: str, packed: PackedAdapter) 
     path = Path(directory) / packed_name(layout_key)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     metadata = {"adapter_id": packed.adapter_id, "layout": layout_key,
-                "group_ranks": json.dumps(packed.group_ranks)}
+                "group_ranks": json.dumps(packed.group_ranks),
+                "dora_groups": json.dumps(packed.dora_groups)}
     try:
         save_file({PACKED_TENSOR: packed.data.contiguous()}, str(tmp), metadata=metadata)
         os.replace(tmp, path)
@@ -156,12 +160,13 @@ def read_packed(directory: str | Path, layout_key: str, adapter_id: str,
             data = torch.empty(end, dtype=torch.uint8, pin_memory=pin)
             _read_into(f, memoryview(data.numpy()))
             group_ranks = {str(g): int(r) for g, r in json.loads(meta["group_ranks"]).items()}
+            dora_groups = tuple(str(g) for g in json.loads(meta["dora_groups"]))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         log.warning("packed file %s not used (%s): packing the adapter again", path, e)
         return None
-    return PackedAdapter(adapter_id, group_ranks, data.view(dtype))
+    return PackedAdapter(adapter_id, group_ranks, data.view(dtype), dora_groups)
 
 
 def _read_into(f, view: memoryview) -> None:

@@ -27,12 +27,13 @@ import torch
 
 from radixlora.config import ModelConfig
 from radixlora.distributed import Shard
-from radixlora.lora.adapter import MODULE_GROUPS, LoraAdapter
+from radixlora.lora.adapter import GROUP_OF, MODULE_GROUPS, LoraAdapter
+from radixlora.lora.dora import DoraBase, dora_scales
 from radixlora.lora.host_cache import HostAdapterCache, PackedAdapter
 
 QMAX = 127  # symmetric int8: -127..127, so a row's absmax maps to +-127 exactly
 SCALE_BYTES = 4  # float32 dequantization scales
-PACK_FORMAT = 1  # bumped whenever pack()'s byte layout changes
+PACK_FORMAT = 2  # bumped whenever pack()'s byte layout changes
 
 
 def group_dims(cfg: ModelConfig, group: str) -> tuple[int, list[int]]:
@@ -70,25 +71,47 @@ class PoolLayout:
     def holds(self, packed: PackedAdapter) -> bool:
         """Whether `packed` has the groups in write() order and exactly the bytes this layout
         packs for their ranks (a packed file read back is checked before any scatter)."""
-        ranks = packed.group_ranks
+        ranks, dora = packed.group_ranks, packed.dora_groups
         in_order = list(ranks) == [g for g in MODULE_GROUPS if g in ranks]
         if not ranks or not in_order or min(ranks.values()) < 1:
             return False
-        return packed.nbytes == AdapterPool.load_bytes(self.cfg, self.dtype, ranks)
+        if list(dora) != [g for g in ranks if g in dora] or len(set(dora)) != len(dora):
+            return False
+        return packed.nbytes == AdapterPool.load_bytes(self.cfg, self.dtype, ranks, dora)
 
     def pack(self, adapter: LoraAdapter) -> PackedAdapter:
         """The adapter's rows for each group pool it adapts (its group rank of them), flattened
         in AdapterPool.write() order, in the pool's dtype. An int8 pool's packing is one byte
         tensor: first the float32 qscales of every group ([layers, n_slices, rank] each), then
-        the int8 A and B rows in the same order."""
+        the int8 A and B rows in the same order. A DoRA adapter's packing starts with its
+        float32 magnitude vectors (_pack_magnitudes), whatever the pool's dtype."""
         group_ranks = {g: adapter.group_ranks[g] for g in MODULE_GROUPS if g in adapter.group_ranks}
         if not self.quantized:
-            return PackedAdapter(adapter.adapter_id, group_ranks,
-                                 self._pack_float(adapter, group_ranks))
-        groups = [self._int8_group_rows(adapter, g, r) for g, r in group_ranks.items()]
-        rows = torch.cat([t.flatten() for a, b, _ in groups for t in (a, b)])
-        scales = torch.cat([qs.flatten() for _, _, qs in groups]).view(torch.int8)
-        return PackedAdapter(adapter.adapter_id, group_ranks, torch.cat([scales, rows]))
+            data = self._pack_float(adapter, group_ranks)
+        else:
+            groups = [self._int8_group_rows(adapter, g, r) for g, r in group_ranks.items()]
+            rows = torch.cat([t.flatten() for a, b, _ in groups for t in (a, b)])
+            scales = torch.cat([qs.flatten() for _, _, qs in groups]).view(torch.int8)
+            data = torch.cat([scales, rows])
+        if adapter.dora_groups:
+            data = torch.cat([self._pack_magnitudes(adapter).view(self.dtype), data])
+        return PackedAdapter(adapter.adapter_id, group_ranks, data, adapter.dora_groups)
+
+    def _pack_magnitudes(self, adapter: LoraAdapter) -> torch.Tensor:
+        """Float32 [layers, out_total] for each DoRA group, flattened: each DoRA module's
+        magnitude vector in its columns (this rank's output features of a column-parallel
+        module, as for its bias), NaN in the columns of the modules and layers it does not
+        adapt."""
+        parts = {g: torch.full((self.cfg.num_layers, group_dims(self.cfg, g)[1][-1]), math.nan)
+                 for g in adapter.dora_groups}
+        for (layer, module), m in adapter.magnitudes.items():
+            group = GROUP_OF[module]
+            offsets = group_dims(self.cfg, group)[1]
+            if self.shard is not None:
+                m = self.shard.weight(module, "bias", m)
+            i = MODULE_GROUPS[group].index(module)
+            parts[group][layer, offsets[i]:offsets[i + 1]] = m
+        return torch.cat([t.flatten() for t in parts.values()])
 
     def _pack_float(self, adapter: LoraAdapter, group_ranks: dict[str, int]) -> torch.Tensor:
         """A float pool's packing, written straight into one buffer of the pool's dtype: each
@@ -203,6 +226,7 @@ class AdapterPool:
         self._loaded = torch.cuda.Event() if cuda else None
         self._loads_pending = False
         self._uncovered: set[int] = set()  # rows of prefetch copies queued after the last event
+        self.dora_base: DoraBase | None = None  # the model's weights, set by its runner
         if cuda:  # the zero fill above must land before any load
             self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -217,10 +241,12 @@ class AdapterPool:
         return AdapterPool.load_bytes(cfg, dtype, dict.fromkeys(MODULE_GROUPS, 1))
 
     @staticmethod
-    def load_bytes(cfg: ModelConfig, dtype: torch.dtype, group_ranks: Mapping[str, int]) -> int:
+    def load_bytes(cfg: ModelConfig, dtype: torch.dtype, group_ranks: Mapping[str, int],
+                   dora_groups: tuple[str, ...] = ()) -> int:
         """Bytes an adapter with these per-group ranks moves into the pool (its packed size):
-        its A and B rows, and for an int8 pool a float32 scale per (slice, row)."""
-        per_layer = 0
+        its A and B rows, for an int8 pool a float32 scale per (slice, row), and for DoRA its
+        float32 magnitude vectors."""
+        per_layer = sum(group_dims(cfg, g)[1][-1] * 4 for g in dora_groups)
         for group, rank in group_ranks.items():
             in_dim, offsets = group_dims(cfg, group)
             n_slices = len(MODULE_GROUPS[group])
@@ -230,7 +256,7 @@ class AdapterPool:
         return per_layer * cfg.num_layers
 
     def write(self, adapter: LoraAdapter | PackedAdapter, rows: np.ndarray) -> None:
-        """Copy an adapter's weights into `rows` (len == adapter.rank): one host-to-device copy
+        """Copy an adapter's weights into `rows` (len == adapter.pool_rows): one host-to-device copy
         of the adapter packed in pool layout, then one row scatter per group it adapts, for all
         layers. A group's first group-rank rows are the only ones the kernels read for it
         (AdapterResidency.group_rows), so the other rows keep whatever they held. On CUDA this
@@ -261,13 +287,13 @@ class AdapterPool:
     def _copy(self, adapter: LoraAdapter | PackedAdapter, rows: np.ndarray) -> None:
         packed = adapter if isinstance(adapter, PackedAdapter) else self.packed(adapter)
         if self.load_stream is None:
-            self._scatter(packed.data, packed.group_ranks, rows)
+            self._scatter(packed.data, packed.group_ranks, rows, packed.dora_groups)
             return
         with torch.cuda.stream(self.load_stream):
             # the pinned source stays alive until the copy ends: PyTorch's pinned allocator
             # records this stream's use and reuses the block only after it completes
             self._scatter(packed.data.to(self.device, non_blocking=True), packed.group_ranks,
-                          rows)
+                          rows, packed.dora_groups)
 
     def _record(self) -> None:
         if self.load_stream is None:
@@ -283,11 +309,16 @@ class AdapterPool:
             self._loads_pending = False
 
     def _scatter(self, packed: torch.Tensor, group_ranks: Mapping[str, int],
-                 rows: np.ndarray) -> None:
+                 rows: np.ndarray, dora_groups: tuple[str, ...] = ()) -> None:
         idx = torch.as_tensor(rows, dtype=torch.long)
         if self.device.type == "cuda":  # pinned: a pageable source would wait for earlier copies
             idx = idx.pin_memory()
         idx = idx.to(self.device, non_blocking=True)
+        magnitudes = None
+        if dora_groups:
+            n = sum(self.out_offsets[g][-1] for g in dora_groups) * self.layout.cfg.num_layers
+            magnitudes = packed[:n * 4 // self.dtype.itemsize].view(torch.float32)
+            packed = packed[magnitudes.numel() * 4 // self.dtype.itemsize:]
         if self.quantized:
             scale_bytes = self._num_scales(group_ranks) * SCALE_BYTES
             self._scatter_pools(self.qscales_all, 2, packed[:scale_bytes].view(torch.float32),
@@ -297,6 +328,34 @@ class AdapterPool:
         for group, rank in group_ranks.items():
             for pool, row_dim in ((self.a_all[group], 2), (self.b_all[group], 1)):
                 offset += _scatter_rows(pool, row_dim, packed[offset:], rank, idx)
+        if magnitudes is not None:
+            self._write_dora_scales(magnitudes, group_ranks, dora_groups, rows)
+
+    def _write_dora_scales(self, magnitudes: torch.Tensor, group_ranks: Mapping[str, int],
+                           dora_groups: tuple[str, ...], rows: np.ndarray) -> None:
+        """A DoRA adapter's scales into its magnitude row (its last row), from its magnitude
+        vectors and the rows just written (radixlora.lora.dora)."""
+        if self.dora_base is None:
+            raise RuntimeError("a DoRA adapter needs the pool's dora_base (the model's weights)")
+        offset = 0
+        for group in dora_groups:
+            size = self.layout.cfg.num_layers * self.out_offsets[group][-1]
+            m = magnitudes[offset:offset + size].view(self.layout.cfg.num_layers, -1)
+            offset += size
+            gm1 = dora_scales(self, self.dora_base, group, m, rows[:group_ranks[group]])
+            self._store_dora_scales(group, gm1, int(rows[-1]))
+
+    def _store_dora_scales(self, group: str, gm1: torch.Tensor, row: int) -> None:
+        """g - 1 [layers, out_total] into one row of the group's B pool; an int8 pool
+        quantizes each slice of each layer with its own scale."""
+        if not self.quantized:
+            self.b_all[group][:, row] = gm1
+            return
+        offsets = self.out_offsets[group]
+        for i in range(len(offsets) - 1):
+            q, scale = quantize_rows(gm1[:, offsets[i]:offsets[i + 1]])
+            self.b_all[group][:, row, offsets[i]:offsets[i + 1]] = q
+            self.qscales_all[group][:, i, row] = scale
 
     def _scatter_pools(self, pools: dict[str, torch.Tensor], row_dim: int, packed: torch.Tensor,
                        group_ranks: Mapping[str, int], idx: torch.Tensor) -> None:

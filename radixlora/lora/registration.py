@@ -299,7 +299,7 @@ def _validate_read(name: str, future: Future, model: ModelConfig, max_rank: int,
     if pack is not None:
         pack.write(adapter)
     if not keep_weights:
-        adapter = dataclasses.replace(adapter, weights={})
+        adapter = dataclasses.replace(adapter, weights={}, magnitudes={})
     return adapter, read.stamp
 
 
@@ -330,12 +330,14 @@ class JobOutcome(msgspec.Struct):
     base_mismatch: str = ""
     stamp: str | None = None
     error: tuple[str, str] | None = None  # (reason, code)
+    dora_groups: tuple[str, ...] = ()
 
     def outcome(self) -> tuple[Outcome, str | None]:
         if self.error is not None:
             return AdapterError(self.name, *self.error), None
         return LoraAdapter(self.name, self.path, self.content_hash, self.rank,
-                           self.group_ranks, {}, self.trained_on, self.base_mismatch), self.stamp
+                           self.group_ranks, {}, self.trained_on, self.base_mismatch,
+                           self.dora_groups), self.stamp
 
 
 def one_torch_thread() -> None:
@@ -354,7 +356,7 @@ def validate_job(job: tuple[str, str, ModelConfig, int, PackTarget | None]) -> b
     stamp = before if before is not None and adapter_stamp(path) == before else None
     return msgspec.msgpack.encode(JobOutcome(
         name, adapter.path, adapter.content_hash, adapter.rank, adapter.group_ranks,
-        adapter.trained_on, adapter.base_mismatch, stamp))
+        adapter.trained_on, adapter.base_mismatch, stamp, dora_groups=adapter.dora_groups))
 
 
 def _from_header(name: str, path: str | Path, model: ModelConfig, max_rank: int,

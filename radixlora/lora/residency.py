@@ -80,8 +80,12 @@ class AdapterResidency:
             entry.group_rows = {g: rows[:r] for g, r in entry.adapter.group_ranks.items()}
         return entry.group_rows
 
+    def magnitude_row(self, adapter_id: str) -> int:
+        """The pool row of a resident DoRA adapter's magnitude scales: its last row."""
+        return int(self.resident[adapter_id].rows[-1])
+
     def can_acquire(self, adapters: list[LoraAdapter]) -> bool:
-        missing = sum(a.rank for a in adapters if a.adapter_id not in self.resident)
+        missing = sum(a.pool_rows for a in adapters if a.adapter_id not in self.resident)
         if missing <= self.rows.num_free():
             return True
         protected = {a.adapter_id for a in adapters}
@@ -97,8 +101,8 @@ class AdapterResidency:
         for adapter in adapters:
             entry = self.resident.get(adapter.adapter_id)
             if entry is None:
-                if self.rows.num_free() < adapter.rank:
-                    self._reclaim(adapter.rank, self._victims(protected, needs or {}))
+                if self.rows.num_free() < adapter.pool_rows:
+                    self._reclaim(adapter.pool_rows, self._victims(protected, needs or {}))
                 entry = self._place(adapter)
                 loads.append((adapter, entry.rows))
             entry.refs += 1
@@ -110,17 +114,17 @@ class AdapterResidency:
         """Make a non-resident adapter resident with no reference, ahead of the queued request
         at `position` that needs it: its rows are free rows or rows of adapters that no queued
         request at or before `position` needs. Returns the rows to load, None if too few."""
-        if self.rows.num_free() < adapter.rank:
+        if self.rows.num_free() < adapter.pool_rows:
             victims = [k for k in self._victims({adapter.adapter_id}, needs)
                        if needs.get(k, position + 1) > position]
             reclaimable = sum(len(self.resident[k].rows) for k in victims)
-            if adapter.rank > self.rows.num_free() + reclaimable:
+            if adapter.pool_rows > self.rows.num_free() + reclaimable:
                 return None
-            self._reclaim(adapter.rank, victims)
+            self._reclaim(adapter.pool_rows, victims)
         return self._place(adapter).rows
 
     def _place(self, adapter: LoraAdapter) -> ResidentAdapter:
-        entry = ResidentAdapter(adapter, self.rows.alloc(adapter.rank),
+        entry = ResidentAdapter(adapter, self.rows.alloc(adapter.pool_rows),
                                 pinned=adapter.adapter_id in self.pinned)
         self.resident[adapter.adapter_id] = entry
         return entry

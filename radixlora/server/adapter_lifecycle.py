@@ -204,8 +204,8 @@ class AdapterLifecycle:
             self.pinned_names.discard(name)
             residency.unpin(adapter.adapter_id)
             return
-        pinned_rows = sum(self.registry.by_name[n].rank for n in self.pinned_names - {name})
-        if pinned_rows + adapter.rank > PINNED_SHARE * residency.rows.num_rows:
+        pinned_rows = sum(self.registry.by_name[n].pool_rows for n in self.pinned_names - {name})
+        if pinned_rows + adapter.pool_rows > PINNED_SHARE * residency.rows.num_rows:
             raise InvalidRequestError(
                 f"pinning {name!r} would pin more than {PINNED_SHARE:.0%} of the adapter pool's "
                 f"{residency.rows.num_rows} rows", param="lora_name", code="pin_limit")

@@ -364,7 +364,7 @@ def validate_plan(plan: StepPlan) -> None:
     for load in plan.adapter_loads:
         check_int32(load.rows, "adapter_loads.rows")
     for groups in plan.adapter_sets:
-        if any(len(g.rows) != len(g.scales) or min(g.rows, default=0) < 0
+        if any(len(g.rows) != len(g.scales) or min(g.rows, default=0) < 0 or g.magnitude < -1
                for g in groups.values()):
             raise InvalidMessage("adapter_sets", "rows and scales disagree or a row is negative")
 

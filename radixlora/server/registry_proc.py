@@ -88,6 +88,7 @@ REJECT_REASONS = (  # (substring of the AdapterError, label), first match wins
     ("could not be validated within", "validation_timeout"),
     ("served from --adapter", "name_taken"),
     ("served on a", "quantization_mismatch"),
+    ("lora_magnitude_vector", "bad_dora"),
     ("at `$.r`", "bad_rank"),
     ("at `$.rank_pattern", "bad_rank"),
     ("invalid field", "bad_config"),
@@ -412,9 +413,9 @@ class RegistryCore:
             if isinstance(read, Exception):
                 raise read
             validated = read
-            rank = validated.adapter.rank
+            rank = validated.adapter.pool_rows
             if rank > self.pool_rows:
-                raise AdapterError(name, f"rank {rank} exceeds the adapter pool "
+                raise AdapterError(name, f"{rank} pool rows exceed the adapter pool "
                                          f"({self.pool_rows} rows)")
         except FilesChanged:
             self.retry.append(name)
