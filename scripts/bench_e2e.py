@@ -302,10 +302,11 @@ def write_checkpoint(path: Path, cfg: dict, device: str, seed: int = 0,
 
 def write_adapter(path: Path, cfg: dict, rank: int, seed: int, device: str = "cpu",
                   dtype: torch.dtype = torch.bfloat16, base_path: str = "",
-                  modules: tuple[str, ...] = PROJECTIONS) -> Path:
+                  modules: tuple[str, ...] = PROJECTIONS, dora: bool = False) -> Path:
     """A PEFT LoRA directory: rank `rank` on `modules` (default every projection) of every
     layer, random non-zero lora_A ~ N(0, 1/in) and lora_B ~ N(0, 0.01^2), keys as PEFT writes
-    them."""
+    them. dora: a DoRA adapter (use_dora), each module's magnitude vector
+    0.02 sqrt(in) (1 + N(0, 0.05^2)), about the norms of the checkpoint's N(0, 0.02^2) rows."""
     path.mkdir(parents=True, exist_ok=True)
     shape = Shape.from_config(cfg)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -320,10 +321,13 @@ def write_adapter(path: Path, cfg: dict, rank: int, seed: int, device: str = "cp
                                                             device, dtype)
             tensors[f"{key}.lora_B.weight"] = random_tensor((n_out, rank), 0.01, gen, device,
                                                             dtype)
+            if dora:
+                m = 1 + random_tensor((n_out,), 0.05, gen, device, torch.float32)
+                tensors[f"{key}.lora_magnitude_vector"] = (0.02 * n_in**0.5 * m).to(dtype)
     save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank,
               "lora_dropout": 0.0, "target_modules": list(modules), "bias": "none",
-              "use_rslora": False, "base_model_name_or_path": base_path}
+              "use_rslora": False, "use_dora": dora, "base_model_name_or_path": base_path}
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return path
 
@@ -346,10 +350,10 @@ def adapter_modules(name: str) -> tuple[str, ...]:
     return S_MODULES if name.startswith("q") else PROJECTIONS
 
 
-def prepare_files(work: Path, tiny: bool, plan: dict[str, int], device: str
+def prepare_files(work: Path, tiny: bool, plan: dict[str, int], device: str, dora: bool = False
                   ) -> tuple[Path, dict, dict[str, Path]]:
-    """The model directory, its config and the adapter directories, written unless a complete
-    earlier write (its marker file) is there."""
+    """The model directory, its config and the adapter directories (dora: d's and e's z{i} as
+    DoRA adapters), written unless a complete earlier write (its marker file) is there."""
     model = work / ("tiny-model" if tiny else "llama3-8b-random")
     marker = model / MARKER
     if not marker.is_file():
@@ -369,10 +373,12 @@ def prepare_files(work: Path, tiny: bool, plan: dict[str, int], device: str
     cfg = json.loads((model / "config.json").read_text())
     adapters = {}
     for i, (name, rank) in enumerate(sorted(plan.items())):
-        path = work / ("tiny-adapters" if tiny else "adapters") / f"{name}-r{rank}"
+        as_dora = dora and name.startswith("z")
+        path = (work / ("tiny-adapters" if tiny else "adapters")
+                / f"{name}-r{rank}{'-dora' if as_dora else ''}")
         if not (path / MARKER).is_file():
             write_adapter(path, cfg, rank, seed=1000 + i, device=device, base_path=str(model),
-                          modules=adapter_modules(name))
+                          modules=adapter_modules(name), dora=as_dora)
             (path / MARKER).write_text("{}")
         adapters[name] = path
     log(f"{len(adapters)} adapters ready under {work}")
@@ -992,6 +998,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--d-json", action="store_true",
                    help="d: also run the fixed requests with a JSON schema on each (structured "
                         "output) and report their output tok/s over the unconstrained run's")
+    p.add_argument("--dora", action="store_true",
+                   help="d, e: the z{i} adapters are DoRA adapters (use_dora), same shapes")
     p.add_argument("--e-rate", type=float, default=None,
                    help="e: Poisson arrivals per second (default: 70%% of d's fixed-length "
                         "request rate, measured first when d is not run)")
@@ -1016,7 +1024,7 @@ def main(argv=None) -> None:
         extra += ["--device", "cpu"]
     device = "cpu" if args.tiny else pick_device(args.gen_device)
     ranks = adapter_plan(args.workload_set, scale, args.s_adapters)
-    model, cfg, adapters = prepare_files(work, args.tiny, ranks, device)
+    model, cfg, adapters = prepare_files(work, args.tiny, ranks, device, args.dora)
     results: dict = {
         "command": shlex.join([sys.executable, *sys.argv]), "git_commit": git_commit(),
         "config": {"args": {k: v for k, v in vars(args).items() if k != "workload_set"},

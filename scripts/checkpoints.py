@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIALS = ("<pad>", "<s>", "</s>")
@@ -121,13 +121,16 @@ def build_tiny_model(path: str | Path, seed: int = 0) -> Path:
     return path
 
 
-def build_tiny_adapter(model_path: str | Path, path: str | Path, rank: int, seed: int) -> Path:
+def build_tiny_adapter(model_path: str | Path, path: str | Path, rank: int, seed: int,
+                       dora: bool = False) -> Path:
     """A random rank-`rank` LoRA on every TARGETS module of a build_tiny_model checkpoint, in
-    PEFT format (non-zero lora_B)."""
+    PEFT format (non-zero lora_B). dora: a DoRA adapter (use_dora), each magnitude vector the
+    norms of its base rows times 1 + N(0, 0.2^2)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((Path(model_path) / "config.json").read_text())
     g = torch.Generator().manual_seed(seed)
+    base = load_file(Path(model_path) / "model.safetensors") if dora else {}
     tensors = {}
     for layer in range(cfg["num_hidden_layers"]):
         for name, (out_dim, in_dim) in _shapes(cfg).items():
@@ -135,6 +138,10 @@ def build_tiny_adapter(model_path: str | Path, path: str | Path, rank: int, seed
             key = f"base_model.model.model.layers.{layer}.{block}.{name}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_dim, generator=g) / in_dim**0.5
             tensors[f"{key}.lora_B.weight"] = torch.randn(out_dim, rank, generator=g)
+            if dora:
+                norms = base[f"model.layers.{layer}.{block}.{name}.weight"].norm(dim=1)
+                tensors[f"{key}.lora_magnitude_vector"] = norms * (
+                    1 + 0.2 * torch.randn(out_dim, generator=g))
     save_file(tensors, str(path / "adapter_model.safetensors"))
     config = {
         "peft_type": "LORA",
@@ -143,6 +150,7 @@ def build_tiny_adapter(model_path: str | Path, path: str | Path, rank: int, seed
         "target_modules": list(TARGETS),
         "bias": "none",
         "use_rslora": False,
+        "use_dora": dora,
         "base_model_name_or_path": str(model_path),
     }
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2))

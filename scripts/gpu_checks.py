@@ -1,6 +1,7 @@
 """Correctness on a CUDA device (CI has none): the Triton kernels + CUDA-graph decode path with
 overlap scheduling give the same tokens and logprobs as the pure-torch reference path without
-overlap, over a mixed batch of base, single adapters and stacks on a tiny random model in fp32,
+overlap, over a mixed batch of base, single adapters (DoRA ones too) and stacks on a tiny
+random model in fp32,
 also with a pool too small for all adapters (loads on the side stream while other requests
 decode), with requests ending early on stop tokens while the next step is in flight, and with
 48 requests (decode graphs above LORA_DEFER_MAX_TOKENS, whose LoRA is not deferred). Sampling
@@ -55,8 +56,11 @@ def main() -> int:
     model = build_tiny_model(root / "model")
     adapters = {f"ad{i}": build_tiny_adapter(model, root / f"ad{i}", rank=r, seed=i)
                 for i, r in enumerate((4, 8, 16, 64))}
+    adapters |= {f"dd{i}": build_tiny_adapter(model, root / f"dd{i}", rank=r, seed=10 + i,
+                                              dora=True) for i, r in enumerate((8, 16))}
     specs = [None, "ad0", "ad1", "ad2", "ad3", [("ad0", 1.0), ("ad3", 0.5)],
-             [("ad1", -0.5), ("ad2", 2.0), ("ad0", 1.0)], None, "ad3", "ad1", None, "ad2"]
+             [("ad1", -0.5), ("ad2", 2.0), ("ad0", 1.0)], None, "ad3", "dd0", "ad1", None, "ad2",
+             "dd1"]
     prompts = [[5 + i] * (3 + 5 * i) for i in range(len(specs))]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     stopping = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
@@ -72,7 +76,7 @@ def main() -> int:
     fast_engine = Engine(model, **common)  # warmed up: every graph captured before it serves
     cold = {**common, "warm_up": False}  # graphs captured on first use
     chunked = Engine(model, max_batch_tokens=48, **cold)
-    swapping = Engine(model, **{**cold, "adapter_rows": 80})  # 92 rows of adapters
+    swapping = Engine(model, **{**cold, "adapter_rows": 80})  # 92 rows of LoRA, 26 of DoRA
     engines = (fast_engine, fast_engine, chunked, swapping)  # fresh, cache hits, chunked, swaps
     fast = []
     for engine in engines:
