@@ -23,8 +23,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_engine import (ALL7, LLAMA3_8B, SMOKE, decode_step_ms, make_engine, model_dir,
-                          random_adapter)
+from bench_engine import (
+    ALL7,
+    LLAMA3_8B,
+    SMOKE,
+    decode_step_ms,
+    make_engine,
+    model_dir,
+    random_adapter,
+)
 
 from radixlora.cuda_graph import GraphKey
 from radixlora.lora.adapter import MODULE_GROUPS, LoraAdapter
