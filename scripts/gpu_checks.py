@@ -71,7 +71,7 @@ def main() -> int:
     ref = reference.generate(prompts, params, adapters=specs)
     ref_stopping = reference.generate(prompts, stopping, adapters=specs)
     # more decode tokens than LORA_DEFER_MAX_TOKENS: the graphs whose LoRA is not deferred
-    wide_prompts, wide_specs = [[7 + i] * (4 + i % 9) for i in range(48)], specs * 4
+    wide_prompts, wide_specs = [[7 + i] * (4 + i % 9) for i in range(48)], (specs * 4)[:48]
     ref_wide = reference.generate(wide_prompts, params, adapters=wide_specs)
     fast_engine = Engine(model, **common)  # warmed up: every graph captured before it serves
     cold = {**common, "warm_up": False}  # graphs captured on first use
