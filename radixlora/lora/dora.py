@@ -32,7 +32,7 @@ from radixlora.model.parallel import RowParallelLinear
 if TYPE_CHECKING:
     from radixlora.lora.pool import AdapterPool
 
-NORM_ROWS = 4096  # output rows whose W + B A exists at once while norms are computed
+NORM_ROWS = 4096  # rows of W squared in float32 at once
 
 
 class DoraBase:
@@ -45,7 +45,7 @@ class DoraBase:
         """dtype: the model's activation dtype (PEFT takes the norms of W in it)."""
         self.model = model
         self.dtype = dtype
-        self._squares: dict[tuple[int, str], torch.Tensor] = {}
+        self._squares: dict[str, torch.Tensor] = {}
 
     def linear(self, layer: int, group: str) -> torch.nn.Module:
         block = self.model.layers[layer]
@@ -55,13 +55,14 @@ class DoraBase:
     def weight(self, layer: int, group: str) -> torch.Tensor:
         return dense_weight(self.linear(layer, group), self.dtype)
 
-    def row_squares(self, layer: int, group: str, weight: torch.Tensor) -> torch.Tensor:
-        """[out] float32: ||W_j||^2 of each row of `weight` (this layer's and group's)."""
-        key = (layer, group)
-        if key not in self._squares:
-            self._squares[key] = torch.cat([w.float().square().sum(1)
-                                            for w in weight.split(NORM_ROWS)])
-        return self._squares[key]
+    def row_squares(self, group: str) -> torch.Tensor:
+        """[layers, out_total] float32: ||W_j||^2 of each row of each layer's projection."""
+        if group not in self._squares:
+            self._squares[group] = torch.stack([
+                torch.cat([w.float().square().sum(1) for w in self.weight(layer, group)
+                           .split(NORM_ROWS)])
+                for layer in range(len(self.model.layers))])
+        return self._squares[group]
 
 
 def dense_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -78,30 +79,36 @@ def dora_scales(pool: AdapterPool, base: DoraBase, group: str, magnitudes: torch
     [layers, out_total] float32 (NaN: a column the adapter does not adapt, whose g is 1) and
     the group's rank rows already in the pool. No host sync."""
     rows = torch.as_tensor(np.asarray(rank_rows, np.int64), device=pool.device)
-    squares = torch.stack([_squared_norms(pool, base, layer, group, rows)
-                           for layer in range(magnitudes.shape[0])])
+    squares = _squared_norms(pool, base, group, rows)
     return torch.where(torch.isnan(magnitudes), 0.0, magnitudes / squares.sqrt() - 1)
 
 
-def _squared_norms(pool: AdapterPool, base: DoraBase, layer: int, group: str,
+def _squared_norms(pool: AdapterPool, base: DoraBase, group: str,
                    rows: torch.Tensor) -> torch.Tensor:
-    """[out_total] float32: each output row's squared norm of W + s B A (the delta read back
-    from the pool, dequantized from an int8 pool), summed over the ranks of a row-parallel
-    projection. Expanded as ||W_j||^2 + 2 b_j . (W A^T)_j + b_j^T (A A^T) b_j, so W is read
-    once, by one GEMM of rank width, and never added to a dense delta."""
-    a = pool.a[layer][group][:, rows].float()  # [n_slices, r, in]
-    b = pool.b[layer][group][rows].float().t()  # [out_total, r]
+    """[layers, out_total] float32: each output row's squared norm of W + s B A (the delta
+    read back from the pool, dequantized from an int8 pool), summed over the ranks of a
+    row-parallel projection. Expanded as ||W_j||^2 + 2 b_j . (W A^T)_j + b_j^T (A A^T) b_j:
+    W is read once, by one GEMM of rank width per layer and slice, and never added to a dense
+    delta; everything else is batched over the layers."""
+    a = pool.a_all[group][:, :, rows].float()  # [layers, n_slices, r, in]
+    b = pool.b_all[group][:, rows].float().transpose(1, 2)  # [layers, out_total, r]
     if pool.quantized:
-        a = a * pool.qscales[layer][group][:, rows, None]
-    weight = base.weight(layer, group)
-    squares = base.row_squares(layer, group, weight).clone()
+        a = a * pool.qscales_all[group][:, :, rows, None]
     offsets = pool.out_offsets[group]
-    for i in range(len(offsets) - 1):
-        cols = slice(offsets[i], offsets[i + 1])
-        cross = (weight[cols] @ a[i].to(weight.dtype).t()).float()  # [out_i, r]
-        gram = a[i] @ a[i].t()
-        squares[cols] += (b[cols] * (2 * cross + b[cols] @ gram)).sum(1)
-    linear = base.linear(layer, group)
+    gram = a @ a.transpose(2, 3)  # [layers, n_slices, r, r]
+    cross = torch.empty(b.shape[:2], dtype=torch.float32, device=b.device)
+    squares = base.row_squares(group).clone()
+    slices = [slice(offsets[i], offsets[i + 1]) for i in range(len(offsets) - 1)]
+    for i, cols in enumerate(slices):
+        squares[:, cols] += ((b[:, cols] @ gram[:, i]) * b[:, cols]).sum(2)
+    a_t = a.to(base.dtype).transpose(2, 3)  # [layers, n_slices, in, r], W's dtype
+    for layer in range(a.shape[0]):
+        weight = base.weight(layer, group)
+        for i, cols in enumerate(slices):
+            wa = (weight[cols] @ a_t[layer, i]).float()  # [out_i, r]
+            torch.linalg.vecdot(b[layer, cols], wa, out=cross[layer, cols])
+    squares += 2 * cross
+    linear = base.linear(0, group)
     if isinstance(linear, RowParallelLinear):
         linear.tp.all_reduce(squares)
     return squares
