@@ -298,6 +298,7 @@ class ModelRunner:
         placeholder ids (< 0) in the plan are the tokens the previously launched step samples."""
         self.adapter_pool.write_all(loads, plan.adapter_sets)
         self.adapter_pool.wait_loads()
+        self.adapter_pool.finish_dora(plan.adapter_sets)
         host = _host_inputs(plan)
         segments = _lora_segments(plan)
         scored = _scored_rows(plan)

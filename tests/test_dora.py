@@ -318,3 +318,46 @@ def test_dora_scale_kernel_matches_its_reference(dtype, bias, deferred):
     else:
         assert not torch.equal(got_y[0], y[0])
     assert torch.equal(got_y[1], y[1]) and torch.equal(got_y[4], y[4])
+
+
+def test_row_parallel_scales_wait_for_the_first_step_that_reads_them(checkpoints, dora):
+    """Under tensor parallelism the ranks write adapters when their reads end (not in the same
+    order), so a row-parallel group's partial squares wait in the pool and are summed by one
+    all-reduce at the first step that reads the adapter; a write over the row drops them. Here
+    one rank stands for all: its all-reduce is the identity, so the scales must equal the
+    single-device pool's."""
+    import numpy as np
+
+    from radixlora.step_plan import GroupRows
+
+    base = checkpoints["llama"]
+    engine = Engine(base, kv_pages=64, adapter_rows=32)
+    single = Engine(base, kv_pages=64, adapter_rows=32).runner.adapter_pool
+    pool = engine.runner.adapter_pool
+    x, y = (load_adapter(n, dora["llama"][n], engine.model_cfg, 64) for n in ("x", "y"))
+    reduced = []
+
+    class Ranks:
+        @staticmethod
+        def all_reduce(t):
+            reduced.append(t.numel())
+            return t
+
+    fake = type("Linear", (), {"tp": Ranks})()
+    pool.dora_base.row_parallel = lambda group: fake if group in ("o", "down") else None
+    x_rows, y_rows = np.arange(0, 9, dtype=np.int32), np.arange(9, 14, dtype=np.int32)
+    for p in (pool, single):
+        p.write(x, x_rows)
+        p.write(y, y_rows)
+    assert set(pool._dora_pending) == {8, 13} and not reduced
+    assert torch.equal(pool.b_all["qkv"][:, 8], single.b_all["qkv"][:, 8])  # column-parallel
+    assert not torch.equal(pool.b_all["o"][:, 8], single.b_all["o"][:, 8])
+    step = [{"o": GroupRows(list(range(8)), [1.0] * 8, 8)}]
+    pool.finish_dora(step)
+    assert len(reduced) == 1 and set(pool._dora_pending) == {13}
+    for group in ("o", "down"):
+        torch.testing.assert_close(pool.b_all[group][:, 8], single.b_all[group][:, 8])
+    pool.finish_dora(step)  # nothing left to finish for this step: no collective
+    assert len(reduced) == 1
+    pool.write(x, np.arange(10, 19, dtype=np.int32))  # over y's rows: y's wait is void
+    assert set(pool._dora_pending) == {18}

@@ -11,11 +11,15 @@ of each DoRA group hold g - 1 (zero where a module or layer is not adapted), in 
 (an int8 pool: with a float32 scale per (slice, row), like the rank rows). g - 1 is small, so
 its rounding costs far less than g's would. The row lives and dies with the adapter's rank rows:
 evicted, reloaded and host-cached with them. The packed adapter carries m, not g (the registry
-that packs it has no base weights); dora_scales turns m into g - 1 on the worker, on every
+that packs it has no base weights); the worker turns m into g - 1 on the worker, on every
 write into the pool, from the rows just written and the base's dense weights (NF4 and FP8
 dequantized). Under tensor parallelism a column-parallel rank holds whole rows of W (its norms
-are local); a row-parallel one holds a slice of every row, so the squared norms are summed over
-the ranks (an all-reduce in every rank's write, which the ranks run in the same order).
+are local); a row-parallel one holds a slice of every row, so its squared norms are partial and
+summed over the ranks. Not in the write: the ranks write prefetched adapters when their reads
+end, which differs from rank to rank, and a rank whose read failed writes nothing. The partial
+squares wait in the pool (AdapterPool.finish_dora) until the first step that reads the adapter,
+which every rank launches in the same order, after its writes: one all-reduce there for all the
+adapters that step finishes.
 
 In the forward pass LoraContext calls the backend's scale_dora once the projection's output is
 complete (radixlora.kernels.dora_scale)."""
@@ -55,6 +59,12 @@ class DoraBase:
     def weight(self, layer: int, group: str) -> torch.Tensor:
         return dense_weight(self.linear(layer, group), self.dtype)
 
+    def row_parallel(self, group: str) -> RowParallelLinear | None:
+        """The group's first row-parallel projection under tensor parallelism (its ranks hold
+        a slice of every row, so their squared norms must be summed), else None."""
+        linear = self.linear(0, group)
+        return linear if isinstance(linear, RowParallelLinear) else None
+
     def row_squares(self, group: str) -> torch.Tensor:
         """[layers, out_total] float32: ||W_j||^2 of each row of each layer's projection."""
         if group not in self._squares:
@@ -72,24 +82,22 @@ def dense_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return linear.weight if dequantized is None else dequantized(dtype)
 
 
-@torch.inference_mode()
-def dora_scales(pool: AdapterPool, base: DoraBase, group: str, magnitudes: torch.Tensor,
-                rank_rows: np.ndarray) -> torch.Tensor:
-    """g - 1 [layers, out_total] float32 of one DoRA group, from its magnitudes
-    [layers, out_total] float32 (NaN: a column the adapter does not adapt, whose g is 1) and
-    the group's rank rows already in the pool. No host sync."""
-    rows = torch.as_tensor(np.asarray(rank_rows, np.int64), device=pool.device)
-    squares = _squared_norms(pool, base, group, rows)
+def scales_from(magnitudes: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
+    """g - 1 [layers, out_total] float32 from the magnitudes (NaN: a column the adapter does not
+    adapt, whose g is 1) and the squared norms of W + s B A."""
     return torch.where(torch.isnan(magnitudes), 0.0, magnitudes / squares.sqrt() - 1)
 
 
-def _squared_norms(pool: AdapterPool, base: DoraBase, group: str,
-                   rows: torch.Tensor) -> torch.Tensor:
-    """[layers, out_total] float32: each output row's squared norm of W + s B A (the delta
-    read back from the pool, dequantized from an int8 pool), summed over the ranks of a
-    row-parallel projection. Expanded as ||W_j||^2 + 2 b_j . (W A^T)_j + b_j^T (A A^T) b_j:
-    W is read once, by one GEMM of rank width per layer and slice, and never added to a dense
-    delta; everything else is batched over the layers."""
+@torch.inference_mode()
+def squared_norms(pool: AdapterPool, base: DoraBase, group: str,
+                  rank_rows: np.ndarray) -> torch.Tensor:
+    """[layers, out_total] float32: each output row's squared norm of W + s B A, this rank's
+    part (a row-parallel rank's columns only), the delta read back from the group's rank rows
+    in the pool (dequantized from an int8 pool). Expanded as
+    ||W_j||^2 + 2 b_j . (W A^T)_j + b_j^T (A A^T) b_j: W is read once, by one GEMM of rank
+    width per layer and slice, and never added to a dense delta; everything else is batched
+    over the layers. No host sync, no collective."""
+    rows = torch.as_tensor(np.asarray(rank_rows, np.int64), device=pool.device)
     a = pool.a_all[group][:, :, rows].float()  # [layers, n_slices, r, in]
     b = pool.b_all[group][:, rows].float().transpose(1, 2)  # [layers, out_total, r]
     if pool.quantized:
@@ -107,8 +115,4 @@ def _squared_norms(pool: AdapterPool, base: DoraBase, group: str,
         for i, cols in enumerate(slices):
             wa = (weight[cols] @ a_t[layer, i]).float()  # [out_i, r]
             torch.linalg.vecdot(b[layer, cols], wa, out=cross[layer, cols])
-    squares += 2 * cross
-    linear = base.linear(0, group)
-    if isinstance(linear, RowParallelLinear):
-        linear.tp.all_reduce(squares)
-    return squares
+    return squares.add_(cross, alpha=2)

@@ -28,7 +28,7 @@ import torch
 from radixlora.config import ModelConfig
 from radixlora.distributed import Shard
 from radixlora.lora.adapter import GROUP_OF, MODULE_GROUPS, LoraAdapter
-from radixlora.lora.dora import DoraBase, dora_scales
+from radixlora.lora.dora import DoraBase, scales_from, squared_norms
 from radixlora.lora.host_cache import HostAdapterCache, PackedAdapter
 
 QMAX = 127  # symmetric int8: -127..127, so a row's absmax maps to +-127 exactly
@@ -227,6 +227,9 @@ class AdapterPool:
         self._loads_pending = False
         self._uncovered: set[int] = set()  # rows of prefetch copies queued after the last event
         self.dora_base: DoraBase | None = None  # the model's weights, set by its runner
+        # magnitude row -> (group, m, partial squares) of a DoRA adapter's row-parallel groups,
+        # until the first step that reads it (finish_dora)
+        self._dora_pending: dict[int, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
         if cuda:  # the zero fill above must land before any load
             self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -314,6 +317,8 @@ class AdapterPool:
         if self.device.type == "cuda":  # pinned: a pageable source would wait for earlier copies
             idx = idx.pin_memory()
         idx = idx.to(self.device, non_blocking=True)
+        for row in rows:  # what waited for the rows' previous adapter is void
+            self._dora_pending.pop(int(row), None)
         magnitudes = None
         if dora_groups:
             n = sum(self.out_offsets[g][-1] for g in dora_groups) * self.layout.cfg.num_layers
@@ -337,13 +342,37 @@ class AdapterPool:
         vectors and the rows just written (radixlora.lora.dora)."""
         if self.dora_base is None:
             raise RuntimeError("a DoRA adapter needs the pool's dora_base (the model's weights)")
-        offset = 0
+        offset, row = 0, int(rows[-1])
         for group in dora_groups:
             size = self.layout.cfg.num_layers * self.out_offsets[group][-1]
             m = magnitudes[offset:offset + size].view(self.layout.cfg.num_layers, -1)
             offset += size
-            gm1 = dora_scales(self, self.dora_base, group, m, rows[:group_ranks[group]])
-            self._store_dora_scales(group, gm1, int(rows[-1]))
+            squares = squared_norms(self, self.dora_base, group, rows[:group_ranks[group]])
+            if self.dora_base.row_parallel(group) is None:
+                self._store_dora_scales(group, scales_from(m, squares), row)
+            else:
+                self._dora_pending.setdefault(row, []).append((group, m.clone(), squares))
+
+    def finish_dora(self, adapter_sets) -> None:
+        """Under tensor parallelism, before a step that reads them: the scales of the DoRA
+        adapters written since their partial squared norms were taken (radixlora.lora.dora).
+        Every rank calls this for the same steps in the same order, and has the same adapters
+        waiting among those the step reads, so the one all-reduce matches; on the compute
+        stream, after wait_loads."""
+        rows = sorted({g.magnitude for groups in adapter_sets for g in groups.values()}
+                      & self._dora_pending.keys())
+        if not rows:
+            return
+        entries = [(row, *entry) for row in rows for entry in self._dora_pending.pop(row)]
+        if self.device.type == "cuda":  # made on the load stream, freed after use on this one
+            for _, _, m, squares in entries:
+                m.record_stream(torch.cuda.current_stream(self.device))
+                squares.record_stream(torch.cuda.current_stream(self.device))
+        total = torch.cat([squares.flatten() for *_, squares in entries])
+        self.dora_base.row_parallel(entries[0][1]).tp.all_reduce(total)
+        for (row, group, m, _), squares in zip(entries, total.split([m.numel() for _, _, m, _ in
+                                                                    entries])):
+            self._store_dora_scales(group, scales_from(m, squares.view_as(m)), row)
 
     def _store_dora_scales(self, group: str, gm1: torch.Tensor, row: int) -> None:
         """g - 1 [layers, out_total] into one row of the group's B pool; an int8 pool
