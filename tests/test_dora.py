@@ -240,6 +240,8 @@ def test_served_over_http_equals_the_engine_and_refuses_stacks(tmp_path):
                                headers={"authorization": f"Bearer {srv.admin_key}"})
         assert loaded.status_code == 200, loaded.text
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        cards = {m.id: m for m in client.models.list().data}
+        assert cards["dora-a"].dora and cards["dora-b"].dora and not cards["support"].dora
         for name, text in want.items():
             got = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=8,
                                             temperature=0, extra_body={"ignore_eos": True})

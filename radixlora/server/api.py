@@ -182,7 +182,8 @@ class Api:
         served = [
             {"id": a["name"], "object": "model", "created": created, "owned_by": "radixlora",
              "root": a["path"], "parent": base, "max_model_len": self.max_model_len,
-             "adapter_id": a["adapter_id"], "rank": a["rank"], "status": "ready"}
+             "adapter_id": a["adapter_id"], "rank": a["rank"], "dora": a["dora"],
+             "status": "ready"}
             for a in info["adapters"]
         ]
         names = {a["name"] for a in info["adapters"]}

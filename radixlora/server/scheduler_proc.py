@@ -447,7 +447,8 @@ class SchedulerService:
             "adapter_evictions": residency.num_evictions,
             "adapter_event_seq": self.lifecycle.last_seq,
             "adapters": [
-                {"name": n, "adapter_id": a.adapter_id, "path": a.path, "rank": a.rank}
+                {"name": n, "adapter_id": a.adapter_id, "path": a.path, "rank": a.rank,
+                 "dora": bool(a.dora_groups)}
                 for n, a in self.adapters.by_name.items()
             ],
         }
