@@ -41,6 +41,9 @@ class LoraContext:
     them (`_delta_then_gemm`). Deferred (`defer`, small CUDA
     graph buckets), the deltas come back as a float32 delta that y's consumer adds as it loads y
     (rotary + KV store, the norms' residual add, SiLU-mul), so no LoRA launch follows the GEMM.
+    Tokens of DoRA adapters (meta.magnitude_rows) then get their adapter's per-channel scale of
+    the whole output, base and delta (`_scale_dora`, radixlora.lora.dora): one launch after the
+    GEMM, deferred or not, in batches that have such tokens.
     A deferred forward draws its deltas from one workspace zeroed once per forward (`begin`):
     one delta per group shared by all layers, whose rows of tokens with no adapter are never
     written and stay zero. (The shrink's v needs no zeroing: its in_dim splits store partial
