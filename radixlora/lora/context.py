@@ -103,7 +103,7 @@ class LoraContext:
             delta = self._delta[group]
             y, _ = self._beside_gemm(linear, x, lambda: self.backend.deferred_delta(
                 x, a, b, out_offsets, meta, delta, qs))
-            self._scale_dora(y, b, out_offsets, meta, qs, linear.bias, delta)
+            self._scale_dora(linear, y, b, out_offsets, meta, qs, delta)
             return y, delta
         plain = isinstance(linear, torch.nn.Linear) and linear.bias is None
         if self.side_stream is None and meta.groups is None and plain:
@@ -112,13 +112,15 @@ class LoraContext:
             y, v = self._beside_gemm(linear, x, lambda: self.backend.shrink(x, a, meta, qs))
             if v is not None:
                 self.backend.expand(v, b, out_offsets, meta, y)
-        self._scale_dora(y, b, out_offsets, meta, qs, linear.bias)
+        self._scale_dora(linear, y, b, out_offsets, meta, qs)
         return y, None
 
-    def _scale_dora(self, y, b, out_offsets, meta, qs, bias, delta=None) -> None:
+    def _scale_dora(self, linear, y, b, out_offsets, meta, qs, delta=None) -> None:
         """DoRA's scales once the output is complete (radixlora.lora.dora): a batch without a
-        DoRA token in this group launches nothing."""
+        DoRA token in this group launches nothing. A row-parallel output is this rank's partial
+        sum, whose bias comes after the all-reduce."""
         if meta.magnitude_rows is not None:
+            bias = None if isinstance(linear, RowParallelLinear) else linear.bias
             self.backend.scale_dora(y, b, out_offsets, meta, bias, delta, qs)
 
     def _delta_then_gemm(self, linear, x: torch.Tensor, a, b, out_offsets, meta,
@@ -146,7 +148,7 @@ class LoraContext:
         v = self.backend.shrink(x, a, meta, qs)
         if v is not None:
             self.backend.expand(v, b, out_offsets, meta, y)
-        self._scale_dora(y, b, out_offsets, meta, qs, None)
+        self._scale_dora(linear, y, b, out_offsets, meta, qs)
         return linear.reduce(y)
 
     def _beside_gemm(self, linear, x: torch.Tensor, lora_work):
