@@ -28,12 +28,12 @@ from bench_engine import (
     LLAMA3_8B,
     SMOKE,
     decode_step_ms,
+    graph_replay_ms,
     make_engine,
     model_dir,
     random_adapter,
 )
 
-from radixlora.cuda_graph import GraphKey
 from radixlora.lora.adapter import MODULE_GROUPS, LoraAdapter
 from radixlora.lora.dora import DoraBase, dense_weight
 
@@ -63,21 +63,6 @@ def dora_twin(adapter: LoraAdapter, norms: dict, seed: int) -> LoraAdapter:
     return dataclasses.replace(adapter, name=adapter.name + "-dora",
                                content_hash=adapter.content_hash + "-dora",
                                dora_groups=tuple(MODULE_GROUPS), magnitudes=magnitudes)
-
-
-def replay_ms(engine, key: GraphKey) -> float:
-    entry = engine.runner.graphs.graphs.get(key) if engine.runner.graphs else None
-    if entry is None:
-        return float("nan")
-    times = []
-    for _ in range(50):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        entry.graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def write_ms(engine, adapters: list[LoraAdapter]) -> float:
@@ -123,8 +108,8 @@ def main() -> None:
         decode_step_ms(engine, batch, names, 32, 8, rng)  # loads, compiles, captures
         results[f"{kind}_decode_step_ms"] = decode_step_ms(engine, batch, names, PROMPT, new, rng)
         rows = engine.runner.graphs.row_buckets[1] if engine.runner.graphs else 0
-        results[f"{kind}_graph_replay_ms"] = replay_ms(
-            engine, GraphKey(batch, batch, rows, kind == "dora"))
+        results[f"{kind}_graph_replay_ms"] = graph_replay_ms(engine, rows, batch,
+                                                             dora=kind == "dora")
     for kind, adapters in (("lora", lora), ("dora", dora)):
         results[f"{kind}_pool_write_ms"] = write_ms(engine, adapters)
     results["decode_dora_over_lora"] = (results["dora_decode_step_ms"]

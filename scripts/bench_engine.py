@@ -118,14 +118,15 @@ def decode_step_ms(engine: Engine, batch: int, specs, prompt_len: int, new_token
     return 1e3 * statistics.median(decode)
 
 
-def graph_replay_ms(engine: Engine, rows: int, batch: int = 1) -> float:
-    """Device time of one decode graph alone (no host work), median of 50 replays."""
+def graph_replay_ms(engine: Engine, rows: int, batch: int = 1, dora: bool = False) -> float:
+    """Device time of one decode graph alone (no host work), median of 50 replays (dora: the
+    graph of a batch with DoRA adapters)."""
     graphs = engine.runner.graphs
     if graphs is None:
         return float("nan")
     from radixlora.cuda_graph import GraphKey
 
-    entry = graphs.graphs.get(GraphKey(batch, batch, rows))
+    entry = graphs.graphs.get(GraphKey(batch, batch, rows, dora))
     if entry is None:
         return float("nan")
     times = []
