@@ -11,7 +11,7 @@ import torch
 
 from radixlora.device import to_device
 
-from .dora_scale import dora_scale_ref
+from .dora_scale import dora_scale, dora_scale_ref
 
 GROUP_TOKENS = 16  # tokens per group at most: a popular set's tokens split into several groups
 
@@ -437,8 +437,6 @@ class TritonLoraBackend(LoraBackend):
 
     def scale_dora(self, y, b_pool, out_offsets, meta, bias=None, delta=None,
                    qscales=None) -> None:
-        from .dora_scale import dora_scale
-
         dora_scale(y, b_pool, out_offsets, meta.magnitude_rows, bias, delta, qscales)
 
     def _tuning(self, meta: LoraBatchMeta):
