@@ -35,7 +35,8 @@ from bench_engine import (
 )
 
 from radixlora.lora.adapter import MODULE_GROUPS, LoraAdapter
-from radixlora.lora.dora import DoraBase, dense_weight
+from radixlora.lora.dora import DoraBase
+from radixlora.lora.pool import group_dims
 
 BATCH, RANK, PROMPT, NEW = 64, 16, 128, 64
 
@@ -43,14 +44,12 @@ BATCH, RANK, PROMPT, NEW = 64, 16, 128, 64
 def base_norms(base: DoraBase, cfg) -> dict[tuple[int, str], torch.Tensor]:
     """(layer, module) -> the norms of the base weight's rows."""
     norms = {}
-    for layer in range(cfg.num_layers):
-        for group, modules in MODULE_GROUPS.items():
-            weight = dense_weight(base.linear(layer, group), base.dtype).float()
-            start = 0
-            for module in modules:
-                end = start + cfg.module_shape(module)[1]
-                norms[(layer, module)] = weight[start:end].norm(dim=1).cpu()
-                start = end
+    for group, modules in MODULE_GROUPS.items():
+        rows = base.row_squares(group).sqrt().cpu()  # [layers, out_total]
+        offsets = group_dims(cfg, group)[1]
+        for i, module in enumerate(modules):
+            for layer in range(cfg.num_layers):
+                norms[(layer, module)] = rows[layer, offsets[i]:offsets[i + 1]]
     return norms
 
 
