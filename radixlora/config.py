@@ -230,6 +230,9 @@ class EngineConfig:
     compile_cache_dir: str | None = None
     seed: int = 0
     load_format: str = "safetensors"  # or "dummy": random weights, for benchmarks
+    # what compiling one request's grammar may take (radixlora.structured.GrammarBudget)
+    grammar_compile_timeout: float = 10.0
+    grammar_compile_memory_mb: int = 512
 
     def __post_init__(self):
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -243,11 +246,14 @@ class EngineConfig:
         if self.lora_dtype not in LORA_DTYPES:
             raise ValueError(f"lora_dtype must be one of {list(LORA_DTYPES)}, "
                              f"got {self.lora_dtype!r}")
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0, got "
+                             f"{self.grammar_compile_timeout}")
         if self.host_adapter_bytes is not None and self.host_adapter_bytes < 0:
             raise ValueError(f"host_adapter_bytes must be >= 0, got {self.host_adapter_bytes}")
         for name in ("kv_pages", "adapter_rows", "max_running", "max_batch_tokens",
                      "context_length", "max_loras", "max_rank", "max_stacked", "page_size",
-                     "max_adapter_sets_per_batch"):
+                     "max_adapter_sets_per_batch", "grammar_compile_memory_mb"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

@@ -94,9 +94,8 @@ class Engine:
             self.model_cfg, self.config.max_rank, self.config.max_stacked, self.config.adapter_rows
         )
         self.intake = Intake(self.model_cfg, self.base_version, self.registry, self.scheduler,
-                             self.config.seed, grammars=GrammarCompiler.for_dir(
-                                 self.model_path, self.model_cfg.vocab_size,
-                                 tuple(self.model_cfg.eos_token_ids)))
+                             self.config.seed, grammars=GrammarCompiler.for_model(
+                                 self.model_path, self.model_cfg, self.config))
         self.loop = StepLoop(self.scheduler, self.config.overlap_schedule)
         # every adapter version a name or a live request still holds, for the executor's loads
         self._versions: weakref.WeakValueDictionary[str, LoraAdapter] = (

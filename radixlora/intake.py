@@ -6,6 +6,7 @@ sampling seeds."""
 from __future__ import annotations
 
 import random
+from concurrent.futures import Future
 
 import msgspec
 import numpy as np
@@ -80,14 +81,16 @@ class Intake:
 
     def requests(self, rid: str, ids: np.ndarray, params: SamplingParams,
                  choices: list[AdapterChoice] | None, logprob_start: int | None = None,
-                 cache_salt: str | None = None) -> tuple[list[Req], str]:
+                 cache_salt: str | None = None,
+                 grammar: Matcher | None = None) -> tuple[list[Req], str]:
         """The params.n requests of one prompt, checked admissible, and why the request is
-        served base-only ("" when it is not)."""
+        served base-only ("" when it is not). `grammar`: params.structure compiled (submit's
+        result), else it is compiled here, waiting for it."""
         params.validate(self.model_cfg.vocab_size)
         check_logprob_start(logprob_start, len(ids))
         adapter_set, fallback = self.resolve(choices)
-        grammar = self.compile(params.structure)
-        if grammar is not None:
+        if params.structure is not None:
+            grammar = grammar or self.submit(params.structure).result()
             params = msgspec.structs.replace(params, structure=None)  # plans carry the mask
         base_seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         reqs = build_requests(
@@ -96,20 +99,19 @@ class Intake:
                             self.scheduler.config.lora_dtype), base_seed,
             self.eos_ids, share_prompt=self.scheduler.tree is not None,
         )
-        for index, req in enumerate(reqs):
+        for req in reqs:
             req.logprob_start = logprob_start
             if grammar is not None:
-                req.grammar = grammar if index == 0 else grammar.copy()
+                req.grammar = grammar.copy()  # the compiled one stays pristine in the cache
             self.scheduler.check_admissible(req)
         return reqs, fallback
 
-    def compile(self, structure: Structure | None) -> Matcher | None:
-        if structure is None:
-            return None
+    def submit(self, structure: Structure) -> Future:
+        """The future of `structure`'s compiled Matcher (GrammarCompiler.submit)."""
         if self.grammars is None:
             raise InvalidRequestError("structured output needs the model's tokenizer.json",
                                       param=structure.param)
-        return self.grammars.compile(structure)
+        return self.grammars.submit(structure)
 
     def resolve(self, choices: list[AdapterChoice] | None) -> tuple[AdapterSet, str]:
         try:

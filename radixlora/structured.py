@@ -3,13 +3,27 @@ a choice of strings, or an EBNF / Lark grammar) compiled by llguidance into a ma
 scheduler advances with every token the request samples and asks, before each of its sampling
 steps, for the set of tokens the grammar allows next (a bitmask the sampler applies to that
 request's logits row). Once the grammar is complete only EOS is allowed, so the request ends
-as any other does."""
+as any other does.
+
+A grammar never compiles on a loop that must keep beating: GrammarCompiler checks its limits
+(nesting through $refs, rule count, regex repetition), has the grammar compiled once in a
+sandbox process under a time and memory budget (radixlora.grammar_sandbox: an input that
+crashes the library or runs past the budget fails its own request only), then compiles it on
+a thread of its own with a deep stack and keeps the result for every request of that grammar."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
+import logging
+import queue
+import re
+import re._constants as sre_constants
+import re._parser as sre_parse
 import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -18,12 +32,27 @@ import numpy as np
 
 from radixlora.errors import InvalidRequestError
 
+log = logging.getLogger(__name__)
+
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 MAX_STRUCTURE_CHARS = 1 << 20  # a schema, pattern or grammar longer than this is refused
+# JSON objects and arrays a schema may nest, counted through its $refs (a $ref back into its
+# own path is recursion, which llguidance compiles lazily, and counts nothing): the library
+# recurses once per level, and a chain of a few thousand overflows a thread's stack
+MAX_SCHEMA_DEPTH = 64
+MAX_GRAMMAR_RULES = 1000  # rules and terminals of an EBNF / Lark grammar
+# product of the bounds of nested regex repetitions: every mask of such a regex costs about
+# 0.2 us per unit of the product, and llguidance's fuel does not bound it ((a{100}){100}:
+# 1.4 ms a mask, (a{300}){300}: 20 ms, (a{1000}){1000}: 1.3 s for the first one; a step
+# computes one mask per constrained request)
+MAX_REGEX_REPEAT = 1000
 ANY_OBJECT = '{"type": "object"}'
 # JSON is written as json.dumps writes it, one space after "," and ":" and no other whitespace:
 # free whitespace lets a model pad forever (a schema's "x-guidance" may set other options)
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+COMPILE_THREADS = 2
+COMPILE_STACK_BYTES = 256 << 20  # address space only; pages are touched as recursion needs
+CACHED_GRAMMARS = 128
 
 
 class Structure(msgspec.Struct, frozen=True, array_like=True):
@@ -38,8 +67,10 @@ class Structure(msgspec.Struct, frozen=True, array_like=True):
     strict: bool = False
 
     def grammar(self) -> str:
-        """The llguidance grammar (a JSON text) this structure compiles from."""
+        """The llguidance grammar (a JSON text) this structure compiles from, its limits
+        checked (InvalidRequestError naming the field and the limit)."""
         import llguidance
+        from llguidance.gbnf_to_lark import any_to_lark
 
         if len(self.value) > MAX_STRUCTURE_CHARS:
             raise InvalidRequestError(f"{self.param} is longer than {MAX_STRUCTURE_CHARS} "
@@ -50,6 +81,7 @@ class Structure(msgspec.Struct, frozen=True, array_like=True):
             if not isinstance(schema, dict):
                 raise InvalidRequestError(f"{self.param} must be a JSON schema object",
                                           param=self.param)
+            check_schema(schema, self.param)
             return llguidance.LLMatcher.grammar_from_json_schema(
                 closed(schema), defaults={**JSON_LAYOUT, "lenient": not self.strict})
         if self.kind == "choice":
@@ -59,10 +91,117 @@ class Structure(msgspec.Struct, frozen=True, array_like=True):
                 raise InvalidRequestError(f"{self.param} must be a non-empty list of strings",
                                           param=self.param)
             return llguidance.grammar_from("choice", choices)
+        if self.kind == "regex":
+            check_regex(self.value, self.param)
+            return llguidance.grammar_from("regex", self.value)
         try:
-            return llguidance.grammar_from(self.kind, self.value)
-        except ValueError as e:
-            raise InvalidRequestError(f"{self.param}: {e}", param=self.param) from None
+            lark = any_to_lark(self.value)  # GBNF (llama.cpp's, SGLang's EBNF) or Lark
+        except Exception as e:  # noqa: BLE001 - the converter's errors are the grammar's
+            raise InvalidRequestError(f"{self.param}: the grammar does not convert to Lark: "
+                                      f"{e}", param=self.param) from None
+        check_lark(lark, self.param)
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def check_schema(schema: dict, param: str) -> None:
+    """A JSON schema within MAX_SCHEMA_DEPTH through its local $refs, its regexes within
+    MAX_REGEX_REPEAT."""
+    heights: dict[str, int] = {}  # a $ref's target: the levels at and below it
+
+    def check_depth(depth: int) -> None:
+        if depth > MAX_SCHEMA_DEPTH:
+            raise InvalidRequestError(f"{param} nests deeper than {MAX_SCHEMA_DEPTH} levels "
+                                      "(counted through its $refs)", param=param)
+
+    def height(node, depth: int, refs: frozenset) -> int:
+        check_depth(depth)
+        if isinstance(node, list):
+            return 1 + max((height(v, depth + 1, refs) for v in node), default=0)
+        if not isinstance(node, dict):
+            return 0
+        _check_patterns(node, param)
+        below = max((height(v, depth + 1, refs) for k, v in node.items() if k != "$ref"),
+                    default=0)
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#") and ref not in refs:
+            if ref not in heights:
+                heights[ref] = height(_pointer(schema, ref, param), depth + 1, refs | {ref})
+            check_depth(depth + heights[ref])
+            below = max(below, heights[ref])
+        return 1 + below
+
+    height(schema, 1, frozenset())
+
+
+def _check_patterns(node: dict, param: str) -> None:
+    if isinstance(node.get("pattern"), str):
+        check_regex(node["pattern"], param)
+    if isinstance(node.get("patternProperties"), dict):
+        for pattern in node["patternProperties"]:
+            check_regex(pattern, param)
+
+
+def _pointer(schema: dict, ref: str, param: str):
+    """The part of `schema` a local $ref ("#/$defs/a") points to."""
+    node = schema
+    for part in ref[1:].split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        try:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        except (KeyError, IndexError, ValueError, TypeError):
+            raise InvalidRequestError(f"{param}: $ref {ref[:80]!r} points nowhere",
+                                      param=param) from None
+    return node
+
+
+def check_regex(pattern: str, param: str) -> None:
+    """A regular expression whose nested repetition bounds multiply to at most
+    MAX_REGEX_REPEAT. Python's parser reads the common syntax; a pattern it cannot read is
+    left to llguidance (and the compile budget)."""
+    try:
+        parsed = sre_parse.parse(pattern)
+    except (re.error, OverflowError, RecursionError, ValueError):
+        return
+    if _repeat_product(parsed) > MAX_REGEX_REPEAT:
+        raise InvalidRequestError(
+            f"{param}: the regular expression {pattern[:80]!r} repeats more than "
+            f"{MAX_REGEX_REPEAT} times (nested bounds multiply)", param=param)
+
+
+def _repeat_product(sub) -> int:
+    most = 1
+    for op, av in sub:
+        factor = 1
+        if op in (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT,
+                  sre_constants.POSSESSIVE_REPEAT):
+            low, high = av[0], av[1]
+            factor = max(1, low if high == sre_constants.MAXREPEAT else high)
+        inner = max((_repeat_product(child) for child in _subpatterns(av)), default=1)
+        most = max(most, factor * inner)
+    return most
+
+
+def _subpatterns(av):
+    if isinstance(av, sre_parse.SubPattern):
+        yield av
+    elif isinstance(av, (tuple, list)):
+        for item in av:
+            yield from _subpatterns(item)
+
+
+LARK_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_]\w*(\.-?\d+)?[ \t]*:", re.MULTILINE)
+LARK_REGEX = re.compile(r"/((?:\\.|[^/\\\n])+)/")
+
+
+def check_lark(lark: str, param: str) -> None:
+    """A Lark grammar (GBNF is converted to Lark first) of at most MAX_GRAMMAR_RULES rules and
+    terminals, each /regex/ within MAX_REGEX_REPEAT."""
+    rules = len(LARK_RULE.findall(lark))
+    if rules > MAX_GRAMMAR_RULES:
+        raise InvalidRequestError(f"{param} has {rules} rules; at most {MAX_GRAMMAR_RULES}",
+                                  param=param)
+    for pattern in LARK_REGEX.findall(lark):
+        check_regex(pattern, param)
 
 
 def closed(schema):
@@ -90,56 +229,160 @@ SUBSCHEMAS = ("items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "additio
 def _check_json(text: str, param: str, what: str):
     try:
         return json.loads(text)
+    except RecursionError:
+        raise InvalidRequestError(f"{param} nests deeper than {MAX_SCHEMA_DEPTH} levels",
+                                  param=param) from None
     except ValueError:
         raise InvalidRequestError(f"{param} must be {what} in JSON", param=param) from None
 
 
-class GrammarCompiler:
-    """Compiles Structures for one model's tokenizer. The llguidance tokenizer is built on a
-    thread from construction (about a second for a 128k vocabulary); the first compile waits
-    for it."""
+@dataclass(frozen=True)
+class GrammarBudget:
+    """What compiling one grammar (and its first mask) may take, in the sandbox: wall-clock
+    seconds and bytes of memory beyond the sandbox's own."""
 
-    def __init__(self, tokenizer_file: str | Path, vocab_size: int, eos_ids: tuple[int, ...]):
+    seconds: float = 10.0
+    memory_bytes: int = 512 << 20
+
+    def limits(self):
+        """llguidance's limits for this budget: lexer states of about 2 kB each, so a matcher
+        grows no further while requests advance it than its first mask may."""
+        import llguidance
+
+        return llguidance.LLParserLimits(
+            max_lexer_states=min(250_000, max(1024, self.memory_bytes // 2048)))
+
+
+class GrammarCompiler:
+    """Compiles Structures for one model's tokenizer, off the caller's thread: `submit` gives a
+    future of the compiled grammar's pristine Matcher (requests take `.copy()`s of it), the
+    same future for every request of a grammar kept in the cache. Each grammar is compiled in
+    a sandbox process first (GrammarBudget), then here on a thread with a COMPILE_STACK_BYTES
+    stack. The llguidance tokenizer is built on a thread from construction (about a second for
+    a 128k vocabulary); the first compile waits for it."""
+
+    def __init__(self, tokenizer_file: str | Path, vocab_size: int, eos_ids: tuple[int, ...],
+                 budget: GrammarBudget | None = None):
         self.vocab_size = vocab_size
+        self.budget = budget or GrammarBudget()
+        self.tokenizer_file = Path(tokenizer_file)
+        self.eos_ids = eos_ids
         self._tokenizer = None
         self._error: Exception | None = None
         self._ready = threading.Event()
-        threading.Thread(target=self._build, args=(Path(tokenizer_file), eos_ids),
-                         name="grammar-tokenizer", daemon=True).start()
+        self._cache: collections.OrderedDict[Structure, Future] = collections.OrderedDict()
+        self._jobs: queue.SimpleQueue[tuple[Structure, Future]] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self.compiles = 0  # grammars compiled (each once, whatever requests share it)
+        threading.Thread(target=self._build, name="grammar-tokenizer", daemon=True).start()
 
     @classmethod
-    def for_dir(cls, tokenizer_dir: str | Path, vocab_size: int,
-                eos_ids: tuple[int, ...]) -> GrammarCompiler | None:
-        """The compiler of the tokenizer.json in tokenizer_dir; None without one."""
+    def for_model(cls, tokenizer_dir: str | Path, model_cfg, config) -> GrammarCompiler | None:
+        """The compiler of the tokenizer.json in tokenizer_dir for a ModelConfig, with an
+        EngineConfig's budget; None without one."""
         path = Path(tokenizer_dir) / "tokenizer.json"
-        return cls(path, vocab_size, eos_ids) if path.is_file() else None
+        if not path.is_file():
+            return None
+        budget = GrammarBudget(config.grammar_compile_timeout,
+                               config.grammar_compile_memory_mb << 20)
+        return cls(path, model_cfg.vocab_size, tuple(model_cfg.eos_token_ids), budget)
 
-    def _build(self, path: Path, eos_ids: tuple[int, ...]) -> None:
+    def _build(self) -> None:
         try:
             import llguidance
 
-            self._tokenizer = llguidance.LLTokenizer(path.read_text(), n_vocab=self.vocab_size,
-                                                     eos_token=list(eos_ids) or None)
+            self._tokenizer = llguidance.LLTokenizer(
+                self.tokenizer_file.read_text(), n_vocab=self.vocab_size,
+                eos_token=list(self.eos_ids) or None)
         except Exception as e:  # noqa: BLE001 - reported to each structured request
             self._error = e
         finally:
             self._ready.set()
 
     def compile(self, structure: Structure) -> Matcher:
-        """A fresh matcher for `structure`; InvalidRequestError if it does not compile."""
+        """A fresh matcher for `structure`, waiting for it; InvalidRequestError if it does not
+        compile within its limits and budget."""
+        return self.submit(structure).result().copy()
+
+    def submit(self, structure: Structure) -> Future:
+        """The future of `structure`'s compiled Matcher (a pristine one: take copies)."""
+        with self._lock:
+            future = self._cache.get(structure)
+            if future is not None:
+                self._cache.move_to_end(structure)
+                return future
+            future = self._cache[structure] = Future()
+            while len(self._cache) > CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+            if len(self._threads) < COMPILE_THREADS:
+                self._start_thread()
+        self._jobs.put((structure, future))
+        return future
+
+    def _start_thread(self) -> None:
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=self._serve, name="grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+        self._threads.append(thread)
+
+    def _serve(self) -> None:
+        from radixlora.grammar_sandbox import BudgetExceeded, GrammarSandbox
+
+        sandbox = GrammarSandbox(self.tokenizer_file, self.vocab_size, self.eos_ids, self.budget)
+        while True:
+            structure, future = self._jobs.get()
+            try:
+                future.set_result(self._compile(structure, sandbox))
+            except BudgetExceeded as e:
+                self._forget(structure, future)  # a busy machine may fit it another time
+                future.set_exception(InvalidRequestError(
+                    f"{structure.param}: {e}", param=structure.param, code="grammar_too_costly"))
+            except InvalidRequestError as e:
+                future.set_exception(e)
+            except BaseException as e:  # noqa: BLE001 - llguidance's panics included
+                log.exception("compiling a %s grammar failed", structure.kind)
+                future.set_exception(InvalidRequestError(
+                    f"{structure.param} could not be compiled: {type(e).__name__}",
+                    param=structure.param))
+
+    def _forget(self, structure: Structure, future: Future) -> None:
+        with self._lock:
+            if self._cache.get(structure) is future:
+                del self._cache[structure]
+
+    def _compile(self, structure: Structure, sandbox) -> Matcher:
         self._ready.wait()
         if self._tokenizer is None:
             raise InvalidRequestError(f"structured output is unavailable: "
                                       f"{type(self._error).__name__}: {self._error}",
                                       param=structure.param,
                                       code="structured_output_unavailable")
-        import llguidance
+        grammar = structure.grammar()
+        error = sandbox.check(grammar)
+        if not error:
+            matcher, error = build_matcher(self._tokenizer, grammar, self.budget, self.vocab_size)
+        if error:
+            raise InvalidRequestError(f"{structure.param} does not compile: {error.strip()}",
+                                      param=structure.param)
+        self.compiles += 1
+        return matcher
 
-        matcher = llguidance.LLMatcher(self._tokenizer, structure.grammar(), log_level=0)
-        if matcher.is_error():
-            raise InvalidRequestError(f"{structure.param} does not compile: "
-                                      f"{matcher.get_error().strip()}", param=structure.param)
-        return Matcher(matcher, self.vocab_size)
+
+def build_matcher(tokenizer, grammar: str, budget: GrammarBudget,
+                  vocab_size: int) -> tuple[Matcher | None, str]:
+    """(the Matcher of `grammar` with its first mask computed, the library's error or "")."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=budget.limits())
+    if not matcher.is_error():
+        next_token_words([Matcher(matcher, vocab_size)])  # builds what the first step needs
+    if matcher.is_error():
+        return None, matcher.get_error()
+    return Matcher(matcher, vocab_size), ""
 
 
 class Matcher:

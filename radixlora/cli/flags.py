@@ -67,6 +67,13 @@ ENGINE_FLAGS = {
                                                    "format (a QLoRA adapter on a dense base, or "
                                                    "the reverse): refuse it, or serve it and "
                                                    "report the mismatch (default refuse)"),
+    "grammar_compile_timeout": (float, ("--grammar-compile-timeout",),
+                                "seconds compiling one request's grammar (JSON schema, regex, "
+                                "choice, EBNF) may take before the request is refused with a "
+                                "400 (default 10)"),
+    "grammar_compile_memory_mb": (int, ("--grammar-compile-memory",),
+                                  "MiB of memory compiling one request's grammar may take "
+                                  "before the request is refused with a 400 (default 512)"),
 }
 CHOICES = {"device": DEVICE_CHOICES, "dtype": DTYPE_CHOICES, "lora_dtype": LORA_DTYPE_CHOICES,
            "quantization": ("nf4", "fp8"), "qlora_mismatch": ("refuse", "serve")}

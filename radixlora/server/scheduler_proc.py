@@ -57,7 +57,7 @@ from radixlora.server.messages import (
 )
 from radixlora.step_loop import StepLoop
 from radixlora.step_plan import AdapterLoad, StepMasks, StepPlan
-from radixlora.structured import GrammarCompiler
+from radixlora.structured import GrammarCompiler, Matcher
 from radixlora.token_bucket import SwapCap
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ STATS_INTERVAL_S = 0.5
 WARM_SCAN_S = 0.5  # how often plans look for registered adapters to read ahead
 WARM_PER_PLAN = 256
 IDLE_POLL_MS = 100
+COMPILE_POLL_MS = 2  # while grammars compile: how soon one that finished is seen
 MAX_QUEUED_ADMIN = 8  # admin calls waiting for earlier ones (a load's read) before a 429
 HOLD_TIMEOUT_S = 60.0  # a request for a listed adapter waits this long for its validation
 EXPIRY_CHECK_S = 0.1
@@ -101,9 +102,8 @@ class SchedulerService:
         self.intake = Intake(self.model_cfg, base, self.adapters, self.scheduler,
                              self.config.seed,
                              fallback_to_base=args.adapter_failure_policy == "base",
-                             grammars=GrammarCompiler.for_dir(
-                                 args.tokenizer_dir, self.model_cfg.vocab_size,
-                                 tuple(self.model_cfg.eos_token_ids)))
+                             grammars=GrammarCompiler.for_model(
+                                 args.tokenizer_dir, self.model_cfg, self.config))
         self.loop = StepLoop(self.scheduler, self.config.overlap_schedule)
         self.late_masks: StepMasks | None = None  # from the last fold, for the worker
         self.num_loads = 0
@@ -122,6 +122,8 @@ class SchedulerService:
         self.held: dict[str, list[tuple[TokenizedReq, float]]] = {}
         self.held_rids: set[str] = set()
         self.wanted: list[str] = []
+        # requests waiting for their grammar: rid -> (request, the compile's future)
+        self.compiling: dict[str, tuple[TokenizedReq, Future]] = {}
 
     def _not_served(self, e: AdapterNotFoundError, listed: int = 20) -> str:
         """What a request for an unknown name gets told: what is served instead."""
@@ -142,13 +144,20 @@ class SchedulerService:
 
     # ---- intake ------------------------------------------------------------------------------
 
-    def add(self, msg: TokenizedReq) -> ReqError | None:
-        if msg.rid in self.reqs or msg.rid in self.held_rids:
+    def add(self, msg: TokenizedReq, grammar: Matcher | None = None) -> ReqError | None:
+        """Queue a request; one with a grammar waits in `compiling` for it first (its compile
+        runs on the compiler's threads, never on this loop)."""
+        if msg.rid in self.reqs or msg.rid in self.held_rids or (
+                grammar is None and msg.rid in self.compiling):
             return ReqError(rid=msg.rid, message=f"request id {msg.rid!r} is already in use",
                             param="rid", code="duplicate_request_id", status=409)
         try:
+            if msg.params.structure is not None and grammar is None:
+                self.compiling[msg.rid] = (msg, self.intake.submit(msg.params.structure))
+                return None
             group, fallback = self.intake.requests(msg.rid, bytes_to_ids(msg.input_ids),
-                                                   msg.params, msg.adapters, msg.logprob_start)
+                                                   msg.params, msg.adapters, msg.logprob_start,
+                                                   grammar=grammar)
         except InvalidRequestError as e:
             return ReqError(rid=msg.rid, message=e.message, code=e.code, param=e.param)
         except AdapterNotFoundError as e:
@@ -166,6 +175,21 @@ class SchedulerService:
             self.owner[req] = (msg.rid, index)
             self.scheduler.add(req)
         return None
+
+    def take_compiled(self) -> list[ReqError]:
+        """Queue the requests whose grammar compiled; answer those whose grammar did not."""
+        errors = []
+        for rid, (msg, future) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[rid]
+            failed = future.exception()  # the compiler raises InvalidRequestErrors only
+            error = (self.add(msg, grammar=future.result()) if failed is None else
+                     ReqError(rid=rid, message=failed.message, code=failed.code,
+                              param=failed.param))
+            if error is not None:
+                errors.append(error)
+        return errors
 
     def _hold(self, msg: TokenizedReq, name: str) -> None:
         """Hold a request for a listed adapter until the registry's outcome for it; the
@@ -211,6 +235,8 @@ class SchedulerService:
         return wanted
 
     def abort(self, msg: AbortReq) -> None:
+        if self.compiling.pop(msg.rid, None) is not None:
+            return
         if msg.rid in self.held_rids:
             self._unhold(msg.rid)
             return
@@ -483,7 +509,8 @@ class SchedulerLoop:
         """Take what came (results, requests, adapter events), plan the next step if one can
         be planned; waits only when nothing could be planned last turn."""
         busy = self.service.loop.can_plan() and not self.stalled
-        ready = dict(self.poller.poll(0 if busy else IDLE_POLL_MS))
+        idle_ms = COMPILE_POLL_MS if self.service.compiling else IDLE_POLL_MS
+        ready = dict(self.poller.poll(0 if busy else idle_ms))
         if self.events is not None and self.events in ready:
             self.take_events()
         if self.inbox.sock in ready:
@@ -493,6 +520,9 @@ class SchedulerLoop:
             self.apply_admin()
         if self.service.held or self.service.wanted:
             self.tend_held()
+        if self.service.compiling:
+            for error in self.service.take_compiled():
+                self.to_tokenizer.send(error)
         plan = self.service.next_plan()
         if plan is not None:
             self.to_worker.send(plan)
