@@ -5,6 +5,7 @@ and the base fallback, compared with the offline Engine and checked for leaked r
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import os
@@ -774,10 +775,10 @@ def test_fallback_reaches_the_response(model, tmp_path):
     _, batches = tokenizer.on_tokens(TokenBatch(outputs=[out]))
     assert batches[0].outputs[0].fallback == "why"
     gen = Generation(GenerateReq(rid="f", params=PARAMS, prompt="x"), "a")
-    plain = fallback_response({"id": "f"}, [gen])
+    plain = asyncio.run(fallback_response(lambda: {"id": "f"}, [gen]))
     assert FALLBACK_HEADER not in plain.headers and b"system_fingerprint" not in plain.body
     gen.fallback = "why"
-    resp = fallback_response({"id": "f"}, [gen])
+    resp = asyncio.run(fallback_response(lambda: {"id": "f"}, [gen]))
     assert resp.headers[FALLBACK_HEADER] == "base"
     body = json.loads(resp.body)
     assert body["system_fingerprint"] == "radixlora-base-fallback"

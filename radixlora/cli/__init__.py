@@ -224,6 +224,7 @@ def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], serv
         zmq_client_key=args.zmq_client_key or os.environ.get("RADIXLORA_ZMQ_CLIENT_KEY", ""),
         allowed_adapter_roots=args.allowed_adapter_root,
         tool_call_parser=args.tool_call_parser,
+        max_logprob_entries=args.max_logprob_entries,
     )
 
 
@@ -304,6 +305,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--zmq-client-key", default=None,
                    help="ZeroMQ clients must send this key (RuntimeClient(api_key=KEY)) "
                         "(default: $RADIXLORA_ZMQ_CLIENT_KEY, else the --api-key, else none)")
+    p.add_argument("--max-logprob-entries", type=positive(int), default=None, metavar="N",
+                   help="logprob entries (a token's logprob, or one of its top alternatives) "
+                        "one request may return, over its prompts, samples and prompt and "
+                        "output tokens (default: the context length x 21, one full context "
+                        "with 20 top logprobs)")
     p.add_argument("--drain-timeout", type=positive(float, allow_zero=True), default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
     p.add_argument("--step-timeout", type=positive(float), default=600.0,

@@ -91,6 +91,9 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     watchdog_timeout_s: float = 30.0  # a child silent this long (no heartbeat) is dead
     ready_timeout_s: float = 300.0
     max_body_bytes: int = 8 << 20
+    # logprob entries (a token's logprob, or one of its top alternatives) one client request
+    # may return; None: one full context with the most top logprobs (context x 21)
+    max_logprob_entries: int | None = None
     log_level: str = "info"
     log_requests: bool = False  # one INFO line per finished request (counts and times, no text)
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector URL: one span per request

@@ -129,6 +129,12 @@ class Generation:
         return self.req.params.n
 
     @property
+    def logprob_entries(self) -> int:
+        """Logprobs (each with its top alternatives) its samples hold so far."""
+        tokens = sum(len(s.logprobs) + len(s.input_logprobs) for s in self.samples.values())
+        return tokens * (1 + (self.req.params.logprobs or 0))
+
+    @property
     def finished(self) -> bool:
         done = [s for s in self.samples.values() if s.finish_reason is not None]
         return len(done) >= self.n
@@ -222,6 +228,7 @@ class ProcessBridge:
             if rid in self.generations or rids.count(rid) > 1:
                 raise DuplicateRequestId(rid)
         queue: asyncio.Queue = asyncio.Queue()
+        reqs = [msgspec.structs.replace(r, request_prompts=len(reqs)) for r in reqs]
         gens = [Generation(req, adapter_label, queue, owner=owner) for req in reqs]
         for gen in gens:
             self.generations[gen.req.rid] = gen

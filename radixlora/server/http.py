@@ -8,7 +8,7 @@ import contextlib
 import hashlib
 import hmac
 import re
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 import numpy as np
@@ -18,10 +18,12 @@ from starlette.responses import Response
 
 from radixlora.errors import InvalidRequestError
 from radixlora.protocol.schemas import unknown_fields
-from radixlora.server.bridge import ReqFailed
+from radixlora.server.bridge import Generation, ReqFailed
 
 _PATH = re.compile(r"at `\$\.?([^`\[]*)")
 MAX_DEPTH = 64  # nesting of JSON arrays and objects in a request body
+OFF_LOOP_ENTRIES = 10_000  # logprob entries past which an answer is built off the event loop
+PIECE = 2048  # list items serialized at a time there
 _OPEN, _CLOSE, _QUOTE, _BACKSLASH = 1, 2, 3, 4
 _CLASS = np.zeros(256, np.int8)
 _CLASS[[ord("["), ord("{")]] = _OPEN
@@ -46,6 +48,34 @@ class ClientGone(Exception):
 def json_response(obj, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json",
                     headers=headers)
+
+
+async def json_answer(build: Callable[[], object], gens: list[Generation],
+                      headers: dict[str, str] | None = None) -> Response:
+    """json_response(build()), the answer of `gens`; one of more than OFF_LOOP_ENTRIES logprob
+    entries is built and serialized on a thread, a piece at a time (dumps_in_pieces), so that
+    the event loop goes on serving /health and every other stream meanwhile."""
+    if sum(gen.logprob_entries for gen in gens) <= OFF_LOOP_ENTRIES:
+        return json_response(build(), headers=headers)
+    body = await asyncio.to_thread(lambda: dumps_in_pieces(build()))
+    return Response(body, media_type="application/json", headers=headers)
+
+
+def dumps_in_pieces(obj) -> bytes:
+    """orjson.dumps(obj), lists of more than PIECE items serialized PIECE items at a time:
+    orjson holds the GIL for a whole call, Python code between calls lets it go."""
+    return orjson.dumps(_in_pieces(obj))
+
+
+def _in_pieces(obj):
+    if isinstance(obj, dict):
+        return {k: _in_pieces(v) for k, v in obj.items()}
+    if not isinstance(obj, list):
+        return obj
+    if len(obj) <= PIECE:
+        return [_in_pieces(v) for v in obj]
+    parts = [orjson.dumps(obj[i:i + PIECE])[1:-1] for i in range(0, len(obj), PIECE)]
+    return orjson.Fragment(b"[" + b",".join(parts) + b"]")
 
 
 def error_body(status: int, message: str, code: str, param: str | None = None) -> dict:

@@ -109,6 +109,7 @@ class GenerateReq(Message):
     score_only: bool = False  # max_new_tokens 0 with prompt logprobs: drop the sampled token
     echo: bool = False  # /v1/completions echo: a token-id prompt's text comes back decoded
     data_parallel_rank: Count | None = None  # run on this replica (None: the router picks)
+    request_prompts: Count = 1  # the prompts of its client request (which share its limits)
 
     def validate(self) -> None:
         check_int32(self.input_ids, "input_ids")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import secrets
 import string
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
 
@@ -34,7 +34,7 @@ from radixlora.server.bridge import Generation, ProcessBridge, Sample
 from radixlora.server.http import (
     SSE_DONE,
     EventStream,
-    json_response,
+    json_answer,
     sse,
     stream_body,
     until_disconnect,
@@ -82,14 +82,17 @@ class OpenAIHandlers:
         if req.stream:
             return await self._stream(request, gens, self._completion_chunks(gens, head, req))
         await until_disconnect(request, self.runtime.collect(gens))
-        prompts = completion_prompts(req.prompt)
-        choices = [
-            _completion_choice(req, prompts[p], p * req.n + s.index, s)
-            for p, gen in enumerate(gens)
-            for s in sorted(gen.samples.values(), key=lambda s: s.index)
-        ]
-        return fallback_response(
-            {**head, "choices": choices, "usage": _usage(gens, dropped=echo_only(req))}, gens)
+
+        def body() -> dict:
+            prompts = completion_prompts(req.prompt)
+            choices = [
+                _completion_choice(req, prompts[p], p * req.n + s.index, s)
+                for p, gen in enumerate(gens)
+                for s in sorted(gen.samples.values(), key=lambda s: s.index)
+            ]
+            return {**head, "choices": choices, "usage": _usage(gens, dropped=echo_only(req))}
+
+        return await fallback_response(body, gens)
 
     async def _completion_chunks(self, gens, head, req) -> AsyncIterator[bytes]:
         """With echo, each choice's first chunk starts with its prompt (and with logprobs the
@@ -163,16 +166,20 @@ class OpenAIHandlers:
             head["object"] = "chat.completion.chunk"
             return await self._stream(request, gens, self._chat_chunks(gens, head, req, tools))
         await until_disconnect(request, self.runtime.collect(gens))
-        choices = []
-        for s in sorted(gens[0].samples.values(), key=lambda s: s.index):
-            message, finish_reason = tools.message(s.text, s.finish_reason)
-            choices.append(chat_choice(s.index, message, _chat_logprobs(s) if req.logprobs
-                                       else None, finish_reason))
-        body = {**head, "choices": choices, "usage": _usage(gens)}
-        if req.prompt_logprobs is not None:  # vLLM: one list for the request's one prompt
-            body["prompt_logprobs"] = vllm_prompt_logprobs(
-                next(iter(gens[0].samples.values())), req.prompt_logprobs)
-        return fallback_response(body, gens)
+
+        def body() -> dict:
+            choices = []
+            for s in sorted(gens[0].samples.values(), key=lambda s: s.index):
+                message, finish_reason = tools.message(s.text, s.finish_reason)
+                choices.append(chat_choice(s.index, message, _chat_logprobs(s) if req.logprobs
+                                           else None, finish_reason))
+            out = {**head, "choices": choices, "usage": _usage(gens)}
+            if req.prompt_logprobs is not None:  # vLLM: one list for the request's one prompt
+                out["prompt_logprobs"] = vllm_prompt_logprobs(
+                    next(iter(gens[0].samples.values())), req.prompt_logprobs)
+            return out
+
+        return await fallback_response(body, gens)
 
     async def _chat_chunks(self, gens, head, req, tools: ToolChoice) -> AsyncIterator[bytes]:
         """Content as it comes; with tools, content that may be a call is held back, and the
@@ -258,10 +265,11 @@ def fallback_fields(gens: list[Generation]) -> dict:
     return fields
 
 
-def fallback_response(body: dict, gens: list[Generation]):
+async def fallback_response(body: Callable[[], dict], gens: list[Generation]):
+    """The answer body() makes (json_answer), with the fallback fields and header."""
     fields = fallback_fields(gens)
     headers = {FALLBACK_HEADER: "base"} if "adapter_fallback" in fields else None
-    return json_response({**body, **fields}, headers=headers)
+    return await json_answer(lambda: {**body(), **fields}, gens, headers)
 
 
 def _as_sample(out: SampleOutput) -> Sample:

@@ -32,7 +32,7 @@ from radixlora.server.bridge import Generation, ProcessBridge, Sample
 from radixlora.server.http import (
     SSE_DONE,
     EventStream,
-    json_response,
+    json_answer,
     sse,
     stream_body,
     until_disconnect,
@@ -111,13 +111,15 @@ class SglangHandlers:
             first = await until_disconnect(request, chunks.__anext__())
             return EventStream(stream_body(first, chunks))
         await until_disconnect(request, self.runtime.collect(gens))
-        outs = [
-            meta_output(gen, s, req, time.monotonic() - start)
-            for gen in gens
-            for s in sorted(gen.samples.values(), key=lambda s: s.index)
-        ]
+        latency = time.monotonic() - start
+
+        def body():
+            outs = [meta_output(gen, s, req, latency) for gen in gens
+                    for s in sorted(gen.samples.values(), key=lambda s: s.index)]
+            return outs if batched or len(outs) > 1 else outs[0]
+
         headers = {FALLBACK_HEADER: "base"} if any(g.fallback for g in gens) else None
-        return json_response(outs if batched or len(outs) > 1 else outs[0], headers=headers)
+        return await json_answer(body, gens, headers)
 
     async def _chunks(self, gens: list[Generation], req, start) -> AsyncIterator[bytes]:
         n = gens[0].n

@@ -21,6 +21,7 @@ import zmq
 from radixlora.config import ModelConfig
 from radixlora.errors import InvalidRequestError
 from radixlora.intake import check_prompt_ids, fill_context, max_total_tokens
+from radixlora.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from radixlora.server.args import ServerArgs
 from radixlora.server.ipc import (
     Heartbeats,
@@ -89,6 +90,8 @@ class TokenizerService:
     def __init__(self, args: ServerArgs):
         self.model_cfg = ModelConfig.from_dir(args.model)
         self.max_total = max_total_tokens(self.model_cfg, args.engine_config())
+        self.max_logprob_entries = args.max_logprob_entries or (
+            self.max_total * (1 + MAX_TOP_LOGPROBS))
         self.tokenizer = Tokenizer.from_dir(args.tokenizer_dir)
         self.chat = ChatTemplate.from_dir(args.tokenizer_dir, args.chat_template)
         self.reqs: dict[str, ReqState] = {}
@@ -133,10 +136,28 @@ class TokenizerService:
                 params, bad_words_ids=self.tokenizer.bad_words_ids(params.bad_words))
         # position 0 has no context: scoring starts at 1 and the api reports it unscored
         start = 1 if req.logprob_start == 0 else req.logprob_start
+        self.check_logprobs(req, params, len(ids))
         return TokenizedReq(
             rid=req.rid, input_ids=ids_to_bytes(ids), params=params, adapters=req.adapters,
             logprob_start=start, adapter_param=req.adapter_param,
         )
+
+    def check_logprobs(self, req: GenerateReq, params: SamplingParams, prompt_len: int) -> None:
+        """The logprob entries the prompt's answer may hold (every sample repeats the prompt's)
+        within its share of max_logprob_entries: the answer is built and held in memory whole."""
+        scored = prompt_len - req.logprob_start if req.logprob_start is not None else 0
+        outputs = params.max_tokens if params.logprobs is not None else 0
+        entries = params.n * (scored + outputs) * (1 + (params.logprobs or 0))
+        share = self.max_logprob_entries // req.request_prompts
+        if entries > share:
+            split = (f", {share} for each of its {req.request_prompts} prompts"
+                     if req.request_prompts > 1 else "")
+            raise InvalidRequestError(
+                f"the logprobs asked would return {entries} entries (n {params.n} x "
+                f"({scored} prompt + {outputs} output tokens) x (1 + {params.logprobs or 0} "
+                f"top)); a request may return at most {self.max_logprob_entries}{split} "
+                "(--max-logprob-entries): ask fewer samples, tokens or top logprobs",
+                param="logprobs", code="too_many_logprobs")
 
     def _prompt_ids(self, req: GenerateReq) -> np.ndarray:
         if req.input_ids is not None:
