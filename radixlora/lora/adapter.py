@@ -46,6 +46,7 @@ _MAGNITUDE = re.compile(
     r"\.lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?$"
 )
 MAX_ADAPTER_BYTES = 8 << 30
+CHANGING = "adapter_changing"  # AdapterError.code: the files changed or vanished while read
 MAX_CONFIG_BYTES = 1 << 20
 MAX_ALPHA = 1e6
 MAX_MAGNITUDE = 1e6  # a DoRA magnitude scales a whole projection's output
@@ -263,7 +264,8 @@ def read_adapter_files(name: str, path: Path,
     must be a regular file within its size cap and, with `roots`, resolve inside one of them."""
     config_path, tensor_path = _adapter_files(name, path)
     return (_read_file(name, config_path, MAX_CONFIG_BYTES, roots),
-            _read_file(name, tensor_path, MAX_ADAPTER_BYTES, roots))
+            _read_regular(name, tensor_path, MAX_ADAPTER_BYTES, roots,
+                          functools.partial(_read_tensors, name)))
 
 
 def _adapter_files(name: str, path: Path) -> tuple[Path, Path]:
@@ -311,6 +313,12 @@ def _read_regular(name: str, path: Path, max_bytes: int, roots: Sequence[str | P
             if (opened.st_dev, opened.st_ino) != (before.st_dev, before.st_ino):
                 raise AdapterError(name, f"{path.name} was replaced while it was read")
             return read(f, opened.st_size)
+    except FileNotFoundError as e:
+        if os.path.lexists(path):  # a link to nothing
+            raise AdapterError(name, f"{path.name} is unreadable: {e.strerror}",
+                               code="unreadable_adapter") from e
+        raise AdapterError(name, f"{path.name} vanished while it was read",
+                           code=CHANGING) from e
     except OSError as e:
         raise AdapterError(name, f"{path.name} is unreadable: {e.strerror}",
                            code="unreadable_adapter") from e
@@ -318,7 +326,8 @@ def _read_regular(name: str, path: Path, max_bytes: int, roots: Sequence[str | P
 
 def _tensor_header(name: str, f: BinaryIO, size: int) -> dict[str, TensorMeta]:
     """The tensors a safetensors file declares (names, shapes, dtypes), read from its header:
-    no tensor data is read."""
+    no tensor data is read. The header's offsets must tile the rest of the file exactly: a
+    file with bytes beyond its tensors, or fewer than they need, is refused here."""
     prefix = f.read(8)
     length = int.from_bytes(prefix, "little")
     if len(prefix) < 8 or length > min(MAX_SAFETENSORS_HEADER, size - 8):
@@ -329,12 +338,48 @@ def _tensor_header(name: str, f: BinaryIO, size: int) -> dict[str, TensorMeta]:
         entries = {key: msgspec.json.decode(raw, type=_HeaderEntry) for key, raw in header.items()}
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
         raise AdapterError(name, f"adapter_model.safetensors is corrupted: {e}") from e
-    return {key: _meta_tensor(name, key, entry) for key, entry in entries.items()}
+    metas = {key: _meta_tensor(name, key, entry) for key, entry in entries.items()}
+    _check_offsets(name, entries, metas, size - 8 - length)
+    return metas
+
+
+def _check_offsets(name: str, entries: dict[str, _HeaderEntry], metas: dict[str, TensorMeta],
+                   data_bytes: int) -> None:
+    """The tensors' byte ranges follow one another from 0, each as long as its shape and dtype
+    need, and end where the file does (as safetensors itself requires, checked before the
+    data is read rather than after)."""
+    end = 0
+    for key, entry in sorted(entries.items(), key=lambda kv: kv[1].data_offsets):
+        begin, stop = entry.data_offsets
+        meta = metas[key]
+        need = math.prod(meta.shape) * meta.dtype.itemsize
+        if begin != end or stop - begin != need:
+            raise AdapterError(name, f"adapter_model.safetensors is corrupted: tensor {key!r} "
+                                     f"has offsets [{begin}, {stop}], expected "
+                                     f"[{end}, {end + need}]")
+        end = stop
+    if end != data_bytes:
+        what = (f"{data_bytes - end} bytes after its tensors" if data_bytes > end else
+                f"{end - data_bytes} bytes fewer than its tensors need (truncated?)")
+        raise AdapterError(name, f"adapter_model.safetensors is corrupted: it has {what}")
+
+
+def _read_tensors(name: str, f: BinaryIO, size: int) -> bytes:
+    """The whole safetensors file, once its header was checked against its size
+    (_tensor_header): never more than the header accounts for."""
+    _tensor_header(name, f, size)
+    f.seek(0)
+    data = f.read(size)
+    if len(data) != size:
+        raise AdapterError(name, "adapter_model.safetensors changed while it was read",
+                           code=CHANGING)
+    return data
 
 
 class _HeaderEntry(msgspec.Struct):
     dtype: str
     shape: list[Annotated[int, msgspec.Meta(ge=0)]]
+    data_offsets: tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(ge=0)]]
 
 
 @dataclass(frozen=True)

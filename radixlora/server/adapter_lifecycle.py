@@ -16,6 +16,7 @@ from radixlora.adapters import AdapterRegistry
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
 from radixlora.lora.adapter import (
+    CHANGING,
     LoraAdapter,
     adapter_from_header,
     check_header,
@@ -152,7 +153,7 @@ class AdapterLifecycle:
             return AdminReply(qid=req.qid, status=409, message=str(e), code="adapter_changing",
                               param="lora_path")
         except AdapterError as e:  # a load's: about its files
-            status = 403 if e.code == "path_not_allowed" else 400
+            status = {"path_not_allowed": 403, CHANGING: 409}.get(e.code, 400)
             return AdminReply(qid=req.qid, status=status, message=str(e), code=e.code,
                               param="lora_path" if req.op == "load" else "lora_name")
         except InvalidRequestError as e:

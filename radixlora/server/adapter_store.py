@@ -47,15 +47,19 @@ def snapshot_roots(state_dir: str, data_parallel: bool) -> tuple[Path, ...]:
     return (own, Path(state_dir).parent / SNAPSHOTS) if data_parallel else (own,)
 
 
-def file_signature(path: Path) -> tuple:
-    """(name, size, mtime_ns) of every file of an adapter directory: changes while it is written."""
+def file_signature(path: Path, name: str = "") -> tuple:
+    """(name, size, mtime_ns) of every file of an adapter directory: changes while it is written.
+    FilesChanged (for adapter `name`) if a file or the directory vanishes while it is listed."""
     if not path.is_dir():
         return ()
     out = []
-    for entry in sorted(os.scandir(path), key=lambda e: e.name):
-        if entry.is_file():
-            st = entry.stat()
-            out.append((entry.name, st.st_size, st.st_mtime_ns))
+    try:
+        for entry in sorted(os.scandir(path), key=lambda e: e.name):
+            if entry.is_file():
+                st = entry.stat()
+                out.append((entry.name, st.st_size, st.st_mtime_ns))
+    except FileNotFoundError:
+        raise FilesChanged(name) from None
     return tuple(out)
 
 
@@ -87,9 +91,9 @@ class AdapterStore:
         invalid, FilesChanged if (with stable) its files changed while they were read."""
         src = Path(src)
         check_header(name, src, model, max_rank, roots)
-        before = file_signature(src)
+        before = file_signature(src, name)
         config_bytes, tensor_bytes = read_adapter_files(name, src, roots)
-        if stable and file_signature(src) != before:
+        if stable and file_signature(src, name) != before:
             raise FilesChanged(name)
         adapter = adapter_from_bytes(name, src, config_bytes, tensor_bytes, model, max_rank)
         return Validated(adapter, config_bytes, tensor_bytes)

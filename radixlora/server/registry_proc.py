@@ -43,7 +43,7 @@ from watchdog.observers import Observer
 from radixlora.adapters import check_adapter_name
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, InvalidRequestError
-from radixlora.lora.adapter import LoraAdapter, content_hash, read_adapter_files
+from radixlora.lora.adapter import CHANGING, LoraAdapter, content_hash, read_adapter_files
 from radixlora.lora.pool import PoolLayout, pool_layouts
 from radixlora.lora.registration import HashCache, load_adapters
 from radixlora.server.adapter_store import (
@@ -246,7 +246,7 @@ class RegistryCore:
         for name in names:
             if (self.root / name).is_dir():
                 slow = self.too_slow.get(name)
-                if slow is not None and slow == file_signature(self.root / name):
+                if slow is not None and slow == self._signature(name):
                     continue  # timed out as it is: examined again once its files change
                 self.pending.add(name)
             else:
@@ -343,7 +343,7 @@ class RegistryCore:
             if future.done():
                 out[name] = future.result()
                 continue
-            self.too_slow[name] = file_signature(self.root / name)
+            self.too_slow[name] = self._signature(name)
             out[name] = AdapterError(name, f"could not be validated within "
                                            f"{VALIDATE_TIMEOUT_S:g} s; not examined again "
                                            "until its files change")
@@ -424,7 +424,10 @@ class RegistryCore:
             self._reject(name, "bad_name", e.message)
             return False
         except AdapterError as e:
-            self._reject(name, reject_reason(e.reason), str(e))
+            if e.code == CHANGING:
+                self.retry.append(name)
+            else:
+                self._reject(name, reject_reason(e.reason), str(e))
             return False
         except OSError as e:  # unreadable, or deleted while read (its event follows)
             self._reject(name, "unreadable", f"adapter {name!r}: {e}")
@@ -437,12 +440,19 @@ class RegistryCore:
         exactly validated content; else (or if they do not) they are validated here."""
         src = self.root / name
         if prevalidated is not None:
-            before = file_signature(src)
+            before = file_signature(src, name)
             config_bytes, tensor_bytes = read_adapter_files(name, src)
-            if (file_signature(src) == before
+            if (file_signature(src, name) == before
                     and content_hash(config_bytes, tensor_bytes) == prevalidated.adapter_id):
                 return Validated(prevalidated, config_bytes, tensor_bytes)
         return self.store.read(name, src, self.model_cfg, self.max_rank)
+
+    def _signature(self, name: str) -> tuple | None:
+        """file_signature of adapter `name`; None while its files vanish."""
+        try:
+            return file_signature(self.root / name, name)
+        except FilesChanged:
+            return None
 
     def _publish_version(self, name: str, validated: Validated) -> bool:
         """Publish a validated version unless it is unchanged; content another name already
