@@ -18,7 +18,7 @@ import numpy as np
 
 from radixlora.adapters import AdapterRegistry, parse_spec
 from radixlora.config import EngineConfig, ModelConfig
-from radixlora.errors import InvalidRequestError, RadixLoraError
+from radixlora.errors import AdapterError, InvalidRequestError, RadixLoraError
 from radixlora.executor import StepExecutor
 from radixlora.intake import Intake, check_prompt_ids
 from radixlora.lora.adapter import LoraAdapter
@@ -226,6 +226,10 @@ class Engine:
         folded = self.loop.fold(result)
         if folded.masks is not None:
             self.executor.give_masks(folded.masks)
+        for adapter_id in folded.invalid_adapters:
+            adapter = self._versions.get(adapter_id)
+            raise AdapterError(adapter.name if adapter else adapter_id[:12],
+                               folded.failed_adapters[adapter_id])
         if folded.error is not None or folded.failed_adapters:
             raise RadixLoraError(f"step {result.step} did not run: "
                                  f"{folded.error or folded.failed_adapters}")

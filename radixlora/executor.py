@@ -15,7 +15,7 @@ from pathlib import Path
 
 from radixlora.adapter_reader import AdapterReader, AdapterSource
 from radixlora.lora.packer import ProcessPacker
-from radixlora.model_runner import LaunchedStep, ModelRunner
+from radixlora.model_runner import AdaptersRefused, LaunchedStep, ModelRunner
 from radixlora.step_plan import (
     StepMasks,
     StepPlan,
@@ -114,6 +114,9 @@ class StepExecutor:
                 return self.unrun(StepResult(step=plan.step, failed_adapters=failed,
                                              error=elsewhere))
             launched = self.runner.launch(plan, loads)
+        except AdaptersRefused as e:
+            return self.unrun(StepResult(step=plan.step, failed_adapters=e.reasons,
+                                         invalid_adapters=list(e.reasons)))
         except Exception as e:
             if self.runner.tp is not None:  # the ranks are out of step: end this one
                 raise

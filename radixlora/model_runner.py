@@ -299,6 +299,9 @@ class ModelRunner:
         self.adapter_pool.write_all(loads, plan.adapter_sets)
         self.adapter_pool.wait_loads()
         self.adapter_pool.finish_dora(plan.adapter_sets)
+        refused = self.adapter_pool.dora_faults(plan.adapter_sets)
+        if refused:
+            raise AdaptersRefused(refused)
         host = _host_inputs(plan)
         segments = _lora_segments(plan)
         scored = _scored_rows(plan)
@@ -656,3 +659,12 @@ def _lora_segments(plan: StepPlan) -> LoraSegments | None:
         if any(r and r.magnitude >= 0 for r in rows):
             magnitudes[group] = [r.magnitude if r else -1 for r in rows]
     return LoraSegments(segments, request_sets, magnitudes)
+
+
+class AdaptersRefused(Exception):
+    """A step read adapters found invalid once written (a DoRA adapter whose norms vanish):
+    it did not run. `reasons`: adapter id -> why."""
+
+    def __init__(self, reasons: dict[str, str]):
+        super().__init__(f"adapters refused: {reasons}")
+        self.reasons = reasons

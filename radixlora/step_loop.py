@@ -25,6 +25,7 @@ class Folded:
     sampled: list[Req] = field(default_factory=list)
     error: str | None = None
     failed_adapters: dict[str, str] = field(default_factory=dict)
+    invalid_adapters: list[str] = field(default_factory=list)  # StepResult.invalid_adapters
     masks: StepMasks | None = None  # the next step's late masks, for the worker
 
     @property
@@ -81,7 +82,7 @@ class StepLoop:
         if result.error is not None or result.failed_adapters:
             sched.discard(batch)
             return Folded(batch, error=result.error, failed_adapters=result.failed_adapters,
-                          masks=self._late_masks())
+                          invalid_adapters=result.invalid_adapters, masks=self._late_masks())
         sampled = [item.req for item in batch.items if item.sample and sched.is_live(item)]
         sched.process_results(batch, bytes_to_ids(result.token_ids).tolist(), result.logprobs,
                               result.top(), result.input_logprobs, result.input_top())

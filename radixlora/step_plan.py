@@ -102,6 +102,7 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
     failed_adapters: dict[str, str] = {}  # adapter id -> reason; the step did not run
+    invalid_adapters: list[str] = []  # of failed_adapters, those whose own content is at fault
     error: str | None = None  # the step did not run
     load_seconds: list[float] = []  # one per adapter load of the step
     input_logprobs: list[list[float]] | None = None  # per plan item: scored prompt tokens

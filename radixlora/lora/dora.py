@@ -82,6 +82,22 @@ def dense_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return linear.weight if dequantized is None else dequantized(dtype)
 
 
+DORA_VANISHES = ("DoRA: ||W + s*B*A|| (nearly) vanishes on some output rows, where what is "
+                 "left of the projection is rounding noise that the scale m / ||W + s*B*A|| "
+                 "would blow up (or the norm is zero and the scale infinite)")
+
+
+def vanishing_norms(magnitudes: torch.Tensor, squares: torch.Tensor, base_squares: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """A device flag: some adapted row's squared norm of W + s B A is at most eps ||W||^2 (eps
+    of the dtype W is read in: the rounding of squared_norms' expansion, below which its value
+    says nothing), or is not finite. Such a row's scale is noise or infinite; PEFT's output
+    there is noise or NaN too."""
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
+    adapted = ~torch.isnan(magnitudes)
+    return (adapted & ~(squares > eps * base_squares)).any()
+
+
 def scales_from(magnitudes: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
     """g - 1 [layers, out_total] float32 from the magnitudes (NaN: a column the adapter does not
     adapt, whose g is 1) and the squared norms of W + s B A."""

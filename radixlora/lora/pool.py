@@ -28,7 +28,13 @@ import torch
 from radixlora.config import ModelConfig
 from radixlora.distributed import Shard
 from radixlora.lora.adapter import GROUP_OF, MODULE_GROUPS, LoraAdapter
-from radixlora.lora.dora import DoraBase, scales_from, squared_norms
+from radixlora.lora.dora import (
+    DORA_VANISHES,
+    DoraBase,
+    scales_from,
+    squared_norms,
+    vanishing_norms,
+)
 from radixlora.lora.host_cache import HostAdapterCache, PackedAdapter
 
 QMAX = 127  # symmetric int8: -127..127, so a row's absmax maps to +-127 exactly
@@ -230,6 +236,9 @@ class AdapterPool:
         # magnitude row -> (group, m, partial squares) of a DoRA adapter's row-parallel groups,
         # until the first step that reads it (finish_dora)
         self._dora_pending: dict[int, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+        # magnitude row -> (adapter id, a device flag: its norms vanish on some row), from its
+        # write until the first step that reads it looks (dora_faults)
+        self._dora_checks: dict[int, tuple[str, torch.Tensor]] = {}
         if cuda:  # the zero fill above must land before any load
             self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -290,13 +299,12 @@ class AdapterPool:
     def _copy(self, adapter: LoraAdapter | PackedAdapter, rows: np.ndarray) -> None:
         packed = adapter if isinstance(adapter, PackedAdapter) else self.packed(adapter)
         if self.load_stream is None:
-            self._scatter(packed.data, packed.group_ranks, rows, packed.dora_groups)
+            self._scatter(packed, packed.data, rows)
             return
         with torch.cuda.stream(self.load_stream):
             # the pinned source stays alive until the copy ends: PyTorch's pinned allocator
             # records this stream's use and reuses the block only after it completes
-            self._scatter(packed.data.to(self.device, non_blocking=True), packed.group_ranks,
-                          rows, packed.dora_groups)
+            self._scatter(packed, packed.data.to(self.device, non_blocking=True), rows)
 
     def _record(self) -> None:
         if self.load_stream is None:
@@ -311,14 +319,16 @@ class AdapterPool:
             (stream or torch.cuda.current_stream(self.device)).wait_event(self._loaded)
             self._loads_pending = False
 
-    def _scatter(self, packed: torch.Tensor, group_ranks: Mapping[str, int],
-                 rows: np.ndarray, dora_groups: tuple[str, ...] = ()) -> None:
+    def _scatter(self, adapter: PackedAdapter, packed: torch.Tensor, rows: np.ndarray) -> None:
+        """`packed` (adapter.data, on the device) into `rows`."""
+        group_ranks, dora_groups = adapter.group_ranks, adapter.dora_groups
         idx = torch.as_tensor(rows, dtype=torch.long)
         if self.device.type == "cuda":  # pinned: a pageable source would wait for earlier copies
             idx = idx.pin_memory()
         idx = idx.to(self.device, non_blocking=True)
         for row in rows:  # what waited for the rows' previous adapter is void
             self._dora_pending.pop(int(row), None)
+            self._dora_checks.pop(int(row), None)
         magnitudes = None
         if dora_groups:
             n = sum(self.out_offsets[g][-1] for g in dora_groups) * self.layout.cfg.num_layers
@@ -334,15 +344,19 @@ class AdapterPool:
             for pool, row_dim in ((self.a_all[group], 2), (self.b_all[group], 1)):
                 offset += _scatter_rows(pool, row_dim, packed[offset:], rank, idx)
         if magnitudes is not None:
-            self._write_dora_scales(magnitudes, group_ranks, dora_groups, rows)
+            self._write_dora_scales(adapter.adapter_id, magnitudes, group_ranks, dora_groups,
+                                    rows)
 
-    def _write_dora_scales(self, magnitudes: torch.Tensor, group_ranks: Mapping[str, int],
-                           dora_groups: tuple[str, ...], rows: np.ndarray) -> None:
+    def _write_dora_scales(self, adapter_id: str, magnitudes: torch.Tensor,
+                           group_ranks: Mapping[str, int], dora_groups: tuple[str, ...],
+                           rows: np.ndarray) -> None:
         """A DoRA adapter's scales into its magnitude row (its last row), from its magnitude
-        vectors and the rows just written (radixlora.lora.dora)."""
+        vectors and the rows just written (radixlora.lora.dora); whether its norms vanish
+        (vanishing_norms) is kept on the device for dora_faults."""
         if self.dora_base is None:
             raise RuntimeError("a DoRA adapter needs the pool's dora_base (the model's weights)")
         offset, row = 0, int(rows[-1])
+        faults = []
         for group in dora_groups:
             size = self.layout.cfg.num_layers * self.out_offsets[group][-1]
             m = magnitudes[offset:offset + size].view(self.layout.cfg.num_layers, -1)
@@ -350,8 +364,20 @@ class AdapterPool:
             squares = squared_norms(self, self.dora_base, group, rows[:group_ranks[group]])
             if self.dora_base.row_parallel(group) is None:
                 self._store_dora_scales(group, scales_from(m, squares), row)
+                faults.append(vanishing_norms(m, squares, self.dora_base.row_squares(group),
+                                              self.dora_base.dtype))
             else:
                 self._dora_pending.setdefault(row, []).append((group, m.clone(), squares))
+        if faults and self.layout.shard is None:  # a tensor-parallel rank sees its rows only
+            self._dora_checks[row] = (adapter_id, torch.stack(faults).any())
+
+    def dora_faults(self, adapter_sets) -> dict[str, str]:
+        """The DoRA adapters this step reads whose norms vanish (written since the last look;
+        one host sync when there are any), by id, with why: their scales are not finite, and
+        the step must not run with them."""
+        rows = {g.magnitude for groups in adapter_sets for g in groups.values()}
+        checks = [self._dora_checks.pop(r) for r in sorted(rows & self._dora_checks.keys())]
+        return {adapter_id: DORA_VANISHES for adapter_id, fault in checks if fault.item()}
 
     def finish_dora(self, adapter_sets) -> None:
         """Under tensor parallelism, before a step that reads them: the scales of the DoRA

@@ -314,7 +314,7 @@ class SchedulerService:
         if folded.error is not None:
             return None, self._fail_step(folded.plan, folded.error)
         if folded.failed_adapters:
-            return None, self._fail_adapters(folded.failed_adapters)
+            return None, self._fail_adapters(folded.failed_adapters, folded.invalid_adapters)
         self.num_loads += len(folded.plan.adapter_loads) + len(folded.plan.prefetch_loads)
         self.host_tier = (result.host_adapters, result.host_bytes)
         self.load_seconds += result.load_seconds
@@ -368,18 +368,23 @@ class SchedulerService:
         return [self._fail(rid, f"the worker failed: {reason}", "worker_error", 500)
                 for rid in owners]
 
-    def _fail_adapters(self, failed: dict[str, str]) -> list[ReqError]:
-        """Adapters the worker could not load: drop them and fail every request using them."""
+    def _fail_adapters(self, failed: dict[str, str], invalid: list[str]) -> list[ReqError]:
+        """Adapters the worker could not load: drop them and fail every request using them
+        (a 400 where the adapter's content is at fault, and its names count as rejected)."""
         errors = []
         self.num_load_failures += len(failed)
         for adapter_id, reason in failed.items():
             names = self.adapters.drop(adapter_id)
             log.error("adapter %s (%s) failed to load and is dropped: %s", names, adapter_id[:12],
                       reason)
+            code, status = (("invalid_adapter", 400) if adapter_id in invalid
+                            else ("adapter_load_failed", 500))
+            if adapter_id in invalid:
+                self.lifecycle.rejected.update(dict.fromkeys(names, reason))
             users = [rid for rid, group in self.reqs.items()
                      if any(a.adapter_id == adapter_id for a in group[0].adapter_set.adapters)]
-            errors += [self._fail(rid, f"adapter {names} failed to load: {reason}",
-                                  "adapter_load_failed", 500) for rid in users]
+            errors += [self._fail(rid, f"adapter {names} failed to load: {reason}", code, status)
+                       for rid in users]
             self.lifecycle.retire_id(adapter_id)  # its rows and snapshots go once unused
         return errors
 
