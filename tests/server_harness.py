@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -207,3 +208,60 @@ def registry_turn(core, now: float = 0.0) -> None:
     """A registry loop turn once the batch validating the directory at start has ended."""
     batch_ended(core)
     core.admit(now)
+
+
+STREAM_TOKENS = 48
+STREAMS = 2
+
+
+def stream_gaps(url: str, model: str) -> list[float]:
+    """Seconds between the chunks of one streamed completion."""
+    body = {"model": model, "prompt": "Stalls", "max_tokens": STREAM_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    arrivals = []
+    with httpx.Client(base_url=url, timeout=60) as http, \
+            http.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                assert json.loads(line[6:])["choices"]
+                arrivals.append(time.monotonic())
+    return [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+
+@contextlib.contextmanager
+def streaming(url: str, model: str):
+    """STREAMS streams, each a new completion as the last ends, for the duration of the block;
+    yields the list their chunk gaps are added to."""
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def stream_until_done():
+        while not done.is_set():
+            gaps.extend(stream_gaps(url, model))
+
+    threads = [threading.Thread(target=stream_until_done) for _ in range(STREAMS)]
+    for t in threads:
+        t.start()
+    try:
+        yield gaps
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+
+
+def peak_rss(pid: int) -> int:
+    """The process's peak resident set (VmHWM), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
+def current_rss(pid: int) -> int:
+    """The process's resident set now (VmRSS), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")

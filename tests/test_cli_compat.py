@@ -197,6 +197,18 @@ def test_an_empty_key_is_refused_not_taken_for_no_key(flag, key):
         prepare(args)
 
 
+@pytest.mark.parametrize("env", ["RADIXLORA_API_KEY", "RADIXLORA_ADMIN_API_KEY",
+                                 "RADIXLORA_ZMQ_CLIENT_KEY"])
+def test_an_empty_key_in_the_environment_is_refused_not_taken_for_no_key(env, monkeypatch):
+    """`RADIXLORA_API_KEY=$KEY radixlora serve` with $KEY unset must not serve without a key."""
+    monkeypatch.setenv(env, "")
+    args = parse("--enable-admin", "--admin-api-key", "k", "--port", str(free_port()))
+    if env == "RADIXLORA_ADMIN_API_KEY":
+        args = parse("--enable-admin", "--port", str(free_port()))
+    with pytest.raises(StartError, match=f"{env} is set but empty"):
+        prepare(args)
+
+
 @pytest.mark.parametrize("adapter, message", [("a:b", "may not contain"),
                                               ("radixlora-demo", "served model's name")])
 def test_bad_adapter_names_fail_before_any_process_starts(adapter, message):
@@ -329,7 +341,7 @@ def test_tokenize_detokenize_version(server):
     bad = server.http.post("/detokenize", json={"tokens": [10**6]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert server.http.post("/tokenize", json={}).status_code == 400
-    unknown = server.http.post("/tokenize", json={"prompt": "x", "tools": []})
+    unknown = server.http.post("/tokenize", json={"prompt": "x", "frobnicate": []})
     assert unknown.status_code == 400 and unknown.json()["error"]["code"] == "unknown_parameter"
     assert httpx.post(f"{server.url}/tokenize", json={"prompt": "x"}).status_code == 401
     assert httpx.get(f"{server.url}/version").json() == {"version": __version__}

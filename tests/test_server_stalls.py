@@ -5,72 +5,27 @@ that misses its heartbeat for 4 s."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import shutil
-import threading
 import time
-from pathlib import Path
-
-import httpx
 
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
-from tests.server_harness import running_server, sparse_adapter
+from tests.server_harness import (
+    STREAM_TOKENS,
+    STREAMS,
+    peak_rss,
+    running_server,
+    sparse_adapter,
+    stream_gaps,
+    streaming,
+)
 
 KEY = "stall-admin-key"
-STREAM_TOKENS = 48
-STREAMS = 2
 # A pause this long would be a stall (the 4 GiB read alone takes seconds); below it, a loaded
 # 2-core machine's scheduling noise
 PAUSE_FLOOR_S = 0.5
 # scheduler and registry peak RSS: far below the 4 GiB each huge adapter declares
 RSS_BOUND = 1536 << 20
-
-
-def stream_gaps(url: str, model: str) -> list[float]:
-    """Seconds between the chunks of one streamed completion."""
-    body = {"model": model, "prompt": "Stalls", "max_tokens": STREAM_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    arrivals = []
-    with httpx.Client(base_url=url, timeout=60) as http, \
-            http.stream("POST", "/v1/completions", json=body) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                assert json.loads(line[6:])["choices"]
-                arrivals.append(time.monotonic())
-    return [b - a for a, b in zip(arrivals, arrivals[1:])]
-
-
-@contextlib.contextmanager
-def streaming(url: str, model: str):
-    """STREAMS streams, each a new completion as the last ends, for the duration of the block;
-    yields the list their chunk gaps are added to."""
-    gaps: list[float] = []
-    done = threading.Event()
-
-    def stream_until_done():
-        while not done.is_set():
-            gaps.extend(stream_gaps(url, model))
-
-    threads = [threading.Thread(target=stream_until_done) for _ in range(STREAMS)]
-    for t in threads:
-        t.start()
-    try:
-        yield gaps
-    finally:
-        done.set()
-        for t in threads:
-            t.join()
-
-
-def peak_rss(pid: int) -> int:
-    """The process's peak resident set (VmHWM), in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmHWM for {pid}")
 
 
 def test_huge_adapter_files_neither_pause_streams_nor_kill_processes(tmp_path):

@@ -122,11 +122,14 @@ def prepare(args: argparse.Namespace):
     except ValueError as e:
         raise StartError(_flag_hint(str(e))) from e
     nodes = multinode(args)
-    for flag, key in (("--api-key", args.api_key), ("--admin-api-key", args.admin_api_key),
-                      ("--zmq-client-key", args.zmq_client_key)):
+    for flag, field, env in KEY_SOURCES:
+        key = getattr(args, field)
         if key is not None and not key.strip():
             raise StartError(f"{flag} is empty: give a key, or leave the flag out to serve "
                              "without one")
+        if key is None and env in os.environ and not os.environ[env].strip():
+            raise StartError(f"{env} is set but empty (an unset variable in `{env}=$KEY`?): "
+                             "give a key, or unset it to serve without one")
     if args.adapter_dir is not None and not os.path.isdir(args.adapter_dir):
         raise StartError(f"--adapter-dir {args.adapter_dir} is not a directory")
     if args.state_dir is not None and not os.path.isdir(args.state_dir):
@@ -219,13 +222,26 @@ def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], serv
         max_swaps_per_s=args.max_swaps_per_s,
         adapter_failure_policy=args.adapter_failure_policy,
         enable_admin=args.enable_admin,
-        admin_api_key=args.admin_api_key or os.environ.get("RADIXLORA_ADMIN_API_KEY"),
-        api_key=args.api_key or os.environ.get("RADIXLORA_API_KEY", ""),
-        zmq_client_key=args.zmq_client_key or os.environ.get("RADIXLORA_ZMQ_CLIENT_KEY", ""),
+        admin_api_key=key_of(args, "admin_api_key") or None,
+        api_key=key_of(args, "api_key"),
+        zmq_client_key=key_of(args, "zmq_client_key"),
         allowed_adapter_roots=args.allowed_adapter_root,
         tool_call_parser=args.tool_call_parser,
         max_logprob_entries=args.max_logprob_entries,
     )
+
+
+# a key's flag, its field, and the environment variable it is read from without the flag
+KEY_SOURCES = (("--api-key", "api_key", "RADIXLORA_API_KEY"),
+               ("--admin-api-key", "admin_api_key", "RADIXLORA_ADMIN_API_KEY"),
+               ("--zmq-client-key", "zmq_client_key", "RADIXLORA_ZMQ_CLIENT_KEY"))
+
+
+def key_of(args: argparse.Namespace, field: str) -> str:
+    """A key from its flag, else its environment variable ("" for none; prepare() refused an
+    empty one)."""
+    env = next(e for _, f, e in KEY_SOURCES if f == field)
+    return getattr(args, field) or os.environ.get(env, "")
 
 
 def tokenizer_dir(args: argparse.Namespace) -> str:

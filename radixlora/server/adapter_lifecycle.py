@@ -34,8 +34,10 @@ PINNED_SHARE = 0.5  # pinned adapters may hold at most this share of the pool's 
 class AdapterLifecycle:
     def __init__(self, registry: AdapterRegistry, scheduler: Scheduler,
                  store: AdapterStore | None, model_cfg: ModelConfig, max_rank: int,
-                 in_use: Callable[[str], bool], allowed_roots: Sequence[str] = ()):
+                 in_use: Callable[[str], bool], allowed_roots: Sequence[str] = (),
+                 start_names: frozenset[str] = frozenset()):
         self.registry = registry
+        self.start_names = start_names  # --adapter names: an admin load replaces them on request
         self.allowed_roots = tuple(allowed_roots)  # every file an admin load reads is inside
         self.scheduler = scheduler
         self.store = store
@@ -149,6 +151,8 @@ class AdapterLifecycle:
             info = self._admin(req, read)
         except AdapterNotFoundError as e:
             return AdminReply(qid=req.qid, status=404, message=str(e), code=e.code)
+        except NameTaken as e:
+            return AdminReply(qid=req.qid, status=409, message=str(e), code="name_taken")
         except FilesChanged as e:  # about the files: the request's lora_path
             return AdminReply(qid=req.qid, status=409, message=str(e), code="adapter_changing",
                               param="lora_path")
@@ -166,6 +170,8 @@ class AdapterLifecycle:
 
     def _admin(self, req: AdminReq, read) -> dict:
         if req.op == "load":
+            if req.name in self.start_names and not req.replace:
+                raise NameTaken(req.name)
             adapter = self._load(req.name, req.path, read)
             self.dir_names.discard(req.name)  # the operator's version: the directory's no more
             return {"adapter_id": adapter.adapter_id}
@@ -212,3 +218,9 @@ class AdapterLifecycle:
                 f"{residency.rows.num_rows} rows", param="lora_name", code="pin_limit")
         self.pinned_names.add(name)
         residency.pin(adapter.adapter_id)
+
+
+class NameTaken(Exception):
+    def __init__(self, name: str):
+        super().__init__(f"adapter {name!r} was given at start (--adapter); a load replaces it "
+                         'only with "replace": true')

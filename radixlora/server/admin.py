@@ -2,7 +2,8 @@
 POST /v1/load_lora_adapter {"lora_name", "lora_path"} and /v1/unload_lora_adapter {"lora_name"},
 SGLang's /load_lora_adapter {"lora_name", "lora_path", "pinned"} and /unload_lora_adapter
 (the same, answering "success" too), plus /v1/pin_lora_adapter and /v1/unpin_lora_adapter
-{"lora_name"}. A lora_path must resolve (symlinks followed) inside one of
+{"lora_name"}. A load of a name given at start (--adapter) is a 409 unless it says
+"replace": true. A lora_path must resolve (symlinks followed) inside one of
 --allowed-adapter-root."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class LoadLoraRequest(msgspec.Struct, kw_only=True):
     lora_path: str
     lora_int_id: Int32 | None = None  # accepted for vLLM compatibility, unused
     pinned: bool = False  # SGLang's: pin it once loaded
+    replace: bool = False  # replace an adapter of this name given at start (--adapter)
 
 
 class LoraNameRequest(msgspec.Struct, kw_only=True):
@@ -64,7 +66,7 @@ class AdminHandlers:
         self.check_access(request)
         body = await read_json(request, LoadLoraRequest, self.args.max_body_bytes)
         path = confine(body.lora_path, self.args.allowed_adapter_roots)
-        info = await self._call("load", body.lora_name, path)
+        info = await self._call("load", body.lora_name, path, body.replace)
         if body.pinned:
             await self._call("pin", body.lora_name)
             info = {**info, "pinned": True}
@@ -86,8 +88,8 @@ class AdminHandlers:
         body = await read_json(request, LoraNameRequest, self.args.max_body_bytes)
         return self._answer(await self._call(op, body.lora_name))
 
-    async def _call(self, op: str, name: str, path: str = "") -> dict:
-        reply = await self.runtime.admin(op, name, path)
+    async def _call(self, op: str, name: str, path: str = "", replace: bool = False) -> dict:
+        reply = await self.runtime.admin(op, name, path, replace)
         if reply.status != 200:
             raise HttpError(reply.status, reply.message, reply.code, reply.param)
         return {"status": "ok", "op": op, **reply.info}

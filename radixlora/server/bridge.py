@@ -434,11 +434,13 @@ class ProcessBridge:
         infos = await self._ask_all(lambda qid: InfoQuery(qid=qid, flush_cache=flush_cache))
         return infos[0] if len(infos) == 1 else merge_infos(infos)
 
-    async def admin(self, op: str, name: str, path: str = "") -> AdminReply:
+    async def admin(self, op: str, name: str, path: str = "", replace: bool = False
+                    ) -> AdminReply:
         """Ask every replica's scheduler to load / unload / pin / unpin an adapter. A load
         that fails on some replica is unloaded from the others, so they keep one adapter set."""
         replies = await self._ask_all(
-            lambda qid: AdminReq(qid=qid, op=op, name=name, path=path), ADMIN_TIMEOUT_S)
+            lambda qid: AdminReq(qid=qid, op=op, name=name, path=path, replace=replace),
+            ADMIN_TIMEOUT_S)
         failed = [(r, reply) for r, reply in enumerate(replies) if reply.status != 200]
         if failed and op == "load" and len(replies) > 1:
             for replica, reply in enumerate(replies):

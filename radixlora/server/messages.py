@@ -301,6 +301,7 @@ class AdminReq(Message):
     op: Literal["load", "unload", "pin", "unpin"]
     name: str
     path: str = ""
+    replace: bool = False  # a load may replace an adapter given at start (--adapter)
 
 
 class AdminReply(Message):

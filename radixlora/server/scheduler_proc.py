@@ -97,7 +97,8 @@ class SchedulerService:
         self.lifecycle = AdapterLifecycle(self.adapters, self.scheduler, store,
                                           args.served_model(self.config, confined=True),
                                           self.config.max_rank, self._in_use,
-                                          allowed_roots=args.allowed_adapter_roots)
+                                          allowed_roots=args.allowed_adapter_roots,
+                                          start_names=frozenset(args.adapters))
         base = base_version(Path(args.model), self.config.load_format)
         self.intake = Intake(self.model_cfg, base, self.adapters, self.scheduler,
                              self.config.seed,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -27,6 +28,9 @@ class TokenizeRequest(Strict):
     messages: list[ChatMessageIn] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # as /v1/chat/completions takes them
+    tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
 
@@ -67,8 +71,9 @@ class UtilityHandlers:
         long prompt never hold the event loop (the tokenizer releases the GIL)."""
         tokenizer, template = self._tokenizer()
         if messages is not None:
-            text = template.render([m.as_dict() for m in messages],
-                                   add_generation_prompt=body.add_generation_prompt)
+            text = template.prompt([m.as_dict() for m in messages], body.add_generation_prompt,
+                                   body.continue_final_message, body.chat_template_kwargs,
+                                   body.tools)
             special = bool(body.add_special_tokens)
         else:
             text = body.prompt

@@ -64,9 +64,10 @@ def _token_text(value) -> str | None:
     return value
 
 
-# template variables a request's chat_template_kwargs may not set: the request's own
+# template variables a request's chat_template_kwargs may not set: the request's own, the
+# tokenizer's special tokens and the helpers the server gives every template
 RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt",
-                                "continue_final_message"})
+                                "continue_final_message", *SPECIAL_TOKENS, *ENV.globals})
 
 
 class ChatTemplate:
@@ -116,6 +117,10 @@ class ChatTemplate:
             raise InvalidRequestError(
                 f"the chat template rejected the messages: {e}", param="messages"
             ) from e
+        except Exception as e:  # noqa: BLE001 - the template is code run on the request's data
+            raise InvalidRequestError(
+                f"the chat template failed on these messages: {type(e).__name__}: {e}",
+                param="messages") from e
 
     def prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                continue_final_message: bool = False,
