@@ -20,6 +20,7 @@ from radixlora.adapters import AdapterRegistry, parse_spec
 from radixlora.config import EngineConfig, ModelConfig
 from radixlora.errors import AdapterError, InvalidRequestError, RadixLoraError
 from radixlora.executor import StepExecutor
+from radixlora.grammar_compiler import GrammarCompiler
 from radixlora.intake import Intake, check_prompt_ids
 from radixlora.lora.adapter import LoraAdapter
 from radixlora.model.loader import base_version
@@ -30,7 +31,6 @@ from radixlora.scheduler import Scheduler
 from radixlora.startup import phase_line
 from radixlora.step_loop import StepLoop
 from radixlora.step_plan import AdapterLoad
-from radixlora.structured import GrammarCompiler
 from radixlora.text.detokenize import StopStream
 from radixlora.text.tokenizer import Tokenizer
 

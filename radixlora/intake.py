@@ -14,6 +14,7 @@ import numpy as np
 from radixlora.adapters import AdapterChoice, AdapterRegistry
 from radixlora.config import EngineConfig, ModelConfig
 from radixlora.errors import AdapterNotFoundError, InvalidRequestError
+from radixlora.grammar_compiler import GrammarCompiler
 from radixlora.request import (
     AdapterSet,
     Req,
@@ -23,7 +24,7 @@ from radixlora.request import (
 )
 from radixlora.sampling import SamplingParams
 from radixlora.scheduler import Scheduler
-from radixlora.structured import GrammarCompiler, Matcher, Structure
+from radixlora.structured import Matcher, Structure
 
 
 def max_total_tokens(model_cfg: ModelConfig, config: EngineConfig) -> int:

@@ -275,7 +275,7 @@ def test_object_schemas_are_closed_unless_they_say_otherwise():
 def test_a_compiler_without_its_tokenizer_refuses_structured_requests(tmp_path):
     """Where llguidance's tokenizer cannot be built (here: no file; on a machine without
     llguidance: its import), structured requests get a 400 saying so; nothing else breaks."""
-    from radixlora.structured import GrammarCompiler
+    from radixlora.grammar_compiler import GrammarCompiler
 
     compiler = GrammarCompiler(tmp_path / "missing.json", 64, (2,))
     with pytest.raises(InvalidRequestError) as e:

@@ -16,6 +16,7 @@ import zmq
 
 from radixlora.adapters import AdapterRegistry
 from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
+from radixlora.grammar_compiler import GrammarCompiler
 from radixlora.intake import Intake, check_prompt_ids
 from radixlora.lora.pool import AdapterPool, pool_layouts
 from radixlora.lora.registration import HashCache
@@ -57,7 +58,7 @@ from radixlora.server.messages import (
 )
 from radixlora.step_loop import StepLoop
 from radixlora.step_plan import AdapterLoad, StepMasks, StepPlan
-from radixlora.structured import GrammarCompiler, Matcher
+from radixlora.structured import Matcher
 from radixlora.token_bucket import SwapCap
 
 log = logging.getLogger(__name__)
