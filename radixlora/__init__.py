@@ -20,7 +20,7 @@ _EXPORTS = {
     "ModelLoadError": "radixlora.errors",
     "RadixLoraError": "radixlora.errors",
     "RequestOutput": "radixlora.engine",
-    "SamplingParams": "radixlora.sampling",
+    "SamplingParams": "radixlora.sampling_params",
 }
 
 __all__ = sorted(_EXPORTS)

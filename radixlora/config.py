@@ -16,6 +16,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 LORA_DTYPES = ("auto", "int8")  # the adapter pool's storage: the model's dtype, or int8 rows
 
 
+# the projections a LoRA adapter may target (PEFT's module names), and the fused groups the
+# model computes them in (one GEMM per group and layer; the adapter pool is laid out by group)
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MODULE_GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+GROUP_OF = {m: g for g, mods in MODULE_GROUPS.items() for m in mods}
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
@@ -192,7 +204,7 @@ class EngineConfig:
     """Knobs of the offline engine and the scheduler/worker processes.
 
     `kv_pages` and `adapter_rows` size the two device pools, `max_running` and
-    `max_batch_tokens` the batches; None (the default) leaves them to radixlora.sizing: sized
+    `max_batch_tokens` the batches; None (the default) leaves them to radixlora.worker.sizing: sized
     from device memory on CUDA (a `gpu_memory_utilization` share of it, the adapter pool
     holding `max_loras` adapters of rank `max_rank`), small fixed values on the CPU.
     `context_length` caps prompt + output tokens (None: the model's). `max_stacked` caps the
@@ -225,8 +237,9 @@ class EngineConfig:
     lora_side_stream: bool = True  # in graphs, LoRA work runs beside the base GEMMs
     overlap_schedule: bool = True  # plan step N+1 while step N runs on the device
     warm_up: bool = True  # CUDA: compile kernels and capture every graph before serving
-    # CUDA: compiled kernels and their manifests, kept across starts (radixlora.compile_cache;
-    # None: ~/.cache/radixlora/compile, or Triton's TRITON_CACHE_DIR when that is set)
+    # CUDA: compiled kernels and their manifests, kept across starts
+    # (radixlora.worker.compile_cache; None: ~/.cache/radixlora/compile, or Triton's
+    # TRITON_CACHE_DIR when that is set)
     compile_cache_dir: str | None = None
     seed: int = 0
     load_format: str = "safetensors"  # or "dummy": random weights, for benchmarks
@@ -260,7 +273,7 @@ class EngineConfig:
 
     @property
     def sized(self) -> bool:
-        """Every pool and batch limit is set (radixlora.sizing.resolve has run)."""
+        """Every pool and batch limit is set (radixlora.worker.sizing.resolve has run)."""
         return None not in (self.kv_pages, self.adapter_rows, self.max_running,
                             self.max_batch_tokens, self.host_adapter_bytes)
 

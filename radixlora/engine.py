@@ -16,23 +16,23 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from radixlora.adapters import AdapterRegistry, parse_spec
 from radixlora.config import EngineConfig, ModelConfig
 from radixlora.errors import AdapterError, InvalidRequestError, RadixLoraError
-from radixlora.executor import StepExecutor
-from radixlora.grammar_compiler import GrammarCompiler
-from radixlora.intake import Intake, check_prompt_ids
 from radixlora.lora.adapter import LoraAdapter
 from radixlora.model.loader import base_version
-from radixlora.model_runner import ModelRunner
-from radixlora.request import AdapterSet, Req, ReqStatus, uses_adapter
-from radixlora.sampling import SamplingParams
-from radixlora.scheduler import Scheduler
+from radixlora.sampling_params import SamplingParams
+from radixlora.sched.adapter_registry import AdapterRegistry, parse_spec
+from radixlora.sched.grammar_compiler import GrammarCompiler
+from radixlora.sched.intake import Intake, check_prompt_ids
+from radixlora.sched.request import AdapterSet, Req, ReqStatus, uses_adapter
+from radixlora.sched.scheduler import Scheduler
+from radixlora.sched.step_loop import StepLoop
 from radixlora.startup import phase_line
-from radixlora.step_loop import StepLoop
 from radixlora.step_plan import AdapterLoad
 from radixlora.text.detokenize import StopStream
 from radixlora.text.tokenizer import Tokenizer
+from radixlora.worker.executor import StepExecutor
+from radixlora.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

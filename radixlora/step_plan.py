@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from radixlora.sampling import SamplingParams
+from radixlora.sampling_params import SamplingParams
 
 
 def ids_to_bytes(ids) -> bytes:
@@ -60,7 +60,7 @@ class AdapterLoad(msgspec.Struct, array_like=True):
 
 class GroupRows(msgspec.Struct, array_like=True):
     """An adapter set's pool rows in one module group and the weight of each row; magnitude:
-    the pool row of a DoRA adapter's scales in this group (-1: none; radixlora.lora.dora)."""
+    the pool row of a DoRA adapter's scales in this group (-1: none; radixlora.worker.dora)."""
 
     rows: list[int]
     scales: list[float]
@@ -77,7 +77,7 @@ class StepPlan(msgspec.Struct, tag=True, kw_only=True):
     adapter_loads: list[AdapterLoad] = []
     # loads for requests not in this step, done after adapter_loads and never waited for by
     # this step; the executor may defer one whose adapter is not in its host tier (see
-    # radixlora.executor)
+    # radixlora.worker.executor)
     prefetch_loads: list[AdapterLoad] = []
     # per adapter set of the step: module group -> its rows; {} is the base model
     adapter_sets: list[dict[str, GroupRows]] = []

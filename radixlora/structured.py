@@ -6,7 +6,7 @@ request's logits row). Once the grammar is complete only EOS is allowed, so the 
 as any other does.
 
 Before it compiles, a grammar's limits are checked (nesting through $refs, rule count, regex
-repetition): radixlora.grammar_compiler compiles what passes off every loop that must beat."""
+repetition): radixlora.sched.grammar_compiler compiles what passes off every loop that must beat."""
 
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ from bench_engine import ALL7, LLAMA3_8B, SMOKE  # noqa: E402
 
 from radixlora.config import ModelConfig  # noqa: E402
 from radixlora.lora.adapter import load_adapter  # noqa: E402
-from radixlora.lora.pool import AdapterPool  # noqa: E402
+from radixlora.lora.layout import bytes_per_row
+from radixlora.worker.adapter_pool import AdapterPool  # noqa: E402
 
 
 def write_adapter(cfg: ModelConfig, path: Path, rank: int) -> Path:
@@ -71,7 +72,7 @@ def main() -> None:
     for rank in (8, 16, 64):
         path = write_adapter(cfg, root / f"r{rank}", rank)
         adapter = load_adapter(f"r{rank}", path, cfg, max_rank=64)
-        nbytes = AdapterPool.bytes_per_row(cfg, torch.bfloat16) * rank
+        nbytes = bytes_per_row(cfg, torch.bfloat16) * rank
         disk = timed(lambda p=path, r=rank: pool.write(load_adapter(f"r{r}", p, cfg, 64),
                                                        rows[:r]), device, 3)
         host = timed(lambda a=adapter, r=rank: pool.write(a, rows[:r]), device, 5)

@@ -48,7 +48,7 @@ from checkpoints import TINY_CONFIG  # noqa: E402
 from radixlora import Engine, SamplingParams  # noqa: E402
 from radixlora.config import EngineConfig, ModelConfig  # noqa: E402
 from radixlora.lora.adapter import LoraAdapter  # noqa: E402
-from radixlora.request import Req  # noqa: E402
+from radixlora.sched.request import Req  # noqa: E402
 
 RANK = 16
 SWAPS = 50

@@ -27,14 +27,14 @@ if "--smoke" in sys.argv:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from radixlora.kernels.attention_decode import (  # noqa: E402
+from radixlora_kernels.attention_decode import (  # noqa: E402
     DEFAULT_DECODE_TUNING,
     DecodeTuning,
     decode_attention,
     decode_attention_ref,
     default_num_splits,
 )
-from radixlora.kernels.attention_extend import extend_attention, extend_attention_ref  # noqa: E402
+from radixlora_kernels.attention_extend import extend_attention, extend_attention_ref  # noqa: E402
 
 PEAK_BYTES_PER_S = 4.24e12
 

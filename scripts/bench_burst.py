@@ -51,9 +51,10 @@ from bench_e2e import Planned, Shape, floor  # noqa: E402
 from bench_engine import LLAMA3_8B, QKVO, SMOKE, model_dir, random_adapter  # noqa: E402
 from bench_serving import sharegpt_lengths  # noqa: E402
 
-from radixlora import Engine, SamplingParams, cuda_graph  # noqa: E402
-from radixlora.model_runner import PROFILE_PARAMS  # noqa: E402
+from radixlora import Engine, SamplingParams  # noqa: E402
 from radixlora.step_plan import PlanItem, StepPlan, ids_to_bytes  # noqa: E402
+from radixlora.worker import cuda_graph  # noqa: E402
+from radixlora.worker.model_runner import PROFILE_PARAMS  # noqa: E402
 
 KERNEL_KINDS = (  # (kind, substrings of the kernel's name), first match wins
     ("attention", ("_extend_kernel", "_decode_split", "_decode_merge")),

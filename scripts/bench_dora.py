@@ -34,9 +34,10 @@ from bench_engine import (
     random_adapter,
 )
 
-from radixlora.lora.adapter import MODULE_GROUPS, LoraAdapter
-from radixlora.lora.dora import DoraBase
-from radixlora.lora.pool import group_dims
+from radixlora.config import MODULE_GROUPS
+from radixlora.lora.adapter import LoraAdapter
+from radixlora.lora.layout import group_dims
+from radixlora.worker.dora import DoraBase
 
 BATCH, RANK, PROMPT, NEW = 64, 16, 128, 64
 

@@ -27,10 +27,11 @@ import numpy as np
 import torch
 from bench_common import replace_fields
 
-from radixlora import Engine, SamplingParams, cuda_graph
-from radixlora.config import ModelConfig
-from radixlora.kernels.sgmv_grouped import DEFAULT_TUNING, GroupedTuning
-from radixlora.lora.adapter import GROUP_OF, LoraAdapter
+from radixlora import Engine, SamplingParams
+from radixlora.config import GROUP_OF, ModelConfig
+from radixlora.lora.adapter import LoraAdapter
+from radixlora.worker import cuda_graph
+from radixlora_kernels.sgmv_grouped import DEFAULT_TUNING, GroupedTuning
 
 LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -124,7 +125,7 @@ def graph_replay_ms(engine: Engine, rows: int, batch: int = 1, dora: bool = Fals
     graphs = engine.runner.graphs
     if graphs is None:
         return float("nan")
-    from radixlora.cuda_graph import GraphKey
+    from radixlora.worker.cuda_graph import GraphKey
 
     entry = graphs.graphs.get(GraphKey(batch, batch, rows, dora))
     if entry is None:

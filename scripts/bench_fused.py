@@ -33,22 +33,22 @@ import triton  # noqa: E402
 from bench_common import time_us  # noqa: E402
 
 from radixlora.config import RopeConfig  # noqa: E402
-from radixlora.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
-from radixlora.kernels.rmsnorm import (  # noqa: E402
+from radixlora.model.rope import RotaryEmbedding  # noqa: E402
+from radixlora_kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from radixlora_kernels.rmsnorm import (  # noqa: E402
     add_delta_ref,
     fused_add_rmsnorm,
     fused_add_rmsnorm_ref,
     rmsnorm,
     rmsnorm_ref,
 )
-from radixlora.kernels.rotary import (  # noqa: E402
+from radixlora_kernels.rotary import (  # noqa: E402
     _rotate_ref,  # noqa: E402
     apply_rotary_,
     apply_rotary_ref,
 )
-from radixlora.kernels.rotary_kv import rotary_store_kv_, rotary_store_kv_ref  # noqa: E402
-from radixlora.kernels.sampling import sample_tokens, sample_tokens_ref  # noqa: E402
-from radixlora.model.rope import RotaryEmbedding  # noqa: E402
+from radixlora_kernels.rotary_kv import rotary_store_kv_, rotary_store_kv_ref  # noqa: E402
+from radixlora_kernels.sampling import sample_tokens, sample_tokens_ref  # noqa: E402
 
 EPS = 1e-5
 MAX_POSITION = 131072

@@ -39,7 +39,8 @@ import triton  # noqa: E402
 from bench_common import replace_fields, time_us  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # radixlora without installing
-from radixlora.kernels.lora_ops import (  # noqa: E402
+from radixlora.worker.lora_context import LoraContext, high_priority_stream  # noqa: E402
+from radixlora_kernels.lora_ops import (  # noqa: E402
     GROUP_TOKENS,
     HostGroups,
     LoraBackend,
@@ -49,16 +50,15 @@ from radixlora.kernels.lora_ops import (  # noqa: E402
     TritonLoraBackend,
     sets_of_segments,
 )
-from radixlora.kernels.sgmv_expand import sgmv_expand  # noqa: E402
-from radixlora.kernels.sgmv_grouped import (  # noqa: E402
+from radixlora_kernels.sgmv_expand import sgmv_expand  # noqa: E402
+from radixlora_kernels.sgmv_grouped import (  # noqa: E402
     BESIDE_GEMM,
     DEFAULT_TUNING,
     GroupedTuning,
     grouped_shrink,
     tuning_for_rows,
 )
-from radixlora.kernels.sgmv_shrink import sgmv_shrink  # noqa: E402
-from radixlora.lora.context import LoraContext, high_priority_stream  # noqa: E402
+from radixlora_kernels.sgmv_shrink import sgmv_shrink  # noqa: E402
 
 HBM_BYTES_PER_S = 4.24e12  # measured device-to-device copy on the H200
 MAX_REL_ERR = 2e-2

@@ -2,7 +2,7 @@
 H200 figures, each measured here.
 
   pool     resident adapters at equal pool bytes, int8 vs bf16 pool (Llama-3-8B shapes): the
-           device bytes of allocated pools against AdapterPool.bytes_per_row.
+           device bytes of allocated pools against layout.bytes_per_row.
   int8     the Triton LoRA kernels on an int8 pool against the torch backend on the same pool,
            fp32 and bf16, one Llama-3-8B layer with 64 adapters (apply, deferred delta,
            per-segment), plus the fp32 product with v rounded to bf16 (what the expands did
@@ -13,8 +13,8 @@ H200 figures, each measured here.
   proj     each projection at batch 1 and 32: FP8 W8A8 split into the activation quantization
            (Triton kernel and the torch spelling) and torch._scaled_mm (row-wise scales, the
            same with use_fast_accum, and tensor-wise as a cuBLASLt reference), the FP8 Triton
-           GEMV and the NF4 one at batch 1 (kernels/quant_gemv.py, checked against the
-           dequantized weight's product), NF4 dequantization alone and + GEMM, the bf16 GEMM
+           GEMV and the NF4 one at batch 1 (radixlora_kernels.quant_gemv, checked against
+           the dequantized weight's product), NF4 dequantization alone and + GEMM, the bf16 GEMM
            and the read floors (NF4's also with the bf16 weight it writes and the GEMM reads);
            eager and in a CUDA graph, weights cycled over copies worth 3x the L2 cache, so they
            come from HBM as a model's do.
@@ -71,13 +71,14 @@ from bench_sgmv import FULL, build_meta, build_projections, scattered_rows, scen
 from bench_sgmv import SMOKE as SGMV_SMOKE  # noqa: E402
 
 from radixlora.config import ModelConfig  # noqa: E402
-from radixlora.kernels.lora_ops import TorchLoraBackend, TritonLoraBackend  # noqa: E402
-from radixlora.kernels.nf4_dequant import nf4_dequant, nf4_dequant_ref  # noqa: E402
-from radixlora.kernels.quant_gemv import fp8_gemv, nf4_gemv  # noqa: E402
-from radixlora.kernels.sgmv_grouped import grouped_expand, grouped_shrink, tuning_for_rows  # noqa: E402
-from radixlora.lora.pool import AdapterPool, quantize_rows  # noqa: E402
+from radixlora.lora.layout import bytes_per_row, quantize_rows  # noqa: E402
 from radixlora.model import quant_fp8  # noqa: E402
 from radixlora.model.quant import NF4_CODE  # noqa: E402
+from radixlora.worker.adapter_pool import AdapterPool  # noqa: E402
+from radixlora_kernels.lora_ops import TorchLoraBackend, TritonLoraBackend  # noqa: E402
+from radixlora_kernels.nf4_dequant import nf4_dequant, nf4_dequant_ref  # noqa: E402
+from radixlora_kernels.quant_gemv import fp8_gemv, nf4_gemv  # noqa: E402
+from radixlora_kernels.sgmv_grouped import grouped_expand, grouped_shrink, tuning_for_rows  # noqa: E402
 
 INT8_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # max |Triton - torch| / max |torch|
 ENGINE_LOGPROB_TOL = 1e-3  # gpu_checks.py's bound for Triton + graphs vs the torch path
@@ -191,7 +192,7 @@ def section_pool(rep: Report, shape: dict, device: str) -> None:
     out = {}
     for name, dtype in (("bf16", torch.bfloat16), ("int8", torch.int8)):
         measured = pool_bytes(cfg, dtype, rows, device) / rows
-        out[name] = {"bytes_per_row": AdapterPool.bytes_per_row(cfg, dtype),
+        out[name] = {"bytes_per_row": bytes_per_row(cfg, dtype),
                      "allocated_bytes_per_row": measured}
         rep.check(f"pool {name} bytes per row", measured == out[name]["bytes_per_row"],
                   f"allocated {measured:.0f} B, bytes_per_row {out[name]['bytes_per_row']} B")
@@ -546,7 +547,7 @@ def weight_read_bytes(model: torch.nn.Module) -> int:
 
 
 def decode_base(shape: dict, device: str, quantization: str | None, smoke: bool) -> dict:
-    from radixlora.cuda_graph import GraphKey
+    from radixlora.worker.cuda_graph import GraphKey
 
     args = SimpleNamespace(device=device, dtype="bfloat16")
     engine = make_engine(model_dir(shape), args, kv_pages=4096 if smoke else 16384,

@@ -21,7 +21,7 @@ from pathlib import Path
 from checkpoints import build_tiny_adapter, build_tiny_model
 
 from radixlora import Engine, SamplingParams
-from radixlora.kernels.sampling import sample_tokens_ref
+from radixlora_kernels.sampling import sample_tokens_ref
 
 
 def checked_graphs(engine: Engine, counts: dict[str, int]) -> None:

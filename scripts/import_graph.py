@@ -1,10 +1,16 @@
-"""The import graph of the radixlora package: its modules, the radixlora modules each imports,
-the cycles among module-level imports, and the imports of server/ from outside it (server/
-holds processes and transport; everything else is library code the Engine, batch runs, the
-frontend and the server share, and never imports server/; the command line is the exception,
-since it launches the server).
+"""The import graph of the project's three packages (radixlora, kernels/radixlora_kernels,
+frontend/radixlora_frontend): every module, the project modules each imports, and the checks
+that keep the floor plan readable:
 
-    python3 scripts/import_graph.py      # prints the summary; exit 1 on a cycle or such import
+- no cycle among module-level imports, `if TYPE_CHECKING:` ones included;
+- no arrow that runs back up: no cycle among the rooms (a room is a top-level module of
+  radixlora, one of its sub-packages such as radixlora/sched/ or radixlora/worker/, a folder of
+  radixlora/server/, or one of the other two packages), counting every import, however deep in
+  a function;
+- no import of radixlora.server from library code (the command line launches the server);
+- radixlora_kernels imports nothing of the project (torch and Triton only).
+
+    python3 scripts/import_graph.py      # prints the summary; exit 1 on any finding
 """
 
 from __future__ import annotations
@@ -15,39 +21,43 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "radixlora"
-# may import server/: the command line starts it
-LAUNCHERS = ("radixlora.server", "radixlora.cli")
+# package name -> the folder it lives in
+PACKAGES = {"radixlora": ROOT / "radixlora",
+            "radixlora_kernels": ROOT / "kernels" / "radixlora_kernels",
+            "radixlora_frontend": ROOT / "frontend" / "radixlora_frontend"}
+LAUNCHERS = ("radixlora.server", "radixlora.cli")  # may import server/: the command line starts it
 
 
 def modules() -> dict[str, Path]:
-    """Module name -> file, for the package's own files (not the links to kernels/ and
-    frontend/, which are packages of their own)."""
+    """Module name -> file, for every file of the three packages."""
     out = {}
-    for path in PACKAGE.rglob("*.py"):
-        if any(p.is_symlink() for p in (path, *path.parents) if ROOT in p.parents):
-            continue
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        out[name] = path
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = (package, *path.relative_to(folder).with_suffix("").parts)
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
 
 def imports(mods: dict[str, Path], module_level: bool) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports (module_level: only those imported at the
-    top of the file, which is what can make a cycle at import time)."""
+    """Module -> the project's modules it imports (module_level: those imported at the top of
+    the file, `if TYPE_CHECKING:` blocks included; else every import anywhere)."""
     edges: dict[str, set[str]] = defaultdict(set)
     for name, path in mods.items():
         tree = ast.parse(path.read_text())
-        nodes = tree.body if module_level else ast.walk(tree)
-        for node in nodes:
+        for node in (_top_level(tree) if module_level else ast.walk(tree)):
             for target in _targets(node):
                 while target and target not in mods:
                     target = target.rpartition(".")[0]
-                if target.startswith("radixlora") and target != name and not (
-                        name.startswith(target + ".")):
+                if target and target != name and not name.startswith(target + "."):
                     edges[name].add(target)
     return edges
+
+
+def _top_level(tree: ast.Module):
+    for node in tree.body:
+        yield node
+        if isinstance(node, ast.If):  # `if TYPE_CHECKING:` and the like
+            yield from node.body
 
 
 def _targets(node) -> list[str]:
@@ -78,23 +88,72 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def room(module: str) -> str:
+    """The room a module lives in: a top-level module of radixlora or of radixlora/server/, or
+    the sub-folder it is in (radixlora.sched, radixlora.server.http), or a whole other package."""
+    parts = module.split(".")
+    if parts[0] != "radixlora":
+        return parts[0]
+    return ".".join(parts[:3] if parts[1:2] == ["server"] else parts[:2])
+
+
+def upward(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """The imports between rooms that make a cycle of rooms (an arrow back up the floors)."""
+    rooms: dict[str, set[str]] = defaultdict(set)
+    for a, targets in edges.items():
+        for b in targets:
+            if room(a) != room(b):
+                rooms[room(a)].add(room(b))
+    looping = {r for loop in cycles(rooms) for r in loop}
+    return sorted((a, b) for a, targets in edges.items() for b in targets
+                  if room(a) != room(b) and {room(a), room(b)} <= looping
+                  and _reaches(rooms, room(b), room(a)))
+
+
+def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node == goal:
+            return True
+        if node not in seen:
+            seen.add(node)
+            todo.extend(graph.get(node, ()))
+    return False
+
+
 def into_server(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
     return sorted((a, b) for a, targets in edges.items() for b in targets
-                  if b.startswith("radixlora.server") and not a.startswith(LAUNCHERS))
+                  if b.startswith("radixlora.server") and a.startswith("radixlora")
+                  and not a.startswith(LAUNCHERS))
+
+
+def kernels_out(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports of the project's other packages from radixlora_kernels."""
+    return sorted((a, b) for a, targets in edges.items() for b in targets
+                  if a.startswith("radixlora_kernels") and not b.startswith("radixlora_kernels"))
 
 
 def main() -> int:
     mods = modules()
     every, top = imports(mods, False), imports(mods, True)
-    loops, upward = cycles(top), into_server(every)
-    print(f"{len(mods)} modules, {sum(map(len, every.values()))} imports between them")
-    print(f"cycles among module-level imports: {len(loops)}")
-    for loop in loops:
-        print("  " + " -> ".join(loop))
-    print(f"imports of radixlora.server from library code: {len(upward)}")
-    for a, b in upward:
-        print(f"  {a} -> {b}")
-    return 1 if loops or upward else 0
+    findings = {
+        "cycles among module-level imports (type-only included)": [" -> ".join(c)
+                                                                   for c in cycles(top)],
+        "imports that run back up (rooms in a cycle)": [f"{a} -> {b}" for a, b in upward(every)],
+        "imports of radixlora.server from library code": [f"{a} -> {b}"
+                                                          for a, b in into_server(every)],
+        "imports of the project from radixlora_kernels": [f"{a} -> {b}"
+                                                          for a, b in kernels_out(every)],
+    }
+    rooms = {room(m) for m in mods}
+    print(f"{len(mods)} modules in {len(rooms)} rooms, "
+          f"{sum(map(len, every.values()))} imports between them")
+    for what, found in findings.items():
+        print(f"{what}: {len(found)}")
+        for line in found:
+            print("  " + line)
+    return 1 if any(findings.values()) else 0
 
 
 if __name__ == "__main__":

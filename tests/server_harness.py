@@ -18,8 +18,8 @@ import httpx
 
 from radixlora.engine import Engine
 from radixlora.server.args import ServerArgs
-from radixlora.server.supervisor import sized_args
-from radixlora.sizing import SIZED_FIELDS, cpu_config
+from radixlora.server.procs.supervisor import sized_args
+from radixlora.worker.sizing import SIZED_FIELDS, cpu_config
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 
 MODEL_NAME = "tiny"

@@ -22,12 +22,12 @@ from radixlora.config import EngineConfig, ModelConfig
 from radixlora.errors import AdapterError, RadixLoraError
 from radixlora.lora.adapter import LoraAdapter
 from radixlora.lora.host_cache import HostAdapterCache, PackedAdapter
-from radixlora.lora.pool import AdapterPool
-from radixlora.lora.residency import AdapterResidency
-from radixlora.request import AdapterSet, Req, ReqStatus, cache_namespace
-from radixlora.scheduler import AGING_STEPS, BatchPlan, Scheduler
+from radixlora.sched.request import AdapterSet, Req, ReqStatus, cache_namespace
+from radixlora.sched.residency import AdapterResidency
+from radixlora.sched.scheduler import AGING_STEPS, BatchPlan, Scheduler
+from radixlora.sched.token_bucket import SwapCap
 from radixlora.step_plan import GroupRows, bytes_to_ids
-from radixlora.token_bucket import SwapCap
+from radixlora.worker.adapter_pool import AdapterPool
 from scripts.checkpoints import TINY_CONFIG, build_tiny_adapter, build_tiny_model
 from tests.conftest import assert_all_free
 
@@ -168,7 +168,7 @@ def test_resident_adapters_go_first_and_aging_bounds_the_wait():
 
 
 def test_prefetch_loads_queued_adapters_in_queue_order_bounded_per_step(monkeypatch):
-    monkeypatch.setattr("radixlora.scheduler.PREFETCH_ROWS_PER_STEP", 3)
+    monkeypatch.setattr("radixlora.sched.scheduler.PREFETCH_ROWS_PER_STEP", 3)
     adapters = [fake_adapter(k) for k in range(12)]
     sched = make_scheduler(rows=16, max_running=2)
     reqs = [make_req(f"r{k}", [a], max_tokens=4) for k, a in enumerate(adapters)]

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixlora.adapters import AdapterRegistry
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError
 from radixlora.lora import registration
@@ -27,11 +26,12 @@ from radixlora.lora.registration import (
     iter_adapters,
     load_adapters,
 )
+from radixlora.sched.adapter_registry import AdapterRegistry
+from radixlora.sched.token_bucket import TokenBucket
 from radixlora.server.args import ServerArgs
-from radixlora.server.registry_proc import RegistryCore
-from radixlora.server.scheduler_proc import SchedulerService
-from radixlora.server.worker_proc import make_executor, prefetch_adapters
-from radixlora.token_bucket import TokenBucket
+from radixlora.server.procs.registry_proc import RegistryCore
+from radixlora.server.procs.scheduler_proc import SchedulerService
+from radixlora.server.procs.worker_proc import make_executor, prefetch_adapters
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 from tests.server_harness import build_checkpoints, registry_turn, sized
 

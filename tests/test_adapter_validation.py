@@ -21,9 +21,9 @@ from radixlora import (
     InvalidRequestError,
     SamplingParams,
 )
-from radixlora.adapters import MAX_ADAPTER_WEIGHT, AdapterRegistry
 from radixlora.config import ModelConfig
 from radixlora.lora.adapter import read_adapter_files
+from radixlora.sched.adapter_registry import MAX_ADAPTER_WEIGHT, AdapterRegistry
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -373,7 +373,7 @@ def test_non_finite_logits_end_the_request_not_the_batch(checkpoints, adapters):
     ends with finish_reason non_finite_logits at the first token whose logits are not finite
     (its first token came from finite ones), the base request beside it is untouched, and
     nothing leaks."""
-    from radixlora.scheduler import NON_FINITE_LOGITS
+    from radixlora.sched.scheduler import NON_FINITE_LOGITS
     from tests.conftest import assert_all_free
 
     eng = Engine(checkpoints["llama"], adapters={"a": adapters["llama"]["a"]}, max_rank=32,

@@ -10,7 +10,7 @@ import torch
 
 from radixlora import Engine, SamplingParams
 from radixlora.errors import InvalidRequestError
-from radixlora.sampling import banned_tokens
+from radixlora.sampling_params import banned_tokens
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 from tests.conftest import assert_all_free
 from tests.oracle import logprobs, peft_model

@@ -14,7 +14,7 @@ import pytest
 
 from radixlora import Engine, SamplingParams
 from radixlora.cli.batch import main
-from radixlora.run_batch import completed_ids, parse_line, run_batch
+from radixlora.cli.run_batch import completed_ids, parse_line, run_batch
 from radixlora.text.chat import ChatTemplate
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from radixlora.config import ModelConfig
-from radixlora.lora.adapter import LORA_MODULES, load_adapter
+from radixlora.config import LORA_MODULES, ModelConfig
+from radixlora.lora.adapter import load_adapter
 from scripts import bench_e2e
 from scripts.checkpoints import build_tiny_model
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from radixlora import Engine, InvalidRequestError, SamplingParams
-from radixlora.scheduler import AGING_STEPS
+from radixlora.sched.scheduler import AGING_STEPS
 from scripts.checkpoints import build_peft_adapter
 from tests.conftest import assert_all_free
 
@@ -109,7 +109,7 @@ class CollidingNamespace(tuple):
 
 
 def test_hash_colliding_namespaces_never_share(checkpoints, adapters, monkeypatch):
-    import radixlora.intake as engine_module
+    import radixlora.sched.intake as engine_module
 
     real = engine_module.cache_namespace
     monkeypatch.setattr(engine_module, "cache_namespace",

@@ -12,7 +12,7 @@ import transformers
 from transformers.utils import chat_template_utils
 
 from radixlora.errors import InvalidRequestError
-from radixlora.server.http import invalid
+from radixlora.server.http.common import invalid
 from radixlora.text import chat as chat_module
 from radixlora.text.chat import ChatTemplate
 from scripts.checkpoints import TINY_CORPUS, build_tokenizer

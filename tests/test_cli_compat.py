@@ -26,9 +26,9 @@ from radixlora.cli.flags import lora_modules, lora_paths, model_and_adapters, re
 from radixlora.config import ModelConfig
 from radixlora.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR, format_prompt
 from radixlora.engine import Engine
-from radixlora.lora.pool import AdapterPool
-from radixlora.sampling import SamplingParams
-from radixlora.server.supervisor import StderrRelay
+from radixlora.lora.layout import bytes_per_row
+from radixlora.sampling_params import SamplingParams
+from radixlora.server.procs.supervisor import StderrRelay
 from radixlora.text.chat import ChatTemplate
 from radixlora.text.tokenizer import Tokenizer
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
@@ -88,7 +88,7 @@ def test_adapter_counts_become_pool_sizes():
     args = parse("--max-loras", "4", "--max-lora-rank", "16", "--max-loras-per-batch", "3",
                  "--max-cpu-loras", "10", "--dtype", "half")
     overrides = resolved_overrides(args, DEMO_MODEL_DIR)
-    row_bytes = AdapterPool.bytes_per_row(ModelConfig.from_dir(DEMO_MODEL_DIR), torch.float16)
+    row_bytes = bytes_per_row(ModelConfig.from_dir(DEMO_MODEL_DIR), torch.float16)
     assert overrides == {"max_loras": 4, "max_rank": 16, "max_adapter_sets_per_batch": 3,
                          "dtype": "float16", "host_adapter_bytes": 10 * 16 * row_bytes}
     with pytest.raises(SystemExit, match="not both"):
@@ -299,7 +299,7 @@ def test_served_adapters_and_sizes(server):
     names = {m["id"] for m in server.http.get("/v1/models").json()["data"]}
     assert names == {"demo", "upper", "digits", "reverse"}
     engine = server.info()["engine"]
-    row_bytes = AdapterPool.bytes_per_row(ModelConfig.from_dir(DEMO_MODEL_DIR), torch.float32)
+    row_bytes = bytes_per_row(ModelConfig.from_dir(DEMO_MODEL_DIR), torch.float32)
     assert engine["max_adapter_sets_per_batch"] == 3
     assert engine["host_adapter_bytes"] == 6 * engine["max_rank"] * row_bytes
 

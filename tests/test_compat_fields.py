@@ -234,8 +234,8 @@ def test_batch_files_take_the_same_fields(tmp_path):
     """`radixlora batch` validates bodies with the server's schemas: lora_path and adapter_id
     choose adapters there too, and an unknown field fails its line."""
     from radixlora import Engine
+    from radixlora.cli.run_batch import run_batch
     from radixlora.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR
-    from radixlora.run_batch import run_batch
 
     bodies = {
         "per-prompt": ("/v1/completions", {"prompt": [PROMPT, PROMPT], "lora_path": [

@@ -1,8 +1,8 @@
-"""The compile cache's bookkeeping (radixlora.compile_cache) on the CPU: manifests, the Triton
-hook in recording and dry-run modes, the compile processes' protocol, and the start-up phase
+"""The compile cache's bookkeeping (radixlora.worker.compile_cache) on the CPU: manifests, the
+Triton hook in recording and dry-run modes, the compile processes' protocol, and the start-up phase
 line. Triton compiles nothing on the CPU, so here Triton's side is the hook's arguments and
-preload(); the cache hits themselves show on a GPU as a restart's compile phase of 0.0 s in
-the start-up line (docs/PERF.md, "Start-up")."""
+preload(); the cache hits themselves show on a GPU as a restart's compile phase of 0.0 s in the
+start-up line (docs/PERF.md, "Start-up")."""
 
 from __future__ import annotations
 
@@ -17,17 +17,17 @@ import types
 import pytest
 from triton import knobs
 
-from radixlora import compile_cache
-from radixlora.compile_cache import KernelCache, manifest_key
 from radixlora.config import EngineConfig, ModelConfig
 from radixlora.demo import DEMO_MODEL_DIR
-from radixlora.model_runner import ModelRunner
 from radixlora.startup import phase_line
+from radixlora.worker import compile_cache
+from radixlora.worker.compile_cache import KernelCache, manifest_key
+from radixlora.worker.model_runner import ModelRunner
 
 
 def hook_args(name: str, data: str) -> dict:
     """What Triton passes jit_cache_hook for a variant (the fields KernelCache reads)."""
-    fn = types.SimpleNamespace(module="radixlora.kernels.fake", name=name, jit_function=None)
+    fn = types.SimpleNamespace(module="radixlora_kernels.fake", name=name, jit_function=None)
     return {"key": data, "repr": f"{name}[...]", "fn": fn,
             "compile": {"specialization_data": data}, "is_manual_warmup": False,
             "already_compiled": False}
@@ -135,7 +135,7 @@ def test_a_compile_after_warm_up_is_logged(tmp_path, preloaded, caplog):
     cache = KernelCache(tmp_path, "k", processes=1)
     cache.start_recording()
     cache.stop_recording(warn_late=True)
-    with caplog.at_level(logging.WARNING, logger="radixlora.compile_cache"):
+    with caplog.at_level(logging.WARNING, logger="radixlora.worker.compile_cache"):
         assert knobs.runtime.jit_cache_hook(**hook_args("late", "{}")) is None
     assert "compiled after warm-up: late[...]" in caplog.text
 
@@ -150,8 +150,8 @@ def test_compile_process_answers_every_variant_even_one_it_cannot_compile(tmp_pa
                                                                           monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     compiler = compile_cache._Compiler()
-    compiler.send(("radixlora.kernels.no_such_module", "kernel", "{}"))
-    compiler.send(("radixlora.kernels.rmsnorm", "no_such_kernel", "{}"))
+    compiler.send(("radixlora_kernels.no_such_module", "kernel", "{}"))
+    compiler.send(("radixlora_kernels.rmsnorm", "no_such_kernel", "{}"))
     compiler.wait()
     assert compiler.pending == 0
     compiler.close()
@@ -177,7 +177,7 @@ def test_phase_line_splits_the_time_to_ready():
 
 def test_nested_phases_are_not_counted_twice(monkeypatch):
     clock = iter([0.0, 1.0, 3.0, 10.0, 10.0, 11.0])
-    monkeypatch.setattr("radixlora.model_runner.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("radixlora.worker.model_runner.time.perf_counter", lambda: next(clock))
     runner = ModelRunner.__new__(ModelRunner)
     runner.phases = {}
     with runner.phase("sizing"), runner.phase("compile"):  # 0 .. 10, compile 1 .. 3
@@ -210,7 +210,7 @@ class FakeGraphs:
 
 
 def test_worker_captures_left_graphs_only_after_it_has_been_idle_a_while():
-    from radixlora.server.worker_proc import IdleCapture
+    from radixlora.server.procs.worker_proc import IdleCapture
 
     graphs = FakeGraphs(2)
     idle = IdleCapture(graphs)
@@ -267,7 +267,7 @@ def test_a_torch_without_bytecode_gets_it_under_the_cache_once(tmp_path, monkeyp
 def test_each_idle_turn_is_half_a_graph_capture():
     """capture_next alternates a graph's eager pass and its capture (without a second eager
     pass), so a request arriving during an idle turn waits for half a capture at most."""
-    from radixlora.cuda_graph import CudaGraphRunner, GraphKey
+    from radixlora.worker.cuda_graph import CudaGraphRunner, GraphKey
 
     class Turns:
         warmed = None

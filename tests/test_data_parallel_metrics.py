@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from radixlora.server.bridge import merge_infos, merge_stats
+from radixlora.server.http.bridge import merge_infos, merge_stats
+from radixlora.server.http.metrics import Metrics
 from radixlora.server.messages import RouterStats, SchedulerStats
-from radixlora.server.metrics import Metrics
 from radixlora.step_plan import StepTotals
 
 

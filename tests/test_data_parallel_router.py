@@ -10,8 +10,8 @@ import random
 import numpy as np
 import pytest
 
-from radixlora.adapters import AdapterChoice
-from radixlora.server.router import PrefixTree, Router, namespace_of
+from radixlora.sched.adapter_registry import AdapterChoice
+from radixlora.server.procs.router import PrefixTree, Router, namespace_of
 
 
 def ids(*tokens: int) -> np.ndarray:
@@ -163,14 +163,14 @@ def test_cache_aware_beats_round_robin_on_shared_prefixes():
 def tokenizer():
     from radixlora.demo import DEMO_MODEL_DIR
     from radixlora.server.args import ServerArgs
-    from radixlora.server.tokenizer_proc import TokenizerService
+    from radixlora.server.procs.tokenizer_proc import TokenizerService
     from tests.server_harness import sized
 
     return TokenizerService(sized(ServerArgs(model=str(DEMO_MODEL_DIR), data_parallel_size=2)))
 
 
 def generate(rid: str, adapter: str | None = None, n: int = 1, rank: int | None = None):
-    from radixlora.sampling import SamplingParams
+    from radixlora.sampling_params import SamplingParams
     from radixlora.server.messages import GenerateReq
 
     return GenerateReq(rid=rid, params=SamplingParams(max_tokens=4, n=n), adapters=on(adapter),

@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from radixlora.sampling import SamplingParams
+from radixlora.sampling_params import SamplingParams
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 from tests.server_harness import (
     MODEL_NAME,

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from radixlora.cli import build_parser
+from radixlora.server.http.metrics import Metrics
 from radixlora.server.messages import SchedulerStats
-from radixlora.server.metrics import Metrics
 
 DEPLOY = Path(__file__).resolve().parents[1] / "docs" / "deploy.md"
 SECTION = "## Replicas behind the Gateway API inference extension"

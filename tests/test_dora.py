@@ -16,7 +16,7 @@ from radixlora import Engine, SamplingParams
 from radixlora.errors import AdapterError, InvalidRequestError
 from radixlora.lora.adapter import load_adapter
 from radixlora.lora.host_cache import read_packed, write_packed
-from radixlora.lora.pool import PoolLayout
+from radixlora.lora.layout import PoolLayout
 from scripts.checkpoints import build_nf4_model, build_peft_adapter
 from tests.conftest import assert_all_free
 from tests.oracle import logprobs, peft_model
@@ -118,7 +118,7 @@ def test_eviction_and_reload_and_the_prefix_cache(checkpoints, dora):
 def test_the_graph_forward_scales_dora_tokens(checkpoints, dora):
     """The static-buffer forward a CUDA graph replays, run eagerly, with DoRA, LoRA and base
     requests in its decode and extend steps."""
-    from radixlora.cuda_graph import StaticInputs
+    from radixlora.worker.cuda_graph import StaticInputs
 
     class Eager(StaticInputs):
         forward = StaticInputs.static_forward
@@ -289,8 +289,8 @@ def test_broken_dora_files_are_named(checkpoints, dora, tmp_path, edit, message)
 def test_dora_scale_kernel_matches_its_reference(dtype, bias, deferred):
     """Under TRITON_INTERPRET: tokens without a magnitude row untouched, bias kept out of the
     scale, a deferred delta scaled with y, int8 rows dequantized per slice."""
-    from radixlora.kernels.dora_scale import dora_scale, dora_scale_ref
-    from radixlora.lora.pool import quantize_rows
+    from radixlora.lora.layout import quantize_rows
+    from radixlora_kernels.dora_scale import dora_scale, dora_scale_ref
 
     g = torch.Generator().manual_seed(0)
     offsets = [0, 24, 32, 40]

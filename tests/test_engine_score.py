@@ -54,7 +54,7 @@ def test_scoring_next_to_generation(setup):
 def test_long_prompts_are_scored_a_few_rows_of_logits_at_a_time(tmp_path, monkeypatch):
     """Prompt logprobs and their top tokens when the scored rows' logits are made 3 rows at a
     time (SCORE_ROWS; no step holds a prompt's full-vocabulary logits): as transformers."""
-    from radixlora import model_runner
+    from radixlora.worker import model_runner
 
     monkeypatch.setattr(model_runner, "SCORE_ROWS", 3)
     model = build_tiny_model(tmp_path / "tiny")

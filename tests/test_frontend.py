@@ -11,7 +11,9 @@ import pytest
 
 from radixlora import Engine, SamplingParams
 from radixlora.errors import AdapterNotFoundError
-from radixlora.frontend import (
+from radixlora.sched.request import cache_namespace
+from radixlora.text.chat import ChatTemplate
+from radixlora_frontend import (
     Runtime,
     assistant,
     function,
@@ -20,10 +22,8 @@ from radixlora.frontend import (
     system,
     user,
 )
-from radixlora.lang.chat import role_affixes
-from radixlora.lang.runtime import cut_at_stop
-from radixlora.request import cache_namespace
-from radixlora.text.chat import ChatTemplate
+from radixlora_frontend.chat import role_affixes
+from radixlora_frontend.runtime import cut_at_stop
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 
 CHATML = (

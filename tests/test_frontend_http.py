@@ -16,7 +16,7 @@ import pytest
 
 from radixlora import Engine, SamplingParams
 from radixlora.errors import AdapterError, InvalidRequestError
-from radixlora.frontend import (
+from radixlora_frontend import (
     EndpointError,
     Runtime,
     RuntimeEndpoint,
@@ -26,7 +26,7 @@ from radixlora.frontend import (
     select,
     user,
 )
-from radixlora.lang.ir import GenParams
+from radixlora_frontend.ir import GenParams
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 
 CHATML = (

@@ -10,8 +10,8 @@ import re
 import pytest
 
 from radixlora import SamplingParams
-from radixlora.frontend import RuntimeEndpoint, function, gen, select
-from radixlora.run_batch import run_batch
+from radixlora.cli.run_batch import run_batch
+from radixlora_frontend import RuntimeEndpoint, function, gen, select
 from tests.server_harness import (
     MODEL_NAME,
     build_checkpoints,
@@ -85,7 +85,7 @@ def test_stacked_adapters_reach_the_server(engine, endpoint):
 def test_select_over_http_equals_in_process(checkpoints, endpoint):
     """select scores choices with /generate's prompt logprobs (return_logprob +
     logprob_start_len): the same pick and the same per-token logprobs as the in-process Runtime."""
-    from radixlora.frontend import Runtime
+    from radixlora_frontend import Runtime
 
     @function
     def pick(s):
@@ -159,7 +159,7 @@ def constrained(s, adapter, **structure):
 def test_gen_structured_over_http_equals_in_process(engine, endpoint, structure):
     """gen(regex=...) and gen(json_schema=...) reach the server's /generate and give what the
     same program gives on the in-process Engine; the output matches its structure."""
-    from radixlora.frontend import Runtime
+    from radixlora_frontend import Runtime
 
     over_http = constrained.run("legal", backend=endpoint, **structure)["out"]
     runtime = Runtime(engine)

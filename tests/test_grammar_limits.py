@@ -17,8 +17,8 @@ import pytest
 
 from radixlora.demo import DEMO_MODEL_DIR
 from radixlora.errors import InvalidRequestError
-from radixlora.grammar_compiler import GrammarCompiler
-from radixlora.grammar_sandbox import BudgetExceeded, GrammarSandbox
+from radixlora.sched.grammar_compiler import GrammarCompiler
+from radixlora.sched.grammar_sandbox import BudgetExceeded, GrammarSandbox
 from radixlora.structured import (
     MAX_GRAMMAR_RULES,
     MAX_REGEX_REPEAT,

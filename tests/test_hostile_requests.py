@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from radixlora.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR
 from radixlora.errors import AdapterError
 from radixlora.lora.adapter import read_adapter_files
-from radixlora.server.adapter_store import FilesChanged
+from radixlora.server.procs.adapter_store import FilesChanged
 from scripts.checkpoints import build_tiny_adapter
 from tests.server_harness import current_rss, running_server, stream_gaps, streaming
 from tests.test_grammar_limits import alias_chain, properties, ref_chain
@@ -270,7 +270,7 @@ def test_files_vanishing_while_an_admin_load_reads_them_are_a_409(tmp_path, monk
     """The race of a load with the files' removal, made deterministic: the adapter's files
     disappear between the directory listing and the stat of an entry (then between the
     header check and the read)."""
-    from radixlora.server import adapter_store
+    from radixlora.server.procs import adapter_store
 
     src = shutil.copytree(DEMO_ADAPTERS["upper"], tmp_path / "upper")
     scandir = os.scandir
@@ -301,10 +301,10 @@ def test_files_vanishing_while_an_admin_load_reads_them_are_a_409(tmp_path, monk
 
 
 def test_an_admin_load_of_vanishing_files_answers_409(tmp_path, monkeypatch):
-    from radixlora.server import adapter_store
     from radixlora.server.args import ServerArgs
     from radixlora.server.messages import AdminReq
-    from radixlora.server.scheduler_proc import SchedulerService
+    from radixlora.server.procs import adapter_store
+    from radixlora.server.procs.scheduler_proc import SchedulerService
     from tests.server_harness import sized
 
     service = SchedulerService(sized(ServerArgs(

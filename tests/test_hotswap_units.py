@@ -22,11 +22,11 @@ from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError
 from radixlora.lora.adapter import load_adapter
 from radixlora.lora.host_cache import packed_name
-from radixlora.lora.pool import AdapterPool
-from radixlora.server import adapter_store as store_module
-from radixlora.server.admin import confine
+from radixlora.lora.layout import load_bytes
+from radixlora.sched.token_bucket import TokenBucket
 from radixlora.server.args import ServerArgs
-from radixlora.server.http import HttpError
+from radixlora.server.http.admin import confine
+from radixlora.server.http.common import HttpError
 from radixlora.server.messages import (
     AdapterChoice,
     AdapterEvent,
@@ -35,10 +35,10 @@ from radixlora.server.messages import (
     bytes_to_ids,
     ids_to_bytes,
 )
-from radixlora.server.registry_proc import DirWatch, RegistryCore
-from radixlora.server.scheduler_proc import SchedulerService
-from radixlora.server.worker_proc import make_executor
-from radixlora.token_bucket import TokenBucket
+from radixlora.server.procs import adapter_store as store_module
+from radixlora.server.procs.registry_proc import DirWatch, RegistryCore
+from radixlora.server.procs.scheduler_proc import SchedulerService
+from radixlora.server.procs.worker_proc import make_executor
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 from tests.server_harness import batch_ended, registry_turn, sized
 from tests.test_server_units import _drive
@@ -113,7 +113,7 @@ def test_a_full_directory_at_start_is_published_at_once(model, tmp_path, monkeyp
     """The adapters already in the directory when the registry starts skip the bucket (they
     are validated together, and published a few per loop turn so the registry beats between
     turns); one added later waits for a token."""
-    from radixlora.server import registry_proc
+    from radixlora.server.procs import registry_proc
 
     monkeypatch.setattr(registry_proc, "PUBLISH_PER_CALL", 4)
     root = tmp_path / "dir"
@@ -271,7 +271,7 @@ def test_a_name_too_slow_to_validate_is_refused_once_while_the_loop_beats(model,
                                                                             tmp_path, monkeypatch):
     import threading
 
-    from radixlora.server import registry_proc
+    from radixlora.server.procs import registry_proc
 
     monkeypatch.setattr(registry_proc, "VALIDATE_TIMEOUT_S", 0.4)
     monkeypatch.setattr(registry_proc, "BEAT_S", 0.05)
@@ -314,7 +314,7 @@ def test_a_start_up_batch_never_holds_the_loop_and_a_wanted_name_goes_first(
     and a name a held request wants is examined ahead of all of them."""
     import threading
 
-    from radixlora.server import registry_proc
+    from radixlora.server.procs import registry_proc
 
     root = tmp_path / "dir"
     root.mkdir()
@@ -463,7 +463,7 @@ def _assert_nothing_held(service: SchedulerService) -> None:
 
 
 def test_republished_name_in_flight_finishes_on_old_version(model, versions, tmp_path):
-    from radixlora.server.adapter_store import AdapterStore
+    from radixlora.server.procs.adapter_store import AdapterStore
 
     store = AdapterStore(tmp_path / "adapters")
     cfg = ModelConfig.from_dir(model)
@@ -490,9 +490,9 @@ def test_a_request_for_a_listed_adapter_waits_for_that_adapter_alone(model, vers
     """Names the registry listed before validating them: a request for one is held (the
     registry is asked for it) while others run, added when it is published, told why when it
     is rejected, and given up after HOLD_TIMEOUT_S; an unlisted name is a 404 at once."""
-    from radixlora.server import scheduler_proc
-    from radixlora.server.adapter_store import AdapterStore
     from radixlora.server.messages import AbortReq
+    from radixlora.server.procs import scheduler_proc
+    from radixlora.server.procs.adapter_store import AdapterStore
 
     v1 = AdapterStore(tmp_path / "adapters").snapshot("a", versions["v1"],
                                                       ModelConfig.from_dir(model), 64)
@@ -529,7 +529,7 @@ def _want_base(model, prompt=(3, 4, 5, 6)):
 
 def test_directory_events_never_replace_or_remove_an_adapter_flag_or_admin_load(model, versions,
                                                                                 tmp_path):
-    from radixlora.server.adapter_store import AdapterStore
+    from radixlora.server.procs.adapter_store import AdapterStore
 
     store = AdapterStore(tmp_path / "adapters")
     cfg = ModelConfig.from_dir(model)
@@ -585,7 +585,7 @@ class _Sent:
 def _admin_loop(service):
     from concurrent.futures import ThreadPoolExecutor
 
-    from radixlora.server.scheduler_proc import SchedulerLoop
+    from radixlora.server.procs.scheduler_proc import SchedulerLoop
 
     loop = SchedulerLoop.__new__(SchedulerLoop)  # the admin queue alone, no sockets
     loop.service, loop.to_api = service, _Sent()
@@ -600,7 +600,7 @@ def test_admin_loads_read_off_the_loop_and_apply_in_order(model, versions, tmp_p
     queued behind it (an unload of the same name) wait for it; a full queue answers 429."""
     import threading
 
-    from radixlora.server import scheduler_proc
+    from radixlora.server.procs import scheduler_proc
 
     sched, worker = _services(model, tmp_path)
     loop = _admin_loop(sched)
@@ -636,7 +636,7 @@ def test_published_snapshots_register_from_their_headers(model, versions, tmp_pa
     def full_validation(*args, **kwargs):
         raise AssertionError("the published snapshot was validated again")
 
-    monkeypatch.setattr("radixlora.adapters.load_adapter", full_validation)
+    monkeypatch.setattr("radixlora.sched.adapter_registry.load_adapter", full_validation)
     sched.lifecycle.on_event(_event(1, "added", "a", snapshot))
     assert sched.adapters.by_name["a"].adapter_id == snapshot.adapter_id
     got = _drive(sched, worker, [_req("r", "a")])
@@ -763,10 +763,10 @@ def test_base_fallback_says_so(model, tmp_path):
 
 
 def test_fallback_reaches_the_response(model, tmp_path):
-    from radixlora.server.bridge import Generation
+    from radixlora.server.http.bridge import Generation
+    from radixlora.server.http.openai_api import FALLBACK_HEADER, fallback_response
     from radixlora.server.messages import GenerateReq, TokenBatch, TokenOut
-    from radixlora.server.openai_api import FALLBACK_HEADER, fallback_response
-    from radixlora.server.tokenizer_proc import TokenizerService
+    from radixlora.server.procs.tokenizer_proc import TokenizerService
 
     tokenizer = TokenizerService(sized(ServerArgs(model=str(model))))
     tokenizer.on_generate(GenerateReq(rid="f", params=PARAMS, prompt="x"))
@@ -793,7 +793,7 @@ def test_worker_host_tier_is_one_bounded_lru_of_packed_adapters(model, versions,
     probe = make_executor(ServerArgs(model=str(model), engine=ENGINE)).runner.adapter_pool
     size = probe.pack(adapters["v1"]).nbytes  # all three have rank 4
     # the swap cap's cost is these bytes: only the groups (and group ranks) the adapter has
-    assert size == AdapterPool.load_bytes(cfg, probe.dtype, adapters["v1"].group_ranks)
+    assert size == load_bytes(cfg, probe.dtype, adapters["v1"].group_ranks)
     worker = make_executor(ServerArgs(model=str(model),
                                       engine={**ENGINE, "host_adapter_bytes": 2 * size}))
     host = worker.runner.adapter_pool.host
@@ -836,7 +836,7 @@ def test_host_cache_keeps_the_newest_whatever_its_size():
 
 
 def test_unreadable_adapter_is_rejected_not_fatal(model, versions, tmp_path, monkeypatch):
-    from radixlora.server import adapter_store, registry_proc
+    from radixlora.server.procs import adapter_store, registry_proc
 
     root = tmp_path / "dir"
     root.mkdir()
@@ -949,7 +949,7 @@ def test_registered_adapters_are_read_into_the_host_tier_ahead_of_need(model, tm
              for i, n in enumerate(names)}
     cfg = ModelConfig.from_dir(model)
     dtype = ServerArgs(model=str(model)).engine_config().torch_dtype(cfg)
-    size = AdapterPool.load_bytes(cfg, dtype, load_adapter("w0", paths["w0"], cfg,
+    size = load_bytes(cfg, dtype, load_adapter("w0", paths["w0"], cfg,
                                                            64).group_ranks)
     engine = {**ENGINE, "host_adapter_bytes": 4 * size}
     args = ServerArgs(model=str(model), engine=engine, state_dir=str(tmp_path / "state"),

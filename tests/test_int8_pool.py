@@ -15,12 +15,11 @@ import pytest
 import torch
 
 from radixlora import Engine, SamplingParams
-from radixlora.adapters import parse_spec
-from radixlora.config import EngineConfig
-from radixlora.lora.adapter import MODULE_GROUPS
-from radixlora.lora.pool import AdapterPool
-from radixlora.request import uses_adapter
-from radixlora.sizing import DeviceMemory, size_pools
+from radixlora.config import MODULE_GROUPS, EngineConfig
+from radixlora.lora.layout import bytes_per_row, load_bytes
+from radixlora.sched.adapter_registry import parse_spec
+from radixlora.sched.request import uses_adapter
+from radixlora.worker.sizing import DeviceMemory, size_pools
 from tests.conftest import assert_all_free
 from tests.oracle import logprobs, merged_logprobs, peft_model
 from tests.test_sizing import LLAMA_8B
@@ -146,8 +145,8 @@ def test_host_tier_holds_packed_int8_and_scales(checkpoints, adapters):
     packed = pool.packed(adapter)
     assert pool.host.get(adapter.adapter_id) is packed and packed.data.dtype == torch.int8
     cfg = engine.runner.cfg
-    assert packed.nbytes == AdapterPool.load_bytes(cfg, torch.int8, adapter.group_ranks)
-    fp32 = AdapterPool.load_bytes(cfg, torch.float32, adapter.group_ranks)
+    assert packed.nbytes == load_bytes(cfg, torch.int8, adapter.group_ranks)
+    fp32 = load_bytes(cfg, torch.float32, adapter.group_ranks)
     scales = sum(len(MODULE_GROUPS[g]) * r for g, r in adapter.group_ranks.items()) * 4
     assert packed.nbytes == fp32 // 4 + scales * cfg.num_layers
     rows = torch.arange(adapter.rank)
@@ -168,8 +167,8 @@ def test_equal_pool_bytes_hold_twice_the_adapters():
     module) per layer against 81,920 bf16 values; the bytes of a bf16 pool of 32 adapters of
     rank 64 hold 63 of rank 64 (255 of rank 16) in int8, and with the same --max-loras the KV
     pool gets the bytes int8 saves."""
-    bf16 = AdapterPool.bytes_per_row(LLAMA_8B, torch.bfloat16)
-    int8 = AdapterPool.bytes_per_row(LLAMA_8B, torch.int8)
+    bf16 = bytes_per_row(LLAMA_8B, torch.bfloat16)
+    int8 = bytes_per_row(LLAMA_8B, torch.int8)
     assert bf16 == 32 * 2 * 81920 and int8 == 32 * (81920 + 7 * 4)
     config = EngineConfig(max_running=256, max_batch_tokens=8192, host_adapter_bytes=0)
     memory = DeviceMemory(total=140 << 30, free=120 << 30)
@@ -222,7 +221,7 @@ def test_int8_expand_multiplies_in_the_activations_precision():
     model (scripts/check_quant_gpu.py measures it). A float32 model's product is fp32; a 16-bit
     model's rounds v to bfloat16 (as a 16-bit pool rounds it to its own dtype), also where the
     deltas go to a float32 buffer."""
-    from radixlora.kernels.sgmv_expand import expand_fp32_dot
+    from radixlora_kernels.sgmv_expand import expand_fp32_dot
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert expand_fp32_dot(torch.int8, torch.float32, cuda)
@@ -237,7 +236,7 @@ def test_int8_expand_multiplies_in_the_activations_precision():
 def test_int8_deferred_delta_equals_the_torch_backend(grouped):
     """The Triton backend's deferred delta on an int8 pool (a float32 delta buffer) equals the
     torch backend's on the same pool, per-segment and grouped."""
-    from radixlora.kernels.lora_ops import LoraBatchMeta, TorchLoraBackend, TritonLoraBackend
+    from radixlora_kernels.lora_ops import LoraBatchMeta, TorchLoraBackend, TritonLoraBackend
     from tests.test_kernels_sgmv import build_case, build_grouped_case, int8_pool
 
     build = build_grouped_case if grouped else build_case

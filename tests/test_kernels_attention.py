@@ -11,14 +11,14 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from radixlora.attention import AttentionInputs, TritonAttentionBackend  # noqa: E402
-from radixlora.kernels.attention_decode import decode_attention, decode_attention_ref  # noqa: E402
-from radixlora.kernels.attention_extend import (  # noqa: E402
+from radixlora.worker.attention import AttentionInputs, TritonAttentionBackend  # noqa: E402
+from radixlora.worker.kv_pool import KVPool  # noqa: E402
+from radixlora_kernels.attention_decode import decode_attention, decode_attention_ref  # noqa: E402
+from radixlora_kernels.attention_extend import (  # noqa: E402
     extend_attention,
     extend_attention_ref,
     extend_tiles,
 )
-from radixlora.kv_pool import KVPool  # noqa: E402
 
 # The interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584), so the
 # half-precision cases here use fp16; scripts/bench_attention.py checks bf16 on the GPU.

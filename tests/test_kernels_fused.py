@@ -18,8 +18,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from radixlora.config import RopeConfig  # noqa: E402
-from radixlora.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
-from radixlora.kernels.rmsnorm import (  # noqa: E402
+from radixlora.model.llama import RMSNorm  # noqa: E402
+from radixlora.model.rope import inv_frequencies  # noqa: E402
+from radixlora_kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from radixlora_kernels.rmsnorm import (  # noqa: E402
     MAX_HIDDEN,
     add_delta_ref,
     fused_add_rmsnorm,
@@ -27,10 +29,8 @@ from radixlora.kernels.rmsnorm import (  # noqa: E402
     rmsnorm,
     rmsnorm_ref,
 )
-from radixlora.kernels.rotary import apply_rotary_, apply_rotary_ref  # noqa: E402
-from radixlora.kernels.rotary_kv import rotary_store_kv_, rotary_store_kv_ref  # noqa: E402
-from radixlora.model.llama import RMSNorm  # noqa: E402
-from radixlora.model.rope import inv_frequencies  # noqa: E402
+from radixlora_kernels.rotary import apply_rotary_, apply_rotary_ref  # noqa: E402
+from radixlora_kernels.rotary_kv import rotary_store_kv_, rotary_store_kv_ref  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}

@@ -11,7 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are deco
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from radixlora.kernels.sampling import (  # noqa: E402
+from radixlora_kernels.sampling import (  # noqa: E402
     filter_scores_ref,
     gumbel_noise,
     sample_tokens,

@@ -19,7 +19,9 @@ from types import SimpleNamespace  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from radixlora.kernels.lora_ops import (  # noqa: E402
+from radixlora.lora.layout import quantize_rows  # noqa: E402
+from radixlora.worker.lora_context import LoraContext  # noqa: E402
+from radixlora_kernels.lora_ops import (  # noqa: E402
     HostGroups,
     LoraBatchMeta,
     LoraGroups,
@@ -27,17 +29,15 @@ from radixlora.kernels.lora_ops import (  # noqa: E402
     TritonLoraBackend,
     make_lora_backend,
 )
-from radixlora.kernels.sgmv_expand import sgmv_expand, sgmv_expand_ref  # noqa: E402
-from radixlora.kernels.sgmv_grouped import (  # noqa: E402
+from radixlora_kernels.sgmv_expand import sgmv_expand, sgmv_expand_ref  # noqa: E402
+from radixlora_kernels.sgmv_grouped import (  # noqa: E402
     GroupedTuning,
     grouped_expand,
     grouped_expand_ref,
     grouped_shrink,
     grouped_shrink_ref,
 )
-from radixlora.kernels.sgmv_shrink import sgmv_shrink, sgmv_shrink_ref  # noqa: E402
-from radixlora.lora.context import LoraContext  # noqa: E402
-from radixlora.lora.pool import quantize_rows  # noqa: E402
+from radixlora_kernels.sgmv_shrink import sgmv_shrink, sgmv_shrink_ref  # noqa: E402
 
 RANKS = [4, 8, 16, 32, 64, 12, 4, 8, 16, 24]
 SLICE_WIDTHS = {1: [96], 2: [48, 32], 3: [40, 16, 24]}  # q/k/v unequal, as under GQA

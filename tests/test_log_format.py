@@ -28,7 +28,7 @@ def test_every_line_of_every_process_and_uvicorn_has_one_format(tmp_path):
     assert not bad, "\n".join(bad)
     seen = {(m[1], m[3]) for m in map(LINE.match, lines)}
     assert ("api", "uvicorn.error") in seen  # uvicorn's own start and stop lines
-    assert ("api", "radixlora.server.stats_log") in seen  # --log-requests
+    assert ("api", "radixlora.server.http.stats_log") in seen  # --log-requests
     assert any(name == "worker" for name, _ in seen)
     assert any("finish=error:adapter_not_found" in line for line in lines)
     rejected = [line.split(": ", 1)[1] for line in lines if ": rejected " in line]

@@ -11,9 +11,10 @@ import time
 
 import httpx
 
-from radixlora.adapters import AdapterChoice
-from radixlora.sampling import SamplingParams
-from radixlora.server.bridge import Generation
+from radixlora.sampling_params import SamplingParams
+from radixlora.sched.adapter_registry import AdapterChoice
+from radixlora.server.http.bridge import Generation
+from radixlora.server.http.metrics import Metrics
 from radixlora.server.messages import (
     AdapterEvent,
     GenerateReq,
@@ -21,7 +22,6 @@ from radixlora.server.messages import (
     SchedulerStats,
     ids_to_bytes,
 )
-from radixlora.server.metrics import Metrics
 from radixlora.step_plan import StepTotals
 from tests.server_harness import running_server
 

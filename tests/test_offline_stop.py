@@ -9,7 +9,7 @@ import pytest
 
 from radixlora import Engine, InvalidRequestError, SamplingParams
 from radixlora.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR, format_prompt
-from radixlora.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from radixlora.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 PROMPT = format_prompt("the red fox ate 42 fish")  # base: "the red fox ate 42 fish"
 

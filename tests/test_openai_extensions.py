@@ -13,8 +13,8 @@ import pytest
 import torch
 import transformers
 
-from radixlora.adapters import check_adapter_name
 from radixlora.errors import InvalidRequestError
+from radixlora.sched.adapter_registry import check_adapter_name
 from radixlora.text.chat import ChatTemplate
 from radixlora.text.tokenizer import Tokenizer
 from scripts.checkpoints import SPECIALS

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 try:
@@ -65,7 +66,8 @@ def test_pyproject_license_version_and_demo_data():
         if p.is_dir() and not (p / "__init__.py").exists() and any(
             f.is_file() for f in p.iterdir()) and p.name != "__pycache__"
     }
-    assert data_dirs and data_dirs <= set(setuptools["packages"])
+    found = setuptools["packages"]["find"]  # namespace packages included: the data directories
+    assert data_dirs and "radixlora.*" in found["include"] and found.get("namespaces", True)
     assert all(setuptools["package-data"].get(name) == ["*"] for name in data_dirs)
 
 
@@ -82,8 +84,8 @@ def test_the_cpu_demo_runs_without_triton():
     assert blocked.stdout == plain.stdout and "THE RED FOX" in blocked.stdout
     launch = run_python(
         "import torch\n"
-        "from radixlora.kernels.triton_compat import HAVE_TRITON\n"
-        "from radixlora.kernels.rmsnorm import rmsnorm\n"
+        "from radixlora_kernels.triton_compat import HAVE_TRITON\n"
+        "from radixlora_kernels.rmsnorm import rmsnorm\n"
         "assert not HAVE_TRITON\n"
         "try:\n"
         "    rmsnorm(torch.ones(2, 8), torch.ones(8), 1e-6)\n"
@@ -107,20 +109,32 @@ def test_the_repository_root_shadows_no_installed_package():
     assert regular == {"radixlora", "tests"}
 
 
-def test_kernels_and_the_language_are_linked_into_the_package():
-    assert (ROOT / "radixlora" / "kernels").resolve() == ROOT / "kernels"
-    assert (ROOT / "radixlora" / "lang").resolve() == ROOT / "frontend"
-    from radixlora import frontend
-    from radixlora.kernels import sgmv_shrink
-    from radixlora.lang import runtime
+def test_kernels_and_the_language_are_packages_of_their_own_with_no_links(tmp_path):
+    """kernels/ and frontend/ hold the packages radixlora_kernels and radixlora_frontend; no
+    file of the repository is a link; one wheel of the project ships the three packages (and
+    the kernels import nothing of radixlora: scripts/import_graph.py)."""
+    from radixlora_frontend import Runtime, runtime
+    from radixlora_kernels import sgmv_shrink
 
-    assert Path(sgmv_shrink.__file__).resolve().parent == ROOT / "kernels"
-    assert frontend.Runtime is runtime.Runtime
+    assert Path(sgmv_shrink.__file__).resolve().parent == ROOT / "kernels" / "radixlora_kernels"
+    assert Runtime is runtime.Runtime
+    links = [p for top in ("radixlora", "kernels", "frontend", "tests", "scripts", "docs")
+             for p in (ROOT / top).rglob("*") if p.is_symlink()]
+    assert links == []
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                           "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (wheel,) = tmp_path.glob("radixlora-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        tops = {name.split("/")[0] for name in z.namelist()}
+        assert "radixlora/demo/model/model.safetensors" in z.namelist()
+    assert {"radixlora", "radixlora_kernels", "radixlora_frontend"} <= tops
 
 
 def test_every_script_imports_beside_the_installed_kernels_package():
     """Each script's imports resolve (runpy without running main) while Hugging Face's
-    `kernels` is importable: a script must reach the LoRA kernels as radixlora.kernels."""
+    `kernels` is importable: a script must reach the LoRA kernels as radixlora_kernels."""
     code = (
         "import runpy, sys, pathlib\n"
         "for path in sorted(pathlib.Path('scripts').glob('*.py')):\n"

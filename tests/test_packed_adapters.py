@@ -17,13 +17,14 @@ from radixlora.errors import AdapterError
 from radixlora.lora import registration
 from radixlora.lora.adapter import load_adapter
 from radixlora.lora.host_cache import PackedAdapter, packed_name, read_packed, write_packed
+from radixlora.lora.layout import PoolLayout, pool_layouts
 from radixlora.lora.packer import ProcessPacker
-from radixlora.lora.pool import AdapterPool, PoolLayout, pool_layouts
 from radixlora.lora.registration import HashCache, PackTarget, load_adapters
+from radixlora.sched.token_bucket import TokenBucket
 from radixlora.server.messages import AdminReq
-from radixlora.server.registry_proc import RegistryCore
+from radixlora.server.procs.registry_proc import RegistryCore
 from radixlora.step_plan import AdapterLoad
-from radixlora.token_bucket import TokenBucket
+from radixlora.worker.adapter_pool import AdapterPool
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 from tests.server_harness import registry_turn
 from tests.test_hotswap_units import _assert_nothing_held, _req, _services, _want
@@ -144,7 +145,7 @@ def test_registry_snapshots_hold_the_adapter_packed_for_every_rank(model, cfg, t
 
 
 def registration_batch() -> int:
-    from radixlora.server.registry_proc import REGISTER_BATCH
+    from radixlora.server.procs.registry_proc import REGISTER_BATCH
 
     return REGISTER_BATCH[0] + 2
 

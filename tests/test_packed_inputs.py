@@ -1,7 +1,7 @@
 """A CUDA graph's step inputs travel packed: one host-to-device copy and one scatter kernel
-(kernels/scatter_words.py) fill every static buffer. The kernel runs under TRITON_INTERPRET=1
-against its torch reference; PackedInputs must leave each buffer exactly as a copy per buffer
-would have (the values at the start, the rest untouched)."""
+(kernels/radixlora_kernels/scatter_words.py) fill every static buffer. The kernel runs under
+TRITON_INTERPRET=1 against its torch reference; PackedInputs must leave each buffer exactly as a
+copy per buffer would have (the values at the start, the rest untouched)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from radixlora.cuda_graph import PackedInputs  # noqa: E402
-from radixlora.kernels.scatter_words import scatter_words, scatter_words_ref  # noqa: E402
+from radixlora.worker.cuda_graph import PackedInputs  # noqa: E402
+from radixlora_kernels.scatter_words import scatter_words, scatter_words_ref  # noqa: E402
 
 
 def _packed(parts: list[tuple[int, np.ndarray]]) -> torch.Tensor:

@@ -115,8 +115,8 @@ def test_the_scheduler_and_registry_apply_quantization_at_load(qlora, tmp_path):
     import msgspec
 
     from radixlora.server.args import ServerArgs
-    from radixlora.server.registry_proc import make_core
-    from radixlora.server.scheduler_proc import SchedulerService
+    from radixlora.server.procs.registry_proc import make_core
+    from radixlora.server.procs.scheduler_proc import SchedulerService
     from tests.server_harness import registry_turn, sized
 
     nf4, dense, adapter, _ = qlora

@@ -1,6 +1,6 @@
-"""The decode kernels of quantized bases (kernels/quant_gemv.py, interpreted) against the
-product with the dequantized weight: NF4 weights quantized by bitsandbytes itself (with double
-quantization, several blocksizes, blocks that straddle rows) for 1 and 3 rows of x (a program
+"""The decode kernels of quantized bases (kernels/radixlora_kernels/quant_gemv.py, interpreted)
+against the product with the dequantized weight: NF4 weights quantized by bitsandbytes itself (with
+double quantization, several blocksizes, blocks that straddle rows) for 1 and 3 rows of x (a program
 each), FP8 weights with a scale per row for 1 row (the CUDA-core kernel) up to more than one
 program's rows (tl.dot); with and without bias."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixlora.kernels.quant_gemv import Tile, fp8_gemv, nf4_gemv, nf4_span
 from radixlora.model.quant import dequantize_nf4, nf4_from_bnb
 from radixlora.model.quant_fp8 import quantize_fp8
+from radixlora_kernels.quant_gemv import Tile, fp8_gemv, nf4_gemv, nf4_span
 
 # relative Frobenius error against the dequantized product: fp32 is exact up to summation
 # order; 16-bit outputs are rounded once, and the interpreter's casts truncate

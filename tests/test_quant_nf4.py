@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from radixlora import Engine, SamplingParams
-from radixlora.kernels.nf4_dequant import nf4_dequant
 from radixlora.model.quant import NF4Linear, dequantize_nf4, nf4_from_bnb, quantize_nf4
+from radixlora_kernels.nf4_dequant import nf4_dequant
 from scripts.checkpoints import build_nf4_model
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

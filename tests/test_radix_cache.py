@@ -15,8 +15,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from radixlora import radix_cache
-from radixlora.radix_cache import RadixCache
+from radixlora.sched import radix_cache
+from radixlora.sched.radix_cache import RadixCache
 
 NS_A = (("base", "sha-base"), ("adapters", (("sha-legal", 1.0),)), ("salt", ""))
 NS_B = (("base", "sha-base"), ("adapters", (("sha-medical", 1.0),)), ("salt", ""))

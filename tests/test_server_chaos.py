@@ -21,7 +21,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixlora.sampling import SamplingParams
+from radixlora.sampling_params import SamplingParams
 from radixlora.server.args import ServerArgs
 from radixlora.server.client import RuntimeClient
 from radixlora.server.messages import (
@@ -35,8 +35,8 @@ from radixlora.server.messages import (
     bytes_to_ids,
     ids_to_bytes,
 )
-from radixlora.server.scheduler_proc import SchedulerService
-from radixlora.server.worker_proc import make_executor, submit
+from radixlora.server.procs.scheduler_proc import SchedulerService
+from radixlora.server.procs.worker_proc import make_executor, submit
 from radixlora.step_plan import StepPlan
 from tests.server_harness import (
     MODEL_NAME,

@@ -23,9 +23,9 @@ from radixlora.server.messages import (
     bytes_to_ids,
     ids_to_bytes,
 )
-from radixlora.server.scheduler_proc import SchedulerService
-from radixlora.server.tokenizer_proc import TokenizerService
-from radixlora.server.worker_proc import make_executor, prefetch_adapters
+from radixlora.server.procs.scheduler_proc import SchedulerService
+from radixlora.server.procs.tokenizer_proc import TokenizerService
+from radixlora.server.procs.worker_proc import make_executor, prefetch_adapters
 from radixlora.text.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from radixlora.text.detokenize import IncrementalDecoder, StopMatcher
 from radixlora.text.tokenizer import Tokenizer

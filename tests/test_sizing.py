@@ -1,6 +1,6 @@
-"""Pool and batch sizing (radixlora.sizing) with fake device memory, the flags and their vLLM /
-SGLang spellings, the graph keys warm-up captures, and the synthetic steps the worker profiles
-and warms up with, run through a CPU ModelRunner."""
+"""Pool and batch sizing (radixlora.worker.sizing) with fake device memory, the flags and their vLLM
+/ SGLang spellings, the graph keys warm-up captures, and the synthetic steps the worker profiles and
+warms up with, run through a CPU ModelRunner."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import torch
 from radixlora import Engine
 from radixlora.cli.flags import add_engine_flags, engine_overrides
 from radixlora.config import EngineConfig, ModelConfig
-from radixlora.cuda_graph import StaticInputs, graph_keys, graph_reserve
 from radixlora.errors import SizingError
-from radixlora.kv_pool import KVPool
-from radixlora.lora.pool import AdapterPool
-from radixlora.model_runner import profile_plan, warm_up_plans
-from radixlora.sizing import (
+from radixlora.lora.layout import bytes_per_row
+from radixlora.worker.cuda_graph import StaticInputs, graph_keys, graph_reserve
+from radixlora.worker.kv_pool import KVPool
+from radixlora.worker.model_runner import profile_plan, warm_up_plans
+from radixlora.worker.sizing import (
     CPU_DEFAULTS,
     GIB,
     DeviceMemory,
@@ -49,14 +49,14 @@ def size_8b(config: EngineConfig, total: int = H200, in_use: int = WEIGHTS_8B + 
         config, DeviceMemory(total, total - in_use), weights_bytes=WEIGHTS_8B,
         activation_bytes=activations, graph_bytes=graphs,
         kv_slot_bytes=KVPool.bytes_per_slot(32, 8, 128, torch.bfloat16),
-        adapter_row_bytes=AdapterPool.bytes_per_row(LLAMA_8B, torch.bfloat16),
+        adapter_row_bytes=bytes_per_row(LLAMA_8B, torch.bfloat16),
     )
 
 
 def test_llama_8b_on_an_h200_holds_500k_kv_tokens_beside_32_rank_64_adapters():
     config, sizing = size_8b(EngineConfig())
     assert KVPool.bytes_per_slot(32, 8, 128, torch.bfloat16) == 128 * 1024
-    assert AdapterPool.bytes_per_row(LLAMA_8B, torch.bfloat16) == 32 * 2 * (
+    assert bytes_per_row(LLAMA_8B, torch.bfloat16) == 32 * 2 * (
         4096 * 5 + 4096 + 14336 + 4096 + 1024 * 2 + 4096 + 14336 * 2 + 4096)
     assert sizing.adapter_rows == config.adapter_rows == 32 * 64
     assert sizing.adapters_of_rank(64) == 32 and sizing.adapters_of_rank(16) == 128
@@ -127,7 +127,7 @@ def test_host_tier_is_a_share_of_available_host_memory():
 def test_each_replica_worker_takes_its_part_of_the_host_tier(tmp_path, monkeypatch):
     """Replicas size at the same moment from the same free memory: each takes 1/N of the
     share, so N replicas pin no more than one would."""
-    from radixlora.server import worker_proc
+    from radixlora.server.procs import worker_proc
     from radixlora.server.args import ServerArgs
     from scripts.checkpoints import build_tiny_model
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixlora import Engine, SamplingParams, cuda_graph
-from radixlora.cuda_graph import StaticInputs
+from radixlora import Engine, SamplingParams
+from radixlora.worker import cuda_graph
+from radixlora.worker.cuda_graph import StaticInputs
 from tests.conftest import assert_all_free
 
 

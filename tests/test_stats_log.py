@@ -12,9 +12,10 @@ import time
 import numpy as np
 import pytest
 
-from radixlora.sampling import SamplingParams
+from radixlora.sampling_params import SamplingParams
 from radixlora.server.args import Endpoints, ServerArgs
-from radixlora.server.bridge import Health, ProcessBridge, ReqFailed
+from radixlora.server.http.bridge import Health, ProcessBridge, ReqFailed
+from radixlora.server.http.stats_log import Snapshot, StatsLog, request_line
 from radixlora.server.messages import (
     GenerateReq,
     OutputBatch,
@@ -23,7 +24,6 @@ from radixlora.server.messages import (
     SchedulerStats,
     ids_to_bytes,
 )
-from radixlora.server.stats_log import Snapshot, StatsLog, request_line
 from tests.server_harness import running_server
 
 STATS_LINE = re.compile(r"stats: running \d+, waiting \d+, .* generation ([\d.]+) tok/s")
@@ -123,7 +123,7 @@ def test_stats_log_waits_the_interval_and_counts_tokens_since_the_last_line(capl
     assert stats_log.on_stats(scheduler_stats(running=1)) is None  # inside the interval
     clock.now += 2.5
     stats_log.count(prompt_tokens=0, generation_tokens=50)
-    with caplog.at_level(logging.INFO, logger="radixlora.server.stats_log"):
+    with caplog.at_level(logging.INFO, logger="radixlora.server.http.stats_log"):
         line = stats_log.on_stats(scheduler_stats(running=1))
     assert "prompt 20.0 tok/s, generation 20.0 tok/s" in line
     assert caplog.messages == [line]
@@ -186,7 +186,7 @@ def test_bridge_logs_each_request_once_finished_aborted_or_failed(tmp_path, capl
     args = ServerArgs(model="m", endpoints=Endpoints.in_dir(tmp_path), log_requests=True)
     reqs = [GenerateReq(rid=rid, params=SamplingParams(), prompt="secret")
             for rid in ("done", "gone", "failed")]
-    with caplog.at_level(logging.INFO, logger="radixlora.server.stats_log"):
+    with caplog.at_level(logging.INFO, logger="radixlora.server.http.stats_log"):
         end_three_ways(ProcessBridge(args), reqs)
     lines = [re.sub(r"ttft=\S+ total=\S+", "T", m) for m in caplog.messages]
     assert lines == [

@@ -17,11 +17,11 @@ import torch
 from tokenizers import Tokenizer
 
 from radixlora import Engine, SamplingParams
-from radixlora.cuda_graph import StaticInputs
 from radixlora.errors import InvalidRequestError
-from radixlora.sampler import TokenMask
 from radixlora.step_plan import StepMasks
 from radixlora.structured import Structure, allowed_tokens, mask_words
+from radixlora.worker.cuda_graph import StaticInputs
+from radixlora.worker.sampler import TokenMask
 from scripts.checkpoints import build_tiny_adapter, build_tiny_model
 from tests.conftest import assert_all_free
 from tests.oracle import logprobs, peft_model
@@ -275,7 +275,7 @@ def test_object_schemas_are_closed_unless_they_say_otherwise():
 def test_a_compiler_without_its_tokenizer_refuses_structured_requests(tmp_path):
     """Where llguidance's tokenizer cannot be built (here: no file; on a machine without
     llguidance: its import), structured requests get a 400 saying so; nothing else breaks."""
-    from radixlora.grammar_compiler import GrammarCompiler
+    from radixlora.sched.grammar_compiler import GrammarCompiler
 
     compiler = GrammarCompiler(tmp_path / "missing.json", 64, (2,))
     with pytest.raises(InvalidRequestError) as e:

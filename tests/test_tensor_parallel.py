@@ -105,10 +105,10 @@ def serve_rank(job_path: str, rank: int) -> None:
     """One worker rank: rank 0 reads the plans and broadcasts them one by one, as the worker
     process does; every rank executes each plan; rank 0 writes its results. The base is served
     as the job's EngineConfig asks (--quantization at load, --qlora-mismatch), as there."""
-    from radixlora.executor import StepExecutor
     from radixlora.lora.adapter import load_adapter
-    from radixlora.model_runner import ModelRunner
-    from radixlora.server.worker_proc import submit
+    from radixlora.server.procs.worker_proc import submit
+    from radixlora.worker.executor import StepExecutor
+    from radixlora.worker.model_runner import ModelRunner
 
     job = json.loads(Path(job_path).read_text())
     config = msgspec.convert(job["config"], EngineConfig)

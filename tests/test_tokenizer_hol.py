@@ -18,8 +18,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from radixlora.demo import DEMO_MODEL_DIR
 from radixlora.errors import InvalidRequestError
-from radixlora.sampling import SamplingParams
-from radixlora.server import tokenizer_proc
+from radixlora.sampling_params import SamplingParams
 from radixlora.server.args import ServerArgs
 from radixlora.server.messages import (
     AbortReq,
@@ -29,7 +28,8 @@ from radixlora.server.messages import (
     TokenizedReq,
     bytes_to_ids,
 )
-from radixlora.server.tokenizer_proc import TokenizerService
+from radixlora.server.procs import tokenizer_proc
+from radixlora.server.procs.tokenizer_proc import TokenizerService
 from radixlora.text.tokenizer import UNICODE_SHRINK, Tokenizer
 from tests.server_harness import running_server, sized
 

@@ -14,8 +14,7 @@ import pydantic
 import pytest
 
 from radixlora.errors import InvalidRequestError
-from radixlora.text.chat import ChatMessage, ChatTemplate
-from radixlora.tools import (
+from radixlora.protocol.tools import (
     PARSERS,
     ToolChoice,
     calls_of_required,
@@ -23,6 +22,7 @@ from radixlora.tools import (
     named_structure,
     required_structure,
 )
+from radixlora.text.chat import ChatMessage, ChatTemplate
 from tests.server_harness import running_server
 
 WEATHER = {"type": "function", "function": {

@@ -14,13 +14,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from radixlora.adapters import AdapterChoice
 from radixlora.errors import RadixLoraError
-from radixlora.sampling import SamplingParams
+from radixlora.sampling_params import SamplingParams
+from radixlora.sched.adapter_registry import AdapterChoice
 from radixlora.server.args import Endpoints, ServerArgs
-from radixlora.server.bridge import ProcessBridge
+from radixlora.server.http.bridge import ProcessBridge
+from radixlora.server.http.tracing import Tracer
 from radixlora.server.messages import GenerateReq
-from radixlora.server.tracing import Tracer
 from tests.server_harness import free_port, running_server
 from tests.test_stats_log import end_three_ways
 

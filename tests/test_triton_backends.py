@@ -63,7 +63,7 @@ def test_adapter_grouped_mixed_steps_match_peft(checkpoints, adapters, monkeypat
     """Steps mixing decodes and prefill chunks over several adapters and the base run the
     grouped LoRA kernels (tokens gathered by adapter set, chunks and decodes alike) and give
     the tokens and logprobs transformers + PEFT computes for each request alone."""
-    from radixlora.kernels.lora_ops import LoraBatchMeta
+    from radixlora_kernels.lora_ops import LoraBatchMeta
     from tests.oracle import logprobs, peft_model
 
     built = []

@@ -26,7 +26,7 @@ from radixlora.cli.flags import (
     positive,
     resolved_overrides,
 )
-from radixlora.tools import PARSERS
+from radixlora.protocol.tools import PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 log = logging.getLogger("radixlora.cli")
@@ -40,7 +40,7 @@ def demo(args: argparse.Namespace) -> None:
     """The bundled demo through the offline Engine: one prompt, every adapter set, one batch."""
     from radixlora.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR, format_prompt
     from radixlora.engine import Engine
-    from radixlora.sampling import SamplingParams
+    from radixlora.sampling_params import SamplingParams
 
     engine = Engine(DEMO_MODEL_DIR, adapters=DEMO_ADAPTERS)
     prompt = format_prompt(args.text)
@@ -104,7 +104,7 @@ def serve(args: argparse.Namespace) -> None:
         if isinstance(e.code, str):
             raise SystemExit(f"radixlora serve: error: {e.code}") from None
         raise
-    from radixlora.server.launcher import serve as run_server
+    from radixlora.server.procs.launcher import serve as run_server
 
     raise SystemExit(run_server(server_args))
 
@@ -135,7 +135,7 @@ def prepare(args: argparse.Namespace):
     if args.state_dir is not None and not os.path.isdir(args.state_dir):
         raise StartError(f"--state-dir {args.state_dir} is not a directory")
     if args.otlp_traces_endpoint:
-        from radixlora.server.tracing import check_available
+        from radixlora.server.http.tracing import check_available
 
         try:
             check_available()
@@ -153,8 +153,8 @@ def prepare(args: argparse.Namespace):
         engine.max_context(model_cfg.served(engine))
     except (ValueError, RadixLoraError) as e:
         raise StartError(_flag_hint(str(e))) from e
-    from radixlora.adapters import check_adapter_name
     from radixlora.lora.adapter import check_header
+    from radixlora.sched.adapter_registry import check_adapter_name
 
     served = server_args.served_model(engine)
     for name, path in adapters.items():
@@ -452,8 +452,8 @@ def warmup(args: argparse.Namespace) -> None:
     from radixlora.server.ipc import setup_logging
 
     setup_logging(getattr(args, "log_level", "info"), "warmup")
-    from radixlora import compile_cache
     from radixlora.engine import Engine
+    from radixlora.worker import compile_cache
 
     model, _, _ = model_and_adapters(args)
     engine = Engine(model, **resolved_overrides(args, model))

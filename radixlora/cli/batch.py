@@ -1,5 +1,5 @@
 """`radixlora batch` (also `python -m radixlora.cli.batch`): a JSONL file of OpenAI batch requests
-run on the in-process Engine or against a server (radixlora.run_batch), resumable."""
+run on the in-process Engine or against a server (radixlora.cli.run_batch), resumable."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from radixlora.cli.flags import (
     resolved_overrides,
 )
 
-DEFAULT_CONCURRENCY = 64  # requests in flight against a server (radixlora.run_batch's default)
+DEFAULT_CONCURRENCY = 64  # requests in flight against a server (radixlora.cli.run_batch's default)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +35,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Run the command for parsed flags; the exit status."""
     if args.url and (args.model or args.adapter or args.lora_modules or args.lora_paths):
         raise SystemExit("give either --url or --model/--adapter, not both")
-    from radixlora.run_batch import run_batch
+    from radixlora.cli.run_batch import run_batch
 
     target, model_name = args.url, args.served_model_name
     if target is None:

@@ -161,11 +161,11 @@ def resolved_overrides(args: argparse.Namespace, model: str | Path) -> dict:
     if "host_adapter_bytes" in out:
         raise SystemExit("give either --max-cpu-loras or --host-adapter-bytes, not both")
     from radixlora.config import EngineConfig, ModelConfig
-    from radixlora.lora.pool import AdapterPool
+    from radixlora.lora.layout import bytes_per_row
 
     config = EngineConfig(**out)
     model_cfg = ModelConfig.from_dir(model)
-    row_bytes = AdapterPool.bytes_per_row(model_cfg, config.lora_pool_dtype(model_cfg))
+    row_bytes = bytes_per_row(model_cfg, config.lora_pool_dtype(model_cfg))
     out["host_adapter_bytes"] = count * config.max_rank * row_bytes
     return out
 

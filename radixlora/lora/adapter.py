@@ -23,19 +23,17 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from radixlora.config import ModelConfig, checkpoint_quantization
+from radixlora.config import (
+    GROUP_OF,
+    LORA_MODULES,
+    MODULE_GROUPS,
+    ModelConfig,
+    checkpoint_quantization,
+)
 from radixlora.errors import AdapterError, ModelLoadError
 
 log = logging.getLogger(__name__)
 
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MODULE_GROUPS: dict[str, tuple[str, ...]] = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "o": ("o_proj",),
-    "gate_up": ("gate_proj", "up_proj"),
-    "down": ("down_proj",),
-}
-GROUP_OF = {m: g for g, mods in MODULE_GROUPS.items() for m in mods}
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))"
     r"\.lora_(A|B)(?:\.[^.]+)?\.weight$"
@@ -129,7 +127,7 @@ class LoraAdapter:
     @property
     def pool_rows(self) -> int:
         """Rows it takes in the adapter pool: its rank rows, and for DoRA one more, the
-        magnitude row (radixlora.lora.dora)."""
+        magnitude row (radixlora.worker.dora)."""
         return self.rank + bool(self.dora_groups)
 
 

@@ -40,7 +40,7 @@ class PackedAdapter:
     groups' float32 dequantization scales as bytes, then the int8 rows (AdapterPool.pack), so
     a load stays one host-to-device copy and nbytes counts the scales. A DoRA adapter's data
     starts with its magnitude vectors, float32 [layers, out_total] for each of `dora_groups`
-    (radixlora.lora.dora)."""
+    (radixlora.worker.dora)."""
 
     adapter_id: str
     group_ranks: dict[str, int]

@@ -26,7 +26,7 @@ import msgspec
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError
 from radixlora.lora.host_cache import PackedAdapter, read_packed
-from radixlora.lora.pool import PoolLayout
+from radixlora.lora.layout import PoolLayout
 from radixlora.lora.registration import JobOutcome, PackTarget, one_torch_thread, validate_job
 from radixlora.step_plan import AdapterLoad
 

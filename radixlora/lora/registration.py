@@ -54,7 +54,7 @@ from radixlora.lora.adapter import (
 from radixlora.lora.host_cache import packed_name, write_packed
 
 if TYPE_CHECKING:
-    from radixlora.lora.pool import PoolLayout
+    from radixlora.lora.layout import PoolLayout
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from radixlora.config import ModelConfig
-from radixlora.forward_batch import ForwardBatch
+from radixlora.model.forward_batch import ForwardBatch
 from radixlora.model.ops import rms_norm, silu_mul
 from radixlora.model.rope import RotaryEmbedding
 

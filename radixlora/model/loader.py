@@ -12,10 +12,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from radixlora.config import ModelConfig, checkpoint_quantization
+from radixlora.config import LORA_MODULES, ModelConfig, checkpoint_quantization
 from radixlora.distributed import COLUMN_MODULES, Shard, TensorParallel
 from radixlora.errors import ModelLoadError
-from radixlora.lora.adapter import LORA_MODULES
 from radixlora.model.llama import LlamaForCausalLM
 from radixlora.model.parallel import row_parallel_projections, shard_model, whole_row_absmax
 from radixlora.model.quant import (

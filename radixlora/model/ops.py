@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from radixlora.kernels.activation import silu_and_mul, silu_and_mul_ref
-from radixlora.kernels.rmsnorm import (
+from radixlora_kernels.activation import silu_and_mul, silu_and_mul_ref
+from radixlora_kernels.rmsnorm import (
     add_delta_ref,
     fused_add_rmsnorm,
     fused_add_rmsnorm_ref,
     rmsnorm,
     rmsnorm_ref,
 )
-from radixlora.kernels.rotary import apply_rotary_, apply_rotary_ref
+from radixlora_kernels.rotary import apply_rotary_, apply_rotary_ref
 
 
 def rms_norm(

@@ -1,5 +1,5 @@
 """4-bit NormalFloat (NF4) weights with bitsandbytes' semantics, in torch (the reference and the
-CPU path; kernels/nf4_dequant.py is the GPU path).
+CPU path; kernels/radixlora_kernels/nf4_dequant.py is the GPU path).
 
 A weight [out, in] is flattened row-major and cut into blocks of `blocksize` values; each block
 keeps its absolute maximum (fp32) and each value the index of the nearest NF4 code to
@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlora.kernels.nf4_dequant import nf4_dequant, nf4_dequant_ref
-from radixlora.kernels.quant_gemv import NF4_MAX_M, nf4_gemv, nf4_span
 from radixlora.model.quant_fp8 import swap_projections
+from radixlora_kernels.nf4_dequant import nf4_dequant, nf4_dequant_ref
+from radixlora_kernels.quant_gemv import NF4_MAX_M, nf4_gemv, nf4_span
 
 # The NF4 code: quantiles of N(0, 1) normalised to [-1, 1], with an exact zero (QLoRA, App. E).
 NF4_CODE = torch.tensor([

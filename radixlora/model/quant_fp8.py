@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlora.kernels.quant_gemv import FP8_MAX_M, fp8_gemv
-from radixlora.kernels.triton_compat import tl, triton
+from radixlora_kernels.quant_gemv import FP8_MAX_M, fp8_gemv
+from radixlora_kernels.triton_compat import tl, triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448

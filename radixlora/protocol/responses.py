@@ -1,6 +1,7 @@
 """OpenAI response bodies of /v1/completions and /v1/chat/completions, built from plain values:
-one set of builders for the HTTP server (radixlora.server.openai_api) and the batch runner
-(radixlora.run_batch). A `top` row is one generated token's alternatives, (token text, logprob)."""
+one set of builders for the HTTP server (radixlora.server.http.openai_api) and the batch
+runner (radixlora.cli.run_batch). A `top` row is one generated token's alternatives, (token
+text, logprob)."""
 
 from __future__ import annotations
 

@@ -84,7 +84,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     dist_init_method: str = ""  # the rendezvous URL the launcher hands its worker ranks
     data_parallel_size: int = 1  # replicas: scheduler + worker groups behind one api
     dp_rank: int = 0  # the replica a scheduler or worker child serves
-    router_policy: str = "cache_aware"  # how the replicas share requests (server/router.py)
+    router_policy: str = "cache_aware"  # how the replicas share requests (server/procs/router.py)
     vllm_metric_names: bool = False  # /metrics also under vLLM's names (the endpoint picker's)
     drain_timeout_s: float = 30.0
     step_timeout_s: float = 600.0  # a worker step running longer is a hung worker
@@ -104,7 +104,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     state_root: str | None = None  # --state-dir: where the launcher makes state_dir
     # hot-swap (docs/server.md, "Hot-swap")
     adapter_dir: str | None = None  # watched by the registry process
-    tool_call_parser: str | None = None  # radixlora.tools.PARSERS: tool_choice "auto"
+    tool_call_parser: str | None = None  # radixlora.protocol.tools.PARSERS: tool_choice "auto"
     adapter_rate: float = 1.0  # new adapters admitted per second (token bucket)
     adapter_burst: int = 1
     adapter_quiet_s: float = 0.5  # a changed adapter directory must be quiet this long

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 import msgspec
 import zmq
 
-from radixlora.adapters import parse_spec
 from radixlora.errors import RadixLoraError
-from radixlora.sampling import SamplingParams
-from radixlora.server.bridge import Sample
+from radixlora.sampling_params import SamplingParams
+from radixlora.sched.adapter_registry import parse_spec
+from radixlora.server.http.bridge import Sample
 from radixlora.server.ipc import check_local
 from radixlora.server.messages import (
     AbortReq,

@@ -33,8 +33,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from radixlora.adapters import AdapterChoice as AdapterChoice
-from radixlora.sampling import SamplingParams
+from radixlora.sampling_params import SamplingParams
+from radixlora.sched.adapter_registry import AdapterChoice as AdapterChoice
 from radixlora.step_plan import StepMasks, StepPlan, StepResult, StepTotals
 from radixlora.step_plan import bytes_to_ids as bytes_to_ids
 from radixlora.step_plan import ids_to_bytes as ids_to_bytes
@@ -262,7 +262,7 @@ class SchedulerStats(Message):
 
 
 class RouterStats(Message):
-    """The data-parallel router's state (radixlora.server.router.Router.snapshot)."""
+    """The data-parallel router's state (radixlora.server.procs.router.Router.snapshot)."""
 
     policy: str
     outstanding: list[Count]  # samples sent to each replica and not finished

@@ -1,0 +1,344 @@
+"""Compiled Triton kernels kept across starts, and compiled in parallel.
+
+Kernels compile into a directory that outlives the process (EngineConfig.compile_cache_dir,
+`--compile-cache-dir`; Triton's own cache format under triton/). Beside it, a manifest per
+model and engine configuration lists every kernel variant (Triton's specialization data) that
+configuration launched. A start that finds its manifest has those variants compiled, or read
+back from the cache, by several processes while the weights load, then loads them into this
+process before the first forward. A start without one runs every CUDA graph's forward once
+dry (kernels recorded, not launched), has the recorded variants compiled the same way, and
+writes the manifest when it is ready. Either way no variant is compiled twice, and none is
+compiled on the thread that launches steps after warm-up.
+
+The compile processes are `python -m radixlora.worker.compile_cache`, one JSON line per variant on
+stdin; nothing is unpickled."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import py_compile
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MANIFESTS = "manifests"
+MANIFEST_VERSION = 1
+MAX_COMPILE_PROCESSES = 16
+
+
+def default_cache_dir() -> Path:
+    """Under the user's cache directory ($XDG_CACHE_HOME, else ~/.cache)."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "radixlora" / "compile"
+
+
+def use_cache_dir(path: str | Path | None) -> Path:
+    """Make `path` (None: the default) the compile cache of this process and of the processes
+    it starts; returns it. Triton's TRITON_CACHE_DIR, when set and no path is given, stays
+    Triton's, with the manifests in the default directory."""
+    root = Path(path).expanduser() if path else default_cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    if path or not os.environ.get("TRITON_CACHE_DIR"):
+        os.environ["TRITON_CACHE_DIR"] = str(root / "triton")
+    return root
+
+
+def bytecode_env(root: Path) -> dict[str, str]:
+    """PYTHONPYCACHEPREFIX=root/pycache for the processes a server starts, where the installed
+    torch has no bytecode beside its sources (a read-only install, or one made with pip's
+    --no-compile): each process would otherwise compile torch's Python sources at every
+    start, seconds of CPU each. Empty where the bytecode exists, where writing bytecode is
+    turned off, or where a prefix is set already."""
+    if sys.pycache_prefix or sys.dont_write_bytecode:
+        return {}
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return {}
+    if os.path.exists(importlib.util.cache_from_source(spec.origin)):
+        return {}
+    return {"PYTHONPYCACHEPREFIX": str(root / "pycache")}
+
+
+def write_bytecode(root: Path, modules=None) -> int:
+    """The bytecode of `modules` (default: every module this process imported), written where
+    bytecode_env points the server's processes (`radixlora warmup`: an image whose torch has
+    no bytecode then starts without compiling Python sources); returns how many were
+    written."""
+    prefix = bytecode_env(root).get("PYTHONPYCACHEPREFIX")
+    if prefix is None:
+        return 0
+    previous, sys.pycache_prefix = sys.pycache_prefix, prefix
+    written = 0
+    try:
+        for module in list(sys.modules.values()) if modules is None else modules:
+            source = getattr(module, "__file__", None)
+            if isinstance(source, str) and source.endswith(".py"):
+                with contextlib.suppress(py_compile.PyCompileError, OSError):
+                    py_compile.compile(source, doraise=True)
+                    written += 1
+    finally:
+        sys.pycache_prefix = previous
+    return written
+
+
+def manifest_key(model_cfg, config, device_name: str) -> str:
+    """The name of a configuration's manifest: a digest of what chooses kernel variants (the
+    model's shape and weight format, the engine config, the device, the Triton and torch
+    versions), the same for `radixlora warmup`, `radixlora serve` and the Engine given the
+    same flags."""
+    import torch
+    import triton
+
+    model_cfg = dataclasses.replace(model_cfg, base_roots=None, qlora_mismatch="refuse")
+    config = dataclasses.replace(config, host_adapter_bytes=None, compile_cache_dir=None, seed=0,
+                                 qlora_mismatch="refuse")
+    parts = (model_cfg, config, device_name, triton.__version__, torch.__version__)
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
+
+
+Entry = tuple[str, str, str]  # (module, qualified name, Triton's specialization data)
+
+
+class KernelCache:
+    """The variants one ModelRunner launches: recorded from start_recording() to
+    stop_recording(), compiled ahead by start() (the manifest's) and in dry runs (those found),
+    loaded into this process by finish(), and kept in the manifest by save()."""
+
+    def __init__(self, root: Path, key: str, processes: int):
+        self.path = root / MANIFESTS / f"{key}.json"
+        self.triton_dir = Path(os.environ.get("TRITON_CACHE_DIR") or root / "triton")
+        self.processes = max(1, min(processes, MAX_COMPILE_PROCESSES))
+        self.known: dict[str, Entry] = _read_manifest(self.path)
+        self.seen: dict[str, Entry] = {}
+        self.ahead: dict[str, Entry] = {}  # sent to the compile processes, loaded by finish()
+        self.dry = False
+        self.compilers: list[_Compiler] = []
+        self._sent = 0
+        self._loader: threading.Thread | None = None
+        self.loaded = 0
+
+    @property
+    def found_manifest(self) -> bool:
+        return bool(self.known)
+
+    def start(self) -> None:
+        """Begin what finish() waits for, while the caller loads the weights: with a manifest
+        whose variants the cache directory seems to hold, load them on a thread (reads, no
+        compile); otherwise start the compile processes (their imports take seconds) and send
+        them the manifest's variants, if any."""
+        if self.known and _cache_entries(self.triton_dir) >= len(self.known):
+            self.ahead = dict(self.known)
+            self._loader = threading.Thread(target=self._load_ahead, name="kernel-preload",
+                                            daemon=True)
+            self._loader.start()
+            return
+        self.compilers = [_Compiler() for _ in range(self.processes)]
+        self.compile_ahead(self.known)
+
+    def compile_ahead(self, entries: dict[str, Entry]) -> None:
+        """Send `entries` to the compile processes (each variant once)."""
+        for ident, entry in entries.items():
+            if ident in self.ahead:
+                continue
+            self.ahead[ident] = entry
+            self.compilers[self._sent % len(self.compilers)].send(entry)
+            self._sent += 1
+
+    def finish(self) -> int:
+        """Wait for the variants sent to the compile processes, then load them into this
+        process (from the cache directory: no compile here unless a process failed on it).
+        Returns how many variants were loaded."""
+        for compiler in self.compilers:
+            compiler.wait()
+        if self._loader is not None:
+            self._loader.join()
+            self._loader = None
+        else:
+            self._load_ahead()
+        loaded, self.loaded = self.loaded, 0
+        self.ahead = {}
+        return loaded
+
+    def _load_ahead(self) -> None:
+        for ident, entry in self.ahead.items():
+            try:
+                _jit_function(entry[0], entry[1]).preload(entry[2])
+                self.loaded += 1
+            except Exception as e:  # a stale manifest entry: compiled on first use instead
+                log.debug("kernel %s.%s not preloaded: %s", entry[0], entry[1], e)
+            self.seen.setdefault(ident, entry)
+
+    def start_recording(self) -> None:
+        """Record every variant this process compiles or loads from now on."""
+        from triton import knobs
+
+        knobs.runtime.jit_cache_hook = self._hook
+
+    def stop_recording(self, warn_late: bool) -> None:
+        """Stop recording and the compile processes; with warn_late, each variant compiled from
+        now on is logged as a warning (warm-up should have compiled them all)."""
+        from triton import knobs
+
+        knobs.runtime.jit_cache_hook = _late_compile if warn_late else None
+        for compiler in self.compilers:
+            compiler.close()
+        self.compilers = []
+
+    @contextlib.contextmanager
+    def dry_run(self):
+        """Inside, kernel launches of variants not loaded yet are recorded and sent to the
+        compile processes instead of compiled and launched (their outputs are not written);
+        finish() then waits for them and loads them."""
+        if not self.compilers:
+            self.compilers = [_Compiler() for _ in range(self.processes)]
+        self.dry = True
+        try:
+            yield self
+        finally:
+            self.dry = False
+
+    def _hook(self, *, fn, compile, **_) -> bool | None:
+        data = compile["specialization_data"]
+        ident = hashlib.sha256(data.encode()).hexdigest()
+        entry = (getattr(fn.module, "__name__", fn.module), fn.name, data)
+        if not self.dry:
+            self.seen.setdefault(ident, entry)
+            return None
+        self.compile_ahead({ident: entry})
+        return True
+
+    def save(self) -> None:
+        """Write the manifest: the variants of this start (with the earlier ones kept), when
+        they differ from what was read."""
+        entries = {**self.known, **self.seen}
+        if entries.keys() == self.known.keys():
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"version": MANIFEST_VERSION,
+                                   "kernels": [list(e) for e in entries.values()]}))
+        os.replace(tmp, self.path)
+        self.known = entries
+
+
+def _late_compile(*, repr, **_) -> None:
+    log.warning("a kernel variant compiled after warm-up: %s", repr)
+
+
+def _cache_entries(path: Path) -> int:
+    try:
+        return sum(1 for _ in os.scandir(path))
+    except OSError:
+        return 0
+
+
+def _read_manifest(path: Path) -> dict[str, Entry]:
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != MANIFEST_VERSION:
+            return {}
+        return {hashlib.sha256(e[2].encode()).hexdigest(): (e[0], e[1], e[2])
+                for e in data["kernels"]}
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return {}
+
+
+def _jit_function(module: str, qualname: str):
+    """The JITFunction a manifest entry names (under any autotuner or heuristics wrapper)."""
+    from triton.runtime.jit import JITFunction
+
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    while not isinstance(obj, JITFunction):
+        obj = obj.fn
+    return obj
+
+
+class _Compiler:
+    """One compile process: variants go to it as JSON lines; it compiles each into the cache
+    directory (inherited through TRITON_CACHE_DIR) and answers a line for each."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-m", "radixlora.worker.compile_cache"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.pending = 0
+
+    def send(self, entry: Entry) -> None:
+        self.proc.stdin.write(json.dumps(entry) + "\n")
+        self.proc.stdin.flush()
+        self.pending += 1
+
+    def wait(self) -> None:
+        """Until every variant sent is compiled (or the process is gone)."""
+        while self.pending and self.proc.stdout.readline():
+            self.pending -= 1
+        self.pending = 0
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def compile_lines(lines) -> tuple[int, int]:
+    """Compile every variant of `lines` (JSON entries) into the cache, answering a line on
+    stdout for each; (compiled, failed)."""
+    done = failed = 0
+    for line in lines:
+        module, qualname, data = json.loads(line)
+        try:
+            _jit_function(module, qualname).preload(data)
+            done += 1
+        except Exception as e:
+            failed += 1
+            print(f"radixlora.worker.compile_cache: {module}.{qualname}: {e}", file=sys.stderr)
+        print("done", flush=True)
+    return done, failed
+
+
+def _stdin_lines():
+    """Lines of stdin read on a thread, so the sender never waits while a variant compiles."""
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in sys.stdin:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    while (line := lines.get()) is not None:
+        yield line
+
+
+def _import_kernels() -> None:
+    """What compiling needs, imported before the first variant arrives: the kernel modules,
+    Triton and the device's target."""
+    import pkgutil
+
+    from triton.runtime import driver
+
+    import radixlora_kernels
+
+    for module in pkgutil.iter_modules(radixlora_kernels.__path__):
+        importlib.import_module(f"radixlora_kernels.{module.name}")
+    with contextlib.suppress(RuntimeError):  # no GPU driver: every variant fails, answered
+        driver.active.get_current_target()
+
+
+if __name__ == "__main__":
+    import torch
+
+    torch.set_num_threads(1)
+    _import_kernels()
+    compile_lines(_stdin_lines())
