@@ -64,11 +64,12 @@ def under_load(server):
 
     def poll():
         with httpx.Client(base_url=server.url, timeout=30) as http:
-            while not done.is_set():
+            while True:
                 started = time.monotonic()
                 assert http.get("/health").status_code == 200
                 health.append(time.monotonic() - started)
-                time.sleep(0.1)
+                if done.wait(0.1):
+                    return
 
     poller = threading.Thread(target=poll)
     with streaming(server.url, BASE) as gaps:
@@ -76,6 +77,9 @@ def under_load(server):
         try:
             yield
         finally:
+            deadline = time.monotonic() + 30
+            while not gaps and time.monotonic() < deadline:  # a short block: one stream ends
+                time.sleep(0.1)
             done.set()
             poller.join()
     assert health and max(health) < HEALTH_S, max(health)
