@@ -127,8 +127,8 @@ def test_host_tier_is_a_share_of_available_host_memory():
 def test_each_replica_worker_takes_its_part_of_the_host_tier(tmp_path, monkeypatch):
     """Replicas size at the same moment from the same free memory: each takes 1/N of the
     share, so N replicas pin no more than one would."""
-    from radixlora.server.procs import worker_proc
     from radixlora.server.args import ServerArgs
+    from radixlora.server.procs import worker_proc
     from scripts.checkpoints import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model")
