@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from radixlora.errors import ModelLoadError
+from radixlora.families import family_for
 
-SUPPORTED_ARCHS = {"llama", "qwen2", "mistral"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LORA_DTYPES = ("auto", "int8")  # the adapter pool's storage: the model's dtype, or int8 rows
 
@@ -26,16 +27,33 @@ MODULE_GROUPS: dict[str, tuple[str, ...]] = {
     "down": ("down_proj",),
 }
 GROUP_OF = {m: g for g, mods in MODULE_GROUPS.items() for m in mods}
+# PEFT target modules some families keep fused (Phi-3): one A and one B stacked over these
+FUSED_MODULES: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                                             "gate_up_proj": ("gate_proj", "up_proj")}
+ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
 class RopeConfig:
+    """Rotary frequencies (radixlora.model.rope): `rope_type` default, llama3, linear, yarn or
+    longrope with its parameters as transformers reads them. attention_factor scales cos and
+    sin (yarn, longrope), so the rotated channels of q and k. longrope keeps
+    both factor lists: `use_long` (set for a served context past original_max_position) picks
+    the long ones."""
+
     theta: float = 10000.0
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    use_long: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,9 +73,26 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    # what the family changes in the decoder (radixlora.families): the family's name, RMSNorm's
+    # weight offset (Gemma: 1 + weight), norms after attention and after the MLP too, a norm
+    # of each head of q and k, the MLP's gate activation ("silu", "gelu_tanh"), embeddings
+    # scaled by sqrt(hidden_size), the attention scale (None: head_dim^-0.5), soft-capping of
+    # attention scores and of the final logits, each layer's sliding window (empty: none), the
+    # rope of sliding layers where it differs, the rotated dims of a head (None: all)
+    family: str = "Llama"
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    qk_norm: bool = False
+    activation: str = "silu"
+    embed_scale: bool = False
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    layer_windows: tuple[int | None, ...] = ()
+    local_rope: RopeConfig | None = None
+    rotary_dim: int | None = None
     # the served base's weight format: "nf4" (bitsandbytes 4-bit), "fp8", or None (dense); a
     # checkpoint's own quantization_config, or what EngineConfig.quantization asks at load
     quantization: str | None = None
@@ -88,6 +123,8 @@ class ModelConfig:
             "gate_proj": (h, i),
             "up_proj": (h, i),
             "down_proj": (i, h),
+            "qkv_proj": (h, self.q_dim + 2 * self.kv_dim),
+            "gate_up_proj": (h, 2 * i),
         }[module]
 
     @classmethod
@@ -104,36 +141,63 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict, gen: dict | None = None) -> ModelConfig:
-        arch = cfg.get("model_type", "")
-        if arch not in SUPPORTED_ARCHS:
-            raise ModelLoadError(
-                f"unsupported model_type {arch!r}; supported: {sorted(SUPPORTED_ARCHS)}"
-            )
+        """A checkpoint's config.json (and generation_config.json) read through its family."""
+        family = family_for(cfg.get("model_type", ""))
+        if family.text_config is not None and family.text_config in cfg:
+            cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings"),
+                   "eos_token_id": cfg.get("eos_token_id"), **cfg[family.text_config],
+                   "model_type": cfg["model_type"]}
+            cfg = {k: v for k, v in cfg.items() if v is not None}
         heads = cfg["num_attention_heads"]
-        sliding = cfg.get("sliding_window")
-        if arch == "qwen2" and not cfg.get("use_sliding_window", False):
-            sliding = None
-        return cls(
-            arch=arch,
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        traits = family.traits({**cfg, "head_dim": head_dim})
+        rope = rope_config(traits.pop("rope", None) or _rope_params(cfg), cfg)
+        local = traits.pop("local_rope", None)
+        bias = bool(cfg.get("attention_bias", False))
+        fields = dict(
+            arch=cfg["model_type"],
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position=cfg.get("max_position_embeddings", 4096),
-            rope=_rope_config(cfg),
+            rope=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            o_bias=arch != "qwen2" and bool(cfg.get("attention_bias", False)),
+            qkv_bias=bias,
+            o_bias=bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            sliding_window=sliding,
             eos_token_ids=_eos_ids(cfg, gen or {}),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             quantization=checkpoint_quantization(cfg.get("quantization_config")),
+            family=family.name,
+            local_rope=None if local is None else rope_config(local, cfg),
         )
+        fields.update(traits)
+        if not any(fields["layer_windows"]):
+            fields["layer_windows"] = ()
+        return cls(**fields)
+
+    @property
+    def family_spec(self):
+        """The Family this base belongs to (radixlora.families)."""
+        return family_for(self.arch)
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window; None: it attends to the whole context."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The rope of layer `layer`: sliding layers have a base of their own in some families
+        (Gemma 3's local_rope)."""
+        return self.local_rope if self.local_rope and self.window(layer) else self.rope
+
+    @property
+    def sm_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
 
     def served(self, engine: EngineConfig) -> ModelConfig:
         """This base as `engine` serves it: quantized at load (--quantization) and with its
@@ -144,8 +208,13 @@ class ModelConfig:
                 raise ModelLoadError(f"the checkpoint is already {quantization}; "
                                      f"--quantization {engine.quantization} cannot apply")
             quantization = engine.quantization
-        return dataclasses.replace(self, quantization=quantization,
-                                   qlora_mismatch=engine.qlora_mismatch)
+        served = dataclasses.replace(self, quantization=quantization,
+                                     qlora_mismatch=engine.qlora_mismatch)
+        if self.rope.rope_type == "longrope":
+            long = engine.max_context(self) > self.rope.original_max_position
+            served = dataclasses.replace(served, rope=dataclasses.replace(self.rope,
+                                                                          use_long=long))
+        return served
 
 
 def checkpoint_quantization(qc: dict | None) -> str | None:
@@ -172,24 +241,56 @@ def _read_optional_json(path: Path) -> dict | None:
         return None
 
 
-def _rope_config(cfg: dict) -> RopeConfig:
-    # transformers >= 5 writes `rope_parameters`; older checkpoints use rope_theta + rope_scaling.
-    params = dict(cfg.get("rope_scaling") or {})
-    params.update(cfg.get("rope_parameters") or {})
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+def _rope_params(cfg: dict) -> dict:
+    """The rope parameters of a config.json: transformers >= 5 writes `rope_parameters`, older
+    checkpoints rope_theta and rope_scaling."""
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return params
+
+
+def rope_config(params: dict, cfg: dict) -> RopeConfig:
+    """RopeConfig from rope parameters as transformers names them (`cfg`: the config.json, for
+    the lengths they default to)."""
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ModelLoadError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
+    if rope_type == "su":  # Phi-3's first name for longrope
+        rope_type = "longrope"
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(f"unsupported rope_type {rope_type!r}; supported: "
+                             f"{', '.join(ROPE_TYPES)}")
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     if rope_type == "default":
-        return RopeConfig(theta=float(theta))
-    return RopeConfig(
-        theta=float(theta),
-        rope_type=rope_type,
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position=int(params["original_max_position_embeddings"]),
-    )
+        return RopeConfig(theta=theta)
+    original = int(params.get("original_max_position_embeddings")
+                   or cfg.get("original_max_position_embeddings")
+                   or cfg.get("max_position_embeddings", 8192))
+    factor = params.get("factor")
+    if factor is None and rope_type in ("yarn", "longrope"):
+        factor = cfg.get("max_position_embeddings", original) / original
+    rope = RopeConfig(theta=theta, rope_type=rope_type, factor=float(factor or 1.0),
+                      original_max_position=original)
+    if rope_type == "llama3":
+        return dataclasses.replace(rope, low_freq_factor=float(params["low_freq_factor"]),
+                                   high_freq_factor=float(params["high_freq_factor"]))
+    if rope_type == "yarn":
+        return dataclasses.replace(
+            rope, beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            truncate=bool(params.get("truncate", True)),
+            attention_factor=float(params.get("attention_factor") or _yarn_mscale(rope.factor)))
+    if rope_type == "longrope":
+        attention = params.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if rope.factor <= 1 else math.sqrt(
+                1 + math.log(rope.factor) / math.log(original))
+        return dataclasses.replace(rope, attention_factor=float(attention),
+                                   short_factor=tuple(map(float, params["short_factor"])),
+                                   long_factor=tuple(map(float, params["long_factor"])))
+    return rope  # linear
+
+
+def _yarn_mscale(factor: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
 
 
 def _eos_ids(cfg: dict, gen: dict) -> tuple[int, ...]:

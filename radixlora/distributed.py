@@ -31,7 +31,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from radixlora.config import ModelConfig
+from radixlora.config import FUSED_MODULES, ModelConfig
 from radixlora.errors import ModelLoadError
 from radixlora.step_plan import StepMasks, StepPlan
 
@@ -98,7 +98,15 @@ class Shard:
     def weight(self, module: str, kind: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a checkpoint projection tensor (kind: weight or bias; a tensor or
         a safetensors slice, read by the indexing). A row-parallel bias is added once, after the
-        all-reduce, so every rank keeps it whole."""
+        all-reduce, so every rank keeps it whole. A fused tensor (Phi-3's qkv_proj, gate_up_proj)
+        gives each of its modules' parts."""
+        if module in FUSED_MODULES:
+            parts, start = [], 0
+            for part in FUSED_MODULES[module]:
+                cut = self.features(part)
+                parts.append(tensor[start + cut.start:start + cut.stop])
+                start += self.full.module_shape(part)[1]
+            return torch.cat(parts)
         if module in COLUMN_MODULES:
             return tensor[self.features(module)]
         if kind == "bias":

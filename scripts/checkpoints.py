@@ -20,7 +20,16 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "phi3": "Phi3ForCausalLM",
 }
+# the projections PEFT adapters of each family target (Phi-3 keeps q/k/v and gate/up fused)
+FAMILY_TARGETS = {"phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+# Gemma 3's multimodal checkpoint: adapters target the language model's projections only
+LANGUAGE_ONLY = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 SMALL_SHAPE = dict(
     hidden_size=64,
     num_hidden_layers=2,
@@ -189,7 +198,66 @@ def hf_test_config(arch: str):
         )
     if arch == "qwen2":
         return hf_config(arch, **common, tie_word_embeddings=True)
+    if arch in FAMILY_CONFIGS:
+        return FAMILY_CONFIGS[arch](common)
     return hf_config(arch, **common, sliding_window=24, tie_word_embeddings=False)
+
+
+def _qwen3(common: dict):
+    """q/k norms, a head_dim of its own (32, not hidden / heads = 16), tied embeddings."""
+    return hf_config("qwen3", **common, head_dim=32, tie_word_embeddings=True)
+
+
+def _gemma2(common: dict):
+    """Sliding (8 tokens) and global layers, soft-capping small enough to bend the scores and
+    the logits, an attention scale of its own."""
+    return hf_config("gemma2", **common, head_dim=16, query_pre_attn_scalar=24,
+                     sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                     layer_types=["sliding_attention", "full_attention"])
+
+
+def _gemma3_text_fields(common: dict) -> dict:
+    """Three layers, two sliding (8 tokens) with their own rope base, q/k norms."""
+    return dict(**common, num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24,
+                sliding_window=8, final_logit_softcapping=3.0,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                    "rope_theta": 100000.0},
+                                 "sliding_attention": {"rope_type": "default",
+                                                       "rope_theta": 1000.0}})
+
+
+def _gemma3_text(common: dict):
+    return hf_config("gemma3_text", **_gemma3_text_fields(common))
+
+
+def _gemma3(common: dict):
+    """The multimodal checkpoint: a gemma3_text language model beside a tiny vision tower."""
+    import transformers
+
+    text = {k: v for k, v in model_config("gemma3_text", **_gemma3_text_fields(common)).items()
+            if k != "architectures"}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                     eos_token_id=1, bos_token_id=0, initializer_range=0.1)
+
+
+def _phi3(common: dict):
+    """Phi-4-mini's partial rotary (0.75 of a head) with longrope (a short and a long factor
+    list), a sliding window over every layer."""
+    rotary_half = 3 * (64 // 4) // 4 // 2  # head_dim 16, 12 channels rotate
+    return hf_config("phi3", **{**common, "max_position_embeddings": 512}, sliding_window=16,
+                     pad_token_id=0,
+                     tie_word_embeddings=False, partial_rotary_factor=0.75,
+                     original_max_position_embeddings=64,
+                     rope_scaling={"rope_type": "longrope",
+                                   "short_factor": [1.0 + 0.1 * i for i in range(rotary_half)],
+                                   "long_factor": [2.0 + 0.3 * i for i in range(rotary_half)]})
+
+
+FAMILY_CONFIGS = {"qwen3": _qwen3, "gemma2": _gemma2, "gemma3_text": _gemma3_text,
+                  "gemma3": _gemma3, "phi3": _phi3}
 
 
 def build_hf_model(path: Path, arch: str, sharded: bool = False, seed: int = 0) -> Path:

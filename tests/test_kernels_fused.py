@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from radixlora.config import RopeConfig  # noqa: E402
-from radixlora.model.llama import RMSNorm  # noqa: E402
+from radixlora.model.decoder import RMSNorm  # noqa: E402
 from radixlora.model.rope import inv_frequencies  # noqa: E402
 from radixlora_kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from radixlora_kernels.rmsnorm import (  # noqa: E402

@@ -14,9 +14,17 @@ _MAX_BLOCK = 1024
 
 
 def silu_and_mul_ref(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
-    """Pure-torch reference of `silu_and_mul` (radixlora.model.llama.MLP.forward)."""
+    """Pure-torch reference of `silu_and_mul` (radixlora.model.decoder.MLP.forward)."""
     gate, up = add_delta_ref(gate_up, delta).chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul_ref(gate_up: torch.Tensor,
+                          delta: torch.Tensor | None = None) -> torch.Tensor:
+    """GELU (tanh approximation) of the gate times up, for gate_up = [gate | up] (Gemma's
+    MLP)."""
+    gate, up = add_delta_ref(gate_up, delta).chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 @triton.jit

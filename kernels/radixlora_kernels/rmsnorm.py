@@ -10,10 +10,14 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HIDDEN = 16384  # one row is one block held in registers
 
 
-def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Pure-torch reference of `rmsnorm` (radixlora.model.llama.RMSNorm.forward)."""
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                offset: float = 0.0) -> torch.Tensor:
+    """Pure-torch reference of `rmsnorm` (radixlora.model.decoder.RMSNorm.forward). offset: the
+    scale is offset + weight, taken in float32 with the normalised row (Gemma's 1 + weight)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (h * (offset + weight.float())).to(x.dtype)
     return weight * h.to(x.dtype)
 
 
@@ -28,10 +32,11 @@ def fused_add_rmsnorm_ref(
     weight: torch.Tensor,
     eps: float,
     delta: torch.Tensor | None = None,
+    offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch reference of `fused_add_rmsnorm`."""
     new_residual = add_delta_ref(x, delta) + residual
-    return rmsnorm_ref(new_residual, weight, eps), new_residual
+    return rmsnorm_ref(new_residual, weight, eps, offset), new_residual
 
 
 @triton.jit

@@ -18,20 +18,25 @@ _TILE_ELEMS = 1024  # heads x half head_dim of one program
 
 
 def apply_rotary_ref(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure-torch reference of `apply_rotary_` (radixlora.model.rope), out of place."""
+    """Pure-torch reference of `apply_rotary_` (radixlora.model.rope), out of place. The first
+    2 * len(inv_freq) channels of each head rotate; the others pass (partial rotary). scale:
+    multiplies cos and sin (rope's attention factor: yarn, longrope)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return _rotate_ref(q, emb.cos(), emb.sin()), _rotate_ref(k, emb.cos(), emb.sin())
+    cos, sin = emb.cos() * scale, emb.sin() * scale
+    return _rotate_ref(q, cos, sin), _rotate_ref(k, cos, sin)
 
 
 def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     cos = cos[:, None, :].to(x.dtype)
     sin = sin[:, None, :].to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    dim = cos.shape[-1]
+    x, rest = x[..., :dim], x[..., dim:]
+    rotated = torch.cat((-x[..., dim // 2:], x[..., :dim // 2]), dim=-1)
+    return torch.cat((x * cos + rotated * sin, rest), dim=-1)
 
 
 @triton.jit

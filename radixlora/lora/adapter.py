@@ -24,6 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from radixlora.config import (
+    FUSED_MODULES,
     GROUP_OF,
     LORA_MODULES,
     MODULE_GROUPS,
@@ -34,15 +35,20 @@ from radixlora.errors import AdapterError, ModelLoadError
 
 log = logging.getLogger(__name__)
 
+# a LoRA weight's name once PEFT's base_model.model. prefix is gone and the family's renames
+# applied (Gemma 3's model.language_model. is model.)
 _KEY = re.compile(
-    r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))"
-    r"\.lora_(A|B)(?:\.[^.]+)?\.weight$"
+    r"^(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_(A|B)(?:\.[^.]+)?\.weight$"
 )
 # DoRA's magnitude vector m [out] of a module (PEFT saves it without the adapter name)
 _MAGNITUDE = re.compile(
-    r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))"
+    r"^(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))"
     r"\.lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?$"
 )
+# modules of the base PEFT can adapt that radixlora does not serve (named when refused)
+UNSERVED_MODULES = ("embed_tokens", "lm_head")
+# the module a PEFT tensor belongs to: its LoRA weights, or the base layer PEFT saves beside them
+_LORA_OF = re.compile(r"(?:^|\.)(\w+)\.(?:lora_\w+|base_layer)\b")
 MAX_ADAPTER_BYTES = 8 << 30
 CHANGING = "adapter_changing"  # AdapterError.code: the files changed or vanished while read
 MAX_CONFIG_BYTES = 1 << 20
@@ -432,7 +438,11 @@ def _parse_config(name: str, raw: bytes) -> LoraConfig:
     }
     for key, what in unsupported.items():
         if getattr(config, key):
-            raise AdapterError(name, f"{what} are not supported", code="unsupported_adapter")
+            listed = getattr(config, key)
+            named = f" ({', '.join(map(str, listed))})" if isinstance(listed, list) else ""
+            raise AdapterError(name, f"{what}{named} are not supported: radixlora serves LoRA "
+                                     f"on the {'/'.join(LORA_MODULES)} projections only",
+                               code="unsupported_adapter")
     if config.bias != "none":
         raise AdapterError(
             name,
@@ -560,7 +570,10 @@ def _checked_pairs(name, config, tensors, model: ModelConfig, max_rank):
         rank, alpha = _rank_alpha(config, key)
         _check_shapes(name, key, a, b, rank, model.module_shape(module), max_rank)
         scale = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
-        yield (layer, module, key), (a, b), scale, magnitudes.get(key)
+        for part, rows in _parts(model, module):
+            m = magnitudes.get(key)
+            yield ((layer, part, key), (a, _rows(b, rows)), scale,
+                   None if m is None else _rows(m, rows))
     if not pairs:
         raise AdapterError(name, "adapter_model.safetensors holds no LoRA weights")
 
@@ -587,20 +600,55 @@ def _check_magnitudes(name, config: LoraConfig, pairs, magnitudes) -> None:
             raise AdapterError(name, f"{key} has a lora_magnitude_vector but no LoRA weights")
 
 
+def _parts(model: ModelConfig, module: str) -> list[tuple[str, tuple[int, int] | None]]:
+    """The modules a target stands for, with their rows of its B: a fused target (Phi-3's
+    qkv_proj, gate_up_proj) splits into its modules, each the same A and its rows of B (so
+    the pool, int8 rows, DoRA and tensor parallel see ordinary modules); others are whole."""
+    if module not in FUSED_MODULES:
+        return [(module, None)]
+    out, start = [], 0
+    for part in FUSED_MODULES[module]:
+        size = model.module_shape(part)[1]
+        out.append((part, (start, start + size)))
+        start += size
+    return out
+
+
+def _rows(t, rows: tuple[int, int] | None):
+    """Rows [start, end) of a tensor, or of a header's TensorMeta; all of it for None."""
+    if rows is None:
+        return t
+    if isinstance(t, TensorMeta):
+        return TensorMeta((rows[1] - rows[0], *t.shape[1:]), t.dtype)
+    return t[rows[0]:rows[1]]
+
+
 def _pair_tensors(name, tensors, model: ModelConfig):
     """({(layer, module, key): (A, B)}, {key: DoRA magnitude vector})."""
     halves: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
     magnitudes: dict[str, torch.Tensor] = {}
+    family = model.family_spec
+    targets = LORA_MODULES + (tuple(FUSED_MODULES) if family.fused_lora else ())
     for tensor_name, tensor in tensors.items():
-        match = _KEY.match(tensor_name)
-        if match is None and (m := _MAGNITUDE.match(tensor_name)):
+        renamed = family.rename(tensor_name.removeprefix("base_model.model."))
+        if renamed is None:
+            raise AdapterError(name, f"tensor {tensor_name!r} adapts a part of the checkpoint "
+                                     f"the {family.name} language model does not have")
+        match = _KEY.match(renamed)
+        if match is None and (m := _MAGNITUDE.match(renamed)):
             magnitudes[m.group(1)] = tensor
             continue
         if match is None:
+            lora_of = _LORA_OF.search(tensor_name)
+            module = lora_of.group(1) if lora_of else None
+            if module in UNSERVED_MODULES:
+                raise AdapterError(name, f"LoRA on {module!r} is not supported: radixlora serves "
+                                         f"LoRA on the {'/'.join(targets)} projections only",
+                                   code="unsupported_adapter")
             raise AdapterError(
                 name,
                 f"tensor {tensor_name!r} is not a LoRA weight of a "
-                f"{'/'.join(LORA_MODULES)} projection of this base model",
+                f"{'/'.join(targets)} projection of this base model",
             )
         key, layer, module, side = (
             match.group(1),
@@ -608,10 +656,11 @@ def _pair_tensors(name, tensors, model: ModelConfig):
             match.group(3),
             match.group(4),
         )
-        if module not in LORA_MODULES:
+        if module not in targets:
             raise AdapterError(
                 name,
-                f"target module {module!r} is not supported; supported: {', '.join(LORA_MODULES)}",
+                f"target module {module!r} is not supported on {family.name} models; "
+                f"supported: {', '.join(targets)}",
             )
         if layer >= model.num_layers:
             raise AdapterError(name, f"{key}: the base model has {model.num_layers} layers")

@@ -15,8 +15,10 @@ import torch
 class AttentionHook(Protocol):
     def forward_with_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           positions: torch.Tensor, inv_freq: torch.Tensor, layer_id: int,
-                          out_cache_loc: torch.Tensor, meta: Any, deltas=None) -> torch.Tensor:
-        """Rotary embedding of q and k, KV store at out_cache_loc, attention."""
+                          out_cache_loc: torch.Tensor, meta: Any, deltas=None,
+                          rope_scale: float = 1.0) -> torch.Tensor:
+        """Rotary embedding of q and k (cos and sin times rope_scale), KV store at
+        out_cache_loc, attention."""
 
 
 class LoraHook(Protocol):
@@ -44,13 +46,14 @@ class ForwardBatch:
             self.lora.begin(self.input_ids.shape[0], self.input_ids.device)
 
     def attention(
-        self, q, k, v, layer_id: int, inv_freq: torch.Tensor, deltas=None
+        self, q, k, v, layer_id: int, inv_freq: torch.Tensor, deltas=None,
+        rope_scale: float = 1.0,
     ) -> torch.Tensor:
         """Rotary embedding of q and k at the batch's positions, KV store, attention; deltas:
         (dq, dk, dv), the deferred LoRA deltas of q, k, v, or None."""
         return self.attn_backend.forward_with_rope(
             q, k, v, self.positions, inv_freq, layer_id, self.out_cache_loc, self.attn_meta,
-            deltas,
+            deltas, rope_scale,
         )
 
     def lora_project(

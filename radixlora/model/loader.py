@@ -15,7 +15,7 @@ from safetensors import safe_open
 from radixlora.config import LORA_MODULES, ModelConfig, checkpoint_quantization
 from radixlora.distributed import COLUMN_MODULES, Shard, TensorParallel
 from radixlora.errors import ModelLoadError
-from radixlora.model.llama import LlamaForCausalLM
+from radixlora.model.decoder import CausalLM
 from radixlora.model.parallel import row_parallel_projections, shard_model, whole_row_absmax
 from radixlora.model.quant import (
     NF4Linear,
@@ -79,7 +79,7 @@ def base_version(path: Path, load_format: str = "safetensors") -> str:
 
 def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
                load_format: str = "safetensors",
-               tp: TensorParallel | None = None) -> LlamaForCausalLM:
+               tp: TensorParallel | None = None) -> CausalLM:
     """The model of the checkpoint at `path` (shape `cfg`); with `tp`, this rank's shard of it:
     each tensor is sliced as it is read, so no rank holds the whole model. cfg.quantization
     "nf4" / "fp8": a checkpoint stored so keeps its projections NF4 (bitsandbytes) / FP8; a
@@ -95,7 +95,7 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
     if shard is not None:
         cfg = shard.local
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg).to(dtype)
+        model = CausalLM(cfg).to(dtype)
         if blocksize is not None:
             model = nf4_modules(model, blocksize)
         if stored == "fp8":
@@ -105,7 +105,8 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary.reset_parameters()
+    for rotary in model.rotaries():
+        rotary.reset_parameters()
     if load_format == "dummy":
         model = _randomize(model)
     elif load_format == "safetensors":
@@ -127,8 +128,8 @@ def _stored_format(path: Path, load_format: str) -> str | None:
     return checkpoint_quantization(config.get("quantization_config"))
 
 
-def _quantize_at_load(model: LlamaForCausalLM, quantization: str,
-                      tp: TensorParallel | None) -> LlamaForCausalLM:
+def _quantize_at_load(model: CausalLM, quantization: str,
+                      tp: TensorParallel | None) -> CausalLM:
     """The loaded dense projections quantized (--quantization); under tensor parallel o and down
     made row-parallel again, FP8 rows scaled by the absmax of the whole row (every rank's)."""
     if quantization == "nf4":
@@ -182,7 +183,7 @@ def _nf4_blocksize(path: Path) -> int | None:
     return None
 
 
-def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, path: Path,
+def _load_weights(model: CausalLM, cfg: ModelConfig, path: Path,
                   shard: Shard | None) -> None:
     """Every checkpoint tensor into its parameter: whole tensors of the parameter's dtype
     straight from the file's bytes (WeightReader), the rest (a rank's slice, a dtype to
@@ -193,19 +194,23 @@ def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, path: Path,
     kind = _quantized_kind(model)
     pattern = {NF4Linear: _BNB_PART, Fp8Linear: _FP8_PART}.get(kind)
     reader = WeightReader(next(iter(params.values())).device)
+    family = cfg.family_spec
     for file in weight_files(path):
         slow = []
-        for name, stored in stored_tensors(file).items():
+        for stored_name, stored in stored_tensors(file).items():
+            name = family.rename(stored_name)  # as the decoder names it; None: not kept
+            if name is None:
+                continue
             part = pattern.match(name) if pattern is not None else None
             if part is not None or shard is not None:
-                slow.append((name, part))
+                slow.append((stored_name, name, part))
                 continue
             place = _destination(cfg, params, name)
             if place is None:
                 continue
             target, dst = place
             if stored.dtype != dst.dtype or not dst.is_contiguous():
-                slow.append((name, None))
+                slow.append((stored_name, name, None))
                 continue
             if stored.shape != tuple(dst.shape):
                 raise ModelLoadError(
@@ -227,16 +232,16 @@ def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, path: Path,
 
 def _load_through_safetensors(file: Path, cfg: ModelConfig, params, loaded, parts,
                               names: list, shard: Shard | None) -> None:
-    """The named tensors of one file (each with its quantized-part match or None) read by
-    safetensors: quantized parts collected into `parts`, the rest loaded (a rank reads only
-    its slice of each)."""
+    """The named tensors of one file ((stored name, decoder's name, quantized-part match or
+    None) each) read by safetensors: quantized parts collected into `parts`, the rest loaded (a rank
+    reads only its slice of each)."""
     with safe_open(str(file), framework="pt") as f:
-        for name, part in names:
+        for stored_name, name, part in names:
             if part is not None:
                 parts.setdefault(part.group(1), {})[part.group(2) or "weight"] = (
-                    f.get_tensor(name))
+                    f.get_tensor(stored_name))
                 continue
-            tensor = f.get_tensor(name) if shard is None else f.get_slice(name)
+            tensor = f.get_tensor(stored_name) if shard is None else f.get_slice(stored_name)
             _load_tensor(cfg, params, loaded, name, tensor, shard)
 
 
@@ -356,12 +361,12 @@ def _target(cfg: ModelConfig, name: str) -> tuple[str | None, tuple[int, int] | 
 
 
 @torch.no_grad()
-def _randomize(model: LlamaForCausalLM) -> LlamaForCausalLM:
+def _randomize(model: CausalLM) -> CausalLM:
     """Random weights (benchmarks without a checkpoint): N(0, 0.02), norms at 1."""
     gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(0)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
-            param.fill_(1.0)
+            param.fill_(1.0 - model.cfg.norm_offset)
         else:
             param.normal_(0.0, 0.02, generator=gen)
     return model

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from radixlora_kernels.activation import silu_and_mul, silu_and_mul_ref
+from radixlora_kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
 from radixlora_kernels.rmsnorm import (
     add_delta_ref,
     fused_add_rmsnorm,
@@ -22,30 +22,50 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
     delta: torch.Tensor | None = None,
+    offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual), x + residual); without a residual, (rmsnorm(x), x). delta: x's
-    deferred LoRA delta (float32), added to x first."""
+    deferred LoRA delta (float32), added to x first. offset: the scale is offset + weight."""
     if residual is None:
         x = add_delta_ref(x, delta)
-        return (rmsnorm(x, weight, eps) if x.is_cuda else rmsnorm_ref(x, weight, eps)), x
-    if x.is_cuda:
+        if x.is_cuda and not offset:
+            return rmsnorm(x, weight, eps), x
+        return rmsnorm_ref(x, weight, eps, offset), x
+    if x.is_cuda and not offset:
         return fused_add_rmsnorm(x, residual, weight, eps, delta=delta)
-    return fused_add_rmsnorm_ref(x, residual, weight, eps, delta)
+    return fused_add_rmsnorm_ref(x, residual, weight, eps, delta, offset)
+
+
+def add_delta(x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    """x + its deferred LoRA delta (float32), rounded once to x's dtype."""
+    return add_delta_ref(x, delta)
 
 
 def rotary(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox rotary embedding of q [T, Hq, D] and k [T, Hk, D] (in place on CUDA)."""
-    if q.is_cuda:
+    """Neox rotary embedding of q [T, Hq, D] and k [T, Hk, D] over their first
+    2 * len(inv_freq) channels, cos and sin times `scale` (in place on CUDA when that is every
+    channel at scale 1)."""
+    if q.is_cuda and full_rotary(q, inv_freq, scale):
         apply_rotary_(q, k, positions, inv_freq)
         return q, k
-    return apply_rotary_ref(q, k, positions, inv_freq)
+    return apply_rotary_ref(q, k, positions, inv_freq, scale)
 
 
-def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(gate) * up for gate_up = [gate | up] along the last dim; delta: gate_up's deferred
-    LoRA delta (float32), added first."""
+def full_rotary(q: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> bool:
+    """Whether rotary covers every channel of q's heads at scale 1 (what the fused kernels
+    do)."""
+    return 2 * inv_freq.numel() == q.shape[-1] and scale == 1.0
+
+
+def gated_act(gate_up: torch.Tensor, delta: torch.Tensor | None = None,
+              activation: str = "silu") -> torch.Tensor:
+    """act(gate) * up for gate_up = [gate | up] along the last dim (act: "silu" or
+    "gelu_tanh"); delta: gate_up's deferred LoRA delta (float32), added first."""
+    if activation == "gelu_tanh":
+        return gelu_tanh_and_mul_ref(gate_up, delta)
     if gate_up.is_cuda:
         return silu_and_mul(gate_up, delta=delta)
     return silu_and_mul_ref(gate_up, delta)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlora.distributed import TensorParallel
-from radixlora.model.llama import LlamaForCausalLM
+from radixlora.model.decoder import CausalLM
 from radixlora.model.quant import NF4Linear
 from radixlora.model.quant_fp8 import Fp8Linear
 
@@ -105,7 +105,7 @@ class ParallelLMHead(nn.Module):
         return self.tp.gather_vocab(F.linear(h, self.weight))
 
 
-def shard_model(model: LlamaForCausalLM, tp: TensorParallel) -> LlamaForCausalLM:
+def shard_model(model: CausalLM, tp: TensorParallel) -> CausalLM:
     """Swap in the parallel modules (on the meta device, before the weights load, after the
     projections are dense, NF4 or FP8 and in their dtype), on a model built with
     tp.shard.local's shape."""
@@ -115,7 +115,7 @@ def shard_model(model: LlamaForCausalLM, tp: TensorParallel) -> LlamaForCausalLM
     return row_parallel_projections(model, tp)
 
 
-def row_parallel_projections(model: LlamaForCausalLM, tp: TensorParallel) -> LlamaForCausalLM:
+def row_parallel_projections(model: CausalLM, tp: TensorParallel) -> CausalLM:
     """o and down of every layer made row-parallel, keeping their tensors (this rank's input
     columns): dense, NF4 or FP8 alike."""
     for layer in model.layers:

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from radixlora.model.ops import add_delta_ref, rotary
+from radixlora.config import ModelConfig
+from radixlora.model.ops import add_delta_ref, full_rotary, rotary
 from radixlora.worker.kv_pool import KVPool
 from radixlora_kernels.device import to_device
 
@@ -26,12 +27,26 @@ class AttentionInputs:
 
 
 class AttentionBackend(ABC):
-    def __init__(self, kv_pool: KVPool, num_heads: int, head_dim: int, sliding_window: int | None):
+    def __init__(self, kv_pool: KVPool, num_heads: int, head_dim: int,
+                 sliding_window: int | None = None, *, sm_scale: float | None = None,
+                 softcap: float | None = None, layer_windows: tuple[int | None, ...] = ()):
+        """softmax(scale * q k^T) v over the paged pool; sm_scale: the scale (head_dim^-0.5);
+        softcap: scores become tanh(scores / softcap) * softcap before the softmax; each layer
+        slides its window (layer_windows), or every layer `sliding_window`."""
         self.kv_pool = kv_pool
         self.num_heads = num_heads
         self.head_dim = head_dim
-        self.sm_scale = head_dim**-0.5
+        self.sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
+        self.softcap = softcap
+        self.layer_windows = layer_windows
         self.sliding_window = sliding_window
+
+    def window(self, layer_id: int) -> int | None:
+        return self.layer_windows[layer_id] if self.layer_windows else self.sliding_window
+
+    def windows(self) -> set[int | None]:
+        """The distinct windows of the model's layers."""
+        return set(self.layer_windows) if self.layer_windows else {self.sliding_window}
 
     @abstractmethod
     def build_metadata(self, inputs: AttentionInputs):
@@ -43,13 +58,13 @@ class AttentionBackend(ABC):
 
     def forward_with_rope(
         self, q, k, v, positions, inv_freq, layer_id: int, out_cache_loc: torch.Tensor, meta,
-        deltas=None,
+        deltas=None, rope_scale: float = 1.0,
     ) -> torch.Tensor:
-        """Rotary embedding of q and k (neox), then `forward`. deltas: (dq, dk, dv), deferred
-        LoRA deltas (float32) added to q, k, v first, or None."""
+        """Rotary embedding of q and k (neox; cos and sin times rope_scale), then `forward`.
+        deltas: (dq, dk, dv), deferred LoRA deltas (float32) added to q, k, v first, or None."""
         if deltas is not None:
             q, k, v = map(add_delta_ref, (q, k, v), deltas)
-        q, k = rotary(q, k, positions, inv_freq)
+        q, k = rotary(q, k, positions, inv_freq, rope_scale)
         return self.forward(q, k, v, layer_id, out_cache_loc, meta)
 
 
@@ -58,7 +73,7 @@ class TorchAttentionMeta:
     q_index: torch.Tensor  # [B, Lq] token row of each padded query
     q_valid: torch.Tensor  # [B, Lq] bool
     kv_slots: torch.Tensor  # [B, Lk] slot of each padded key (0 = padding)
-    mask: torch.Tensor  # [B, 1, Lq, Lk] bool, True = attend
+    masks: dict[int | None, torch.Tensor]  # window -> [B, 1, Lq, Lk] bool, True = attend
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -79,11 +94,13 @@ class TorchAttentionBackend(AttentionBackend):
         kv_pos = torch.where(k_valid, kv_start[:, None] + j, 0)
         kv_slots = torch.where(k_valid, inputs.kv_indices[kv_pos], 0)
         q_pos = (kv - qo)[:, None] + i
-        mask = k_valid[:, None, :] & (j[:, None, :] <= q_pos[:, :, None])
-        if self.sliding_window is not None:
-            mask &= q_pos[:, :, None] - j[:, None, :] < self.sliding_window
-        mask |= ~q_valid[:, :, None]
-        return TorchAttentionMeta(q_index, q_valid, kv_slots, mask[:, None])
+        causal = k_valid[:, None, :] & (j[:, None, :] <= q_pos[:, :, None])
+        masks = {}
+        for window in self.windows():
+            mask = causal if window is None else causal & (
+                q_pos[:, :, None] - j[:, None, :] < window)
+            masks[window] = (mask | ~q_valid[:, :, None])[:, None]
+        return TorchAttentionMeta(q_index, q_valid, kv_slots, masks)
 
     def forward(self, q, k, v, layer_id, out_cache_loc, meta: TorchAttentionMeta):
         self.kv_pool.store(layer_id, out_cache_loc, k, v)
@@ -94,8 +111,20 @@ class TorchAttentionBackend(AttentionBackend):
         if group > 1:
             kp = kp.repeat_interleave(group, dim=1)
             vp = vp.repeat_interleave(group, dim=1)
-        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask, scale=self.sm_scale)
+        mask = meta.masks[self.window(layer_id)]
+        if self.softcap is None:
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.sm_scale)
+        else:
+            o = softcapped_attention(qp, kp, vp, mask, self.sm_scale, self.softcap)
         return o.transpose(1, 2)[meta.q_valid]
+
+
+def softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
+    """softmax(tanh(scale q k^T / cap) * cap, masked) v, in float32 (Gemma 2's scores)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
 
 @dataclass
@@ -152,10 +181,15 @@ class TritonAttentionBackend(AttentionBackend):
         return self._attend(q, layer_id, meta)
 
     def forward_with_rope(self, q, k, v, positions, inv_freq, layer_id, out_cache_loc, meta,
-                          deltas=None):
+                          deltas=None, rope_scale: float = 1.0):
         """One kernel adds the deltas, rotates q and stores rotary(k) and v in the pool, then
-        attention."""
+        attention (a head rotated in part, or a rope scale: the torch rotary, then the
+        store)."""
         from radixlora_kernels.rotary_kv import rotary_store_kv_
+
+        if not full_rotary(q, inv_freq, rope_scale):
+            return super().forward_with_rope(q, k, v, positions, inv_freq, layer_id,
+                                             out_cache_loc, meta, deltas, rope_scale)
 
         k_cache, v_cache = self.kv_pool.k_cache[layer_id], self.kv_pool.v_cache[layer_id]
         rotary_store_kv_(q, k, v, positions, inv_freq, k_cache, v_cache, out_cache_loc, deltas)
@@ -167,7 +201,7 @@ class TritonAttentionBackend(AttentionBackend):
 
         k_cache, v_cache = self.kv_pool.k_cache[layer_id], self.kv_pool.v_cache[layer_id]
         o = torch.empty_like(q)
-        window = self.sliding_window
+        window = self.window(layer_id)
         if meta.decode_only:
             return decode_attention(q, k_cache, v_cache, o, meta.kv_indptr, meta.kv_indices,
                                     self.sm_scale, sliding_window=window)
@@ -189,12 +223,16 @@ class TritonAttentionBackend(AttentionBackend):
 ATTENTION_BACKENDS = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}
 
 
-def make_attention_backend(name: str, kv_pool: KVPool, num_heads: int, head_dim: int,
-                           sliding_window: int | None, device) -> AttentionBackend:
-    """"auto" is triton on CUDA, torch elsewhere."""
+def make_attention_backend(name: str, kv_pool: KVPool, cfg: ModelConfig,
+                           device) -> AttentionBackend:
+    """The attention of a model of shape `cfg` (this rank's heads); "auto" is triton on CUDA,
+    torch elsewhere."""
     if name == "auto":
         name = "triton" if torch.device(device).type == "cuda" else "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose auto or "
                          f"{sorted(ATTENTION_BACKENDS)}")
-    return ATTENTION_BACKENDS[name](kv_pool, num_heads, head_dim, sliding_window)
+    if name == "triton" and cfg.attn_softcap is not None:
+        cfg.family_spec.check("attention soft-capping in the Triton kernels")
+    return ATTENTION_BACKENDS[name](kv_pool, cfg.num_heads, cfg.head_dim, sm_scale=cfg.sm_scale,
+                                    softcap=cfg.attn_softcap, layer_windows=cfg.layer_windows)

@@ -199,10 +199,8 @@ class ModelRunner:
         self.adapter_pool = AdapterPool(cfg, adapter_rows, self.lora_dtype, self.device,
                                         host_bytes, shard)
         self.adapter_pool.dora_base = DoraBase(self.model, self.dtype)
-        self.attn_backend = make_attention_backend(
-            self.attention_name, self.kv_pool, cfg.num_heads, cfg.head_dim,
-            cfg.sliding_window, self.device,
-        )
+        self.attn_backend = make_attention_backend(self.attention_name, self.kv_pool, cfg,
+                                                   self.device)
         # tokens sampled by the last launched step: placeholders of the next step point here
         self.last_sampled = torch.zeros(1, dtype=torch.int64, device=self.device)
 

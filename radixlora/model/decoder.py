@@ -1,10 +1,13 @@
-"""Llama-family causal LM (Llama, Qwen2, Mistral) over a paged KV pool and a paged adapter pool.
+"""The one decoder every family runs (radixlora.families declares what each changes: norms,
+activation, embedding scale, q/k norms, sandwich norms, rotary dims and bases, sliding layers,
+attention scale and soft-capping, final soft-capping), over a paged KV pool and a paged adapter
+pool.
 
 Projections are fused (qkv, gate_up) and every projection's LoRA delta comes from the forward
 batch's LoRA context, one batched op per projection. A projection returns (y, delta): under CUDA
 graphs the delta is computed beside the base GEMM and added by y's consumer (rotary + KV store,
-the norms' residual add, SiLU-mul); otherwise it is already in y and delta is None. The model
-holds no per-request state.
+the norms' residual add, the gated activation); otherwise it is already in y and delta is None.
+The model holds no per-request state.
 """
 
 from __future__ import annotations
@@ -14,20 +17,22 @@ from torch import nn
 
 from radixlora.config import ModelConfig
 from radixlora.model.forward_batch import ForwardBatch
-from radixlora.model.ops import rms_norm, silu_mul
+from radixlora.model.ops import add_delta, gated_act, rms_norm
 from radixlora.model.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        """offset: the scale is offset + weight (Gemma's 1 + weight)."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, delta=None):
         """(norm(x + residual), x + residual): the residual add (and x's deferred LoRA delta)
         is fused into the norm."""
-        return rms_norm(x, self.weight, self.eps, residual, delta)
+        return rms_norm(x, self.weight, self.eps, residual, delta, self.offset)
 
 
 class Attention(nn.Module):
@@ -42,12 +47,23 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_dim + 2 * cfg.kv_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_dim, cfg.hidden_size, bias=cfg.o_bias)
         self.split = (cfg.q_dim, cfg.kv_dim, cfg.kv_dim)
+        if cfg.qk_norm:  # over each head's channels, before rotary
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, inv_freq: torch.Tensor):
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, rotary: RotaryEmbedding):
         """(o_proj output, its deferred LoRA delta or None)."""
         qkv, delta = fb.lora_project(self.qkv_proj, x, self.layer_id, "qkv")
+        q, k, v = self.heads(qkv)
         deltas = None if delta is None else self.heads(delta)
-        o = fb.attention(*self.heads(qkv), self.layer_id, inv_freq, deltas)
+        if hasattr(self, "q_norm"):  # the norms read q and k with their deltas
+            if deltas is not None:
+                q, k, v = map(add_delta, (q, k, v), deltas)
+                deltas = None
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view_as(q)
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view_as(k)
+        o = fb.attention(q, k, v, self.layer_id, rotary.inv_freq, deltas,
+                         rotary.rope.attention_factor)
         return fb.lora_project(self.o_proj, o.reshape(-1, self.split[0]), self.layer_id, "o")
 
     def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,34 +80,45 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
+        self.activation = cfg.activation
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch):
         """(down_proj output, its deferred LoRA delta or None)."""
         gate_up, delta = fb.lora_project(self.gate_up_proj, x, self.layer_id, "gate_up")
-        return fb.lora_project(self.down_proj, silu_mul(gate_up, delta), self.layer_id, "down")
+        hidden = gated_act(gate_up, delta, self.activation)
+        return fb.lora_project(self.down_proj, hidden, self.layer_id, "down")
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = (cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.input_layernorm = RMSNorm(*norm)
         self.self_attn = Attention(cfg, layer_id)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # without sandwich norms, the norm before the MLP; with them, the one after attention
+        self.post_attention_layernorm = RMSNorm(*norm)
         self.mlp = MLP(cfg, layer_id)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(*norm)
+            self.post_feedforward_layernorm = RMSNorm(*norm)
 
-    def forward(self, h, delta, residual, fb: ForwardBatch, inv_freq: torch.Tensor):
+    def forward(self, h, delta, residual, fb: ForwardBatch, rotary: RotaryEmbedding):
         """(mlp output, its deferred LoRA delta, residual stream before it); the residual adds
         live in the norms."""
         x, residual = self.input_layernorm(h, residual, delta)
-        o, delta = self.self_attn(x, fb, inv_freq)
-        x, residual = self.post_attention_layernorm(o, residual, delta)
+        o, delta = self.self_attn(x, fb, rotary)
+        if not hasattr(self, "pre_feedforward_layernorm"):
+            x, residual = self.post_attention_layernorm(o, residual, delta)
+            return (*self.mlp(x, fb), residual)
+        o, _ = self.post_attention_layernorm(o, None, delta)
+        x, residual = self.pre_feedforward_layernorm(o, residual)
         h, delta = self.mlp(x, fb)
-        return h, delta, residual
+        return self.post_feedforward_layernorm(h, None, delta)[0], None, residual
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -100,11 +127,17 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        rotary_dim = cfg.rotary_dim or cfg.head_dim
+        self.rotary = RotaryEmbedding(rotary_dim, cfg.rope)
+        if cfg.local_rope is not None:  # the sliding layers' own base
+            self.local_rotary = RotaryEmbedding(rotary_dim, cfg.local_rope)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def rotaries(self) -> list[RotaryEmbedding]:
+        return [self.rotary, *([self.local_rotary] if hasattr(self, "local_rotary") else [])]
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -114,7 +147,9 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h)
+        logits = self.lm_head(h)
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.inference_mode()
     def hidden(self, fb: ForwardBatch) -> torch.Tensor:
@@ -122,8 +157,12 @@ class LlamaForCausalLM(nn.Module):
         turns into logits: [num_logits, hidden]."""
         fb.begin()
         h, delta, residual = self.embed_tokens(fb.input_ids), None, None
-        for layer in self.layers:
-            h, delta, residual = layer(h, delta, residual, fb, self.rotary.inv_freq)
+        if self.cfg.embed_scale:  # sqrt(hidden) rounded to the model's dtype, as Gemma's
+            h = h * torch.tensor(self.cfg.hidden_size**0.5, dtype=h.dtype).item()
+        for i, layer in enumerate(self.layers):
+            rotary = (self.local_rotary if hasattr(self, "local_rotary") and self.cfg.window(i)
+                      else self.rotary)
+            h, delta, residual = layer(h, delta, residual, fb, rotary)
         rows = fb.logits_indices
         h, _ = self.norm(h[rows], residual[rows], None if delta is None else delta[rows])
         return h

@@ -1,0 +1,155 @@
+"""Every family against transformers + PEFT (fp32, CPU), on tiny random checkpoints saved by
+transformers itself: Qwen3, Gemma 2, Gemma 3 (gemma3_text, and the language model of a
+multimodal gemma3 checkpoint), Phi-3 with fused qkv / gate_up tensors, partial rotary and
+longrope. One batch mixes the base, two adapters of different ranks (one rsLoRA), their stack and
+a DoRA adapter; greedy tokens equal and logprobs within 1e-4 with the radix cache on and off;
+two tensor-parallel ranks over gloo answer what one device does. Prompts are longer than the
+sliding windows, so sliding layers drop what falls out of them."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from radixlora import Engine, SamplingParams
+from radixlora.config import ModelConfig
+from radixlora.errors import AdapterError, ModelLoadError
+from radixlora.step_plan import StepPlan
+from scripts.checkpoints import FAMILY_TARGETS, LANGUAGE_ONLY, build_hf_model, build_peft_adapter
+from tests.conftest import assert_all_free
+from tests.oracle import logprobs, peft_model
+from tests.test_tensor_parallel import Recorded, check_same_results, run_ranks
+
+FAMILIES = ("qwen3", "gemma2", "gemma3_text", "gemma3", "phi3")
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+MIX = [None, "a", "b", ["a", "b"], "dora"]
+TOL = 1e-4
+ENGINE = dict(dtype="float32", kv_pages=512, max_running=8, adapter_rows=96)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, 250, (length,), generator=g).tolist()
+
+
+def targets(arch: str, subset: bool = False):
+    if arch == "gemma3":
+        return LANGUAGE_ONLY
+    modules = FAMILY_TARGETS.get(arch, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                        "up_proj", "down_proj"))
+    return list(modules[::2] if subset else modules)
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """arch -> (model dir, {adapter name: dir}), built on first use."""
+    root, built = tmp_path_factory.mktemp("families"), {}
+
+    def get(arch: str):
+        if arch not in built:
+            model = build_hf_model(root / arch, arch)
+            specs = {"a": dict(r=8, lora_alpha=16, target_modules=targets(arch)),
+                     "b": dict(r=4, lora_alpha=8, use_rslora=True,
+                               target_modules=targets(arch, subset=True)),
+                     "dora": dict(r=4, lora_alpha=8, use_dora=True,
+                                  target_modules=targets(arch))}
+            built[arch] = model, {name: build_peft_adapter(model, root / f"{arch}-{name}",
+                                                           seed=20 + i, **spec)
+                                  for i, (name, spec) in enumerate(specs.items())}
+        return built[arch]
+
+    return get
+
+
+def mixed_batch(engine: Engine):
+    prompts = [prompt(30 + i, 12 + 5 * i) for i in range(len(MIX))]
+    specs = [[(n, 1.0) for n in s] if isinstance(s, list) else s for s in MIX]
+    outs = engine.generate(prompts, GREEDY, adapters=specs)
+    return [(p, spec, o.outputs[0]) for p, spec, o in zip(prompts, MIX, outs)]
+
+
+def check_oracle(ref_model, runs) -> None:
+    for ids, spec, out in runs:
+        active = None if spec is None else spec if isinstance(spec, list) else [spec]
+        ref = logprobs(ref_model, ids + out.token_ids, active)
+        for step, token in enumerate(out.token_ids):
+            row = ref[len(ids) - 1 + step]
+            assert token == int(row.argmax()), f"{spec}: greedy token differs at step {step}"
+            assert abs(out.logprobs[step] - float(row[token])) <= TOL, (spec, step)
+            for tok, lp in out.top_logprobs[step]:
+                assert abs(lp - float(row[tok])) <= TOL, (spec, step, tok)
+
+
+def engine_config(arch: str) -> dict:
+    """Phi-3's longrope takes its short factors while the served context fits the original
+    one (transformers: while the sequence does)."""
+    return {**ENGINE, "context_length": 64} if arch == "phi3" else ENGINE
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_a_mixed_batch_equals_peft_with_the_cache_on_and_off(arch, family):
+    model, adapters = family(arch)
+    ref = peft_model(model, adapters)
+    for cache in (True, False):
+        engine = Engine(model, adapters=adapters, enable_radix_cache=cache,
+                        **engine_config(arch))
+        runs = mixed_batch(engine)
+        check_oracle(ref, runs)
+        again = mixed_batch(engine)  # the second pass reads the first one's cached prefixes
+        assert [o.token_ids for *_, o in again] == [o.token_ids for *_, o in runs]
+        check_oracle(ref, again)
+        assert_all_free(engine)
+
+
+def test_longrope_past_the_original_context_takes_the_long_factors(family):
+    """Served past original_max_position_embeddings (64), Phi-3 rotates with the long factors,
+    as transformers does for a sequence longer than that."""
+    model, adapters = family("phi3")
+    engine = Engine(model, adapters=adapters, **ENGINE)
+    assert engine.model_cfg.rope.use_long
+    ids = prompt(5, 70)
+    runs = [(ids, spec, engine.generate(ids, GREEDY, adapters=spec)[0].outputs[0])
+            for spec in (None, "dora")]
+    check_oracle(peft_model(model, adapters), runs)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3"])
+def test_two_ranks_answer_what_one_device_does(arch, family, tmp_path):
+    model, adapters = family(arch)
+    engine = Engine(model, adapters=adapters, **engine_config(arch))
+    rec = Recorded([], [])
+    launch, finish = engine.executor.launch, engine.executor.finish
+
+    def recording_launch(plan):
+        rec.plans.append(msgspec.msgpack.decode(msgspec.msgpack.encode(plan), type=StepPlan))
+        return launch(plan)
+
+    def recording_finish(step):
+        rec.results.append(finish(step))
+        return rec.results[-1]
+
+    engine.executor.launch, engine.executor.finish = recording_launch, recording_finish
+    mixed_batch(engine)
+    check_same_results(run_ranks(tmp_path, model, engine.config, rec, 2), rec.results)
+
+
+def test_unsupported_architectures_and_targets_are_refused_by_name(family, tmp_path):
+    with pytest.raises(ModelLoadError, match=r"unsupported model_type 'qwen3_moe'.*closest is "
+                                             r"'qwen3'"):
+        ModelConfig.from_hf({"model_type": "qwen3_moe"})
+    model, adapters = family("qwen3")
+    embed = build_peft_adapter(model, tmp_path / "embed", seed=3, r=4, lora_alpha=8,
+                               target_modules=["q_proj", "embed_tokens"])
+    saved = build_peft_adapter(model, tmp_path / "saved", seed=4, r=4, lora_alpha=8,
+                               target_modules=["q_proj"], modules_to_save=["lm_head"])
+    engine = Engine(model, **ENGINE)
+    with pytest.raises(AdapterError, match="LoRA on 'embed_tokens' is not supported"):
+        engine.load_adapter("embed", embed)
+    with pytest.raises(AdapterError, match=r"modules_to_save \(lm_head\) are not supported"):
+        engine.load_adapter("saved", saved)
+    phi3, _ = family("phi3")
+    with pytest.raises(AdapterError, match="target module 'qkv_proj' is not supported on Qwen3"):
+        engine.load_adapter("fused", build_peft_adapter(phi3, tmp_path / "fused", seed=5, r=4,
+                                                        lora_alpha=8,
+                                                        target_modules=["qkv_proj"]))
