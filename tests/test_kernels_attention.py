@@ -326,3 +326,52 @@ def test_decode_rejects_bad_arguments() -> None:
             case.q[..., :8], case.k_cache, case.v_cache, o[..., :8], case.kv_indptr,
             case.kv_indices, 1.0,
         )
+
+
+# --- soft-capped scores (Gemma 2): the kernels against the references and an fp64 oracle --------
+
+
+def capped_oracle(case: PagedCase, cap: float, sliding_window: int | None = None):
+    """oracle() with scores cap * tanh(s / cap) before the softmax."""
+    out, q_off = [], 0
+    for k, v, qo_len in zip(case.k_dense, case.v_dense, case.qo_lens, strict=True):
+        group = case.q.shape[1] // k.shape[1]
+        k = k.double().repeat_interleave(group, dim=1)
+        v = v.double().repeat_interleave(group, dim=1)
+        for i in range(qo_len):
+            pos = len(k) - qo_len + i
+            first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            s = torch.einsum("hd,khd->hk", case.q[q_off + i].double(), k[first:pos + 1])
+            s = cap * torch.tanh(s * case.sm_scale / cap)
+            out.append(torch.einsum("hk,khd->hd", s.softmax(-1), v[first:pos + 1]))
+        q_off += qo_len
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_softcapped_extend_and_decode_match_the_oracle(window, dtype) -> None:
+    cap = 0.5  # small: the scores of these random cases bend well into tanh
+    case = make_case([5, 1, 9], [3, 6, 0], dtype=dtype, seed=3)
+    o = torch.full_like(case.q, float("nan"))
+    got = extend_attention(case.q, case.k_cache, case.v_cache, o, case.qo_indptr,
+                           case.kv_indptr, case.kv_indices, case.sm_scale,
+                           sliding_window=window, softcap=cap)
+    ref = extend_attention_ref(case.q, case.k_cache, case.v_cache, case.qo_indptr,
+                               case.kv_indptr, case.kv_indices, case.sm_scale,
+                               sliding_window=window, softcap=cap)
+    expected = capped_oracle(case, cap, window)
+    assert_close(got, expected, dtype)
+    assert_close(ref, expected, dtype)
+    assert not torch.allclose(expected, oracle(case, window), atol=1e-3)  # the cap bends it
+    decode = make_case([1, 1, 1], [4, 11, 0], dtype=dtype, seed=4)
+    for splits in (1, 3):
+        o = torch.full_like(decode.q, float("nan"))
+        got = decode_attention(decode.q, decode.k_cache, decode.v_cache, o, decode.kv_indptr,
+                               decode.kv_indices, decode.sm_scale, sliding_window=window,
+                               num_splits=splits, softcap=cap)
+        assert_close(got, capped_oracle(decode, cap, window), dtype)
+    ref = decode_attention_ref(decode.q, decode.k_cache, decode.v_cache, decode.kv_indptr,
+                               decode.kv_indices, decode.sm_scale, sliding_window=window,
+                               softcap=cap)
+    assert_close(ref, capped_oracle(decode, cap, window), dtype)

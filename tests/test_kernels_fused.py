@@ -20,7 +20,11 @@ import torch.nn.functional as F  # noqa: E402
 from radixlora.config import RopeConfig  # noqa: E402
 from radixlora.model.decoder import RMSNorm  # noqa: E402
 from radixlora.model.rope import inv_frequencies  # noqa: E402
-from radixlora_kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from radixlora_kernels.activation import (  # noqa: E402
+    gelu_tanh_and_mul_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
+)
 from radixlora_kernels.rmsnorm import (  # noqa: E402
     MAX_HIDDEN,
     add_delta_ref,
@@ -330,3 +334,28 @@ BAD_CALLS = {
 def test_launcher_rejects(name):
     with pytest.raises(ValueError):
         BAD_CALLS[name]()
+
+
+# --- Gemma's kernels: the norm's 1 + weight and the GELU-tanh gate ------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_with_an_offset_weight(dtype):
+    x, residual = randn(7, 96, dtype=dtype, scale=3.0), randn(7, 96, dtype=dtype, seed=1)
+    weight = 0.1 * norm_weight(96, dtype)  # Gemma stores the scale minus one
+    assert_close(rmsnorm(x, weight, EPS, offset=1.0), rmsnorm_ref(x, weight, EPS, 1.0))
+    normed, new_residual = fused_add_rmsnorm(x, residual, weight, EPS, offset=1.0)
+    normed_ref, residual_ref = fused_add_rmsnorm_ref(x, residual, weight, EPS, offset=1.0)
+    assert torch.equal(new_residual, residual_ref)
+    assert_close(normed, normed_ref)
+    assert not torch.allclose(normed_ref.float(), fused_add_rmsnorm_ref(
+        x, residual, weight, EPS)[0].float())  # the offset matters
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul(dtype):
+    gate_up = randn(7, 2 * 80, dtype=dtype, scale=2.0)
+    delta = randn(7, 2 * 80, seed=3, scale=0.1)
+    assert_close(silu_and_mul(gate_up, gelu_tanh=True), gelu_tanh_and_mul_ref(gate_up))
+    assert_close(silu_and_mul(gate_up, delta=delta, gelu_tanh=True),
+                 gelu_tanh_and_mul_ref(gate_up, delta))

@@ -29,7 +29,8 @@ def gelu_tanh_and_mul_ref(gate_up: torch.Tensor,
 
 @triton.jit
 def _silu_and_mul_kernel(gate_up_ptr, out_ptr, delta_ptr, inter, stride_in, stride_out,
-                         stride_delta, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
+                         stride_delta, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
+                         GELU_TANH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -38,8 +39,12 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, delta_ptr, inter, stride_in, stri
     gate = load_with_delta(gate_ptrs, delta_ptrs, mask, HAS_DELTA)
     up = load_with_delta(gate_ptrs + inter, delta_ptrs + inter, mask, HAS_DELTA)
     g = gate.to(tl.float32)
-    # F.silu is x / (1 + exp(-x)) in fp32, rounded to the input dtype before the product
-    act = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype)
+    # the activation in fp32, rounded to the input dtype before the product, as torch does
+    if GELU_TANH:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(y) = 2 sig(2y) - 1
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = (g * tl.sigmoid(2.0 * inner)).to(gate.dtype)
+    else:  # F.silu: x / (1 + exp(-x))
+        act = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype)
     out = act.to(tl.float32) * up.to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -68,12 +73,14 @@ def _output(out: torch.Tensor | None, gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul(
-    gate_up: torch.Tensor, out: torch.Tensor | None = None, delta: torch.Tensor | None = None
+    gate_up: torch.Tensor, out: torch.Tensor | None = None, delta: torch.Tensor | None = None,
+    gelu_tanh: bool = False,
 ) -> torch.Tensor:
     """Semantics:
         if delta is not None:                            # a deferred LoRA delta of gate_up
             gate_up = (gate_up.float() + delta).to(gate_up.dtype)
         gate, up = gate_up.chunk(2, dim=-1)
+        if gelu_tanh: return F.gelu(gate, approximate="tanh") * up   # Gemma's MLP
         return F.silu(gate) * up
 
     silu is computed in fp32 and rounded to gate_up's dtype, then the product is computed in
@@ -103,6 +110,6 @@ def silu_and_mul(
     _silu_and_mul_kernel[grid](
         gate_up, out, gate_up if delta is None else delta, inter, gate_up.stride(0), out.stride(0),
         0 if delta is None else delta.stride(0), BLOCK=block, HAS_DELTA=delta is not None,
-        num_warps=4, enable_fp_fusion=False,
+        GELU_TANH=gelu_tanh, num_warps=4, enable_fp_fusion=False,
     )
     return out

@@ -56,6 +56,7 @@ def _decode_split_kernel(
     mid_lse,
     o,
     qk_scale,
+    softcap,
     window,
     stride_qb,
     stride_qh,
@@ -74,6 +75,7 @@ def _decode_split_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INDIRECT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # program 0 axis: the launch's k-th request, batch request `req`, whose token is q/o row
     k = tl.program_id(0)
@@ -108,8 +110,8 @@ def _decode_split_kernel(
         m_i, l_i, acc = _attend_kv_block(
             q_blk, m_i, l_i, acc, k_cache, v_cache, kv_indices + kv_start, kv_head,
             stride_ks, stride_kh, stride_vs, stride_vh, start_n + offs_n, split_hi, None, None,
-            offs_d, d_mask, qk_scale, DOT_PRECISION=DOT_PRECISION, CAUSAL=False,
-            USE_WINDOW=False,
+            offs_d, d_mask, qk_scale, softcap, DOT_PRECISION=DOT_PRECISION, CAUSAL=False,
+            USE_WINDOW=False, SOFTCAP=SOFTCAP,
         )
 
     # l_i >= 1 when the split saw a key (its max term is exp2(0)), else l_i = 0 and m_i = -inf:
@@ -215,6 +217,7 @@ def decode_attention(
     num_splits: int | None = None,
     tuning: DecodeTuning = DEFAULT_DECODE_TUNING,
     rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each request's single new token over its whole paged KV sequence; writes o.
 
@@ -225,6 +228,7 @@ def decode_attention(
             k = k_cache[slots].repeat_interleave(group, dim=1)   # [kv_len, Hq, D]
             v = v_cache[slots].repeat_interleave(group, dim=1)
             s = einsum("hd,khd->hk", q[b], k) * sm_scale
+            if softcap: s = softcap * tanh(s / softcap)
             o[b] = einsum("hk,khd->hd", softmax(s, -1), v)
 
     Args:
@@ -235,6 +239,7 @@ def decode_attention(
         kv_indices: [N] int32, slots of each request's KV in position order (the new token last).
         sm_scale: softmax scale, usually D ** -0.5.
         sliding_window: if set, only the last sliding_window keys are seen.
+        softcap: if set, scores are soft-capped (Gemma 2's attention logit soft-capping).
         num_splits: splits of each request's KV range; `default_num_splits` if None. With one
             split the split kernel writes o itself and no merge runs.
         tuning: launch parameters (the defaults are the H200's best in bench_attention.py).
@@ -263,14 +268,14 @@ def decode_attention(
     block_d = _block_d(head_dim)
     _decode_split_kernel[(batch, n_kv_heads, num_splits)](
         q, k_cache, v_cache, kv_indptr, kv_indices, req_index, qo_indptr, mid_o, mid_lse, o,
-        sm_scale * LOG2E, sliding_window or 0,
+        sm_scale * LOG2E, (softcap or 0.0) * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=32 if _interpreting() else tuning.block_n, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=tuning.num_warps,
-        num_stages=tuning.num_stages, INDIRECT=rows is not None,
+        num_stages=tuning.num_stages, INDIRECT=rows is not None, SOFTCAP=softcap is not None,
     )
     if num_splits == 1:
         return o
@@ -291,6 +296,7 @@ def decode_attention_ref(
     kv_indices: torch.Tensor,
     sm_scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference of `decode_attention`, one request at a time; returns [B, Hq, D]."""
     o = torch.empty_like(q)
@@ -300,6 +306,6 @@ def decode_attention_ref(
         if sliding_window is not None:
             slots = slots[-sliding_window:]
         visible = torch.ones(1, len(slots), dtype=torch.bool, device=q.device)
-        out = _attend(q[b : b + 1], k_cache[slots], v_cache[slots], visible, sm_scale)
+        out = _attend(q[b : b + 1], k_cache[slots], v_cache[slots], visible, sm_scale, softcap)
         o[b] = out[0].to(q.dtype)
     return o

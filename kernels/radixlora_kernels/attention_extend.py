@@ -48,12 +48,16 @@ def _attend_kv_block(
     offs_d,
     d_mask,
     qk_scale,
+    softcap,
     DOT_PRECISION: tl.constexpr,
     CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step of q_blk [R, D] (rows at positions q_pos) over the keys at kv_pos
-    of one request (slots at req_kv_indices + kv_pos; positions >= kv_end are padding).
+    of one request (slots at req_kv_indices + kv_pos; positions >= kv_end are padding). Scores
+    are in log2 units (qk_scale = sm_scale * log2(e)); with SOFTCAP, softcap is the cap in those
+    units and a score s becomes softcap * tanh(s / softcap).
 
     Returns the running (max, sum of exp2, unnormalised output), all fp32, after this block.
     """
@@ -62,6 +66,8 @@ def _attend_kv_block(
     kv_ld_mask = n_mask[:, None] & d_mask[None, :]
     k_blk = _load_kv_rows(k_cache, slots, kv_head, stride_ks, stride_kh, offs_d, kv_ld_mask)
     qk = tl.dot(q_blk, tl.trans(k_blk), input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1
+        qk = softcap * (2.0 * tl.sigmoid(2.0 * qk / softcap) - 1.0)
 
     visible = n_mask[None, :]
     if CAUSAL:
@@ -95,6 +101,7 @@ def _extend_kernel(
     kv_indptr,
     kv_indices,
     qk_scale,
+    softcap,
     window,
     stride_qt,
     stride_qh,
@@ -114,6 +121,7 @@ def _extend_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TILES: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     head = tl.program_id(1)
     if TILES:  # program 0 axis: one (request, query block) tile of the list
@@ -157,8 +165,8 @@ def _extend_kernel(
         m_i, l_i, acc = _attend_kv_block(
             q_blk, m_i, l_i, acc, k_cache, v_cache, kv_indices + kv_start, kv_head,
             stride_ks, stride_kh, stride_vs, stride_vh, start_n + offs_n, hi, q_pos, window,
-            offs_d, d_mask, qk_scale, DOT_PRECISION=DOT_PRECISION, CAUSAL=True,
-            USE_WINDOW=USE_WINDOW,
+            offs_d, d_mask, qk_scale, softcap, DOT_PRECISION=DOT_PRECISION, CAUSAL=True,
+            USE_WINDOW=USE_WINDOW, SOFTCAP=SOFTCAP,
         )
 
     # l_i >= 1 for any row that saw a key; padded rows have l_i = 0 and acc = 0.
@@ -276,6 +284,7 @@ def extend_attention(
     sliding_window: int | None = None,
     max_qo_len: int | None = None,
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of each request's new tokens over its whole KV sequence; writes o.
 
@@ -289,6 +298,7 @@ def extend_attention(
             visible = (arange(kv_len)[None] <= pos_q[:, None])
             if sliding_window: visible &= pos_q[:, None] - arange(kv_len)[None] < sliding_window
             s = einsum("qhd,khd->hqk", q[qs:qe], k) * sm_scale   # masked where not visible
+            if softcap: s = softcap * tanh(s / softcap)
             o[qs:qe] = einsum("hqk,khd->qhd", softmax(s, -1), v)
 
     Args:
@@ -301,6 +311,7 @@ def extend_attention(
             the last qo_len entries of request b are its new tokens (so kv_len >= qo_len).
         sm_scale: softmax scale, usually D ** -0.5.
         sliding_window: if set, a query at position p sees only keys k with p - k < sliding_window.
+        softcap: if set, scores are soft-capped (Gemma 2's attention logit soft-capping).
         max_qo_len: max over requests of qo_len; computed from qo_indptr (a device sync) if None.
         tiles: (request, query block) int32 pairs from `extend_tiles`: one program per tile and
             head, and only the tokens of the requests they name are written (a batch of
@@ -329,13 +340,13 @@ def extend_attention(
     tile_req, tile_m = tiles if tiles is not None else (None, None)
     _extend_kernel[grid](
         q, k_cache, v_cache, o, qo_indptr, kv_indptr, kv_indices,
-        sm_scale * LOG2E, sliding_window or 0,
+        sm_scale * LOG2E, (softcap or 0.0) * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), o.stride(0), o.stride(1), tile_req, tile_m,
         GROUP=q.shape[1] // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        TILES=tiles is not None,
+        TILES=tiles is not None, SOFTCAP=softcap is not None,
     )
     return o
 
@@ -351,12 +362,14 @@ def _visible_mask(
     return visible
 
 
-def _attend(q, k, v, visible, sm_scale: float) -> torch.Tensor:
+def _attend(q, k, v, visible, sm_scale: float, softcap: float | None = None) -> torch.Tensor:
     """q [Lq, Hq, D], k/v [Lk, Hkv, D], visible [Lq, Lk] -> [Lq, Hq, D] in fp32."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     s = torch.einsum("qhd,khd->hqk", q.float(), k) * sm_scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~visible, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
 
@@ -370,6 +383,7 @@ def extend_attention_ref(
     kv_indices: torch.Tensor,
     sm_scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference of `extend_attention`, one request at a time; returns [T, Hq, D]."""
     o = torch.empty_like(q)
@@ -377,6 +391,7 @@ def extend_attention_ref(
     for b in range(len(qo) - 1):
         slots = kv_indices[kv[b] : kv[b + 1]].long()
         visible = _visible_mask(len(slots), qo[b + 1] - qo[b], sliding_window, q.device)
-        out = _attend(q[qo[b] : qo[b + 1]], k_cache[slots], v_cache[slots], visible, sm_scale)
+        out = _attend(q[qo[b] : qo[b + 1]], k_cache[slots], v_cache[slots], visible, sm_scale,
+                      softcap)
         o[qo[b] : qo[b + 1]] = out.to(q.dtype)
     return o

@@ -40,22 +40,26 @@ def fused_add_rmsnorm_ref(
 
 
 @triton.jit
-def _scaled_rms(h, w, n_cols, eps, x_dtype: tl.constexpr):
-    """weight * (h * rsqrt(mean(h^2) + eps)).to(x_dtype), in fp32; h is zero past n_cols."""
+def _scaled_rms(h, w, n_cols, eps, offset, x_dtype: tl.constexpr, HAS_OFFSET: tl.constexpr):
+    """weight * (h * rsqrt(mean(h^2) + eps)).to(x_dtype), in fp32; h is zero past n_cols. With
+    HAS_OFFSET, (h * rsqrt(...)) * (offset + weight), all in fp32 (Gemma's norm)."""
     var = tl.sum(h * h, axis=0) / n_cols
+    if HAS_OFFSET:
+        return (h * tl.rsqrt(var + eps)) * (offset + w.to(tl.float32))
     normed = (h * tl.rsqrt(var + eps)).to(x_dtype)
     return w.to(tl.float32) * normed.to(tl.float32)
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_out, eps,
-                    BLOCK: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_out, eps, offset,
+                    BLOCK: tl.constexpr, HAS_OFFSET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = _scaled_rms(x.to(tl.float32), w, n_cols, eps, x_ptr.dtype.element_ty)
+    y = _scaled_rms(x.to(tl.float32), w, n_cols, eps, offset, x_ptr.dtype.element_ty,
+                    HAS_OFFSET)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -72,7 +76,8 @@ def load_with_delta(ptrs, delta_ptrs, mask, HAS_DELTA: tl.constexpr):
 @triton.jit
 def _fused_add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, delta_ptr, n_cols,
                               stride_x, stride_res, stride_out, stride_res_out, stride_delta, eps,
-                              BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
+                              offset, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
+                              HAS_OFFSET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -83,7 +88,8 @@ def _fused_add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, delta
     # rounded to x's dtype before the norm reads it, as the unfused `x + residual` is
     s = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
     tl.store(res_out_ptr + row * stride_res_out + cols, s, mask=mask)
-    y = _scaled_rms(s.to(tl.float32), w, n_cols, eps, x_ptr.dtype.element_ty)
+    y = _scaled_rms(s.to(tl.float32), w, n_cols, eps, offset, x_ptr.dtype.element_ty,
+                    HAS_OFFSET)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -139,11 +145,13 @@ def _launch_config(hidden: int) -> dict[str, int]:
 
 
 def rmsnorm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+    offset: float = 0.0,
 ) -> torch.Tensor:
-    """Semantics:
+    """Semantics (rmsnorm_ref):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        if offset: return (h * (offset + weight.float())).to(x.dtype)   # Gemma's 1 + weight
         return weight * h.to(x.dtype)
 
     The normalised row is rounded to x's dtype before the weight multiplies it (HF Llama);
@@ -165,8 +173,8 @@ def rmsnorm(
     if x.shape[0] == 0:
         return out
     _rmsnorm_kernel[(x.shape[0],)](
-        x, weight, out, x.shape[1], x.stride(0), out.stride(0), eps,
-        enable_fp_fusion=False, **_launch_config(x.shape[1]),
+        x, weight, out, x.shape[1], x.stride(0), out.stride(0), eps, offset,
+        HAS_OFFSET=bool(offset), enable_fp_fusion=False, **_launch_config(x.shape[1]),
     )
     return out
 
@@ -180,12 +188,13 @@ def fused_add_rmsnorm(
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     delta: torch.Tensor | None = None,
+    offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics:
         if delta is not None:                            # a deferred LoRA delta of x
             x = (x.float() + delta).to(x.dtype)
         new_residual = x + residual                      # in x.dtype
-        return rmsnorm(new_residual, weight, eps), new_residual
+        return rmsnorm(new_residual, weight, eps, offset=offset), new_residual
 
     new_residual is bit-exact; the norm reads it after rounding to x.dtype, so `normed` equals
     `rmsnorm` of the returned new_residual. Pass residual_out=residual (and/or out=x) to update
@@ -215,7 +224,7 @@ def fused_add_rmsnorm(
     _fused_add_rmsnorm_kernel[(x.shape[0],)](
         x, residual, weight, out, residual_out, x if delta is None else delta, x.shape[1],
         x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
-        0 if delta is None else delta.stride(0), eps, HAS_DELTA=delta is not None,
-        enable_fp_fusion=False, **_launch_config(x.shape[1]),
+        0 if delta is None else delta.stride(0), eps, offset, HAS_DELTA=delta is not None,
+        HAS_OFFSET=bool(offset), enable_fp_fusion=False, **_launch_config(x.shape[1]),
     )
     return out, residual_out

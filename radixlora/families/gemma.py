@@ -53,11 +53,7 @@ def _gemma3(config: dict) -> dict:
     return traits
 
 
-GEMMA_2 = Family(
-    name="Gemma 2", model_types=("gemma2",), traits=_gemma2,
-    unsupported={"attention soft-capping in the Triton kernels":
-                 "the GPU attention kernels do not cap scores yet; the CPU path does"},
-)
+GEMMA_2 = Family(name="Gemma 2", model_types=("gemma2",), traits=_gemma2)
 GEMMA_3 = Family(
     name="Gemma 3", model_types=("gemma3_text", "gemma3"), traits=_gemma3,
     text_config="text_config",

@@ -28,11 +28,11 @@ def rms_norm(
     deferred LoRA delta (float32), added to x first. offset: the scale is offset + weight."""
     if residual is None:
         x = add_delta_ref(x, delta)
-        if x.is_cuda and not offset:
-            return rmsnorm(x, weight, eps), x
+        if x.is_cuda:
+            return rmsnorm(x, weight, eps, offset=offset), x
         return rmsnorm_ref(x, weight, eps, offset), x
-    if x.is_cuda and not offset:
-        return fused_add_rmsnorm(x, residual, weight, eps, delta=delta)
+    if x.is_cuda:
+        return fused_add_rmsnorm(x, residual, weight, eps, delta=delta, offset=offset)
     return fused_add_rmsnorm_ref(x, residual, weight, eps, delta, offset)
 
 
@@ -64,8 +64,7 @@ def gated_act(gate_up: torch.Tensor, delta: torch.Tensor | None = None,
               activation: str = "silu") -> torch.Tensor:
     """act(gate) * up for gate_up = [gate | up] along the last dim (act: "silu" or
     "gelu_tanh"); delta: gate_up's deferred LoRA delta (float32), added first."""
-    if activation == "gelu_tanh":
-        return gelu_tanh_and_mul_ref(gate_up, delta)
+    gelu = activation == "gelu_tanh"
     if gate_up.is_cuda:
-        return silu_and_mul(gate_up, delta=delta)
-    return silu_and_mul_ref(gate_up, delta)
+        return silu_and_mul(gate_up, delta=delta, gelu_tanh=gelu)
+    return (gelu_tanh_and_mul_ref if gelu else silu_and_mul_ref)(gate_up, delta)

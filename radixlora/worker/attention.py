@@ -202,22 +202,23 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache, v_cache = self.kv_pool.k_cache[layer_id], self.kv_pool.v_cache[layer_id]
         o = torch.empty_like(q)
         window = self.window(layer_id)
+        cap = self.softcap
         if meta.decode_only:
             return decode_attention(q, k_cache, v_cache, o, meta.kv_indptr, meta.kv_indices,
-                                    self.sm_scale, sliding_window=window)
+                                    self.sm_scale, sliding_window=window, softcap=cap)
         split = meta.split
         if split is None:  # a graph's static batch
             return extend_attention(q, k_cache, v_cache, o, meta.qo_indptr, meta.kv_indptr,
                                     meta.kv_indices, self.sm_scale, sliding_window=window,
-                                    max_qo_len=meta.max_qo_len)
+                                    max_qo_len=meta.max_qo_len, softcap=cap)
         if split.decodes.numel():
             # one split: a count that follows the decodes would compile a variant per count
             decode_attention(q, k_cache, v_cache, o, meta.kv_indptr, meta.kv_indices,
                              self.sm_scale, sliding_window=window, num_splits=1,
-                             rows=(split.decodes, meta.qo_indptr))
+                             rows=(split.decodes, meta.qo_indptr), softcap=cap)
         return extend_attention(q, k_cache, v_cache, o, meta.qo_indptr, meta.kv_indptr,
                                 meta.kv_indices, self.sm_scale, sliding_window=window,
-                                tiles=(split.tile_req, split.tile_m))
+                                tiles=(split.tile_req, split.tile_m), softcap=cap)
 
 
 ATTENTION_BACKENDS = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}
@@ -232,7 +233,5 @@ def make_attention_backend(name: str, kv_pool: KVPool, cfg: ModelConfig,
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose auto or "
                          f"{sorted(ATTENTION_BACKENDS)}")
-    if name == "triton" and cfg.attn_softcap is not None:
-        cfg.family_spec.check("attention soft-capping in the Triton kernels")
     return ATTENTION_BACKENDS[name](kv_pool, cfg.num_heads, cfg.head_dim, sm_scale=cfg.sm_scale,
                                     softcap=cfg.attn_softcap, layer_windows=cfg.layer_windows)
