@@ -52,7 +52,7 @@ its max_tokens; a fresh prompt set per run, so runs do not hit each other's pref
 The floor printed beside every run is the time an H200 would need at its peak rates:
   floor_s = prefill FLOPs / peak FLOP/s + decode bytes / peak bytes/s       (800e12, 4.24e12)
   prefill FLOPs = 2 x P x sum(prompt_len)                         P: non-embedding parameters
-                + 4 x layers x hidden x sum(prompt_len^2 / 2)        (LM head included)
+                + 4 x layers x heads x head_dim x sum(prompt_len^2 / 2)  (LM head included)
                 + sum over adapter requests of 2 x rank x sum_proj(in + out) x layers x prompt_len
   decode bytes  = sum over decode steps (all requests in one batch; step s = 1 .. max_out-1
                   runs the requests with output_len > s) of
@@ -102,6 +102,22 @@ LLAMA3_8B = dict(
     head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
 )
+QWEN3_8B = dict(
+    model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
+    intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
+)
+GEMMA3_12B = dict(
+    model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], vocab_size=262208,
+    hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256, max_position_embeddings=131072,
+    rms_norm_eps=1e-6, sliding_window=1024, sliding_window_pattern=6, rope_theta=1000000.0,
+    rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, bos_token_id=1,
+    eos_token_id=2, torch_dtype="bfloat16",
+)
+MODEL_SHAPES = {"llama3-8b": LLAMA3_8B, "qwen3-8b": QWEN3_8B, "gemma3-12b": GEMMA3_12B}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MARKER = "bench_e2e_complete.json"
 SHARD_BYTES = 5 * 10**9
@@ -203,7 +219,8 @@ def floor(shape: Shape, reqs: list[Planned], peak_flops: float = H200_FLOPS,
     lora_per_rank = shape.lora_in_out() * shape.layers
     prompt_tokens = sum(r.prompt_len for r in reqs)
     dense = 2 * params * prompt_tokens
-    attention = 4 * shape.layers * shape.hidden * sum(r.prompt_len**2 / 2 for r in reqs)
+    q_width = shape.heads * shape.head_dim
+    attention = 4 * shape.layers * q_width * sum(r.prompt_len**2 / 2 for r in reqs)
     lora = sum(2 * r.rank * lora_per_rank * r.prompt_len for r in reqs if r.adapter)
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * 2
     weight_bytes = 2 * params
@@ -237,17 +254,25 @@ def random_tensor(shape: tuple[int, ...], std: float, gen: torch.Generator, devi
     return (torch.randn(shape, generator=gen, device=device) * std).to(dtype).cpu()
 
 
-def checkpoint_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], bool]]:
-    """(name, shape, is_norm) of every tensor of a Llama checkpoint, in file order."""
+def checkpoint_tensors(shape: Shape, cfg: dict) -> list[tuple[str, tuple[int, ...], bool]]:
+    """(name, shape, is_norm) of every tensor of the checkpoint of `cfg` (Llama, Qwen3 with
+    its q/k norms, Gemma 3 with its sandwich norms too), in file order."""
+    gemma, qk_norm = cfg["model_type"].startswith("gemma"), cfg["model_type"] != "llama"
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if gemma:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     out = [("model.embed_tokens.weight", (shape.vocab, shape.hidden), False)]
     for layer in range(shape.layers):
         for name, (n_in, n_out) in shape.projections().items():
             block = "self_attn" if name[0] in "qkvo" else "mlp"
             out.append((f"model.layers.{layer}.{block}.{name}.weight", (n_out, n_in), False))
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out.append((f"model.layers.{layer}.{norm}.weight", (shape.hidden,), True))
+        out += [(f"model.layers.{layer}.{norm}.weight", (shape.hidden,), True) for norm in norms]
+        if qk_norm:
+            out += [(f"model.layers.{layer}.self_attn.{n}.weight", (shape.head_dim,), True)
+                    for n in ("q_norm", "k_norm")]
     out.append(("model.norm.weight", (shape.hidden,), True))
-    out.append(("lm_head.weight", (shape.vocab, shape.hidden), False))
+    if not cfg.get("tie_word_embeddings"):
+        out.append(("lm_head.weight", (shape.vocab, shape.hidden), False))
     return out
 
 
@@ -279,7 +304,8 @@ def write_checkpoint(path: Path, cfg: dict, device: str, seed: int = 0,
     time (host memory: one shard), then config.json and tokenizer.json."""
     shape, dtype = Shape.from_config(cfg), torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(seed)
-    tensors = checkpoint_tensors(shape)
+    tensors = checkpoint_tensors(shape, cfg)
+    norm = 0.0 if cfg["model_type"].startswith("gemma") else 1.0  # Gemma scales by 1 + weight
     shards = plan_shards(tensors, dtype.itemsize, shard_bytes)
     weight_map, total = {}, 0
     for k, indices in enumerate(shards):
@@ -287,7 +313,7 @@ def write_checkpoint(path: Path, cfg: dict, device: str, seed: int = 0,
         data = {}
         for i in indices:
             name, dims, is_norm = tensors[i]
-            data[name] = (torch.ones(dims, dtype=dtype) if is_norm
+            data[name] = (torch.full(dims, norm, dtype=dtype) if is_norm
                           else random_tensor(dims, 0.02, gen, device, dtype))
             weight_map[name] = file
             total += data[name].numel() * dtype.itemsize
@@ -350,11 +376,11 @@ def adapter_modules(name: str) -> tuple[str, ...]:
     return S_MODULES if name.startswith("q") else PROJECTIONS
 
 
-def prepare_files(work: Path, tiny: bool, plan: dict[str, int], device: str, dora: bool = False
-                  ) -> tuple[Path, dict, dict[str, Path]]:
+def prepare_files(work: Path, tiny: bool, plan: dict[str, int], device: str, dora: bool = False,
+                  model_shape: str = "llama3-8b") -> tuple[Path, dict, dict[str, Path]]:
     """The model directory, its config and the adapter directories (dora: d's and e's z{i} as
     DoRA adapters), written unless a complete earlier write (its marker file) is there."""
-    model = work / ("tiny-model" if tiny else "llama3-8b-random")
+    model = work / ("tiny-model" if tiny else f"{model_shape}-random")
     marker = model / MARKER
     if not marker.is_file():
         if model.exists():
@@ -364,8 +390,8 @@ def prepare_files(work: Path, tiny: bool, plan: dict[str, int], device: str, dor
         if tiny:
             checkpoints.build_tiny_model(model)
         else:
-            log(f"writing the Llama-3-8B-shaped checkpoint to {model} (~16 GB, on {device})")
-            write_checkpoint(model, LLAMA3_8B, device)
+            log(f"writing the {model_shape}-shaped checkpoint to {model} (on {device})")
+            write_checkpoint(model, MODEL_SHAPES[model_shape], device)
         marker.write_text(json.dumps({"seconds": time.perf_counter() - start}))
         log(f"checkpoint written in {time.perf_counter() - start:.1f} s")
     else:
@@ -374,7 +400,7 @@ def prepare_files(work: Path, tiny: bool, plan: dict[str, int], device: str, dor
     adapters = {}
     for i, (name, rank) in enumerate(sorted(plan.items())):
         as_dora = dora and name.startswith("z")
-        path = (work / ("tiny-adapters" if tiny else "adapters")
+        path = (work / ("tiny-adapters" if tiny else f"adapters-{model_shape}")
                 / f"{name}-r{rank}{'-dora' if as_dora else ''}")
         if not (path / MARKER).is_file():
             write_adapter(path, cfg, rank, seed=1000 + i, device=device, base_path=str(model),
@@ -972,6 +998,8 @@ def add_server_args(p: argparse.ArgumentParser, tiny_help: str) -> None:
                    help="checkpoint and adapters, reused by later runs and by the other "
                         "end-to-end benchmark")
     p.add_argument("--tiny", action="store_true", help=tiny_help)
+    p.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="llama3-8b",
+                   help="the random checkpoint's shape and family (default llama3-8b)")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--extra-serve-args", default="",
                    help="more `radixlora serve` flags, one shell-quoted string")
@@ -1024,7 +1052,8 @@ def main(argv=None) -> None:
         extra += ["--device", "cpu"]
     device = "cpu" if args.tiny else pick_device(args.gen_device)
     ranks = adapter_plan(args.workload_set, scale, args.s_adapters)
-    model, cfg, adapters = prepare_files(work, args.tiny, ranks, device, args.dora)
+    model, cfg, adapters = prepare_files(work, args.tiny, ranks, device, args.dora,
+                                         args.model_shape)
     results: dict = {
         "command": shlex.join([sys.executable, *sys.argv]), "git_commit": git_commit(),
         "config": {"args": {k: v for k, v in vars(args).items() if k != "workload_set"},

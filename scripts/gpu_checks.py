@@ -7,7 +7,11 @@ decode), with requests ending early on stop tokens while the next step is in fli
 48 requests (decode graphs above LORA_DEFER_MAX_TOKENS, whose LoRA is not deferred). Sampling
 inside the graphs (seeded temperature, top-k, top-p, min-p and greedy rows in one batch) must
 draw the tokens of the torch reference sampler applied to the graph's own logits, and the
-reference path's tokens. Exits non-zero on any mismatch.
+reference path's tokens. Then every model family (Qwen3, Gemma 2, Gemma 3 and its multimodal
+checkpoint, Phi-3 with partial rotary and longrope) on checkpoints saved by transformers, with
+PEFT adapters (LoRA, rsLoRA, DoRA, a stack), prompts longer than their sliding windows: the
+fast path against the torch path in fp32 (no sequence may differ) and in bf16 (sequences that
+differ are counted and reported). Exits non-zero on any fp32 mismatch.
 
     python scripts/gpu_checks.py
 """
@@ -18,7 +22,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from checkpoints import build_tiny_adapter, build_tiny_model
+from checkpoints import (
+    FAMILY_TARGETS,
+    LANGUAGE_ONLY,
+    build_hf_model,
+    build_peft_adapter,
+    build_tiny_adapter,
+    build_tiny_model,
+)
 
 from radixlora import Engine, SamplingParams
 from radixlora_kernels.sampling import sample_tokens_ref
@@ -49,6 +60,49 @@ def sampling_params(n: int) -> list[SamplingParams]:
              dict(top_k=20, top_p=0.8, min_p=0.02)]
     return [SamplingParams(max_tokens=24, ignore_eos=True, seed=i, **kinds[i % len(kinds)])
             for i in range(n)]
+
+
+FAMILIES = ("qwen3", "gemma2", "gemma3_text", "gemma3", "phi3")
+
+
+def family_adapters(model: Path, root: Path, arch: str) -> dict[str, Path]:
+    """A rank-8 LoRA, a rank-4 rsLoRA on half the targets and a DoRA adapter, made by PEFT."""
+    modules = FAMILY_TARGETS.get(arch, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                        "up_proj", "down_proj"))
+    every = LANGUAGE_ONLY if arch == "gemma3" else list(modules)
+    half = LANGUAGE_ONLY if arch == "gemma3" else list(modules[::2])
+    specs = {"a": dict(r=8, lora_alpha=16, target_modules=every),
+             "b": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=half),
+             "d": dict(r=4, lora_alpha=8, use_dora=True, target_modules=every)}
+    return {name: build_peft_adapter(model, root / f"{arch}-{name}", seed=40 + i, **spec)
+            for i, (name, spec) in enumerate(specs.items())}
+
+
+def family_checks(root: Path) -> dict[str, dict]:
+    """Per family and dtype: sequences whose tokens differ between the fast path (Triton
+    kernels, CUDA graphs, overlap) and the torch path, and the largest logprob difference."""
+    specs = [None, "a", "b", [("a", 1.0), ("b", 0.5)], "d", None, "a", "d"]
+    prompts = [[3 + i] * (9 + 6 * i) for i in range(len(specs))]  # past the 8/16-token windows
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    out = {}
+    for arch in FAMILIES:
+        model = build_hf_model(root / arch, arch)
+        adapters = family_adapters(model, root, arch)
+        for dtype in ("float32", "bfloat16"):
+            common = dict(adapters=adapters, device="cuda", dtype=dtype, kv_pages=2048,
+                          context_length=64 if arch == "phi3" else None)
+            reference = Engine(model, attention_backend="torch", lora_backend="torch",
+                               cuda_graph=False, overlap_schedule=False, **common)
+            ref = reference.generate(prompts, params, adapters=specs)
+            fast = Engine(model, **common).generate(prompts, params, adapters=specs)
+            differ = sum(a.outputs[0].token_ids != b.outputs[0].token_ids
+                         for a, b in zip(ref, fast, strict=True))
+            worst = max(abs(x - y) for a, b in zip(ref, fast) for x, y in
+                        zip(a.outputs[0].logprobs, b.outputs[0].logprobs))
+            out[f"{arch} {dtype}"] = {"differ": differ, "of": len(ref), "max_logprob": worst}
+            print(f"{arch} {dtype}: sequences with different tokens {differ}/{len(ref)}, "
+                  f"max |logprob diff| {worst:.2e}", flush=True)
+    return out
 
 
 def main() -> int:
@@ -102,8 +156,11 @@ def main() -> int:
     evictions = swapping.scheduler.residency.num_evictions
     print(f"graphs captured: {graphs}; sequences with different tokens: {mismatches}/{len(fast)}; "
           f"max |logprob diff| {worst:.2e}; evictions in the small pool: {evictions}")
+    families = family_checks(root)
+    families_ok = all(r["differ"] == 0 and r["max_logprob"] < 1e-3
+                      for k, r in families.items() if k.endswith("float32"))
     ok = (mismatches == 0 and worst < 1e-3 and graphs > 0 and evictions > 0
-          and counts["mismatches"] == 0 and counts["hot rows"] > 0)
+          and counts["mismatches"] == 0 and counts["hot rows"] > 0 and families_ok)
     print("gpu checks:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 
