@@ -209,7 +209,10 @@ def _extend_config(head_dim: int, dtype: torch.dtype) -> _ExtendConfig:
         return _ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
     if head_dim <= 64:
         return _ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=2)
-    return _ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    if head_dim <= 128:
+        return _ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    # wider heads (Gemma's 256): a 128-row fp32 accumulator would not fit the registers
+    return _ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
 
 
 def _block_d(head_dim: int) -> int:
