@@ -145,7 +145,9 @@ class ModelConfig:
         family = family_for(cfg.get("model_type", ""))
         if family.text_config is not None and family.text_config in cfg:
             cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings"),
-                   "eos_token_id": cfg.get("eos_token_id"), **cfg[family.text_config],
+                   "eos_token_id": cfg.get("eos_token_id"),
+                   "quantization_config": cfg.get("quantization_config"),
+                   **cfg[family.text_config],
                    "model_type": cfg["model_type"]}
             cfg = {k: v for k, v in cfg.items() if v is not None}
         heads = cfg["num_attention_heads"]

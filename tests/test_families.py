@@ -16,9 +16,17 @@ from radixlora import Engine, SamplingParams
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, ModelLoadError
 from radixlora.step_plan import StepPlan
-from scripts.checkpoints import FAMILY_TARGETS, LANGUAGE_ONLY, build_hf_model, build_peft_adapter
+from scripts.checkpoints import (
+    FAMILY_TARGETS,
+    LANGUAGE_ONLY,
+    build_fp8_model,
+    build_hf_model,
+    build_peft_adapter,
+)
 from tests.conftest import assert_all_free
 from tests.oracle import logprobs, peft_model
+from tests.test_int8_pool import INT8_TOL
+from tests.test_quant_nf4 import greedy_against, transformers_nf4
 from tests.test_tensor_parallel import Recorded, check_same_results, run_ranks
 
 FAMILIES = ("qwen3", "gemma2", "gemma3_text", "gemma3", "phi3")
@@ -153,3 +161,62 @@ def test_unsupported_architectures_and_targets_are_refused_by_name(family, tmp_p
         engine.load_adapter("fused", build_peft_adapter(phi3, tmp_path / "fused", seed=5, r=4,
                                                         lora_alpha=8,
                                                         target_modules=["qkv_proj"]))
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_prompt_logprobs_equal_peft_with_final_softcap(arch, family):
+    """score(): every prompt token's logprob given those before it, through the same final
+    norm, LM head and (Gemma 2) final soft-capping as the sampled ones."""
+    model, adapters = family(arch)
+    ref = peft_model(model, adapters)
+    engine = Engine(model, adapters=adapters, **engine_config(arch))
+    ids = prompt(7, 30)
+    for spec in (None, "a", "dora"):
+        got = engine.score(ids, 1, adapters=spec)[0]
+        want = logprobs(ref, ids, None if spec is None else [spec])
+        assert len(got) == len(ids) - 1
+        assert max(abs(g - float(want[i, t])) for i, (g, t) in
+                   enumerate(zip(got, ids[1:]))) <= TOL, spec
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_nf4_at_load_equals_bitsandbytes_on_the_family(arch, family):
+    model, _ = family(arch)
+    engine = Engine(model, quantization="nf4", **engine_config(arch))
+    assert greedy_against(engine, transformers_nf4(model), prompt(9, 20), max_tokens=8) <= TOL
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_fp8_checkpoint_equals_its_dequantized_twin(arch, family, tmp_path):
+    model, adapters = family(arch)
+    path, ref = build_fp8_model(tmp_path / "fp8", model, "channel")
+    engine = Engine(path, adapters=adapters, **engine_config(arch))
+    twin = Engine(ref, adapters=adapters, **engine_config(arch))
+    assert engine.model_cfg.quantization == "fp8"
+    ids = prompt(11, 20)
+    for spec in (None, "a"):
+        ours = engine.generate(ids, GREEDY, adapters=spec)[0].outputs[0]
+        theirs = twin.generate(ids, GREEDY, adapters=spec)[0].outputs[0]
+        assert ours.token_ids == theirs.token_ids
+        assert max(abs(a - b) for a, b in zip(ours.logprobs, theirs.logprobs)) <= 1e-6
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_int8_pool_is_within_int8_error_of_peft(arch, family):
+    """The int8 adapter pool (tests/test_int8_pool.py's tolerance and near-tie rule)."""
+    model, adapters = family(arch)
+    engine = Engine(model, adapters=adapters, lora_dtype="int8", **engine_config(arch))
+    ref = peft_model(model, adapters)
+    ids = prompt(13, 15)
+    for spec in ("a", "b", ["a", "b"]):
+        chosen = [[(name, 1.0) for name in spec]] if isinstance(spec, list) else spec
+        out = engine.generate(ids, GREEDY, adapters=chosen)[0].outputs[0]
+        want = logprobs(ref, ids + out.token_ids, spec if isinstance(spec, list) else [spec])
+        for step, token in enumerate(out.token_ids):
+            row = want[len(ids) - 1 + step]
+            assert abs(out.logprobs[step] - float(row[token])) <= INT8_TOL, (spec, step)
+            top2 = row.topk(2).values
+            if top2[0] - top2[1] > 2 * INT8_TOL:
+                assert token == int(row.argmax()), (spec, step)
+    assert_all_free(engine)

@@ -108,19 +108,26 @@ def test_nf4_checkpoint_matches_transformers_bitsandbytes(tmp_path, arch, double
     assert greedy_against(engine, transformers_bnb(path), [5, 9, 17, 33, 65, 129]) <= TOL
 
 
-def test_quantization_nf4_at_load_matches_bitsandbytes_quantizing_the_dense_base(checkpoints):
+def transformers_nf4(path):
+    """transformers quantizing the dense checkpoint at `path` with bitsandbytes NF4 at load
+    (fp32 compute, the repacked bf16 kernel off as in transformers_bnb)."""
     import bitsandbytes
     import transformers
 
-    engine = Engine(checkpoints["qwen2"], kv_pages=128, quantization="nf4")
     config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                              bnb_4bit_compute_dtype=torch.float32)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        checkpoints["qwen2"], quantization_config=config, dtype=torch.float32, device_map="cpu")
+        path, quantization_config=config, dtype=torch.float32, device_map="cpu")
     for module in model.modules():
         if isinstance(module, bitsandbytes.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False
-    assert greedy_against(engine, model.eval(), [7, 3, 250, 11, 42]) <= TOL
+    return model.eval()
+
+
+def test_quantization_nf4_at_load_matches_bitsandbytes_quantizing_the_dense_base(checkpoints):
+    engine = Engine(checkpoints["qwen2"], kv_pages=128, quantization="nf4")
+    assert greedy_against(engine, transformers_nf4(checkpoints["qwen2"]),
+                          [7, 3, 250, 11, 42]) <= TOL
 
 
 def test_quantization_flag_on_an_already_quantized_checkpoint_is_refused(tmp_path):

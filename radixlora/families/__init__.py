@@ -11,7 +11,7 @@ import difflib
 import importlib
 import pkgutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from radixlora.errors import ModelLoadError
 
@@ -29,8 +29,7 @@ class Family:
     "model."), tried in order; skip: prefixes of tensors the decoder does not keep (a vision
     tower). The same renames apply to adapter keys.
     fused_lora: PEFT adapters of this family target qkv_proj and gate_up_proj (one A, one B
-    stacked over the modules), which load as their modules' pairs.
-    unsupported: feature -> why, refused at load naming the family and the feature."""
+    stacked over the modules), which load as their modules' pairs."""
 
     name: str
     model_types: tuple[str, ...]
@@ -39,7 +38,6 @@ class Family:
     renames: tuple[tuple[str, str], ...] = ()
     skip: tuple[str, ...] = ()
     fused_lora: bool = False
-    unsupported: dict[str, str] = field(default_factory=dict)
 
     def rename(self, name: str) -> str | None:
         """A checkpoint (or adapter) tensor name as the decoder names it; None: not kept."""
@@ -50,12 +48,6 @@ class Family:
             if name.startswith(old):
                 return new + name[len(old):]
         return name
-
-    def check(self, feature: str) -> None:
-        """ModelLoadError if this family cannot do `feature` yet."""
-        if feature in self.unsupported:
-            raise ModelLoadError(f"{self.name} models: {feature} is not supported yet "
-                                 f"({self.unsupported[feature]})")
 
 
 def layer_types(config: dict, default: Callable[[int], str]) -> list[str]:
