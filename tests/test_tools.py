@@ -1,4 +1,4 @@
-"""Tool calling: the parsers of the three families on their own, the tools reaching a chat
+"""Tool calling: the parsers of each family's format on their own, the tools reaching a chat
 template, and against the bundled demo launched with --tool-call-parser hermes through the
 openai SDK: a named function and "required" (structured output: the arguments validate
 against the schema whatever the adapter), "auto" (the parser finds a Hermes call the output
@@ -57,6 +57,18 @@ TOOLS = [WEATHER, TIME]
     ("mistral", 'Sure. [TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]',
      "Sure.", [("get_time", {"zone": "UTC"})]),
     ("mistral", "[TOOL_CALLS] nothing", "[TOOL_CALLS] nothing", []),
+    ("phi4_mini_json", 'I will check. functools[{"name": "get_time", "arguments": {"zone": '
+                       '"UTC"}}, {"name": "get_weather", "arguments": {"city": "Rome", '
+                       '"days": 3}}]', "I will check.",
+     [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Rome", "days": 3})]),
+    ("phi4_mini", "functools[not json]", "functools[not json]", []),
+    ("pythonic", '[get_weather(city="Rome", days=2), get_time(zone="UTC")]', None,
+     [("get_weather", {"city": "Rome", "days": 2}), ("get_time", {"zone": "UTC"})]),
+    ("pythonic", "[1, 2, 3]", "[1, 2, 3]", []),
+    ("pythonic", '[get_time(zone=__import__("os").system("x"))]',
+     '[get_time(zone=__import__("os").system("x"))]', []),
+    ("pythonic", "[f(*args)]", "[f(*args)]", []),
+    ("pythonic", "Sunny all week.", "Sunny all week.", []),
 ])
 def test_parsers_split_content_and_calls(parser, text, content, calls):
     got_content, got = PARSERS[parser]().parse(text)
@@ -72,6 +84,10 @@ def test_streamable_content_stops_where_a_call_may_begin():
     llama = PARSERS["llama3_json"]()
     assert llama.streamable('  {"name"') == 0 and llama.streamable("<|python") == 0
     assert llama.streamable("Sunny") == 5
+    pythonic = PARSERS["pythonic"]()
+    assert pythonic.streamable(" [get_ti") == 0 and pythonic.streamable("Sunny") == 5
+    phi = PARSERS["phi4_mini_json"]()
+    assert phi.streamable("Checking functools") == len("Checking ")
 
 
 def test_tool_checks_and_the_schemas_that_constrain_calls():

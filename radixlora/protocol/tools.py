@@ -7,10 +7,12 @@ three ways:
   one of the tools each (at most one with parallel_tool_calls false), as vLLM does;
 - `auto`: the output is free, and the launch's tool-call parser (`--tool-call-parser`) finds
   the calls in the model family's own format (Hermes / Qwen `<tool_call>`, Llama 3 JSON,
-  Mistral `[TOOL_CALLS]`); the text around them is the message's content."""
+  Mistral `[TOOL_CALLS]`, Phi-4-mini `functools[...]`, pythonic `[f(x=1)]` for Gemma 3); the
+  text around them is the message's content."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import secrets
@@ -221,13 +223,64 @@ class MistralParser(ToolParser):
     start = "[TOOL_CALLS]"
 
     def _calls(self, text: str) -> list[ToolCall]:
-        value = _json(text[len(self.start):].strip())
-        if isinstance(value, dict):
-            value = [value]
-        if not isinstance(value, list) or not all(isinstance(v, dict) and "name" in v
-                                                  for v in value):
-            return []
-        return [_call(v["name"], v.get("arguments")) for v in value]
+        return _json_calls(text[len(self.start):])
+
+
+def _json_calls(payload: str) -> list[ToolCall]:
+    """A JSON array of {"name", "arguments"} objects (or one object); [] if it is not one."""
+    value = _json(payload.strip())
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, dict) and "name" in v
+                                              for v in value):
+        return []
+    return [_call(v["name"], v.get("arguments", v.get("parameters"))) for v in value]
+
+
+class Phi4MiniParser(ToolParser):
+    """Phi-4-mini: `functools[{"name": ..., "arguments": {...}}, ...]`."""
+
+    start = "functools["
+
+    def _calls(self, text: str) -> list[ToolCall]:
+        return _json_calls(text[len("functools"):])
+
+
+class PythonicParser(ToolParser):
+    """Gemma 3, Llama 3.2 / 4 prompted to call in Python: the output is a list of calls,
+    `[get_weather(city="Rome", days=2), get_time(zone="UTC")]`, with literal keyword
+    arguments. Read with ast (parsed, never evaluated); anything else is content."""
+
+    start = "["
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = text.strip()
+        if not body.startswith("["):
+            return text, []
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except (SyntaxError, ValueError, RecursionError):
+            return text, []
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text, []
+        calls = [self._call(node) for node in tree.elts]
+        return (None, calls) if all(calls) else (text, [])
+
+    @staticmethod
+    def _call(node: ast.expr) -> ToolCall | None:
+        if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name)
+                or node.args or any(k.arg is None for k in node.keywords)):
+            return None
+        try:
+            arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            return _call(node.func.id, arguments)
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            return None
+
+    def streamable(self, text: str) -> int:
+        """Nothing while the output may still be a list of calls (it starts with "[")."""
+        head = text.lstrip()
+        return 0 if not head or head.startswith("[") else len(text)
 
 
 class ToolChoice(msgspec.Struct, frozen=True):
@@ -274,4 +327,6 @@ PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesParser, "qwen25": HermesParser, "qwen": HermesParser,
     "llama3_json": Llama3JsonParser, "llama3": Llama3JsonParser,
     "mistral": MistralParser,
+    "phi4_mini_json": Phi4MiniParser, "phi4_mini": Phi4MiniParser,
+    "pythonic": PythonicParser,
 }
