@@ -429,7 +429,7 @@ def test_vllm_and_sglang_flags_map_onto_the_engine_config():
     (("-pp", "2"), 2, "pipeline parallelism is not supported"),
     (("--fully-sharded-loras",), 2, "each rank holds its slice"),
     (("--lora-backend", "triton"), 2, "chosen per device"),
-    (("--tool-call-parser", "pythonic"), 2, "invalid choice: 'pythonic'"),
+    (("--tool-call-parser", "xlam"), 2, "invalid choice: 'xlam'"),
     (("--grammar-backend", "xgrammar"), 2, "invalid choice: 'xgrammar'"),
     (("--chat-template", "no/such/file.jinja"), 1, "no such file, and not a Jinja template"),
     (("--chat-template", "{% for m in messages %}"), 1, "does not compile"),
