@@ -29,10 +29,14 @@ from checkpoints import SPECIALS, TARGETS, build_tokenizer, hf_config  # noqa: E
 from radixlora.demo.tasks import TASKS, format_prompt, sample_inputs  # noqa: E402
 
 PAD, BOS, EOS = 0, 1, 2
+# tool results read as inputs; an assistant's calls in Hermes' format (<tool_call>), the one
+# the server then finds in its outputs
 CHAT_TEMPLATE = (
-    "{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{% for message in messages %}{% if message['role'] in ('user', 'tool') %}"
     "input: {{ message['content'] }}\noutput:\n"
-    "{% elif message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}<tool_call>{{ call['function'] | tojson }}"
+    "</tool_call>{% endfor %}{{ eos_token }}"
     "{% endif %}{% endfor %}"
 )
 

@@ -363,17 +363,24 @@ def test_bad_structured_output_requests_name_their_field(server):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "sampling_params.regex"
 
 
-def test_tools_with_auto_choice_need_a_tool_call_parser(server):
-    """This server has no --tool-call-parser: tools with tool_choice auto (the default) are a
-    400 saying so; "none" serves plain content."""
+def test_tools_with_auto_choice_need_no_launch_flag(server):
+    """This server has no --tool-call-parser: the demo's chat template writes calls in Hermes'
+    format, so tool_choice auto (the default with tools) parses them; /server_info says where
+    the parser came from. Without a call the answer is the content."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     body = {"model": BASE, "messages": [{"role": "user", "content": WORDS}], "max_tokens": 40,
             "temperature": 0, "tools": tools}
-    resp = server.http.post("/v1/chat/completions", json=body)
-    assert resp.status_code == 400 and "--tool-call-parser" in resp.text
-    assert resp.json()["error"]["param"] == "tool_choice"
-    plain = server.http.post("/v1/chat/completions", json={**body, "tool_choice": "none"})
-    assert plain.json()["choices"][0]["message"]["content"].strip() == WANT[None]
+    assert server.info()["tool_call_parser"] == {"name": "hermes", "source": "chat template"}
+    for choice in (None, "auto", "none"):
+        resp = server.http.post("/v1/chat/completions",
+                                json={**body, **({"tool_choice": choice} if choice else {})})
+        message = resp.json()["choices"][0]["message"]
+        assert message["content"].strip() == WANT[None] and not message.get("tool_calls")
+    steered = {**body, "guided_regex": r'<tool_call>\{"name": "f", "arguments": \{\}\}</tool_call>'}
+    out = server.http.post("/v1/chat/completions", json=steered).json()["choices"][0]
+    assert out["finish_reason"] == "tool_calls" and out["message"]["content"] is None
+    assert [c["function"] for c in out["message"]["tool_calls"]] == [
+        {"name": "f", "arguments": "{}"}]
 
 
 def test_bad_words_are_never_written(client):

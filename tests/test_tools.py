@@ -19,10 +19,11 @@ from radixlora.protocol.tools import (
     ToolChoice,
     calls_of_required,
     check_tools,
+    detect_parser,
     named_structure,
     required_structure,
 )
-from radixlora.text.chat import ChatMessage, ChatTemplate
+from radixlora.text.chat import ChatMessage, ChatTemplate, template_sources
 from tests.server_harness import running_server
 
 WEATHER = {"type": "function", "function": {
@@ -88,6 +89,40 @@ def test_streamable_content_stops_where_a_call_may_begin():
     assert pythonic.streamable(" [get_ti") == 0 and pythonic.streamable("Sunny") == 5
     phi = PARSERS["phi4_mini_json"]()
     assert phi.streamable("Checking functools") == len("Checking ")
+
+
+# excerpts of the chat templates the families ship, where their tool-call formats show
+QWEN = ('{%- if tools %}... For each function call, return a json object with function name and '
+        'arguments within <tool_call></tool_call> XML tags ...')
+MISTRAL = "{%- if message.tool_calls %}{{- \"[TOOL_CALLS][\" }}..."
+LLAMA31 = ('{%- if builtin_tools is defined or tool_call.name ... "<|python_tag|>" ... '
+           'Respond in the format {"name": function name, "parameters": dictionary of argument '
+           'name and its value}.')
+PHI4_MINI = "{{ '<|system|>' + message['content'] + '<|tool|>' + message['tools'] + '<|/tool|>' }}"
+PYTHONIC = "... [func_name1(params_name1=params_value1, params_name2=params_value2...), ...]"
+GEMMA3 = "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}..."
+
+
+@pytest.mark.parametrize("templates, parser", [
+    ([QWEN], "hermes"), ([MISTRAL], "mistral"), ([LLAMA31], "llama3_json"),
+    ([PHI4_MINI], "phi4_mini_json"), ([GEMMA3, PYTHONIC], "pythonic"), ([GEMMA3], None),
+])
+def test_the_parser_is_found_in_the_chat_templates(templates, parser):
+    assert detect_parser(templates) == parser
+
+
+def test_named_templates_are_all_searched(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "default", "template": GEMMA3}, {"name": "tool_use", "template": QWEN}]}))
+    assert template_sources(tmp_path) == [GEMMA3, QWEN]
+    assert template_sources(tmp_path, "{{ x }}") == ["{{ x }}"]
+    assert detect_parser(template_sources(tmp_path)) == "hermes"
+
+
+def test_auto_without_a_parser_returns_the_text_as_content():
+    choice = ToolChoice("auto", parser=None)
+    text = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    assert choice.split(text) == (text, []) and choice.streamable(text) == len(text)
 
 
 def test_tool_checks_and_the_schemas_that_constrain_calls():

@@ -362,11 +362,6 @@ def tool_choice(req: ChatRequest, tool_parser: str | None) -> ToolChoice:
         return ToolChoice()
     schemas = check_tools(tools)
     if choice is None or choice == "auto":
-        if tool_parser is None:
-            raise InvalidRequestError(
-                'tool_choice "auto" (the default with tools) needs the server launched with '
-                '--tool-call-parser; or ask for "required" or a named function',
-                param="tool_choice")
         return ToolChoice("auto", parser=tool_parser)
     if choice == "none":
         return ToolChoice()

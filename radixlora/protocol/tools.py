@@ -286,7 +286,8 @@ class PythonicParser(ToolParser):
 class ToolChoice(msgspec.Struct, frozen=True):
     """How a chat request's output becomes tool calls: mode "none" (plain content), "named"
     (the output is `name`'s arguments), "required" (a JSON array of calls) or "auto" (the
-    launch's `parser` finds them); `structure` constrains the output of the first two."""
+    server's `parser` finds them; with none, the output is content); `structure` constrains
+    the output of "named" and "required"."""
 
     mode: str = "none"
     name: str = ""
@@ -300,14 +301,14 @@ class ToolChoice(msgspec.Struct, frozen=True):
         if self.mode == "required":
             calls = calls_of_required(text)
             return (None, calls) if calls else (text, [])
-        if self.mode == "auto":
+        if self.mode == "auto" and self.parser is not None:
             return PARSERS[self.parser]().parse(text)
         return text, []
 
     def streamable(self, text: str) -> int:
         """How much of the output so far may be streamed as content."""
         if self.mode == "auto":
-            return PARSERS[self.parser]().streamable(text)
+            return len(text) if self.parser is None else PARSERS[self.parser]().streamable(text)
         return len(text) if self.mode == "none" else 0
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
@@ -330,3 +331,24 @@ PARSERS: dict[str, type[ToolParser]] = {
     "phi4_mini_json": Phi4MiniParser, "phi4_mini": Phi4MiniParser,
     "pythonic": PythonicParser,
 }
+
+
+# what a chat template contains when its model writes calls in a parser's format, in the order
+# tried: Hermes / Qwen 2.5 / Qwen3 <tool_call>, Mistral [TOOL_CALLS], Phi-4-mini's tool block,
+# the pythonic templates (Llama 3.2 / 4, Gemma 3), Llama 3.1's JSON calls
+SIGNATURES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("hermes", ("<tool_call>",)),
+    ("mistral", ("[TOOL_CALLS]",)),
+    ("phi4_mini_json", ("functools[", "<|/tool|>")),
+    ("pythonic", ("[func_name1(",)),
+    ("llama3_json", ("<|python_tag|>", '"parameters": dictionary of argument name')),
+)
+
+
+def detect_parser(templates: Sequence[str]) -> str | None:
+    """The tool-call parser a model's chat templates (the one it renders with first, then its
+    other named ones) show it writes; None when none of SIGNATURES appears."""
+    for name, marks in SIGNATURES:
+        if any(mark in template for template in templates for mark in marks):
+            return name
+    return None

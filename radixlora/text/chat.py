@@ -87,17 +87,11 @@ class ChatTemplate:
         """The template of a checkpoint directory: `source` when given (--chat-template), else
         its chat_template.jinja (which transformers prefers), else tokenizer_config.json's
         chat_template, else DEFAULT_CHAT_TEMPLATE; the special tokens are the directory's."""
-        file, jinja = Path(path) / "tokenizer_config.json", Path(path) / "chat_template.jinja"
-        config = json.loads(file.read_text()) if file.is_file() else {}
-        if not source:
-            source = jinja.read_text() if jinja.is_file() else config.get("chat_template")
-        source = source or DEFAULT_CHAT_TEMPLATE
-        if isinstance(source, list):  # named templates: [{"name": ..., "template": ...}]
-            named = {t.get("name"): t.get("template") for t in source}
-            source = named.get("default") or next(iter(named.values()))
+        config = _tokenizer_config(path)
         tokens = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS}
         tokens = {k: v for k, v in tokens.items() if v is not None}
-        return cls(source, tokens.pop("bos_token", ""), tokens.pop("eos_token", ""), tokens)
+        return cls(template_sources(path, source)[0], tokens.pop("bos_token", ""),
+                   tokens.pop("eos_token", ""), tokens)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
                tools: list[dict] | None = None, **variables) -> str:
@@ -149,6 +143,25 @@ class ChatTemplate:
         raise InvalidRequestError("the chat template does not render the last message's "
                                   "content as given, so it cannot be continued",
                                   param="continue_final_message")
+
+
+def _tokenizer_config(path: str | Path) -> dict:
+    file = Path(path) / "tokenizer_config.json"
+    return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def template_sources(path: str | Path, source: str = "") -> list[str]:
+    """The chat template ChatTemplate.from_dir renders with, then the directory's other named
+    templates (tokenizer_config.json's [{"name": ..., "template": ...}] list: "tool_use"...)."""
+    if source:
+        return [source]
+    jinja = Path(path) / "chat_template.jinja"
+    found = jinja.read_text() if jinja.is_file() else _tokenizer_config(path).get("chat_template")
+    if isinstance(found, list):
+        named = {t.get("name"): t.get("template") for t in found if t.get("template")}
+        first = named.get("default") or next(iter(named.values()), None)
+        return [first or DEFAULT_CHAT_TEMPLATE, *(t for t in named.values() if t != first)]
+    return [found or DEFAULT_CHAT_TEMPLATE]
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):

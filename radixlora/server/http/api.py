@@ -20,6 +20,7 @@ from radixlora.config import ModelConfig
 from radixlora.errors import InvalidRequestError
 from radixlora.protocol.openai import ChatRequest, CompletionRequest
 from radixlora.protocol.sglang import AbortRequest, GenerateRequest
+from radixlora.protocol.tools import detect_parser
 from radixlora.server.args import ServerArgs
 from radixlora.server.http.admin import AdminHandlers
 from radixlora.server.http.bridge import (
@@ -43,6 +44,7 @@ from radixlora.server.http.metrics import Metrics
 from radixlora.server.http.openai_api import OpenAIHandlers
 from radixlora.server.http.sglang_api import SglangHandlers
 from radixlora.server.http.utility_api import UtilityHandlers
+from radixlora.text.chat import template_sources
 
 log = logging.getLogger(__name__)
 ops_log = logging.getLogger("radixlora.server.http.stats_log")  # the operator lines' logger
@@ -77,6 +79,19 @@ def guarded(fn):
     return wrapper
 
 
+def tool_parser_of(args: ServerArgs) -> dict:
+    """The parser of tool_choice "auto": --tool-call-parser's, else the one the chat templates
+    show (None: outputs stay content). Logged once at start."""
+    if args.tool_call_parser:
+        found = {"name": args.tool_call_parser, "source": "--tool-call-parser"}
+    else:
+        name = detect_parser(template_sources(args.tokenizer_dir, args.chat_template))
+        found = {"name": name, "source": "chat template" if name else None}
+    log.info("tool calls (tool_choice auto): %s", f"{found['name']}, from the {found['source']}"
+             if found["name"] else "no format recognised in the chat template; outputs are content")
+    return found
+
+
 class Api:
     def __init__(self, args: ServerArgs, runtime: ProcessBridge, metrics: Metrics, vocab_size: int,
                  pids: dict[str, int], sizing: dict | None = None):
@@ -86,8 +101,9 @@ class Api:
         self.metrics = metrics
         self.pids = pids
         self.started = time.time()
+        self.tool_parser = tool_parser_of(args)
         self.openai = OpenAIHandlers(runtime, args.model_name, vocab_size,
-                                     args.tool_call_parser)
+                                     self.tool_parser["name"])
         self.sglang = SglangHandlers(runtime, args.model_name, vocab_size)
         self.access = Access(args.api_key, args.admin_api_key, args.enable_admin)
         self.admin = AdminHandlers(args, runtime, self.access)
@@ -244,6 +260,7 @@ class Api:
             "scheduler": scheduler,
             "data_parallel_size": self.runtime.num_replicas,
             "router": self._router_info(),
+            "tool_call_parser": self.tool_parser,
         })
 
     def _router_info(self) -> dict | None:

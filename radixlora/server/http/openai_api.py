@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
 import string
 from collections.abc import AsyncIterator, Callable
@@ -39,6 +40,8 @@ from radixlora.server.http.common import (
 )
 from radixlora.server.messages import ChatOptions, GenerateReq, SampleOutput, ids_to_bytes
 
+log = logging.getLogger(__name__)
+
 
 class OpenAIHandlers:
     def __init__(self, runtime: ProcessBridge, model_name: str, vocab_size: int,
@@ -46,7 +49,8 @@ class OpenAIHandlers:
         self.runtime = runtime
         self.model_name = model_name
         self.vocab_size = vocab_size
-        self.tool_parser = tool_parser  # --tool-call-parser
+        self.tool_parser = tool_parser  # --tool-call-parser, or found in the chat template
+        self._warned_no_parser = False
 
     # ---- /v1/completions ---------------------------------------------------------------------
 
@@ -137,6 +141,11 @@ class OpenAIHandlers:
 
     def chat_req(self, req: ChatRequest, rid: str) -> tuple[GenerateReq, str, ToolChoice]:
         params, tools = chat_params(req, self.vocab_size, self.tool_parser)
+        if tools.mode == "auto" and tools.parser is None and not self._warned_no_parser:
+            self._warned_no_parser = True
+            log.warning('tool_choice "auto": the chat template shows no tool-call format radixlora '
+                        "parses, so outputs are returned as content; launch with "
+                        "--tool-call-parser to name one")
         choices = request_adapters(req, self.model_name)[0]
         max_tokens = req.max_tokens if req.max_completion_tokens is None else (
             req.max_completion_tokens)
