@@ -179,10 +179,10 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
-def _ask(client, model="radixlora-demo", **kw):
+def _ask(client, model="radixlora-demo", max_tokens=80, **kw):
     return client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "weather in rome?"}],
-        max_tokens=80, temperature=0, tools=TOOLS, **kw)
+        max_tokens=max_tokens, temperature=0, tools=TOOLS, **kw)
 
 
 def _arguments_valid(name: str, arguments: str) -> None:
@@ -207,6 +207,23 @@ def test_named_and_required_tool_choice_give_valid_calls(client, model):
     (call,) = required.choices[0].message.tool_calls
     assert required.choices[0].finish_reason == "tool_calls"
     _arguments_valid(call.function.name, call.function.arguments)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_max_tokens_is_content_for_named_and_required(client, stream):
+    """One behaviour: a call whose arguments were cut never reaches tool_calls (no client could
+    parse them); the text comes back as content with finish_reason length."""
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        if stream:
+            chunks = list(_ask(client, max_tokens=6, tool_choice=choice, stream=True))
+            content = "".join(c.choices[0].delta.content or "" for c in chunks)
+            assert not any(c.choices[0].delta.tool_calls for c in chunks), choice
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            out = _ask(client, max_tokens=6, tool_choice=choice).choices[0]
+            assert out.message.tool_calls is None, choice
+            content, finish = out.message.content, out.finish_reason
+        assert finish == "length" and content and content.lstrip()[0] in "{[", (choice, content)
 
 
 def test_streamed_calls_equal_the_unstreamed(client):

@@ -296,8 +296,8 @@ class ToolChoice(msgspec.Struct, frozen=True):
 
     def split(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a finished output."""
-        if self.mode == "named":
-            return None, [ToolCall(self.name, text)]
+        if self.mode == "named":  # arguments that do not parse were cut by max_tokens
+            return (None, [ToolCall(self.name, text)]) if _json(text) is not None else (text, [])
         if self.mode == "required":
             calls = calls_of_required(text)
             return (None, calls) if calls else (text, [])
