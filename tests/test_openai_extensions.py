@@ -116,8 +116,9 @@ def test_chat_template_kwargs_names_and_continuing_the_last_message(setup, clien
     assert open_end.endswith("the red fox")
     assert prompt_tokens(client, messages, add_generation_prompt=False,
                          continue_final_message=True) == count(open_end)
+    assert prompt_tokens(client, messages, continue_final_message=True) == count(open_end)
     with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
-        prompt_tokens(client, messages, continue_final_message=True)
+        prompt_tokens(client, messages, add_generation_prompt=True, continue_final_message=True)
     with pytest.raises(openai.BadRequestError, match="may not set messages"):
         prompt_tokens(client, messages, chat_template_kwargs={"messages": []})
 

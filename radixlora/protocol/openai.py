@@ -147,7 +147,7 @@ class ChatRequest(_Sampling, kw_only=True):
     parallel_tool_calls: bool | None = None  # with tool_choice required: one call, or many
     # vLLM's: template variables, the generation prompt, continuing the last message
     chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # None: not continue_final_message
     continue_final_message: bool = False
     prompt_cache_key: str | None = None  # every prefix is cached, whatever the key
     safety_identifier: str | None = None

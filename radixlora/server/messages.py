@@ -81,7 +81,7 @@ class Message(msgspec.Struct, tag=True, kw_only=True):
 class ChatOptions(msgspec.Struct, kw_only=True):
     """How a chat request's messages are rendered (vLLM's fields of the same names)."""
 
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # None: not continue_final_message
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = {}  # chat_template_kwargs: more template variables
     tools: list[dict[str, Any]] | None = None  # the request's tools, for the template

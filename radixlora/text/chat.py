@@ -116,15 +116,18 @@ class ChatTemplate:
                 f"the chat template failed on these messages: {type(e).__name__}: {e}",
                 param="messages") from e
 
-    def prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+    def prompt(self, messages: list[dict], add_generation_prompt: bool | None = None,
                continue_final_message: bool = False,
                template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
         """A chat request's prompt, with vLLM's options: `template_kwargs`
         (chat_template_kwargs) are more template variables; continue_final_message renders the
         last message left open, the text cut right after its content (as transformers'
         apply_chat_template does), for the model to continue it. `tools`: the request's tools
-        (OpenAI's shape, which Hugging Face templates take)."""
+        (OpenAI's shape, which Hugging Face templates take). add_generation_prompt None: true
+        unless continue_final_message (SGLang's reading; vLLM refuses both true, as here)."""
         kwargs = template_kwargs or {}
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final_message
         reserved = sorted(RESERVED_VARIABLES & kwargs.keys())
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}",
@@ -132,8 +135,10 @@ class ChatTemplate:
         if not continue_final_message:
             return self.render(messages, add_generation_prompt, tools, **kwargs)
         if add_generation_prompt:
-            raise InvalidRequestError("continue_final_message needs add_generation_prompt: "
-                                      "false", param="continue_final_message")
+            raise InvalidRequestError("continue_final_message and add_generation_prompt: true "
+                                      "contradict each other: the first continues the last "
+                                      "message, the second opens a new one",
+                                      param="continue_final_message")
         final = messages[-1]["content"]
         text = self.render(messages, False, tools, **kwargs)
         for probe in (final, final.strip()):

@@ -28,7 +28,7 @@ class TokenizeRequest(Strict):
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # as /v1/chat/completions takes them
     tools: list[dict[str, Any]] | None = None
