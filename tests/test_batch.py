@@ -208,6 +208,17 @@ def test_logprobs_n_and_usage(engine, tmp_path):
     assert [c["index"] for c in result["choices"]] == [0, 1, 2, 3]
     assert all(len(c["logprobs"]["top_logprobs"]) == 3 for c in result["choices"])
     assert result["usage"]["completion_tokens"] == 12
+    body["return_tokens_as_token_ids"] = True
+    src.write_text(json.dumps({"custom_id": "y", "method": "POST", "url": "/v1/completions",
+                               "body": body}) + "\n")
+    run_batch(src, out, engine, progress=False)
+    as_ids = json.loads(out.read_text().splitlines()[-1])["response"]["body"]
+    for plain, ids in zip(result["choices"], as_ids["choices"], strict=True):
+        assert [engine.tokenizer.decode([int(t.removeprefix("token_id:"))],
+                                        skip_special_tokens=False)
+                for t in ids["logprobs"]["tokens"]] == plain["logprobs"]["tokens"]
+        assert all(t.startswith("token_id:") for row in ids["logprobs"]["top_logprobs"]
+                   for t in row)
 
 
 def test_unreachable_server_stops_the_run_without_records(tmp_path):

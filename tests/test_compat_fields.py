@@ -388,3 +388,29 @@ def test_bad_words_are_never_written(client):
     assert "FOX" in chat(client, "upper")
     text = chat(client, "upper", bad_words=["FOX"])
     assert "FOX" not in text and text.startswith("THE RED")
+
+
+def test_return_tokens_as_token_ids(client):
+    """vLLM's return_tokens_as_token_ids: every logprob entry's token is "token_id:N", N the
+    token whose text the same request without it shows, top alternatives and echo included."""
+    from tokenizers import Tokenizer
+
+    from radixlora.demo import DEMO_MODEL_DIR
+
+    tokenizer = Tokenizer.from_file(str(DEMO_MODEL_DIR / "tokenizer.json"))
+    kw = dict(model="upper", max_tokens=6, temperature=0)
+    messages = [{"role": "user", "content": WORDS}]
+    texts = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, **kw)
+    ids = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2,
+                                         extra_body={"return_tokens_as_token_ids": True}, **kw)
+    for plain, as_id in zip(texts.choices[0].logprobs.content, ids.choices[0].logprobs.content,
+                            strict=True):
+        assert re.fullmatch(r"token_id:\d+", as_id.token) and as_id.logprob == plain.logprob
+        assert tokenizer.decode([int(as_id.token[9:])], skip_special_tokens=False) == plain.token
+        assert [tokenizer.decode([int(t.token[9:])], skip_special_tokens=False)
+                for t in as_id.top_logprobs] == [t.token for t in plain.top_logprobs]
+    echoed = client.completions.create(prompt=PROMPT, logprobs=1, echo=True, **kw,
+                                       extra_body={"return_tokens_as_token_ids": True})
+    tokens = echoed.choices[0].logprobs.tokens
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in tokens)
+    assert [int(t[9:]) for t in tokens[:-6]] == tokenizer.encode(PROMPT).ids

@@ -337,7 +337,8 @@ class EngineClient:
             completion_choice(
                 p * req.n + i,
                 r.text,
-                self._completion_logprobs(r) if req.logprobs is not None else None,
+                self._completion_logprobs(r, req.return_tokens_as_token_ids)
+                if req.logprobs is not None else None,
                 r.finish_reason,
             )
             for p, samples in enumerate(results)
@@ -363,8 +364,9 @@ class EngineClient:
         choices = []
         for i, r in enumerate(samples):
             message, finish_reason = tools.message(r.text, r.finish_reason)
-            choices.append(chat_choice(i, message, self._chat_logprobs(r) if req.logprobs
-                                       else None, finish_reason))
+            logprobs = (self._chat_logprobs(r, req.return_tokens_as_token_ids) if req.logprobs
+                        else None)
+            choices.append(chat_choice(i, message, logprobs, finish_reason))
         return _body("chatcmpl", "chat.completion", req.model, choices, [samples])
 
     def _ids(self, prompt: str | list[int]) -> list[int]:
@@ -381,20 +383,24 @@ class EngineClient:
         """max_tokens omitted: what the context leaves after the prompt (as the server does)."""
         return params if max_tokens is not None else fill_context(params, len(ids), self.max_total)
 
-    def _token_text(self, token_id: int) -> str:
+    def _token_text(self, token_id: int, as_id: bool) -> str:
+        """as_id: vLLM's return_tokens_as_token_ids, "token_id:N"."""
+        if as_id:
+            return f"token_id:{token_id}"
         return self.runtime.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _texts_and_top(self, r: GenResult) -> tuple[list[str], list[list[tuple[str, float]]]]:
-        texts = [self._token_text(t) for t in r.token_ids]
-        top = [[(self._token_text(t), lp) for t, lp in row] for row in r.top_logprobs]
+    def _texts_and_top(self, r: GenResult,
+                       as_ids: bool) -> tuple[list[str], list[list[tuple[str, float]]]]:
+        texts = [self._token_text(t, as_ids) for t in r.token_ids]
+        top = [[(self._token_text(t, as_ids), lp) for t, lp in row] for row in r.top_logprobs]
         return texts, top
 
-    def _completion_logprobs(self, r: GenResult) -> dict:
-        texts, top = self._texts_and_top(r)
+    def _completion_logprobs(self, r: GenResult, as_ids: bool) -> dict:
+        texts, top = self._texts_and_top(r, as_ids)
         return completion_logprobs(texts, r.logprobs, top)
 
-    def _chat_logprobs(self, r: GenResult) -> dict:
-        texts, top = self._texts_and_top(r)
+    def _chat_logprobs(self, r: GenResult, as_ids: bool) -> dict:
+        texts, top = self._texts_and_top(r, as_ids)
         return chat_logprobs(texts, r.logprobs, top)
 
 

@@ -69,6 +69,7 @@ class _Sampling(Strict):
     adapter_id: str | None = None
     skip_special_tokens: bool = True  # vLLM: special tokens left out of the text
     include_stop_str_in_output: bool = False  # vLLM: the matched stop string ends the text
+    return_tokens_as_token_ids: bool = False  # vLLM: logprobs' tokens as "token_id:N"
     # structured output (structure_of): OpenAI's response_format, vLLM's structured_outputs
     # and older guided_* fields, SGLang's regex / ebnf
     response_format: dict[str, Any] | None = None

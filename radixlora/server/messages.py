@@ -105,6 +105,7 @@ class GenerateReq(Message):
     skip_special_tokens: bool = True  # special tokens left out of the text
     chat: ChatOptions | None = None  # with messages: how they are rendered
     token_texts: bool = False  # attach per-token strings (for logprobs)
+    token_ids_as_texts: bool = False  # those strings as "token_id:N" (return_tokens_as_token_ids)
     logprob_start: Count | None = None  # return the logprobs of prompt tokens from here on
     score_only: bool = False  # max_new_tokens 0 with prompt logprobs: drop the sampled token
     echo: bool = False  # /v1/completions echo: a token-id prompt's text comes back decoded

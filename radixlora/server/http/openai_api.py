@@ -73,6 +73,7 @@ class OpenAIHandlers:
                 include_stop=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 token_texts=req.logprobs is not None or scored,
+                token_ids_as_texts=req.return_tokens_as_token_ids,
             ))
         return reqs, batch_label(choices)
 
@@ -160,6 +161,7 @@ class OpenAIHandlers:
             include_stop=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
             token_texts=bool(req.logprobs) or req.prompt_logprobs is not None,
+            token_ids_as_texts=req.return_tokens_as_token_ids,
             logprob_start=None if req.prompt_logprobs is None else 0,
         )
         return gen, adapter_label(choices), tools

@@ -62,6 +62,16 @@ ROUTER_STATS_S = 0.5  # how often the router's report goes to the api (replicas 
 RECENT_ROUTES = 4096  # ended requests whose replica is remembered (a late abort finds it)
 
 
+def _id_texts(ids: list[int]) -> list[str]:
+    """vLLM's return_tokens_as_token_ids: each token as "token_id:N" (whatever its text)."""
+    return [f"token_id:{i}" for i in ids]
+
+
+def _top(top: list[list[tuple[int, float]]], texts) -> list[list[tuple[int, float, str]]]:
+    return [[(i, lp, text) for (i, lp), text in zip(row, texts([i for i, _ in row]))]
+            for row in top]
+
+
 @dataclass
 class SampleState:
     stream: StopStream | None  # None: the model has no tokenizer (no text)
@@ -78,6 +88,7 @@ class ReqState:
     head: int | None = None  # logprob_start 0: the first prompt token, reported unscored
     prompt_text: str | None = None  # echo of a token-id prompt (GenerateReq.echo)
     min_tokens: int = 0
+    ids_as_texts: bool = False  # GenerateReq.token_ids_as_texts
     samples: dict[int, SampleState] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
 
@@ -213,7 +224,7 @@ class TokenizerService:
         with self.lock:
             self.reqs[req.rid] = ReqState(req.params.n, req.stop, req.token_texts,
                                           req.include_stop, req.skip_special_tokens, head, text,
-                                          req.params.min_tokens)
+                                          req.params.min_tokens, req.token_ids_as_texts)
             self.routes[req.rid] = self.router.route(req.adapters,
                                                      bytes_to_ids(outcome.input_ids),
                                                      req.params.n, req.data_parallel_rank)
@@ -317,6 +328,7 @@ class TokenizerService:
             if state.head is not None:
                 input_ids = ids_to_bytes([state.head, *bytes_to_ids(input_ids).tolist()])
         ids = bytes_to_ids(out.token_ids).tolist()
+        texts = _id_texts if state.ids_as_texts else self._texts
         finish = out.finish_reason
         if sample.stream is not None:
             text, finish, matched = sample.stream.step(ids, finish)
@@ -328,8 +340,8 @@ class TokenizerService:
             text=text,
             token_ids=out.token_ids,
             logprobs=out.logprobs,
-            token_texts=self._texts(ids) if sample.token_texts else None,
-            top=self._top(out.top) if sample.token_texts and out.top else None,
+            token_texts=texts(ids) if sample.token_texts else None,
+            top=_top(out.top, texts) if sample.token_texts and out.top else None,
             finish_reason=finish,
             matched_stop=matched,
             prompt_tokens=out.prompt_tokens,
@@ -338,9 +350,9 @@ class TokenizerService:
             base_mismatch=out.base_mismatch,
             input_logprobs=out.input_logprobs,
             input_ids=input_ids,
-            input_top=self._top(out.input_top) if sample.token_texts and out.input_top else None,
+            input_top=_top(out.input_top, texts) if sample.token_texts and out.input_top else None,
             prompt_text=prompt_text,
-            input_texts=self._texts(bytes_to_ids(input_ids).tolist())
+            input_texts=texts(bytes_to_ids(input_ids).tolist())
             if sample.token_texts and input_ids else None,
             scheduled_at=out.scheduled_at,
         )
@@ -349,9 +361,6 @@ class TokenizerService:
         if self.tokenizer is None:
             return [str(i) for i in ids]
         return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
-
-    def _top(self, top: list[list[tuple[int, float]]]) -> list[list[tuple[int, float, str]]]:
-        return [[(i, lp, self._texts([i])[0]) for i, lp in row] for row in top]
 
     def _finish_sample(self, rid: str, state: ReqState, index: int) -> None:
         state.done.add(index)
@@ -507,3 +516,4 @@ def dispatch(service: TokenizerService, msg) -> tuple[list, list]:
 
 if __name__ == "__main__":
     child_main("tokenizer", run)
+
