@@ -161,9 +161,14 @@ def test_impossible_request_is_rejected_at_once(checkpoints, adapters):
     assert info.value.code == "kv_pool_exceeded"
     ok = eng.generate(tokens(1, 20), SamplingParams(max_tokens=5, temperature=0.0), adapters="a")
     assert len(ok[0].outputs[0].token_ids) <= 5
+    context = eng.scheduler.max_context
     with pytest.raises(InvalidRequestError) as info:
-        eng.generate(tokens(1, 500), SamplingParams(max_tokens=20))
-    assert info.value.code == "context_length_exceeded"
+        eng.generate(tokens(1, context), SamplingParams(max_tokens=20))
+    assert info.value.code == "context_length_exceeded" and info.value.param == "prompt"
+    assert f"the prompt ({context} tokens)" in str(info.value)
+    with pytest.raises(InvalidRequestError) as info:  # the prompt fits; the answer does not
+        eng.generate(tokens(1, context - 4), SamplingParams(max_tokens=20))
+    assert info.value.code == "context_length_exceeded" and info.value.param == "max_tokens"
     assert_all_free(eng)
 
 

@@ -166,6 +166,13 @@ class Scheduler:
         prompt_len = len(req.prompt_ids)
         if prompt_len == 0:
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        if prompt_len >= self.max_context:
+            raise InvalidRequestError(
+                f"the prompt ({prompt_len} tokens) leaves no room in the context length "
+                f"{self.max_context}: shorten it to at most {self.max_context - 1} tokens",
+                param="prompt",
+                code="context_length_exceeded",
+            )
         if req.max_total_tokens > self.max_context:
             raise InvalidRequestError(
                 f"prompt ({prompt_len} tokens) + max_tokens ({req.params.max_tokens}) exceeds the "
