@@ -238,3 +238,23 @@ def test_unreachable_server_stops_the_run_without_records(tmp_path):
 def test_cli_rejects_url_with_model():
     with pytest.raises(SystemExit):
         main(["--input", "a", "--output", "b", "--url", "http://x", "--model", "m"])
+
+
+@pytest.mark.parametrize("case", ["missing input", "output is a directory", "no server"])
+def test_bad_paths_and_urls_are_one_line_before_any_model_loads(tmp_path, case):
+    """As `serve` reports a bad flag: one line on stderr and exit status 1, with no traceback
+    and nothing loaded (the demo model would be loaded for the first two otherwise)."""
+    good = tmp_path / "in.jsonl"
+    good.write_text("")
+    argv = {"missing input": ["--input", str(tmp_path / "nope.jsonl"), "--output",
+                              str(tmp_path / "out.jsonl")],
+            "output is a directory": ["--input", str(good), "--output", str(tmp_path)],
+            "no server": ["--input", str(good), "--output", str(tmp_path / "out.jsonl"),
+                          "--url", "http://127.0.0.1:9"]}[case]
+    run = subprocess.run([sys.executable, "-m", "radixlora.cli", "batch", *argv],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("radixlora batch: "), run.stderr
+    assert {"missing input": "no such file", "output is a directory": "is a directory",
+            "no server": "no server answers"}[case] in lines[0]
