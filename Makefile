@@ -14,19 +14,28 @@ LATEST := .venv-latest
 # A CUDA build of torch pins its own triton: the lock's triton only serves builds without one
 # (the CPU wheel), so every other step reads the lock without it.
 CONSTRAINTS := $(VENV)/constraints.txt
-PIP_LOCKED := $(if $(LOCK),PIP_CONSTRAINT=$(CONSTRAINTS) )$(BIN)/pip install -q
+PIP_SHOWN := $(if $(LOCK),PIP_CONSTRAINT=$(CONSTRAINTS) )$(BIN)/pip install --progress-bar on
+PIP_LOCKED := $(PIP_SHOWN) -q
 TRITON_LOCKED := $(if $(LOCK),-c $(LOCK) )"triton; platform_system == 'Linux'"
 
 .PHONY: run test test-latest lock setup clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml $(LOCK)
+# What serving needs (make run): torch, Triton and the package's own dependencies, with pip's
+# progress shown, since a first install downloads torch.
+$(VENV)/.serving: pyproject.toml $(LOCK)
+	@echo "setting up $(VENV): $(TORCH), then radixlora's dependencies"
 	$(PYTHON) -m venv $(VENV)
 	$(if $(LOCK),grep -v '^triton==' $(LOCK) > $(CONSTRAINTS),rm -f $(CONSTRAINTS))
 	$(PIP_LOCKED) --upgrade pip setuptools
-	$(PIP_LOCKED) "$(TORCH)"
-	$(BIN)/python -c 'import triton' 2>/dev/null || $(BIN)/pip install -q $(TRITON_LOCKED)
+	$(PIP_SHOWN) "$(TORCH)"
+	$(BIN)/python -c 'import triton' 2>/dev/null || $(BIN)/pip install $(TRITON_LOCKED)
+	$(PIP_SHOWN) -e .
+	touch $@
+
+# The test extras on top (make test): transformers, PEFT, bitsandbytes, the clients...
+$(VENV)/.installed: $(VENV)/.serving
 	$(PIP_LOCKED) -e ".[test]"
 	touch $@
 
@@ -39,7 +48,7 @@ $(VENV)/.sglang-frontend: $(VENV)/.installed
 	$(PIP_LOCKED) --no-deps $(SGLANG_FRONTEND)
 	touch $@
 
-run: setup
+run: $(VENV)/.serving
 	$(BIN)/radixlora serve
 
 # Prometheus' promtool, for tests/test_alert_rules.py: taken from Debian's prometheus package

@@ -168,3 +168,12 @@ def test_architecture_names_every_module():
     files = {str(p.relative_to(ROOT)) for folder in ("radixlora", "kernels", "frontend")
              for p in (ROOT / folder).rglob("*.py")}
     assert listed == files, {"not listed": files - listed, "gone": listed - files}
+
+
+def test_every_adapter_rejection_reason_is_documented():
+    """/health's adapters_rejected reasons, each with a row in docs/server.md."""
+    from radixlora.server.procs.registry_proc import REJECT_REASONS
+
+    text = (ROOT / "docs" / "server.md").read_text()
+    for label in {label for _, label in REJECT_REASONS} | {"invalid_adapter"}:
+        assert f"| `{label}` |" in text, label

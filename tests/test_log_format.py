@@ -1,5 +1,6 @@
 """One log format for every process and uvicorn: each line of a demo server's output (start,
-requests, an error, drain and stop) carries the time, the process, the level and the logger."""
+requests, an error, drain and stop) carries the time, the process, the level and the logger,
+the module's own name also in the processes started with `python -m`."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def test_every_line_of_every_process_and_uvicorn_has_one_format(tmp_path):
     assert ("api", "uvicorn.error") in seen  # uvicorn's own start and stop lines
     assert ("api", "radixlora.server.http.stats_log") in seen  # --log-requests
     assert any(name == "worker" for name, _ in seen)
+    assert ("worker", "radixlora.server.procs.worker_proc") in seen  # its own name, not __main__
+    assert not any(logger == "__main__" for _, logger in seen)
     assert any("finish=error:adapter_not_found" in line for line in lines)
     rejected = [line.split(": ", 1)[1] for line in lines if ": rejected " in line]
     assert rejected == ["rejected POST /v1/completions status=400 code=invalid_request "

@@ -27,7 +27,7 @@ import msgspec
 
 from radixlora.structured import COMPILE_STACK_BYTES, GrammarBudget, build_matcher
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__spec__.name)  # the module's name also when run with -m
 
 START_TIMEOUT_S = 120.0  # building the tokenizer of a large vocabulary takes seconds
 OUT_OF_MEMORY = 3  # the child's exit status when Python's allocator hit the budget

@@ -30,7 +30,7 @@ import sys
 import threading
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__spec__.name)  # the module's name also when run with -m
 
 MANIFESTS = "manifests"
 MANIFEST_VERSION = 1

@@ -66,7 +66,7 @@ from radixlora.server.procs.adapter_store import (
     pack_target,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__spec__.name)  # the module's name also when run with -m
 
 TICK_S = 0.02
 TICK_MS = int(TICK_S * 1000)

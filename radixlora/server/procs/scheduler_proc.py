@@ -61,7 +61,7 @@ from radixlora.server.procs.adapter_store import SNAPSHOTS, AdapterStore, pack_t
 from radixlora.step_plan import AdapterLoad, StepMasks, StepPlan
 from radixlora.structured import Matcher
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__spec__.name)  # the module's name also when run with -m
 
 STATS_INTERVAL_S = 0.5
 WARM_SCAN_S = 0.5  # how often plans look for registered adapters to read ahead

@@ -53,7 +53,7 @@ from radixlora.text.chat import ChatTemplate
 from radixlora.text.detokenize import StopStream
 from radixlora.text.tokenizer import Tokenizer
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__spec__.name)  # the module's name also when run with -m
 
 INLINE_PROMPT_CHARS = 16 * 1024  # longer prompts tokenize on the pool's threads
 TOKENIZE_THREADS = 2

@@ -37,7 +37,7 @@ from radixlora.worker.executor import StepExecutor
 from radixlora.worker.model_runner import ModelRunner
 from radixlora.worker.sizing import SIZED_FIELDS, available_host_bytes, with_host_tier
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__spec__.name)  # the module's name also when run with -m
 
 BEAT_POLL_MS = 250  # an idle worker's loop comes round this often to beat
 PREFETCH_S = 10.0  # start-up adapters read into the host tier before Ready, at most this long
