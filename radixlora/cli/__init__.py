@@ -228,6 +228,8 @@ def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], serv
         allowed_adapter_roots=args.allowed_adapter_root,
         tool_call_parser=args.tool_call_parser,
         max_logprob_entries=args.max_logprob_entries,
+        responses_store_bytes=args.responses_store_bytes,
+        responses_store_ttl_s=args.responses_store_ttl,
     )
 
 
@@ -326,6 +328,14 @@ def _serve_parser(sub) -> None:
                         "one request may return, over its prompts, samples and prompt and "
                         "output tokens (default: the context length x 21, one full context "
                         "with 20 top logprobs)")
+    p.add_argument("--responses-store-bytes", type=positive(int, allow_zero=True),
+                   default=256 << 20, metavar="BYTES",
+                   help="memory of the api process that stored /v1/responses may take (their "
+                        "JSON size; the least recently used go first; 0: store none)")
+    p.add_argument("--responses-store-ttl", type=positive(float), default=3600.0,
+                   metavar="SECONDS",
+                   help="how long a stored /v1/responses response can be read back or continued "
+                        "with previous_response_id")
     p.add_argument("--drain-timeout", type=positive(float, allow_zero=True), default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
     p.add_argument("--step-timeout", type=positive(float), default=600.0,

@@ -94,6 +94,9 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     # logprob entries (a token's logprob, or one of its top alternatives) one client request
     # may return; None: one full context with the most top logprobs (context x 21)
     max_logprob_entries: int | None = None
+    # stored /v1/responses (radixlora.server.http.response_store): JSON bytes, seconds
+    responses_store_bytes: int = 256 << 20
+    responses_store_ttl_s: float = 3600.0
     log_level: str = "info"
     log_requests: bool = False  # one INFO line per finished request (counts and times, no text)
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector URL: one span per request

@@ -19,6 +19,7 @@ from radixlora import __version__
 from radixlora.config import ModelConfig
 from radixlora.errors import InvalidRequestError
 from radixlora.protocol.openai import ChatRequest, CompletionRequest
+from radixlora.protocol.openai_responses import ResponsesRequest
 from radixlora.protocol.sglang import AbortRequest, GenerateRequest
 from radixlora.protocol.tools import detect_parser
 from radixlora.server.args import ServerArgs
@@ -42,6 +43,12 @@ from radixlora.server.http.common import (
 )
 from radixlora.server.http.metrics import Metrics
 from radixlora.server.http.openai_api import OpenAIHandlers
+from radixlora.server.http.response_store import ResponseStore
+from radixlora.server.http.responses_api import (
+    ResponsesHandlers,
+    delete_response,
+    stored_response,
+)
 from radixlora.server.http.sglang_api import SglangHandlers
 from radixlora.server.http.utility_api import UtilityHandlers
 from radixlora.text.chat import template_sources
@@ -105,6 +112,8 @@ class Api:
         self.openai = OpenAIHandlers(runtime, args.model_name, vocab_size,
                                      self.tool_parser["name"])
         self.sglang = SglangHandlers(runtime, args.model_name, vocab_size)
+        self.response_store = ResponseStore(args.responses_store_bytes, args.responses_store_ttl_s)
+        self.responses = ResponsesHandlers(runtime, self.openai, self.response_store)
         self.access = Access(args.api_key, args.admin_api_key, args.enable_admin)
         self.admin = AdminHandlers(args, runtime, self.access)
         self.max_model_len = args.engine_config().max_context(ModelConfig.from_dir(args.model))
@@ -133,6 +142,9 @@ class Api:
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/responses", self.create_response, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.get_response, methods=["GET"]),
+            Route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"]),
             Route("/generate", self.generate, methods=["POST"]),
             Route("/get_model_info", self.model_info, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
@@ -220,6 +232,25 @@ class Api:
         self.runtime.check_accepting()
         req = await read_json(request, ChatRequest, self.args.max_body_bytes)
         return await self.openai.chat(request, req, owner)
+
+    @guarded
+    async def create_response(self, request: Request) -> Response:
+        owner = self.access.identity(request)
+        self.runtime.check_accepting()
+        req = await read_json(request, ResponsesRequest, self.args.max_body_bytes)
+        return await self.responses.create(request, req, owner)
+
+    @guarded
+    async def get_response(self, request: Request) -> Response:
+        owner = self.access.identity(request)
+        return await stored_response(self.response_store, request.path_params["response_id"],
+                                     owner)
+
+    @guarded
+    async def delete_response(self, request: Request) -> Response:
+        owner = self.access.identity(request)
+        return await delete_response(self.response_store, request.path_params["response_id"],
+                                     owner)
 
     @guarded
     async def generate(self, request: Request) -> Response:

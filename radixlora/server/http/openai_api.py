@@ -78,11 +78,11 @@ class OpenAIHandlers:
         return reqs, batch_label(choices)
 
     async def completions(self, request: Request, req: CompletionRequest, owner: str):
-        head = response_head("cmpl", "text_completion", self._model(req))
+        head = response_head("cmpl", "text_completion", self.model_of(req))
         reqs, label = self.completion_reqs(req, head["id"])
         gens = self.runtime.submit(reqs, label, owner)
         if req.stream:
-            return await self._stream(request, gens, self._completion_chunks(gens, head, req))
+            return await self.stream(request, gens, self._completion_chunks(gens, head, req))
         await until_disconnect(request, self.runtime.collect(gens))
 
         def body() -> dict:
@@ -92,7 +92,7 @@ class OpenAIHandlers:
                 for p, gen in enumerate(gens)
                 for s in sorted(gen.samples.values(), key=lambda s: s.index)
             ]
-            return {**head, "choices": choices, "usage": _usage(gens, dropped=echo_only(req))}
+            return {**head, "choices": choices, "usage": usage_of(gens, dropped=echo_only(req))}
 
         return await fallback_response(body, gens)
 
@@ -112,7 +112,7 @@ class OpenAIHandlers:
                 if not (whole.logprobs or whole.text or whole.finish_reason):
                     continue
                 del echoing[index]
-            sample = whole if first else _as_sample(out)
+            sample = whole if first else as_sample(out)
             shown = Sample(out.index, finish_reason=sample.finish_reason and "length") if (
                 echo_only(req)) else sample
             text, logprobs = shown.text, None
@@ -131,12 +131,12 @@ class OpenAIHandlers:
             yield sse({**head, **fallback_fields(gens), "choices": [choice],
                        **obfuscation(req, text), **continuous_usage(req, gens)})
         if include_usage(req):
-            yield sse({**head, "choices": [], "usage": _usage(gens)})
+            yield sse({**head, "choices": [], "usage": usage_of(gens)})
         yield SSE_DONE
 
     # ---- /v1/chat/completions ----------------------------------------------------------------
 
-    def _model(self, req) -> str:
+    def model_of(self, req) -> str:
         """The response's model: the request's, or the base's name when it named none."""
         return self.model_name if req.model in ("", BASE_ALIAS) else req.model
 
@@ -167,21 +167,21 @@ class OpenAIHandlers:
         return gen, adapter_label(choices), tools
 
     async def chat(self, request: Request, req: ChatRequest, owner: str):
-        head = response_head("chatcmpl", "chat.completion", self._model(req))
+        head = response_head("chatcmpl", "chat.completion", self.model_of(req))
         gen_req, label, tools = self.chat_req(req, head["id"])
         gens = self.runtime.submit([gen_req], label, owner)
         if req.stream:
             head["object"] = "chat.completion.chunk"
-            return await self._stream(request, gens, self._chat_chunks(gens, head, req, tools))
+            return await self.stream(request, gens, self._chat_chunks(gens, head, req, tools))
         await until_disconnect(request, self.runtime.collect(gens))
 
         def body() -> dict:
             choices = []
             for s in sorted(gens[0].samples.values(), key=lambda s: s.index):
                 message, finish_reason = tools.message(s.text, s.finish_reason)
-                choices.append(chat_choice(s.index, message, _chat_logprobs(s) if req.logprobs
+                choices.append(chat_choice(s.index, message, sample_chat_logprobs(s) if req.logprobs
                                            else None, finish_reason))
-            out = {**head, "choices": choices, "usage": _usage(gens)}
+            out = {**head, "choices": choices, "usage": usage_of(gens)}
             if req.prompt_logprobs is not None:  # vLLM: one list for the request's one prompt
                 out["prompt_logprobs"] = vllm_prompt_logprobs(
                     next(iter(gens[0].samples.values())), req.prompt_logprobs)
@@ -204,22 +204,22 @@ class OpenAIHandlers:
                 content, delta, finish_reason = out.text, {}, out.finish_reason
             else:
                 texts[out.index] += out.text
-                content, delta, finish_reason = _tool_delta(tools, texts[out.index], sent,
+                content, delta, finish_reason = tool_delta(tools, texts[out.index], sent,
                                                             out)
             if content:
                 delta = {"content": content, **delta}
-            logprobs = _chat_logprobs(_as_sample(out)) if req.logprobs else None
+            logprobs = sample_chat_logprobs(as_sample(out)) if req.logprobs else None
             choice = {"index": out.index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}
             yield sse({**head, **fallback_fields(gens), "choices": [choice],
                        **obfuscation(req, content), **continuous_usage(req, gens)})
         if include_usage(req):
-            yield sse({**head, "choices": [], "usage": _usage(gens)})
+            yield sse({**head, "choices": [], "usage": usage_of(gens)})
         yield SSE_DONE
 
     # ---- shared ------------------------------------------------------------------------------
 
-    async def _stream(self, request: Request, gens: list[Generation], chunks):
+    async def stream(self, request: Request, gens: list[Generation], chunks):
         """Wait for the first chunk before answering 200, so that errors found by the tokenizer
         or scheduler (unknown adapter, context length) are still proper 4xx responses."""
         first = await until_disconnect(request, chunks.__anext__())
@@ -240,7 +240,7 @@ def continuous_usage(req, gens: list[Generation]) -> dict:
     """stream_options.continuous_usage_stats (vLLM): the usage so far in every chunk."""
     if req.stream_options is None or not req.stream_options.continuous_usage_stats:
         return {}
-    return {"usage": _usage(gens)}
+    return {"usage": usage_of(gens)}
 
 
 OBFUSCATION_CHARS = string.ascii_letters + string.digits
@@ -280,13 +280,13 @@ async def fallback_response(body: Callable[[], dict], gens: list[Generation]):
     return await json_answer(lambda: {**body(), **fields}, gens, headers)
 
 
-def _as_sample(out: SampleOutput) -> Sample:
+def as_sample(out: SampleOutput) -> Sample:
     sample = Sample(out.index)
     sample.add(out, [])
     return sample
 
 
-def _tool_delta(tools: ToolChoice, text: str, sent: dict[int, int], out: SampleOutput
+def tool_delta(tools: ToolChoice, text: str, sent: dict[int, int], out: SampleOutput
                 ) -> tuple[str, dict, str | None]:
     """(content, delta, finish_reason) of a chunk of a request with tools: the text that is
     surely content (ToolChoice.streamable) as it comes, and when the sample ends the rest of
@@ -350,7 +350,7 @@ def _echo_logprobs(s: Sample, out: Sample, k: int) -> dict:
     return logprobs
 
 
-def _usage(gens: list[Generation], dropped: bool = False) -> dict:
+def usage_of(gens: list[Generation], dropped: bool = False) -> dict:
     """dropped: each sample's sampled token was dropped (echo with max_tokens 0)."""
     completion = 0 if dropped else sum(len(s.token_ids) for g in gens for s in g.samples.values())
     return usage(
@@ -366,5 +366,5 @@ def _completion_logprobs(s: Sample, offset: int = 0) -> dict:
     return completion_logprobs(s.token_texts, s.logprobs, _top(s), offset)
 
 
-def _chat_logprobs(s: Sample) -> dict:
+def sample_chat_logprobs(s: Sample) -> dict:
     return chat_logprobs(s.token_texts, s.logprobs, _top(s))
