@@ -31,6 +31,20 @@ GROUP_OF = {m: g for g, mods in MODULE_GROUPS.items() for m in mods}
 FUSED_MODULES: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                                              "gate_up_proj": ("gate_proj", "up_proj")}
 ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
+ALL_TARGETS = ("all", "all-linear")  # --lora-target-modules' spellings of every module
+
+
+def target_groups(modules) -> tuple[str, ...]:
+    """The module groups of target module names (PEFT's, fused ones included), in
+    MODULE_GROUPS order; None or "all" / "all-linear": every group."""
+    if modules is None or any(m in ALL_TARGETS for m in modules):
+        return tuple(MODULE_GROUPS)
+    unknown = sorted(set(modules) - GROUP_OF.keys() - FUSED_MODULES.keys())
+    if unknown:
+        raise ValueError(f"lora_target_modules: unknown modules {unknown}; known: "
+                         f"{[*LORA_MODULES, *FUSED_MODULES, *ALL_TARGETS]}")
+    groups = {GROUP_OF[m] for name in modules for m in FUSED_MODULES.get(name, (name,))}
+    return tuple(g for g in MODULE_GROUPS if g in groups)
 
 
 @dataclass(frozen=True)
@@ -329,6 +343,11 @@ class EngineConfig:
     max_rank: int = 64
     max_stacked: int = 8
     max_adapter_sets_per_batch: int | None = None  # None: as many as the pool's rows hold
+    # the modules whose groups get the adapter pool's `adapter_rows` rows (SGLang's
+    # --lora-target-modules); the other groups get `max_rank + 1` rows, one adapter of any rank
+    # at a time (group_rows). None: every module (once sized: inferred from the adapters given
+    # at start, radixlora.worker.sizing.with_lora_targets)
+    lora_target_modules: tuple[str, ...] | None = None
     lora_backend: str = "auto"
     lora_dtype: str = "auto"  # adapter pool storage: "auto" (the model's dtype) or "int8"
     # quantize a dense base at load: "nf4" (bitsandbytes'), "fp8" (e4m3, a scale per channel)
@@ -367,6 +386,9 @@ class EngineConfig:
                              f"{self.grammar_compile_timeout}")
         if self.host_adapter_bytes is not None and self.host_adapter_bytes < 0:
             raise ValueError(f"host_adapter_bytes must be >= 0, got {self.host_adapter_bytes}")
+        if self.lora_target_modules is not None:  # a list, from JSON, becomes a tuple
+            object.__setattr__(self, "lora_target_modules", tuple(self.lora_target_modules))
+            target_groups(self.lora_target_modules)
         for name in ("kv_pages", "adapter_rows", "max_running", "max_batch_tokens",
                      "context_length", "max_loras", "max_rank", "max_stacked", "page_size",
                      "max_adapter_sets_per_batch", "grammar_compile_memory_mb"):
@@ -398,6 +420,14 @@ class EngineConfig:
         if name not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or auto, got {name!r}")
         return DTYPES[name]
+
+    def group_rows(self) -> dict[str, int]:
+        """Rows of each module group's adapter pool (sized): `adapter_rows` for the target
+        modules' groups, `max_rank + 1` (at most `adapter_rows`) for the others, so that an
+        adapter of any rank, DoRA's magnitude row included, still fits."""
+        targets = target_groups(self.lora_target_modules)
+        floor = min(self.adapter_rows, self.max_rank + 1)
+        return {g: self.adapter_rows if g in targets else floor for g in MODULE_GROUPS}
 
     def lora_pool_dtype(self, model: ModelConfig) -> torch.dtype:
         """The adapter pool's storage dtype: int8 (rows dequantized in the LoRA kernels) or

@@ -67,7 +67,8 @@ def dora_twin(adapter: LoraAdapter, norms: dict, seed: int) -> LoraAdapter:
 
 def write_ms(engine, adapters: list[LoraAdapter]) -> float:
     pool = engine.runner.adapter_pool
-    rows = np.arange(pool.num_rows - adapters[0].pool_rows, pool.num_rows, dtype=np.int32)
+    n = min(pool.group_rows.values())
+    rows = np.arange(n - adapters[0].pool_rows, n, dtype=np.int32)
     times = []
     for adapter in adapters[:16]:
         packed = pool.packed(adapter)

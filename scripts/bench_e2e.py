@@ -162,6 +162,7 @@ TINY = Scale(b_in=16, b_out=8, b_repeats=5, c_requests=8, c_adapters=4, c_rank=8
              s_scale=0.05)
 D_RANKS = (8, 16, 32, 64)
 S_RANK, S_MODULES = 8, ("q_proj", "k_proj", "v_proj", "o_proj")
+S_DISTINCT_WEIGHTS = 1000  # q adapters beyond this share weights (weight_twin)
 
 
 # ---- the floor ------------------------------------------------------------------------------
@@ -358,7 +359,7 @@ def write_adapter(path: Path, cfg: dict, rank: int, seed: int, device: str = "cp
     return path
 
 
-def adapter_plan(workloads: set[str], scale: Scale, s_adapters: int = 0) -> dict[str, int]:
+def adapter_plan(workloads: set[str], scale: Scale, s_adapters=()) -> dict[str, int]:
     """Adapter name -> rank of the adapters the chosen workloads use."""
     plan = {}
     if workloads & {"b", "c"}:
@@ -367,8 +368,32 @@ def adapter_plan(workloads: set[str], scale: Scale, s_adapters: int = 0) -> dict
     if workloads & {"d", "e"}:
         plan.update({f"z{i}": D_RANKS[i % len(D_RANKS)] for i in range(scale.d_adapters)})
     if "s" in workloads:
-        plan.update({f"q{i}": S_RANK for i in range(s_adapters)})
+        plan.update({f"q{i}": S_RANK for i in range(max(s_adapters, default=0))})
     return plan
+
+
+def adapter_order(name: str) -> tuple[str, int]:
+    """q2 before q10: a weight twin (weight_twin) is written before the adapters that share it."""
+    return name[0], int(name[1:])
+
+
+def weight_twin(name: str) -> str | None:
+    """s's q{i} beyond the first S_DISTINCT_WEIGHTS share the weights of q{i mod that} (one
+    file on disk, hard-linked), under a config of their own, so each is a distinct adapter
+    (its own content hash, loads and pool rows) without 13.6 GB of disk per thousand."""
+    if name.startswith("q") and int(name[1:]) >= S_DISTINCT_WEIGHTS:
+        return f"q{int(name[1:]) % S_DISTINCT_WEIGHTS}"
+    return None
+
+
+def relabel_adapter(source: Path, path: Path, name: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    target = path / "adapter_model.safetensors"
+    target.unlink(missing_ok=True)
+    os.link(source / "adapter_model.safetensors", target)
+    config = json.loads((source / "adapter_config.json").read_text())
+    config["revision"] = name  # a key PEFT writes and serving ignores: a new content hash
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 
 def adapter_modules(name: str) -> tuple[str, ...]:
@@ -398,14 +423,19 @@ def prepare_files(work: Path, tiny: bool, plan: dict[str, int], device: str, dor
         log(f"reusing the checkpoint in {model}")
     cfg = json.loads((model / "config.json").read_text())
     adapters = {}
-    for i, (name, rank) in enumerate(sorted(plan.items())):
+    root = work / ("tiny-adapters" if tiny else f"adapters-{model_shape}")
+    s_root = work / ("tiny-s-adapters" if tiny else f"s-adapters-{model_shape}")
+    for i, (name, rank) in enumerate(sorted(plan.items(), key=lambda kv: adapter_order(kv[0]))):
         as_dora = dora and name.startswith("z")
-        path = (work / ("tiny-adapters" if tiny else f"adapters-{model_shape}")
-                / f"{name}-r{rank}{'-dora' if as_dora else ''}")
-        if not (path / MARKER).is_file():
+        path = (s_root / name if name.startswith("q")
+                else root / f"{name}-r{rank}{'-dora' if as_dora else ''}")
+        twin = weight_twin(name)
+        if not (path / MARKER).is_file() and twin is not None:
+            relabel_adapter(adapters[twin], path, name)
+        elif not (path / MARKER).is_file():
             write_adapter(path, cfg, rank, seed=1000 + i, device=device, base_path=str(model),
                           modules=adapter_modules(name), dora=as_dora)
-            (path / MARKER).write_text("{}")
+        (path / MARKER).write_text("{}")
         adapters[name] = path
     log(f"{len(adapters)} adapters ready under {work}")
     return model, cfg, adapters
@@ -428,7 +458,11 @@ class Server:
                     "--port", str(port), "--enable-admin"]
         self.admin_key = secrets.token_hex(16)
         for name, path in adapters.items():
-            self.cmd += ["--adapter", f"{name}={path}"]
+            if not name.startswith("q"):
+                self.cmd += ["--adapter", f"{name}={path}"]
+        s_dirs = {path.parent for name, path in adapters.items() if name.startswith("q")}
+        for root in s_dirs:  # s's adapters, as a fleet is served: a watched directory
+            self.cmd += ["--adapter-dir", str(root)]
         self.cmd += extra
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
@@ -828,6 +862,47 @@ def step_totals(url: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def wait_validated(url: str, timeout_s: float = 1800.0) -> None:
+    """Until /v1/models lists no adapter still `validating` (--adapter-dir validates what it
+    listed at start in the background): the bursts measure serving, not first validation."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout_s:
+        cards = httpx.get(url + "/v1/models", timeout=60).json()["data"]
+        waiting = sum(c.get("status") == "validating" for c in cards)
+        if not waiting:
+            log(f"s: {len(cards) - 1} adapters validated "
+                f"({time.perf_counter() - started:.0f} s waited)")
+            return
+        time.sleep(2.0)
+    raise RuntimeError(f"adapters still validating after {timeout_s:.0f} s")
+
+
+POOL_SERIES = {"resident": "radixlora_resident_adapters",
+               "loads": "radixlora_adapter_loads_total",
+               "evictions": "radixlora_adapter_evictions_total"}
+
+
+def pool_counts(url: str) -> dict[str, float]:
+    """The adapter pool's residents now and its cumulative loads and evictions, from /metrics."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out = {}
+    for field, series in POOL_SERIES.items():
+        found = re.search(rf"^{series} (\S+)$", text, re.M)
+        out[field] = float(found.group(1)) if found else None
+    return out
+
+
+def pool_delta(before: dict, after: dict, steps: dict) -> dict:
+    """What a run did to the pool (resident at its end; loads and evictions during it) and its
+    mean running batch (requests per step over every kind of step)."""
+    n = sum(k["steps"] for k in steps.values())
+    requests = sum((k["mean_requests"] or 0) * k["steps"] for k in steps.values())
+    return {"resident": after["resident"],
+            **{f: after[f] - before[f] if None not in (after[f], before[f]) else None
+               for f in ("loads", "evictions")},
+            "mean_running": requests / n if n else None}
+
+
 def step_breakdown(before: dict, after: dict) -> dict[str, dict]:
     """Per kind of step, what a run added: steps, mean ms (time held in the pipeline), mean
     planning ms, mean requests and tokens per step."""
@@ -855,24 +930,25 @@ def sharegpt_specs(ctx, adapters: list[str], seed: int) -> list:
     return specs
 
 
-def workload_s(ctx, num_adapters: int) -> dict:
-    """The burst on the base model, then over the q adapters; a step breakdown after each."""
+def workload_s(ctx, counts: list[int]) -> dict:
+    """The burst on the base model, then over the first N q adapters for each N of `counts`;
+    after each, the step breakdown and the adapter pool's residents, loads and evictions."""
     warm = sharegpt_specs(ctx, [], seed=400)[:32]
     drive(ctx.url, [0.0] * len(warm), warm)
     out = {}
-    runs = [("base", [])] + ([(f"{num_adapters} adapters", [f"q{i}" for i in
-                                                           range(num_adapters)])]
-                             if num_adapters else [])
+    runs = [("base", [])] + [(f"{n} adapters", [f"q{i}" for i in range(n)]) for n in counts]
+    wait_validated(ctx.url)
     for name, adapters in runs:
         specs = sharegpt_specs(ctx, adapters, seed=401)
         log(f"s: {len(specs)} requests at once, {name}")
-        before = step_totals(ctx.url)
+        before, pool_before = step_totals(ctx.url), pool_counts(ctx.url)
         run = drive_processes(ctx.url, specs, ctx.client_processes, ctx.work)
         if run["output_tokens"] != sum(sp.max_tokens for sp in specs) and not run["failed"]:
             raise RuntimeError(f"s {name}: {run['output_tokens']} output tokens, expected "
                                f"{sum(sp.max_tokens for sp in specs)} (ignore_eos)")
         out[name] = with_floor(run, specs, ctx.ranks, ctx)
         out[name]["steps"] = step_breakdown(before, step_totals(ctx.url))
+        out[name]["pool"] = pool_delta(pool_before, pool_counts(ctx.url), out[name]["steps"])
         out[name]["mean_prompt"] = statistics.fmean(len(sp.prompt) for sp in specs)
         out[name]["mean_output"] = statistics.fmean(sp.max_tokens for sp in specs)
     return out
@@ -938,6 +1014,13 @@ def rows(results: dict) -> list[tuple[str, str]]:
         if "engine_tok_s" in r:
             out += [(f"s {name}: Engine tok/s; HTTP / Engine",
                      f"{fmt(r['engine_tok_s'])}; {fmt(r['http_over_engine'])}")]
+        pool = r.get("pool") or {}
+        out += [(f"s {name}: adapters resident, loads, evictions; mean running batch",
+                 f"{fmt(pool.get('resident'))}, {fmt(pool.get('loads'))}, "
+                 f"{fmt(pool.get('evictions'))}; {fmt(pool.get('mean_running'))}")]
+        if name != "base" and "base" in results["s"]:
+            out += [(f"s {name}: tok/s against base", fmt(
+                r["output_token_throughput"] / results["s"]["base"]["output_token_throughput"]))]
         steps = sum(k["steps"] for k in r["steps"].values())
         if steps and r["itl_ms"]["p50"] is not None:
             step_ms = 1e3 * sum(k["seconds"] for k in r["steps"].values()) / steps
@@ -1007,6 +1090,16 @@ def add_server_args(p: argparse.ArgumentParser, tiny_help: str) -> None:
                    help="where random weights are drawn (auto: cuda if available)")
 
 
+def counts(value: str) -> list[int]:
+    try:
+        out = [int(v) for v in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N[,N...], got {value!r}") from None
+    if any(n < 1 for n in out):
+        raise argparse.ArgumentTypeError("adapter counts must be >= 1")
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workloads", default=",".join(ALL_WORKLOADS),
@@ -1021,8 +1114,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="c, s: no in-process Engine runs")
     p.add_argument("--client-processes", type=int, default=8,
                    help="s: client processes sending the burst (each its own event loop)")
-    p.add_argument("--s-adapters", type=int, default=None,
-                   help="s: rank-8 q/k/v/o adapters of the second run (default 100; --tiny 4)")
+    p.add_argument("--s-adapters", type=counts, default=None, metavar="N[,N...]",
+                   help="s: a run over the first N rank-8 q/k/v/o adapters for each N, after "
+                        "the base run (default 100; --tiny 4), e.g. 100,1000,5000")
     p.add_argument("--d-json", action="store_true",
                    help="d: also run the fixed requests with a JSON schema on each (structured "
                         "output) and report their output tok/s over the unconstrained run's")
@@ -1033,7 +1127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "request rate, measured first when d is not run)")
     args = p.parse_args(argv)
     if args.s_adapters is None:
-        args.s_adapters = 4 if args.tiny else 100
+        args.s_adapters = [4 if args.tiny else 100]
     args.workload_set = set(args.workloads.split(","))
     unknown = args.workload_set - set(ALL_WORKLOADS)
     if unknown:

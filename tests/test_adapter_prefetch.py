@@ -454,7 +454,7 @@ class PrefetchMachine(RuleBasedStateMachine):
     def rows_are_accounted(self):
         residency = self.sched.residency
         owned = [int(r) for e in residency.resident.values() for r in e.rows]
-        free = residency.rows._free
+        free = residency.rows.free_rows()
         assert len(owned) == len(set(owned)) and set(owned).isdisjoint(free)
         assert len(owned) + len(free) == residency.rows.num_rows == len(set(owned) | set(free))
 

@@ -16,7 +16,7 @@ import torch
 
 from radixlora import Engine, SamplingParams
 from radixlora.config import MODULE_GROUPS, EngineConfig
-from radixlora.lora.layout import bytes_per_row, load_bytes
+from radixlora.lora.layout import bytes_per_row, group_row_bytes, load_bytes
 from radixlora.sched.adapter_registry import parse_spec
 from radixlora.sched.request import uses_adapter
 from radixlora.worker.sizing import DeviceMemory, size_pools
@@ -172,17 +172,18 @@ def test_equal_pool_bytes_hold_twice_the_adapters():
     assert bf16 == 32 * 2 * 81920 and int8 == 32 * (81920 + 7 * 4)
     config = EngineConfig(max_running=256, max_batch_tokens=8192, host_adapter_bytes=0)
     memory = DeviceMemory(total=140 << 30, free=120 << 30)
-    sized = {dtype: size_pools(config, memory, weights_bytes=16 << 30, activation_bytes=2 << 30,
+    sized = {name: size_pools(config, memory, weights_bytes=16 << 30, activation_bytes=2 << 30,
                                graph_bytes=1 << 30, kv_slot_bytes=131072,
-                               adapter_row_bytes=row)[1]
-             for dtype, row in (("bf16", bf16), ("int8", int8))}
+                               group_row_bytes=group_row_bytes(LLAMA_8B, dtype))[1]
+             for name, dtype in (("bf16", torch.bfloat16), ("int8", torch.int8))}
     assert sized["bf16"].adapter_rows == sized["int8"].adapter_rows == 32 * 64
     saved = sized["bf16"].adapter_bytes - sized["int8"].adapter_bytes
     assert sized["int8"].kv_tokens - sized["bf16"].kv_tokens == saved // 131072
     same_bytes = dataclasses.replace(config, adapter_rows=sized["bf16"].adapter_bytes // int8)
     _, int8_sized = size_pools(same_bytes, memory, weights_bytes=16 << 30,
                                activation_bytes=2 << 30, graph_bytes=1 << 30,
-                               kv_slot_bytes=131072, adapter_row_bytes=int8)
+                               kv_slot_bytes=131072,
+                               group_row_bytes=group_row_bytes(LLAMA_8B, torch.int8))
     assert int8_sized.adapter_bytes <= sized["bf16"].adapter_bytes
     assert (sized["bf16"].adapters_of_rank(64), int8_sized.adapters_of_rank(64)) == (32, 63)
     assert (sized["bf16"].adapters_of_rank(16), int8_sized.adapters_of_rank(16)) == (128, 255)

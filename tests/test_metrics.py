@@ -116,12 +116,14 @@ def test_step_totals_become_counters_by_kind():
 
 def test_resident_memory_per_adapter_follows_the_pool():
     metrics = Metrics()
-    metrics.on_stats(stats(registered=["upper", "reverse"], row_bytes=100,
-                           resident_rows={"upper": 8, "reverse": 4, "gone": 2, "gone2": 1}))
+    metrics.on_stats(stats(registered=["upper", "reverse"],
+                           resident_rows={"upper": 8, "reverse": 4, "gone": 2, "gone2": 1},
+                           resident_adapter_bytes={"upper": 800, "reverse": 400, "gone": 200,
+                                                   "gone2": 100}))
     assert value(metrics, "radixlora_adapter_resident_rows", adapter="upper") == 8
     assert value(metrics, "radixlora_adapter_resident_bytes", adapter="reverse") == 400
     assert value(metrics, "radixlora_adapter_resident_rows", adapter="other") == 3
-    metrics.on_stats(stats(row_bytes=100, resident_rows={"reverse": 4}))
+    metrics.on_stats(stats(resident_rows={"reverse": 4}, resident_adapter_bytes={"reverse": 400}))
     rows = {labels["adapter"] for name, labels, _ in samples(metrics)
             if name == "radixlora_adapter_resident_rows"}
     assert rows == {"reverse"}

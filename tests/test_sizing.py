@@ -15,7 +15,7 @@ from radixlora import Engine
 from radixlora.cli.flags import add_engine_flags, engine_overrides
 from radixlora.config import EngineConfig, ModelConfig
 from radixlora.errors import SizingError
-from radixlora.lora.layout import bytes_per_row
+from radixlora.lora.layout import bytes_per_row, group_row_bytes
 from radixlora.worker.cuda_graph import StaticInputs, graph_keys, graph_reserve
 from radixlora.worker.kv_pool import KVPool
 from radixlora.worker.model_runner import profile_plan, warm_up_plans
@@ -49,7 +49,7 @@ def size_8b(config: EngineConfig, total: int = H200, in_use: int = WEIGHTS_8B + 
         config, DeviceMemory(total, total - in_use), weights_bytes=WEIGHTS_8B,
         activation_bytes=activations, graph_bytes=graphs,
         kv_slot_bytes=KVPool.bytes_per_slot(32, 8, 128, torch.bfloat16),
-        adapter_row_bytes=bytes_per_row(LLAMA_8B, torch.bfloat16),
+        group_row_bytes=group_row_bytes(LLAMA_8B, torch.bfloat16),
     )
 
 

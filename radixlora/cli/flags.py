@@ -120,6 +120,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-cpu-loras", type=positive(int), default=None, metavar="N",
                    help="size the host tier to hold N adapters of --max-lora-rank on every "
                         "target module (sets --host-adapter-bytes; default: see that flag)")
+    p.add_argument("--lora-target-modules", dest="lora_target_modules", nargs="+",
+                   default=None, metavar="MODULE",
+                   help="the modules the adapter pool is sized for (SGLang's flag): their "
+                        "groups get the pool's rows, the other modules room for one adapter "
+                        "of --max-lora-rank at a time (default: the modules of the adapters "
+                        "given at start, else all)")
     p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_false",
                    default=None, help="fold each step's results in before planning the next "
                                       "(default: overlap on)")
@@ -144,7 +150,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 def engine_overrides(args: argparse.Namespace) -> dict:
     fields = (*ENGINE_FLAGS, "overlap_schedule", "cuda_graph", "enable_radix_cache",
-              "compile_cache_dir")
+              "compile_cache_dir", "lora_target_modules")
     out = {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
     if "dtype" in out:
         out["dtype"] = DTYPE_ALIASES.get(out["dtype"], out["dtype"])

@@ -161,10 +161,15 @@ def pool_layouts(cfg: ModelConfig, dtype: torch.dtype, tp_size: int) -> tuple[Po
     return tuple(PoolLayout(shard.local, dtype, shard) for shard in shards)
 
 
-def bytes_per_row(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Device bytes of one rank row on every module group of every layer (int8: with its
-    scales)."""
-    return load_bytes(cfg, dtype, dict.fromkeys(MODULE_GROUPS, 1))
+def bytes_per_row(cfg: ModelConfig, dtype: torch.dtype, groups=tuple(MODULE_GROUPS)) -> int:
+    """Device bytes of one rank row on these module groups (default every one) of every layer
+    (int8: with its scales)."""
+    return load_bytes(cfg, dtype, dict.fromkeys(groups, 1))
+
+
+def group_row_bytes(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
+    """bytes_per_row of each module group alone."""
+    return {g: bytes_per_row(cfg, dtype, (g,)) for g in MODULE_GROUPS}
 
 
 def load_bytes(cfg: ModelConfig, dtype: torch.dtype, group_ranks: Mapping[str, int],

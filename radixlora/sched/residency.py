@@ -16,20 +16,38 @@ from radixlora.lora.adapter import LoraAdapter
 
 
 class RowAllocator:
-    def __init__(self, num_rows: int):
+    """Free pool rows in two zones: rows below `low` exist in every module group's pool, the
+    others only in the target groups' (EngineConfig.group_rows). alloc(n, low_only=False)
+    takes the high rows first, so the low ones stay for the adapters that can use no other."""
+
+    def __init__(self, num_rows: int, low: int | None = None):
         self.num_rows = num_rows
-        self._free = list(range(num_rows - 1, -1, -1))
+        self.low = num_rows if low is None else low
+        self._free_low = list(range(self.low - 1, -1, -1))
+        self._free_high = list(range(num_rows - 1, self.low - 1, -1))
 
-    def num_free(self) -> int:
-        return len(self._free)
+    def num_free(self, low_only: bool = False) -> int:
+        return len(self._free_low) + (0 if low_only else len(self._free_high))
 
-    def alloc(self, n: int) -> np.ndarray:
-        if n > len(self._free):
-            raise MemoryError(f"adapter pool exhausted: need {n} rows, {len(self._free)} free")
-        return np.array([self._free.pop() for _ in range(n)], dtype=np.int32)
+    def free_rows(self) -> list[int]:
+        return self._free_low + self._free_high
+
+    def num_low(self, rows: np.ndarray) -> int:
+        return int((rows < self.low).sum())
+
+    def alloc(self, n: int, low_only: bool = False) -> np.ndarray:
+        if n > self.num_free(low_only):
+            zone = f" below row {self.low}" if low_only else ""
+            raise MemoryError(f"adapter pool exhausted: need {n} rows{zone}, "
+                              f"{self.num_free(low_only)} free")
+        high = [] if low_only else self._free_high
+        rows = [high.pop() for _ in range(min(n, len(high)))]
+        rows += [self._free_low.pop() for _ in range(n - len(rows))]
+        return np.array(rows, dtype=np.int32)
 
     def free(self, rows: np.ndarray) -> None:
-        self._free.extend(int(r) for r in rows)
+        for r in rows:
+            (self._free_low if r < self.low else self._free_high).append(int(r))
 
 
 @dataclass
@@ -51,8 +69,14 @@ class AdapterResidency:
     adapters (held by running or just scheduled requests) and pinned ones are never evicted.
     A prefetched adapter is resident with no reference until a request acquires it."""
 
-    def __init__(self, num_rows: int):
-        self.rows = RowAllocator(num_rows)
+    def __init__(self, group_rows: int | Mapping[str, int]):
+        """group_rows: the rows of each module group's pool (EngineConfig.group_rows), or one
+        count for all."""
+        if isinstance(group_rows, int):
+            group_rows = {"": group_rows}
+        self.rows_per_group = dict(group_rows)
+        counts = self.rows_per_group.values()
+        self.rows = RowAllocator(max(counts), min(counts))
         self.resident: OrderedDict[str, ResidentAdapter] = OrderedDict()
         self.pinned: set[str] = set()  # adapter ids never evicted while resident
         self.num_evictions = 0
@@ -85,13 +109,33 @@ class AdapterResidency:
         """The pool row of a resident DoRA adapter's magnitude scales: its last row."""
         return int(self.resident[adapter_id].rows[-1])
 
+    def low_only(self, adapter: LoraAdapter) -> bool:
+        """Whether the adapter adapts a group that has only the low rows."""
+        return any(self.rows_per_group.get(g, self.rows.num_rows) <= self.rows.low
+                   for g in adapter.group_ranks) and self.rows.low < self.rows.num_rows
+
+    def oversized(self, adapters: list[LoraAdapter]) -> str | None:
+        """Why these adapters can never be resident together, or None."""
+        total = sum(a.pool_rows for a in adapters)
+        low = sum(a.pool_rows for a in adapters if self.low_only(a))
+        if total > self.rows.num_rows:
+            return (f"the adapter set needs {total} pool rows, the adapter pool holds "
+                    f"{self.rows.num_rows}")
+        if low > self.rows.low:
+            return (f"the adapter set needs {low} pool rows on modules the pool holds "
+                    f"{self.rows.low} rows of (start with --lora-target-modules naming them)")
+        return None
+
     def can_acquire(self, adapters: list[LoraAdapter]) -> bool:
-        missing = sum(a.pool_rows for a in adapters if a.adapter_id not in self.resident)
-        if missing <= self.rows.num_free():
+        missing = [a for a in adapters if a.adapter_id not in self.resident]
+        need = sum(a.pool_rows for a in missing)
+        need_low = sum(a.pool_rows for a in missing if self.low_only(a))
+        if need <= self.rows.num_free() and need_low <= self.rows.num_free(low_only=True):
             return True
-        protected = {a.adapter_id for a in adapters}
-        reclaimable = sum(len(self.resident[k].rows) for k in self._idle(protected))
-        return missing <= self.rows.num_free() + reclaimable
+        idle = [self.resident[k].rows for k in self._idle({a.adapter_id for a in adapters})]
+        return (need <= self.rows.num_free() + sum(len(rows) for rows in idle)
+                and need_low <= self.rows.num_free(low_only=True)
+                + sum(self.rows.num_low(rows) for rows in idle))
 
     def acquire(self, adapters: list[LoraAdapter],
                 needs: Mapping[str, int] | None = None) -> list[tuple[LoraAdapter, np.ndarray]]:
@@ -99,11 +143,12 @@ class AdapterResidency:
         Call only after can_acquire() said yes."""
         loads = []
         protected = {a.adapter_id for a in adapters}
-        for adapter in adapters:
+        # those that need low rows first: the others would take low rows only when no high
+        # row is left
+        for adapter in sorted(adapters, key=lambda a: not self.low_only(a)):
             entry = self.resident.get(adapter.adapter_id)
             if entry is None:
-                if self.rows.num_free() < adapter.pool_rows:
-                    self._reclaim(adapter.pool_rows, self._victims(protected, needs or {}))
+                self._reclaim(adapter, self._victims(protected, needs or {}))
                 entry = self._place(adapter)
                 loads.append((adapter, entry.rows))
             entry.refs += 1
@@ -115,17 +160,22 @@ class AdapterResidency:
         """Make a non-resident adapter resident with no reference, ahead of the queued request
         at `position` that needs it: its rows are free rows or rows of adapters that no queued
         request at or before `position` needs. Returns the rows to load, None if too few."""
-        if self.rows.num_free() < adapter.pool_rows:
+        low_only = self.low_only(adapter)
+        if self.rows.num_free(low_only) < adapter.pool_rows:
             victims = [k for k in self._victims({adapter.adapter_id}, needs)
                        if needs.get(k, position + 1) > position]
-            reclaimable = sum(len(self.resident[k].rows) for k in victims)
-            if adapter.pool_rows > self.rows.num_free() + reclaimable:
+            if adapter.pool_rows > self.rows.num_free(low_only) + sum(
+                    self._usable(self.resident[k].rows, low_only) for k in victims):
                 return None
-            self._reclaim(adapter.pool_rows, victims)
+            self._reclaim(adapter, victims)
         return self._place(adapter).rows
 
+    def _usable(self, rows: np.ndarray, low_only: bool) -> int:
+        return self.rows.num_low(rows) if low_only else len(rows)
+
     def _place(self, adapter: LoraAdapter) -> ResidentAdapter:
-        entry = ResidentAdapter(adapter, self.rows.alloc(adapter.pool_rows),
+        entry = ResidentAdapter(adapter, self.rows.alloc(adapter.pool_rows,
+                                                         self.low_only(adapter)),
                                 pinned=adapter.adapter_id in self.pinned)
         self.resident[adapter.adapter_id] = entry
         return entry
@@ -163,11 +213,15 @@ class AdapterResidency:
         """Evictable adapters in eviction order (see the class docstring)."""
         return sorted(self._idle(protected), key=lambda k: (k in needs, -needs.get(k, 0)))
 
-    def _reclaim(self, need: int, victims: list[str]) -> None:
+    def _reclaim(self, adapter: LoraAdapter, victims: list[str]) -> None:
+        """Evict victims, in order, until the adapter's rows are free; with low_only, only
+        victims holding low rows."""
+        low_only = self.low_only(adapter)
         for adapter_id in victims:
-            if self.rows.num_free() >= need:
+            if self.rows.num_free(low_only) >= adapter.pool_rows:
                 return
-            self.evict(adapter_id)
+            if self._usable(self.resident[adapter_id].rows, low_only):
+                self.evict(adapter_id)
 
 
 class ReaderView:

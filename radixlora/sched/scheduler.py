@@ -147,7 +147,7 @@ class Scheduler:
         self.config = config
         self.max_context = max_context
         self.kv = KVAllocator(config.kv_pages, config.page_size)
-        self.residency = AdapterResidency(config.adapter_rows)
+        self.residency = AdapterResidency(config.group_rows())
         self.tree = RadixCache(config.page_size) if config.enable_radix_cache else None
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -187,13 +187,9 @@ class Scheduler:
                 param="max_tokens",
                 code="kv_pool_exceeded",
             )
-        rank = sum(a.pool_rows for a in req.adapter_set.adapters)
-        if rank > self.residency.rows.num_rows:
-            raise InvalidRequestError(
-                f"the adapter set needs {rank} pool rows, the adapter pool holds "
-                f"{self.residency.rows.num_rows}",
-                param="adapters",
-            )
+        oversized = self.residency.oversized(req.adapter_set.adapters)
+        if oversized is not None:
+            raise InvalidRequestError(oversized, param="adapters")
 
     def add(self, req: Req) -> None:
         self.check_admissible(req)

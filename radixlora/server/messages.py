@@ -257,7 +257,8 @@ class SchedulerStats(Message):
     running_per_adapter: dict[str, Count] = {}  # adapter name -> its running requests
     waiting_per_adapter: dict[str, Count] = {}  # and its waiting ones
     resident_rows: dict[str, Count] = {}  # adapter name -> device pool rows it holds
-    row_bytes: Count = 0  # device pool bytes of one row
+    # adapter name -> device pool bytes its rows hold in the groups it adapts
+    resident_adapter_bytes: dict[str, Count] = {}
     registered: list[str] | None = None  # served adapter names; None: as in the previous stats
     step_totals: dict[str, StepTotals] = {}  # "decode" / "mixed" -> cumulative (StepLoop)
 

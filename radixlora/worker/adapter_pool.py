@@ -1,7 +1,9 @@
 """Paged adapter memory (S-LoRA style). For each (layer, module group) the worker holds
   a_pool [n_slices, num_rows, in_dim] and b_pool [num_rows, out_total];
 an adapter of rank r takes r rank rows from a free list shared by all layers, so any mix of ranks
-fits without padding to a max rank and loads/unloads never fragment memory. The scheduler owns
+fits without padding to a max rank and loads/unloads never fragment memory. The groups the pool
+is sized for (EngineConfig.lora_target_modules) have every row; the others have the first
+max_rank + 1, which only adapters on them are given (radixlora.sched.residency). The scheduler owns
 the row bookkeeping (radixlora.sched.residency); the worker owns the tensors (AdapterPool, here)
 and a step's forward context (radixlora.worker.lora_context).
 
@@ -63,13 +65,16 @@ class AdapterPool:
     a prefetch copy that no recorded event covers yet (`_uncovered`). Their rows obey the
     invariant above: free rows or rows of evicted adapters."""
 
-    def __init__(self, cfg: ModelConfig, num_rows: int, dtype: torch.dtype, device,
-                 host_bytes: int = 2 << 30, shard: Shard | None = None):
-        """cfg: the shape of this rank's modules; dtype: the storage dtype, the model's or
-        torch.int8; shard: under tensor parallel, the rank whose slice of each adapter this pool
-        holds (packing slices)."""
+    def __init__(self, cfg: ModelConfig, num_rows: int | Mapping[str, int], dtype: torch.dtype,
+                 device, host_bytes: int = 2 << 30, shard: Shard | None = None):
+        """cfg: the shape of this rank's modules; num_rows: of every module group, or of each
+        (EngineConfig.group_rows); dtype: the storage dtype, the model's or torch.int8; shard:
+        under tensor parallel, the rank whose slice of each adapter this pool holds (packing
+        slices)."""
         self.layout = PoolLayout(cfg, dtype, shard)
-        self.num_rows = num_rows
+        if isinstance(num_rows, int):
+            num_rows = dict.fromkeys(MODULE_GROUPS, num_rows)
+        self.group_rows = dict(num_rows)
         self.out_offsets = {g: group_dims(cfg, g)[1] for g in MODULE_GROUPS}
         self.dtype = dtype
         self.device = torch.device(device)
@@ -78,9 +83,9 @@ class AdapterPool:
         self.qscales_all: dict[str, torch.Tensor] = {}
         for group, modules in MODULE_GROUPS.items():
             in_dim, offsets = group_dims(cfg, group)
-            shape_a = (cfg.num_layers, len(modules), num_rows, in_dim)
+            shape_a = (cfg.num_layers, len(modules), num_rows[group], in_dim)
             self.a_all[group] = torch.zeros(shape_a, dtype=dtype, device=device)
-            shape_b = (cfg.num_layers, num_rows, offsets[-1])
+            shape_b = (cfg.num_layers, num_rows[group], offsets[-1])
             self.b_all[group] = torch.zeros(shape_b, dtype=dtype, device=device)
             if self.quantized:
                 self.qscales_all[group] = torch.zeros(shape_a[:3], device=device)

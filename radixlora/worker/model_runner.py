@@ -17,7 +17,7 @@ import torch
 from radixlora.config import MODULE_GROUPS, EngineConfig, ModelConfig
 from radixlora.distributed import TensorParallel
 from radixlora.lora.host_cache import PackedAdapter
-from radixlora.lora.layout import bytes_per_row
+from radixlora.lora.layout import group_row_bytes
 from radixlora.model.forward_batch import ForwardBatch
 from radixlora.model.loader import load_model, weight_files
 from radixlora.sampling_params import GREEDY, SamplingParams, needs_adjustments
@@ -134,7 +134,7 @@ class ModelRunner:
         with self.phase("sizing"):
             config = self._size_for_cuda(config) if cuda else cpu_config(config)
         self.config = config
-        self._build_pools(config.kv_pages * config.page_size, config.adapter_rows,
+        self._build_pools(config.kv_pages * config.page_size, config.group_rows(),
                           config.host_adapter_bytes)
         if config.cuda_graph and cuda:
             if not isinstance(self.attn_backend, TritonAttentionBackend):
@@ -191,12 +191,12 @@ class ModelRunner:
                 run()
             self.kernels.finish()
 
-    def _build_pools(self, num_slots: int, adapter_rows: int, host_bytes: int) -> None:
+    def _build_pools(self, num_slots: int, group_rows: dict[str, int], host_bytes: int) -> None:
         cfg = self.cfg
         self.kv_pool = KVPool(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim,
                               self.dtype, self.device)
         shard = self.tp.shard if self.tp is not None else None
-        self.adapter_pool = AdapterPool(cfg, adapter_rows, self.lora_dtype, self.device,
+        self.adapter_pool = AdapterPool(cfg, group_rows, self.lora_dtype, self.device,
                                         host_bytes, shard)
         self.adapter_pool.dora_base = DoraBase(self.model, self.dtype)
         self.attn_backend = make_attention_backend(self.attention_name, self.kv_pool, cfg,
@@ -220,7 +220,7 @@ class ModelRunner:
             activation_bytes=max(prefill, decode), graph_bytes=graphs,
             kv_slot_bytes=KVPool.bytes_per_slot(self.cfg.num_layers, self.cfg.num_kv_heads,
                                                 self.cfg.head_dim, self.dtype),
-            adapter_row_bytes=bytes_per_row(self.cfg, self.lora_dtype),
+            group_row_bytes=group_row_bytes(self.cfg, self.lora_dtype),
         )
         log.info(self.sizing.line())
         if self.tp is not None:  # every rank's pools and batches hold the same
@@ -235,7 +235,7 @@ class ModelRunner:
         of the largest rank, run eagerly on small temporary pools (which also compiles the
         eager path's kernels)."""
         tokens, running, rank = config.max_batch_tokens, config.max_running, config.max_rank
-        self._build_pools(tokens + running + 1, rank, 0)
+        self._build_pools(tokens + running + 1, dict.fromkeys(MODULE_GROUPS, rank), 0)
         plans = (profile_plan(tokens, min(running, tokens), rank),
                  profile_plan(running, running, rank))
         self.compile_dry(lambda: [self.finish(self.launch(plan)) for plan in plans])

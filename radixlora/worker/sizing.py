@@ -16,17 +16,24 @@ growing without end. Batches above the largest CUDA-graph bucket run eagerly.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import logging
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
-from radixlora.config import EngineConfig
-from radixlora.errors import SizingError
+from radixlora.config import MODULE_GROUPS, EngineConfig, ModelConfig, target_groups
+from radixlora.errors import AdapterError, SizingError
+from radixlora.lora.adapter import adapter_from_header
+
+log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 CPU_DEFAULTS = {"kv_pages": 4096, "adapter_rows": 512, "max_running": 64,
                 "max_batch_tokens": 2048}
 # what the worker resolves and the other processes follow
-SIZED_FIELDS = (*CPU_DEFAULTS, "host_adapter_bytes")
+SIZED_FIELDS = (*CPU_DEFAULTS, "host_adapter_bytes", "lora_target_modules")
 HOST_TIER_SHARE = 0.25  # of the host memory available at start, for packed adapters
 # Running requests on CUDA: one per TOKENS_PER_RUNNING tokens of the KV pool, within these
 # bounds (an H200 beside an 8B model: 1024). On an H200, a ShareGPT-like burst of 2,000 requests
@@ -35,6 +42,7 @@ HOST_TIER_SHARE = 0.25  # of the host memory available at start, for packed adap
 CUDA_MIN_RUNNING, CUDA_MAX_RUNNING = 256, 1024
 TOKENS_PER_RUNNING = 256
 MIN_KV_TOKENS = 4096
+INFER_ADAPTERS = 1000  # start-up adapters whose modules with_lora_targets reads
 # chunked-prefill tokens per step by device memory (GiB): an H100/H200 class device gets 8192
 PREFILL_BUDGETS = ((160, 16384), (60, 8192), (30, 4096), (0, 2048))
 
@@ -56,11 +64,12 @@ class PoolSizing:
     graph_bytes: int  # reserved for CUDA graphs (estimated before they are captured)
     kv_tokens: int
     kv_bytes: int
-    adapter_rows: int
+    adapter_rows: int  # of each target group (the others: EngineConfig.group_rows)
     adapter_bytes: int
-    # one rank row on every target module of every layer, in the pool's storage dtype (an int8
+    # one rank row on every target group of every layer, in the pool's storage dtype (an int8
     # row counts its int8 values and its float32 scales: bytes_per_row)
     adapter_row_bytes: int
+    adapter_groups: tuple[str, ...]  # the target groups
     host_adapter_bytes: int  # the pinned host tier's budget
     max_running: int
     max_batch_tokens: int
@@ -73,7 +82,7 @@ class PoolSizing:
             f"sized pools: weights {_gib(self.weights_bytes)}, KV {self.kv_tokens:,} tokens "
             f"({_gib(self.kv_bytes)}), adapters {self.adapter_rows} rows "
             f"({_gib(self.adapter_bytes)}: {self.adapters_of_rank(16)} of rank 16, "
-            f"{self.adapters_of_rank(64)} of rank 64), "
+            f"{self.adapters_of_rank(64)} of rank 64, on {'/'.join(self.adapter_groups)}), "
             f"activations {_gib(self.activation_bytes)}, graphs {_gib(self.graph_bytes)}, "
             f"host tier {_gib(self.host_adapter_bytes)}; "
             f"{self.utilization:.2f} of {_gib(self.device_bytes)}; max running "
@@ -112,6 +121,37 @@ def with_host_tier(config: EngineConfig, available: int, workers: int = 1) -> En
     return dataclasses.replace(config, host_adapter_bytes=share)
 
 
+def with_lora_targets(config: EngineConfig, adapter_paths: Iterable[str | Path],
+                      model: ModelConfig) -> EngineConfig:
+    """lora_target_modules, unless set: the modules of the adapters given at start (the first
+    INFER_ADAPTERS, from their configs and safetensors headers; one that does not read is left
+    to the registry, which refuses it with the reason), or every module (None) without any."""
+    if config.lora_target_modules is not None:
+        return config
+    groups: set[str] = set()
+    for path in itertools.islice(adapter_paths, INFER_ADAPTERS):
+        try:
+            header = adapter_from_header(Path(path).name, path, model, config.max_rank, "")
+        except (AdapterError, OSError):
+            continue
+        groups.update(header.group_ranks)
+    if not groups or len(groups) == len(MODULE_GROUPS):
+        return config
+    modules = tuple(m for g in MODULE_GROUPS if g in groups for m in MODULE_GROUPS[g])
+    log.info("adapter pool sized for %s, the modules of the adapters given at start (adapters "
+             "on other modules are served one at a time; --lora-target-modules sets them)",
+             ", ".join(modules))
+    return dataclasses.replace(config, lora_target_modules=modules)
+
+
+def adapter_dir_paths(root: str | Path | None) -> list[Path]:
+    """The adapter sub-directories of --adapter-dir, as its registry lists them."""
+    if root is None or not Path(root).is_dir():
+        return []
+    return sorted(Path(e.path) for e in os.scandir(root)
+                  if not e.name.startswith(".") and e.is_dir())
+
+
 def cpu_config(config: EngineConfig, available: int | None = None) -> EngineConfig:
     """The CPU's fixed defaults for whatever the flags left open."""
     config = dataclasses.replace(
@@ -138,14 +178,31 @@ def running_limit(kv_tokens: int) -> int:
     return min(CUDA_MAX_RUNNING, max(CUDA_MIN_RUNNING, kv_tokens // TOKENS_PER_RUNNING))
 
 
+def adapter_rows_for(config: EngineConfig, group_row_bytes: Mapping[str, int]) -> int:
+    """The target groups' rows (EngineConfig.group_rows) that the memory of `max_loras`
+    adapters of rank `max_rank` on every module group buys, after the other groups' few rows:
+    with adapters on fewer modules, more of them fit in the same bytes."""
+    if config.adapter_rows is not None:
+        return config.adapter_rows
+    rows = config.max_loras * config.max_rank
+    targets = target_groups(config.lora_target_modules)
+    if len(targets) == len(group_row_bytes):
+        return rows
+    others = sum(b for g, b in group_row_bytes.items() if g not in targets)
+    budget = rows * sum(group_row_bytes.values()) - min(rows, config.max_rank + 1) * others
+    return max(rows, budget // sum(group_row_bytes[g] for g in targets))
+
+
 def size_pools(config: EngineConfig, memory: DeviceMemory, *, weights_bytes: int,
                activation_bytes: int, graph_bytes: int, kv_slot_bytes: int,
-               adapter_row_bytes: int) -> tuple[EngineConfig, PoolSizing]:
+               group_row_bytes: Mapping[str, int]) -> tuple[EngineConfig, PoolSizing]:
     """The config with kv_pages, adapter_rows and max_running set (max_batch_tokens must be),
     and what was sized. `memory` is measured after the weights are loaded; explicit kv_pages,
-    adapter_rows and max_running win."""
-    rows = config.adapter_rows or config.max_loras * config.max_rank
-    adapter_bytes = rows * adapter_row_bytes
+    adapter_rows and max_running win. `group_row_bytes`: a rank row's bytes in each module
+    group's pool, over every layer."""
+    rows = adapter_rows_for(config, group_row_bytes)
+    group_rows = dataclasses.replace(config, adapter_rows=rows).group_rows()
+    adapter_bytes = sum(n * group_row_bytes[g] for g, n in group_rows.items())
     in_use = memory.total - memory.free
     budget = int(config.gpu_memory_utilization * memory.total) - in_use
     kv_budget = budget - activation_bytes - graph_bytes - adapter_bytes
@@ -172,7 +229,9 @@ def size_pools(config: EngineConfig, memory: DeviceMemory, *, weights_bytes: int
         kv_bytes=sized.kv_pages * page_bytes,
         adapter_rows=rows,
         adapter_bytes=adapter_bytes,
-        adapter_row_bytes=adapter_row_bytes,
+        adapter_row_bytes=sum(group_row_bytes[g] for g in target_groups(
+            config.lora_target_modules)),
+        adapter_groups=tuple(g for g, n in group_rows.items() if n == rows),
         host_adapter_bytes=sized.host_adapter_bytes,
         max_running=sized.max_running,
         max_batch_tokens=sized.max_batch_tokens,

@@ -525,7 +525,7 @@ def merge_stats(stats: dict[int, SchedulerStats], load_seconds: list[float],
         resident_rows=add_up([s.resident_rows for s in every]),
         running_per_adapter=add_up([s.running_per_adapter for s in every]),
         waiting_per_adapter=add_up([s.waiting_per_adapter for s in every]),
-        row_bytes=every[0].row_bytes,
+        resident_adapter_bytes=add_up([s.resident_adapter_bytes for s in every]),
         registered=sorted({a for listed in names.values() for a in listed}),
         step_totals=add_totals([s.step_totals for s in every]),
     )

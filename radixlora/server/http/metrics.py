@@ -287,8 +287,7 @@ class Metrics:
     def _set_resident(self, stats: SchedulerStats) -> None:
         rows = self._by_label(stats.resident_rows)
         self._set_per_adapter(self.adapter_rows, rows)
-        self._set_per_adapter(self.adapter_bytes, {k: v * stats.row_bytes
-                                                   for k, v in rows.items()})
+        self._set_per_adapter(self.adapter_bytes, self._by_label(stats.resident_adapter_bytes))
         self._set_per_adapter(self.adapter_running, self._by_label(stats.running_per_adapter))
         self._set_per_adapter(self.adapter_waiting, self._by_label(stats.waiting_per_adapter))
 

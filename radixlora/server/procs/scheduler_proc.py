@@ -81,8 +81,8 @@ class SchedulerService:
         self.config = args.engine_config()
         self.model_cfg = args.served_model(self.config)
         self.scheduler = Scheduler(self.config, max_context=self.config.max_context(self.model_cfg))
-        self.row_bytes = bytes_per_row(self.model_cfg,
-                                                   self.config.lora_pool_dtype(self.model_cfg))
+        self.pool_dtype = self.config.lora_pool_dtype(self.model_cfg)
+        self.row_bytes = bytes_per_row(self.model_cfg, self.pool_dtype)
         if args.max_swaps_per_s > 0:
             self.scheduler.swap_cap = SwapCap(args.max_swaps_per_s, self._swap_cost)
         self.adapters = AdapterRegistry(self.model_cfg, self.config.max_rank,
@@ -140,8 +140,7 @@ class SchedulerService:
     def _swap_cost(self, adapter) -> float:
         """Full-size swaps one load of `adapter` is (SwapCap): its packed bytes over those of an
         adapter of the largest allowed rank on every module group."""
-        dtype = self.config.lora_pool_dtype(self.model_cfg)
-        load = load_bytes(self.model_cfg, dtype, adapter.group_ranks)
+        load = load_bytes(self.model_cfg, self.pool_dtype, adapter.group_ranks)
         return load / (self.config.max_rank * self.row_bytes)
 
     # ---- intake ------------------------------------------------------------------------------
@@ -415,8 +414,7 @@ class SchedulerService:
             adapter_evictions=sched.residency.num_evictions,
             adapter_load_seconds=self._take_load_seconds(),
             resident_adapters=len(sched.residency.resident),
-            resident_bytes=self.row_bytes * sum(len(e.rows)
-                                                for e in sched.residency.resident.values()),
+            resident_bytes=sum(self._resident_bytes().values()),
             swaps_waiting=sched.num_swap_deferred,
             host_adapters=self.host_tier[0],
             host_bytes=self.host_tier[1],
@@ -427,10 +425,20 @@ class SchedulerService:
             running_per_adapter=adapter_counts(sched.running),
             waiting_per_adapter=adapter_counts(sched.waiting),
             resident_rows=self._resident_rows(),
-            row_bytes=self.row_bytes,
+            resident_adapter_bytes=self._resident_bytes(),
             registered=self._changed_names(),
             step_totals=self.loop.totals,
         )
+
+    def _resident_bytes(self) -> dict[str, int]:
+        """Device bytes per adapter name: its rows in the groups it adapts (as _resident_rows,
+        versions add up)."""
+        out: dict[str, int] = {}
+        for entry in self.scheduler.residency.resident.values():
+            adapter = entry.adapter
+            nbytes = load_bytes(self.model_cfg, self.pool_dtype, adapter.group_ranks)
+            out[adapter.name] = out.get(adapter.name, 0) + nbytes
+        return out
 
     def _resident_rows(self) -> dict[str, int]:
         """Pool rows per adapter name (versions of one name, an old one still finishing its

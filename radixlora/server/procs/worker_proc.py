@@ -35,7 +35,13 @@ from radixlora.step_plan import AdapterLoad, StepMasks, StepPlan, StepResult
 from radixlora.worker.adapter_reader import WARM_READERS
 from radixlora.worker.executor import StepExecutor
 from radixlora.worker.model_runner import ModelRunner
-from radixlora.worker.sizing import SIZED_FIELDS, available_host_bytes, with_host_tier
+from radixlora.worker.sizing import (
+    SIZED_FIELDS,
+    adapter_dir_paths,
+    available_host_bytes,
+    with_host_tier,
+    with_lora_targets,
+)
 
 log = logging.getLogger(__spec__.name)  # the module's name also when run with -m
 
@@ -50,6 +56,8 @@ def make_executor(args: ServerArgs, rank: int = 0) -> StepExecutor:
     if workers > 1:  # every worker of the host measures the same free memory at start
         config = with_host_tier(config, available_host_bytes(), workers)
     model_cfg = args.served_model(config, confined=True)
+    config = with_lora_targets(config, [*args.adapters.values(),
+                                        *adapter_dir_paths(args.adapter_dir)], model_cfg)
     tp, device = join_group(args, model_cfg, rank)
     runner = ModelRunner(Path(args.model), model_cfg, config, tp, device)
 
