@@ -969,3 +969,29 @@ def test_registered_adapters_are_read_into_the_host_tier_ahead_of_need(model, tm
     assert len(set(host.ids()) & {ids["w0"], ids["w1"], ids["w3"]}) >= 2
     assert got[("second", 0)] == _want(model, paths["w2"])
     _assert_nothing_held(sched)
+
+
+def test_adapters_outside_the_target_modules_are_served_but_not_pinned(model, tmp_path):
+    """A pool sized for q/k/v/o (max_rank 8: 9 rows on the MLP groups): an adapter on every
+    module loads and answers as the Engine does, but pinning it would hold more than half of
+    those 9 rows; a request stacking two of them is a 400 naming the flag."""
+    engine = {**ENGINE, "max_rank": 8, "lora_target_modules": ["q_proj", "k_proj", "v_proj",
+                                                               "o_proj"]}
+    args = ServerArgs(model=str(model), engine=engine, state_dir=str(tmp_path))
+    sched, worker = SchedulerService(sized(args)), make_executor(args)
+    assert sched.scheduler.residency.rows.low == 9
+    paths = {n: build_tiny_adapter(model, tmp_path / "src" / n, rank=8, seed=40 + i)
+             for i, n in enumerate(("m0", "m1"))}
+    for i, (name, path) in enumerate(paths.items()):
+        reply = sched.lifecycle.admin(AdminReq(qid=i, op="load", name=name, path=str(path)))
+        assert reply.status == 200
+    reply = sched.lifecycle.admin(AdminReq(qid=9, op="pin", name="m0"))
+    assert reply.code == "pin_limit" and "--lora-target-modules" in reply.message
+    got = _drive(sched, worker, [_req("r0", "m0"), _req("r1", "m1")])
+    assert got[("r0", 0)] == _want(model, paths["m0"])
+    assert got[("r1", 0)] == _want(model, paths["m1"])
+    stacked = TokenizedReq(rid="both", input_ids=ids_to_bytes([3, 4]), params=PARAMS,
+                           adapters=[AdapterChoice("m0"), AdapterChoice("m1")])
+    error = sched.add(stacked)
+    assert error is not None and "--lora-target-modules" in error.message
+    _assert_nothing_held(sched)

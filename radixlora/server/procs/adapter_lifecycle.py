@@ -206,11 +206,19 @@ class AdapterLifecycle:
             self.pinned_names.discard(name)
             residency.unpin(adapter.adapter_id)
             return
-        pinned_rows = sum(self.registry.by_name[n].pool_rows for n in self.pinned_names - {name})
+        pinned = [self.registry.by_name[n] for n in self.pinned_names - {name}]
+        pinned_rows = sum(a.pool_rows for a in pinned)
         if pinned_rows + adapter.pool_rows > PINNED_SHARE * residency.rows.num_rows:
             raise InvalidRequestError(
                 f"pinning {name!r} would pin more than {PINNED_SHARE:.0%} of the adapter pool's "
                 f"{residency.rows.num_rows} rows", param="lora_name", code="pin_limit")
+        low_rows = sum(a.pool_rows for a in pinned if residency.low_only(a))
+        if residency.low_only(adapter) and (low_rows + adapter.pool_rows
+                                            > PINNED_SHARE * residency.rows.low):
+            raise InvalidRequestError(
+                f"pinning {name!r} would pin more than {PINNED_SHARE:.0%} of the "
+                f"{residency.rows.low} rows the adapter pool has on modules outside its target "
+                "modules (--lora-target-modules)", param="lora_name", code="pin_limit")
         self.pinned_names.add(name)
         residency.pin(adapter.adapter_id)
 
