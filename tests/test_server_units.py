@@ -231,3 +231,25 @@ def test_tokenizer_service_applies_stop_strings(checkpoints):
     assert "".join(o.text for o in outs) == "The quick "
     assert outs[-1].finish_reason == "stop" and outs[-1].matched_stop == "brown"
     assert aborts == [AbortReq(rid="s", index=0)]
+
+
+def test_a_request_whose_output_fails_to_detokenize_ends_alone(checkpoints, monkeypatch):
+    """An exception while one request's tokens become text ends that request with a 500 (and
+    an abort for the scheduler); the other request of the batch goes on."""
+    from radixlora.server.messages import GenerateReq, OutputBatch, ReqError, TokenBatch, TokenOut
+
+    service = TokenizerService(sized(ServerArgs(model=str(checkpoints[0]))))
+    for rid in ("bad", "good"):
+        service.on_generate(GenerateReq(rid=rid, params=SamplingParams(max_tokens=4), prompt="x"))
+    real = service._output
+    monkeypatch.setattr(service, "_output", lambda state, out: (
+        1 / 0 if out.rid == "bad" else real(state, out)))
+    outs = [TokenOut(rid=rid, index=0, token_ids=ids_to_bytes([5]), logprobs=[0.0], top=None,
+                     finish_reason=None, prompt_tokens=1, cached_tokens=0)
+            for rid in ("bad", "good")]
+    aborts, to_api = service.on_tokens(TokenBatch(outputs=outs))
+    assert aborts == [AbortReq(rid="bad")]
+    batch, error = to_api
+    assert isinstance(batch, OutputBatch) and [o.rid for o in batch.outputs] == ["good"]
+    assert isinstance(error, ReqError) and (error.rid, error.status) == ("bad", 500)
+    assert "bad" not in service.reqs and "good" in service.reqs

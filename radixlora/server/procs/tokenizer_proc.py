@@ -302,18 +302,27 @@ class TokenizerService:
             return self._on_tokens(batch)
 
     def _on_tokens(self, batch: TokenBatch):
-        aborts, outputs = [], []
+        aborts, outputs, errors = [], [], []
         for out in batch.outputs:
             state = self.reqs.get(out.rid)
             if state is None or out.index in state.done:
                 continue  # aborted or stopped by a stop string: late tokens are dropped
-            sample = self._output(state, out)
+            try:
+                sample = self._output(state, out)
+            except Exception:  # noqa: BLE001 - one request's text never stops the others
+                log.exception("detokenizing request %s failed; it ends with an error", out.rid)
+                del self.reqs[out.rid]
+                self._end(out.rid, state.n - len(state.done))
+                aborts.append(AbortReq(rid=out.rid))
+                errors.append(ReqError(rid=out.rid, message="internal error while detokenizing "
+                                       "the output", code="internal_error", status=500))
+                continue
             if sample.finish_reason is not None:
                 self._finish_sample(out.rid, state, out.index)
                 if out.finish_reason is None:
                     aborts.append(AbortReq(rid=out.rid, index=out.index))
             outputs.append(sample)
-        return aborts, ([OutputBatch(outputs=outputs)] if outputs else [])
+        return aborts, ([OutputBatch(outputs=outputs)] if outputs else []) + errors
 
     def _output(self, state: ReqState, out: TokenOut) -> SampleOutput:
         sample = state.samples.get(out.index)
