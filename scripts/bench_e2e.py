@@ -1,7 +1,7 @@
 """End-to-end serving benchmark: a real checkpoint and real PEFT adapters on disk, a real
 `radixlora serve` process, and HTTP clients (scripts/bench_serving.py) driving it.
 
-    python scripts/bench_e2e.py                      # the H200: every workload, b,c,d,e
+    python scripts/bench_e2e.py                      # the H200: every workload, b,c,d,e,s,g
     python scripts/bench_e2e.py --workloads c,d      # some of them
     python scripts/bench_e2e.py --tiny               # tiny checkpoint on the CPU, ~1-2 min
 
@@ -49,6 +49,12 @@ its max_tokens; a fresh prompt set per run, so runs do not hit each other's pref
      requests go out from --client-processes forked client processes (default 8), each with
      its own event loop, so the inter-token gaps (chunk gaps, itl_ms) are the server's.
 
+  g  goodput: for each rate of --g-rates (default 8, 16, 24, 32, 40 per second), Poisson
+     arrivals for 40 s of ShareGPT-like requests, half on the base model and half over q0..q99,
+     from the client processes: TTFT and ITL P50 / P90 / P99 and output tok/s per rate, then the
+     goodput: the highest rate up to which every rate meets --g-slo (default TTFT P99 <= 300
+     ms and ITL P99 <= 100 ms, with no failed request).
+
 The floor printed beside every run is the time an H200 would need at its peak rates:
   floor_s = prefill FLOPs / peak FLOP/s + decode bytes / peak bytes/s       (800e12, 4.24e12)
   prefill FLOPs = 2 x P x sum(prompt_len)                         P: non-embedding parameters
@@ -70,6 +76,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -123,7 +130,7 @@ MARKER = "bench_e2e_complete.json"
 SHARD_BYTES = 5 * 10**9
 H200_FLOPS = 800e12
 H200_BYTES_PER_S = 4.24e12
-ALL_WORKLOADS = ("b", "c", "d", "e", "s")
+ALL_WORKLOADS = ("b", "c", "d", "e", "s", "g")
 
 
 @dataclass(frozen=True)
@@ -150,6 +157,9 @@ class Scale:
     e_closed_out: int
     s_requests: int
     s_scale: float  # of the ShareGPT-like lengths
+    g_rates: tuple[float, ...] = (8.0, 16.0, 24.0, 32.0, 40.0)  # requests per second
+    g_seconds: float = 40.0  # of arrivals per rate
+    g_adapters: int = 100
 
 
 FULL = Scale(b_in=256, b_out=64, b_repeats=5, c_requests=32, c_adapters=8, c_rank=16, c_in=256,
@@ -159,7 +169,7 @@ FULL = Scale(b_in=256, b_out=64, b_repeats=5, c_requests=32, c_adapters=8, c_ran
 TINY = Scale(b_in=16, b_out=8, b_repeats=5, c_requests=8, c_adapters=4, c_rank=8, c_in=16,
              c_out=8, c_runs=3, d_requests=16, d_adapters=4, d_in=16, d_out=8, d_warmup=4,
              e_seconds=5.0, e_max_requests=16, e_closed_in=16, e_closed_out=16, s_requests=16,
-             s_scale=0.05)
+             s_scale=0.05, g_rates=(1.0, 2.0), g_seconds=4.0, g_adapters=4)
 D_RANKS = (8, 16, 32, 64)
 S_RANK, S_MODULES = 8, ("q_proj", "k_proj", "v_proj", "o_proj")
 S_DISTINCT_WEIGHTS = 1000  # q adapters beyond this share weights (weight_twin)
@@ -369,6 +379,8 @@ def adapter_plan(workloads: set[str], scale: Scale, s_adapters=()) -> dict[str, 
         plan.update({f"z{i}": D_RANKS[i % len(D_RANKS)] for i in range(scale.d_adapters)})
     if "s" in workloads:
         plan.update({f"q{i}": S_RANK for i in range(max(s_adapters, default=0))})
+    if "g" in workloads:
+        plan.update({f"q{i}": S_RANK for i in range(scale.g_adapters)})
     return plan
 
 
@@ -618,12 +630,15 @@ def drive(url: str, gaps: list[float], specs: list, allow_failed: bool = False,
     return summary
 
 
-def drive_processes(url: str, specs: list, processes: int, work: Path) -> dict:
-    """All specs sent at once from `processes` forked client processes (spec i from process
+def drive_processes(url: str, specs: list, processes: int, work: Path,
+                    arrivals: list[float] | None = None) -> dict:
+    """The specs sent from `processes` forked client processes (spec i from process
     i % processes), each with its own event loop, so a stream's chunk gaps measure the server,
-    not one client's loop. They start together at a shared wall-clock instant and hand their
-    results back as JSON files; bench_serving's summary of all of them, the duration from that
-    instant to the last response."""
+    not one client's loop: all at once, or spec i `arrivals[i]` seconds (non-decreasing) after
+    a wall-clock instant the processes share. They hand their results back as JSON files;
+    bench_serving's summary of all of them, the duration from that instant to the last
+    response."""
+    arrivals = arrivals or [0.0] * len(specs)
     start_at = time.time() + 2.0
     paths = [work / f"client-{k}.json" for k in range(processes)]
     pids = []
@@ -632,7 +647,8 @@ def drive_processes(url: str, specs: list, processes: int, work: Path) -> dict:
         if pid == 0:
             code = 1
             try:
-                _client_process(url, specs[k::processes], start_at, path)
+                _client_process(url, specs[k::processes], process_gaps(arrivals, k, processes),
+                                start_at, path)
                 code = 0
             finally:
                 os._exit(code)
@@ -652,12 +668,20 @@ def drive_processes(url: str, specs: list, processes: int, work: Path) -> dict:
     return summary
 
 
-def _client_process(url: str, specs: list, start_at: float, path: Path) -> None:
+def process_gaps(arrivals: list[float], k: int, processes: int) -> list[float]:
+    """The gaps between the arrivals of process k's specs (every processes-th from k), the
+    first from the shared start."""
+    mine = arrivals[k::processes]
+    return [t - prev for prev, t in zip([0.0, *mine], mine)]
+
+
+def _client_process(url: str, specs: list, gaps: list[float], start_at: float,
+                    path: Path) -> None:
     async def go():
         args = client_args(url)
         async with bench_serving.make_client(args) as client:
             await asyncio.sleep(max(0.0, start_at - time.time()))
-            return await bench_serving.send_requests(client, args, [0.0] * len(specs), specs)
+            return await bench_serving.send_requests(client, args, gaps, specs)
 
     results, _ = asyncio.run(go())
     path.write_text(json.dumps({"results": [dataclasses.asdict(r) for r in results],
@@ -918,16 +942,82 @@ def step_breakdown(before: dict, after: dict) -> dict[str, dict]:
     return out
 
 
-def sharegpt_specs(ctx, adapters: list[str], seed: int) -> list:
-    """s's requests: ShareGPT-like lengths, token-id prompts, adapters uniform (or the base)."""
+def sharegpt_specs(ctx, adapters: list[str], seed: int, n: int | None = None,
+                   base_share: float = 0.0) -> list:
+    """s's requests (n, default s_requests): ShareGPT-like lengths, token-id prompts, adapters
+    uniform (or the base); with base_share, that share of them (every other one for 0.5) on
+    the base model."""
     rng = random.Random(seed)
-    specs = []
-    for k in range(ctx.scale.s_requests):
+    specs, on_adapters = [], 0
+    for k in range(ctx.scale.s_requests if n is None else n):
         prompt_len, output_len = bench_serving.sharegpt_lengths(rng, ctx.scale.s_scale)
         prompt = bench_serving.make_prompt(rng, prompt_len, "ids", ctx.vocab)
-        name = adapters[k % len(adapters)] if adapters else ctx.base_name
+        name = ctx.base_name
+        if adapters and on_adapters < (1 - base_share) * (k + 1):
+            name, on_adapters = adapters[on_adapters % len(adapters)], on_adapters + 1
         specs.append(bench_serving.RequestSpec(name, prompt, output_len))
     return specs
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """"ttft_p99=300,itl_p99=100" -> {"ttft_p99": 300.0, "itl_p99": 100.0} (milliseconds)."""
+    slo = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        metric, _, pct = key.strip().partition("_")
+        if not sep or metric not in ("ttft", "itl") or pct not in ("p50", "p90", "p99"):
+            raise argparse.ArgumentTypeError(f"expected e.g. ttft_p99=300,itl_p99=100, got "
+                                             f"{part!r}")
+        slo[key.strip()] = float(value)
+    return slo
+
+
+def meets(run: dict, slo: dict[str, float]) -> bool:
+    """Every SLO bound holds for a run (bench_serving's summary), and no request failed."""
+    for key, bound in slo.items():
+        metric, pct = key.split("_")
+        value = run[f"{metric}_ms"][pct]
+        if value is None or value > bound:
+            return False
+    return not run["failed"]
+
+
+def goodput(runs: dict[float, dict], slo: dict[str, float]) -> float | None:
+    """The highest rate below which every measured rate meets the SLO (None if the lowest
+    misses): a rate that meets it only above one that missed is noise, not capacity."""
+    best = None
+    for rate in sorted(runs):
+        if not meets(runs[rate], slo):
+            break
+        best = rate
+    return best
+
+
+def workload_g(ctx) -> dict:
+    """Goodput: for each rate, Poisson arrivals for g_seconds of ShareGPT-like requests, half
+    on the base model and half over g_adapters rank-8 q/k/v/o adapters, streamed from the
+    client processes; TTFT and ITL P50 / P90 / P99 and output tok/s per rate, then the highest
+    rate that meets the SLO."""
+    s = ctx.scale
+    adapters = [f"q{i}" for i in range(s.g_adapters)]
+    wait_validated(ctx.url)
+    warm = sharegpt_specs(ctx, adapters, seed=500, n=32, base_share=0.5)
+    drive(ctx.url, [0.0] * len(warm), warm)
+    runs = {}
+    for k, rate in enumerate(ctx.g_rates):
+        n = max(1, round(rate * s.g_seconds))
+        rng = random.Random(600 + k)
+        arrivals = list(itertools.accumulate(bench_serving.arrival_gaps(n, rate, "poisson", rng)))
+        specs = sharegpt_specs(ctx, adapters, seed=700 + k, n=n, base_share=0.5)
+        log(f"g: {n} requests, Poisson at {rate:g}/s")
+        before = step_totals(ctx.url)
+        run = drive_processes(ctx.url, specs, ctx.client_processes, ctx.work, arrivals)
+        run["steps"] = step_breakdown(before, step_totals(ctx.url))
+        runs[rate] = run
+        if not meets(run, ctx.g_slo) and k + 1 < len(ctx.g_rates):
+            log(f"g: {rate:g}/s misses the SLO; higher rates are still measured")
+    return {"slo": ctx.g_slo, "runs": {str(r): v for r, v in runs.items()},
+            "goodput": goodput(runs, ctx.g_slo)}
 
 
 def workload_s(ctx, counts: list[int]) -> dict:
@@ -1008,6 +1098,18 @@ def rows(results: dict) -> list[tuple[str, str]]:
         if "json_over_fixed" in d:
             out.append(("d: fixed with a JSON schema / without (target >= 0.9)",
                         fmt(d["json_over_fixed"])))
+    g = results.get("g")
+    if g:
+        for rate, r in g["runs"].items():
+            out += [(f"g {rate}/s: TTFT P50 / P90 / P99 ms", "/".join(
+                        fmt(r["ttft_ms"][p]) for p in ("p50", "p90", "p99"))),
+                    (f"g {rate}/s: ITL P50 / P90 / P99 ms", "/".join(
+                        fmt(r["itl_ms"][p]) for p in ("p50", "p90", "p99"))),
+                    (f"g {rate}/s: output tok/s; failed", f"{fmt(r['output_token_throughput'])}; "
+                                                          f"{r['failed']}"),
+                    (f"g {rate}/s: meets the SLO", str(meets(r, g["slo"])))]
+        slo = ", ".join(f"{k} <= {v:g} ms" for k, v in g["slo"].items())
+        out.append((f"g: goodput, req/s ({slo})", fmt(g["goodput"])))
     for name, r in (results.get("s") or {}).items():
         out += run_rows(f"s {name}", r)
         out += [(f"s {name}: failed requests", f"{r['failed']} {r['errors'] or ''}")]
@@ -1090,6 +1192,16 @@ def add_server_args(p: argparse.ArgumentParser, tiny_help: str) -> None:
                    help="where random weights are drawn (auto: cuda if available)")
 
 
+def rates(value: str) -> list[float]:
+    try:
+        out = sorted(float(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected R[,R...], got {value!r}") from None
+    if any(r <= 0 for r in out):
+        raise argparse.ArgumentTypeError("rates must be > 0")
+    return out
+
+
 def counts(value: str) -> list[int]:
     try:
         out = [int(v) for v in value.split(",")]
@@ -1117,6 +1229,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--s-adapters", type=counts, default=None, metavar="N[,N...]",
                    help="s: a run over the first N rank-8 q/k/v/o adapters for each N, after "
                         "the base run (default 100; --tiny 4), e.g. 100,1000,5000")
+    p.add_argument("--g-rates", type=rates, default=None, metavar="R[,R...]",
+                   help="g: Poisson request rates per second (default 8,16,24,32,40; --tiny 1,2)")
+    p.add_argument("--g-slo", type=parse_slo, default=parse_slo("ttft_p99=300,itl_p99=100"),
+                   metavar="SLO", help="g: the service level a rate must meet, in ms (default "
+                                       "ttft_p99=300,itl_p99=100)")
     p.add_argument("--d-json", action="store_true",
                    help="d: also run the fixed requests with a JSON schema on each (structured "
                         "output) and report their output tok/s over the unconstrained run's")
@@ -1131,7 +1248,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.workload_set = set(args.workloads.split(","))
     unknown = args.workload_set - set(ALL_WORKLOADS)
     if unknown:
-        p.error(f"unknown workloads {sorted(unknown)}; choose from b,c,d,e,s")
+        p.error(f"unknown workloads {sorted(unknown)}; choose from b,c,d,e,s,g")
     return args
 
 
@@ -1159,7 +1276,8 @@ def main(argv=None) -> None:
                           url=server.url, server=server, ranks=ranks, extra=extra,
                           peak_flops=args.peak_flops, peak_bw=args.peak_bw,
                           client_processes=args.client_processes, work=work,
-                          d_json=args.d_json)
+                          d_json=args.d_json, g_rates=args.g_rates or list(scale.g_rates),
+                          g_slo=args.g_slo)
     try:
         ctx.ready_s = results["time_to_ready_s"] = server.start(args.ready_timeout)
         log(f"ready in {ctx.ready_s:.1f} s")
@@ -1202,6 +1320,9 @@ def run_http_workloads(args, ctx, results: dict) -> None:
     if "s" in chosen:
         log("s: ShareGPT-like burst")
         results["s"] = workload_s(ctx, args.s_adapters)
+    if "g" in chosen:
+        log("g: goodput over Poisson rates")
+        results["g"] = workload_g(ctx)
     if "e" in chosen:
         if args.e_rate:
             d_rate = None

@@ -1,10 +1,15 @@
 """scripts/bench_e2e.py's pure parts: the peak-rate floor (a hand-computed case), the PEFT
-adapter writer (loaded back by radixlora and PEFT) and the sharded checkpoint writer (loaded back
-by radixlora). The whole benchmark is not run here (`python scripts/bench_e2e.py --tiny`)."""
+adapter writer (loaded back by radixlora and PEFT), the sharded checkpoint writer (loaded back
+by radixlora), and the goodput workload's arithmetic (SLO, goodput, arrivals split over client
+processes, the base share). The whole benchmark is not run here (`python scripts/bench_e2e.py
+--tiny`)."""
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -101,3 +106,33 @@ def test_checkpoint_writer_shards_and_loads(tmp_path):
     with safe_open(str(tmp_path / index["weight_map"]["lm_head.weight"]), framework="pt") as f:
         assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
     assert (tmp_path / "tokenizer.json").is_file()
+
+
+def run(ttft_p99: float, itl_p99: float, failed: int = 0) -> dict:
+    return {"ttft_ms": {"p50": 1.0, "p90": 2.0, "p99": ttft_p99},
+            "itl_ms": {"p50": 1.0, "p90": 2.0, "p99": itl_p99}, "failed": failed}
+
+
+def test_goodput_is_the_highest_rate_up_to_which_every_rate_meets_the_slo():
+    slo = bench_e2e.parse_slo("ttft_p99=300,itl_p99=100")
+    assert slo == {"ttft_p99": 300.0, "itl_p99": 100.0}
+    runs = {8.0: run(198, 72), 16.0: run(244, 93), 24.0: run(364, 114), 32.0: run(290, 99)}
+    assert bench_e2e.goodput(runs, slo) == 16.0  # 32 meets it only above a miss: noise
+    assert bench_e2e.goodput({8.0: run(100, 50, failed=1)}, slo) is None
+    assert bench_e2e.goodput({8.0: run(100, 50)}, {"itl_p90": 1.5}) is None
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench_e2e.parse_slo("latency_p99=3")
+
+
+def test_poisson_arrivals_split_over_processes_keep_their_times():
+    arrivals = [0.5, 0.7, 1.0, 2.5, 2.6]
+    gaps = [bench_e2e.process_gaps(arrivals, k, 2) for k in range(2)]
+    assert gaps[0] == pytest.approx([0.5, 0.5, 1.6]) and gaps[1] == pytest.approx([0.7, 1.8])
+    assert list(itertools.accumulate(gaps[0])) == pytest.approx(arrivals[0::2])
+
+
+def test_half_of_the_goodput_requests_are_on_the_base_model():
+    ctx = SimpleNamespace(scale=bench_e2e.TINY, vocab=100, base_name="base")
+    specs = bench_e2e.sharegpt_specs(ctx, ["q0", "q1"], seed=1, n=8, base_share=0.5)
+    assert [s.adapter for s in specs] == ["q0", "base", "q1", "base", "q0", "base", "q1", "base"]
+    assert {s.adapter for s in bench_e2e.sharegpt_specs(ctx, [], seed=1, n=4)} == {"base"}
