@@ -15,6 +15,8 @@ from radixlora.families import family_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LORA_DTYPES = ("auto", "int8")  # the adapter pool's storage: the model's dtype, or int8 rows
+# the KV cache's storage: the model's dtype, or FP8 e4m3 (vLLM's and SGLang's spellings)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 # the projections a LoRA adapter may target (PEFT's module names), and the fused groups the
@@ -350,6 +352,10 @@ class EngineConfig:
     lora_target_modules: tuple[str, ...] | None = None
     lora_backend: str = "auto"
     lora_dtype: str = "auto"  # adapter pool storage: "auto" (the model's dtype) or "int8"
+    # KV cache storage: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (e4m3, scale 1: K and V
+    # are rounded to FP8 as they are stored and read back exactly, as vLLM and SGLang do without
+    # calibrated scales)
+    kv_cache_dtype: str = "auto"
     # quantize a dense base at load: "nf4" (bitsandbytes'), "fp8" (e4m3, a scale per channel)
     quantization: str | None = None
     qlora_mismatch: str = "refuse"  # an adapter trained on another base format: or "serve"
@@ -378,6 +384,9 @@ class EngineConfig:
         if self.qlora_mismatch not in ("refuse", "serve"):
             raise ValueError(f"qlora_mismatch must be refuse or serve, got "
                              f"{self.qlora_mismatch!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.lora_dtype not in LORA_DTYPES:
             raise ValueError(f"lora_dtype must be one of {list(LORA_DTYPES)}, "
                              f"got {self.lora_dtype!r}")
@@ -428,6 +437,12 @@ class EngineConfig:
         targets = target_groups(self.lora_target_modules)
         floor = min(self.adapter_rows, self.max_rank + 1)
         return {g: self.adapter_rows if g in targets else floor for g in MODULE_GROUPS}
+
+    def kv_storage_dtype(self, model: ModelConfig) -> torch.dtype:
+        """The KV pool's storage dtype: FP8 e4m3 or the model's compute dtype."""
+        if self.kv_cache_dtype.startswith("fp8"):
+            return torch.float8_e4m3fn
+        return self.torch_dtype(model)
 
     def lora_pool_dtype(self, model: ModelConfig) -> torch.dtype:
         """The adapter pool's storage dtype: int8 (rows dequantized in the LoRA kernels) or

@@ -22,9 +22,10 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _load_kv_rows(cache, slots, kv_head, stride_s, stride_h, offs_d, mask):
+def _load_kv_rows(cache, slots, kv_head, stride_s, stride_h, offs_d, mask, dtype):
+    """The rows in `dtype` (q's): an FP8 pool's values widen exactly."""
     ptrs = cache + slots[:, None] * stride_s + kv_head * stride_h + offs_d[None, :]
-    return tl.load(ptrs, mask=mask, other=0.0)
+    return tl.load(ptrs, mask=mask, other=0.0).to(dtype)
 
 
 @triton.jit
@@ -64,7 +65,8 @@ def _attend_kv_block(
     n_mask = kv_pos < kv_end
     slots = tl.load(req_kv_indices + kv_pos, mask=n_mask, other=0).to(tl.int64)
     kv_ld_mask = n_mask[:, None] & d_mask[None, :]
-    k_blk = _load_kv_rows(k_cache, slots, kv_head, stride_ks, stride_kh, offs_d, kv_ld_mask)
+    k_blk = _load_kv_rows(k_cache, slots, kv_head, stride_ks, stride_kh, offs_d, kv_ld_mask,
+                          q_blk.dtype)
     qk = tl.dot(q_blk, tl.trans(k_blk), input_precision=DOT_PRECISION) * qk_scale
     if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1
         qk = softcap * (2.0 * tl.sigmoid(2.0 * qk / softcap) - 1.0)
@@ -85,7 +87,8 @@ def _attend_kv_block(
     p = tl.math.exp2(qk - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
 
-    v_blk = _load_kv_rows(v_cache, slots, kv_head, stride_vs, stride_vh, offs_d, kv_ld_mask)
+    v_blk = _load_kv_rows(v_cache, slots, kv_head, stride_vs, stride_vh, offs_d, kv_ld_mask,
+                          q_blk.dtype)
     acc = acc * alpha[:, None]
     acc += tl.dot(p.to(v_blk.dtype), v_blk, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
@@ -236,8 +239,9 @@ def _check_kv_pool(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype, device) 
             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != dtype or t.device != device:
-            raise ValueError(f"{name} is {t.dtype} on {t.device}, q is {dtype} on {device}")
+        if t.dtype not in (dtype, torch.float8_e4m3fn) or t.device != device:
+            raise ValueError(f"{name} is {t.dtype} on {t.device}, q is {dtype} on {device} "
+                             "(a pool is in q's dtype or float8_e4m3fn)")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in head_dim")
 

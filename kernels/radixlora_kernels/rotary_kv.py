@@ -35,8 +35,34 @@ def rotary_store_kv_ref(
     q_in, k, v = (q, k, v) if deltas is None else map(add_delta_ref, (q, k, v), deltas)
     q_rot, k_rot = apply_rotary_ref(q_in, k, positions, inv_freq)
     q.copy_(q_rot)
-    k_cache[loc] = k_rot
-    v_cache[loc] = v
+    k_cache[loc] = to_cache_dtype(k_rot, k_cache.dtype)
+    v_cache[loc] = to_cache_dtype(v, v_cache.dtype)
+
+
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in a KV pool's dtype: into FP8 e4m3, clamped to +-FP8_MAX (torch's cast would make a
+    larger value NaN) and rounded to nearest even."""
+    if dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
+
+@triton.jit
+def _to_cache(x, cache_ptr):
+    """x in the pool's dtype, as to_cache_dtype: for FP8, clamped and rounded to nearest even
+    in fp32 first (to a multiple of e4m3's step in x's binade, 2^-9 for subnormals), so the
+    cast itself is exact (the interpreter's cast misrounds where rounding carries into the
+    exponent)."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+        exp = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+        magic = ((exp + 147) << 23).to(tl.float32, bitcast=True)  # 2^(exp + 20): ulp 2^(exp - 3)
+        rounded = (tl.abs(x) + magic) - magic
+        x = tl.where(x < 0, -rounded, rounded)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -61,8 +87,8 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_p
                 sin, HALF, BLOCK_H, BLOCK_HALF, dk_ptr, stride_dt, stride_dh,
                 HAS_DELTA)
             out = k_cache_ptr + slot * stride_kcs + heads[:, None] * stride_kch + offs_d[None, :]
-            tl.store(out, lo, mask=mask)
-            tl.store(out + HALF, hi, mask=mask)
+            tl.store(out, _to_cache(lo, k_cache_ptr), mask=mask)
+            tl.store(out + HALF, _to_cache(hi, k_cache_ptr), mask=mask)
     else:
         heads = (block - q_blocks - kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, 2 * BLOCK_HALF)
@@ -71,7 +97,7 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_p
                             dv_ptr + row * stride_dt + heads[:, None] * stride_dh + offs_d[None, :],
                             mask, HAS_DELTA)
         out = v_cache_ptr + slot * stride_vcs + heads[:, None] * stride_vch + offs_d[None, :]
-        tl.store(out, x, mask=mask)
+        tl.store(out, _to_cache(x, v_cache_ptr), mask=mask)
 
 
 def rotary_store_kv_(
@@ -90,14 +116,15 @@ def rotary_store_kv_(
             q_in, k, v = ((x.float() + d).to(x.dtype) for x, d in zip((q, k, v), deltas))
         q_rot, k_rot = apply_rotary(q_in, k, positions, inv_freq)
         q.copy_(q_rot)            # in place
-        k_cache[loc] = k_rot      # k itself is left as it is
+        k_cache[loc] = k_rot      # k itself is left as it is; to_cache_dtype for an FP8 pool
         v_cache[loc] = v
 
     Args:
         q: [T, Hq, D], k and v: [T, Hk, D]; one float dtype, any strides with stride 1 along D
            (views of a fused qkv projection output); q must not overlap k or the caches.
         positions: [T] int32/int64, contiguous; inv_freq: [D // 2] float32, contiguous.
-        k_cache, v_cache: [num_slots, Hk, D] in q's dtype, stride 1 along D (one layer's pool).
+        k_cache, v_cache: [num_slots, Hk, D] in q's dtype or float8_e4m3fn, stride 1 along D
+            (one layer's pool).
         loc: [T] int32/int64, contiguous, slots < num_slots; a slot named twice (the padding
             slot of CUDA graphs) ends up holding one of its tokens' values.
         deltas: (dq, dk, dv) float32 shaped like q, k, v, with stride 1 along D and the
@@ -127,8 +154,11 @@ def _check_store_args(k, v, k_cache, v_cache, loc) -> None:
     if v.shape != k.shape or v.dtype != k.dtype or v.device != k.device:
         raise ValueError(f"v {v.dtype} {tuple(v.shape)} must match k {k.dtype} {tuple(k.shape)}")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_heads(name, cache)
-        if cache.shape[1:] != k.shape[1:] or cache.dtype != k.dtype or cache.device != k.device:
+        if cache.dim() != 3 or cache.stride(2) != 1:
+            raise ValueError(f"{name} must be [num_slots, heads, head_dim] with stride 1 along "
+                             f"head_dim, got {tuple(cache.shape)}")
+        if (cache.shape[1:] != k.shape[1:] or cache.dtype not in (k.dtype, torch.float8_e4m3fn)
+                or cache.device != k.device):
             raise ValueError(
                 f"{name} {cache.dtype} {tuple(cache.shape)} must be [num_slots, "
                 f"{k.shape[1]}, {k.shape[2]}] {k.dtype} on {k.device}"

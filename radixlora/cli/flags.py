@@ -54,6 +54,9 @@ ENGINE_FLAGS = {
                                            "A and B rows in int8 with a scale per row, "
                                            "dequantized in the LoRA kernels, about half the "
                                            "bytes per adapter (default auto)"),
+    "kv_cache_dtype": (str, ("--kv-cache-dtype",), "KV cache storage; auto: the model's dtype; "
+                                                   "fp8 (or fp8_e4m3): e4m3 with scale 1, "
+                                                   "twice the tokens per GiB (default auto)"),
     "quantization": (str, ("--quantization",), "quantize a dense base's projections at load: "
                                                "nf4 as bitsandbytes does (blocksize 64), fp8 "
                                                "as e4m3 with a scale per output channel; a "
@@ -76,7 +79,8 @@ ENGINE_FLAGS = {
                                   "before the request is refused with a 400 (default 512)"),
 }
 CHOICES = {"device": DEVICE_CHOICES, "dtype": DTYPE_CHOICES, "lora_dtype": LORA_DTYPE_CHOICES,
-           "quantization": ("nf4", "fp8"), "qlora_mismatch": ("refuse", "serve")}
+           "quantization": ("nf4", "fp8"), "qlora_mismatch": ("refuse", "serve"),
+           "kv_cache_dtype": ("auto", "fp8", "fp8_e4m3")}
 
 
 class HelpFormatter(argparse.HelpFormatter):

@@ -105,8 +105,8 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, layer_id, out_cache_loc, meta: TorchAttentionMeta):
         self.kv_pool.store(layer_id, out_cache_loc, k, v)
         qp = q[meta.q_index].transpose(1, 2)
-        kp = self.kv_pool.k_cache[layer_id][meta.kv_slots].transpose(1, 2)
-        vp = self.kv_pool.v_cache[layer_id][meta.kv_slots].transpose(1, 2)
+        kp = self.kv_pool.k_cache[layer_id][meta.kv_slots].to(q.dtype).transpose(1, 2)
+        vp = self.kv_pool.v_cache[layer_id][meta.kv_slots].to(q.dtype).transpose(1, 2)
         group = qp.shape[1] // kp.shape[1]
         if group > 1:
             kp = kp.repeat_interleave(group, dim=1)
@@ -169,7 +169,7 @@ class TritonAttentionBackend(AttentionBackend):
         from radixlora_kernels.attention_extend import extend_block_m, extend_tiles
 
         lens = np.asarray(qo_lens, np.int64)
-        block_m = extend_block_m(self.head_dim, self.kv_pool.k_cache[0].dtype)
+        block_m = extend_block_m(self.head_dim, self.kv_pool.compute_dtype)
         tile_req, tile_m = extend_tiles(np.where(lens > 1, lens, 0), block_m)
         decodes = np.flatnonzero(lens == 1).astype(np.int32)
         packed = to_device(np.concatenate([decodes, tile_req, tile_m]), torch.int32, device)

@@ -101,8 +101,10 @@ def manifest_key(model_cfg, config, device_name: str) -> str:
     import triton
 
     model_cfg = dataclasses.replace(model_cfg, base_roots=None, qlora_mismatch="refuse")
+    # the target modules (inferred from the start-up adapters, which `radixlora warmup` is not
+    # given) only set pool row counts, which choose no kernel variant
     config = dataclasses.replace(config, host_adapter_bytes=None, compile_cache_dir=None, seed=0,
-                                 qlora_mismatch="refuse")
+                                 qlora_mismatch="refuse", lora_target_modules=None)
     parts = (model_cfg, config, device_name, triton.__version__, torch.__version__)
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 

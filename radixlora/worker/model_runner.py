@@ -114,6 +114,7 @@ class ModelRunner:
         self.device = device or torch.device(config.resolved_device())
         self.dtype = config.torch_dtype(model_cfg)
         self.lora_dtype = config.lora_pool_dtype(model_cfg)  # the adapter pool's storage
+        self.kv_dtype = config.kv_storage_dtype(model_cfg)  # the KV pool's storage
         self.attention_name = config.attention_backend
         cuda = self.device.type == "cuda"
         self.phases: dict[str, float] = {}  # start-up phase -> seconds (phase_line)
@@ -194,7 +195,7 @@ class ModelRunner:
     def _build_pools(self, num_slots: int, group_rows: dict[str, int], host_bytes: int) -> None:
         cfg = self.cfg
         self.kv_pool = KVPool(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim,
-                              self.dtype, self.device)
+                              self.kv_dtype, self.device, self.dtype)
         shard = self.tp.shard if self.tp is not None else None
         self.adapter_pool = AdapterPool(cfg, group_rows, self.lora_dtype, self.device,
                                         host_bytes, shard)
@@ -219,7 +220,7 @@ class ModelRunner:
             config, DeviceMemory(total, free), weights_bytes=weights,
             activation_bytes=max(prefill, decode), graph_bytes=graphs,
             kv_slot_bytes=KVPool.bytes_per_slot(self.cfg.num_layers, self.cfg.num_kv_heads,
-                                                self.cfg.head_dim, self.dtype),
+                                                self.cfg.head_dim, self.kv_dtype),
             group_row_bytes=group_row_bytes(self.cfg, self.lora_dtype),
         )
         log.info(self.sizing.line())
