@@ -7,7 +7,8 @@ decode), with requests ending early on stop tokens while the next step is in fli
 48 requests (decode graphs above LORA_DEFER_MAX_TOKENS, whose LoRA is not deferred). Sampling
 inside the graphs (seeded temperature, top-k, top-p, min-p and greedy rows in one batch) must
 draw the tokens of the torch reference sampler applied to the graph's own logits, and the
-reference path's tokens. Then every model family (Qwen3, Gemma 2, Gemma 3 and its multimodal
+reference path's tokens. An FP8 KV pool (--kv-cache-dtype fp8) must give the torch path's tokens
+and logprobs too. Then every model family (Qwen3, Gemma 2, Gemma 3 and its multimodal
 checkpoint, Phi-3 with partial rotary and longrope) on checkpoints saved by transformers, with
 PEFT adapters (LoRA, rsLoRA, DoRA, a stack), prompts longer than their sliding windows: the
 fast path against the torch path in fp32 (no sequence may differ) and in bf16 (sequences that
@@ -171,8 +172,14 @@ def main() -> int:
     checked_graphs(checked, counts)
     fast += checked.generate(prompts, mixed, adapters=specs)
     print(f"in-graph sampling vs the reference sampler on the graphs' logits: {counts}")
+    # an FP8 KV pool: the kernels' rounding and widening against the torch path's
+    fp8 = {**common, "kv_cache_dtype": "fp8"}
+    ref_fp8 = Engine(model, attention_backend="torch", lora_backend="torch", cuda_graph=False,
+                     overlap_schedule=False, **fp8).generate(prompts, params, adapters=specs)
+    fast += Engine(model, **fp8).generate(prompts, params, adapters=specs)
     worst, mismatches = 0.0, 0
-    for a, b in zip(ref * len(engines) + ref_stopping + ref_wide + ref_mixed, fast, strict=True):
+    refs = ref * len(engines) + ref_stopping + ref_wide + ref_mixed + ref_fp8
+    for a, b in zip(refs, fast, strict=True):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         mismatches += ta != tb
         worst = max(worst, *(abs(x - y) for x, y in zip(a.outputs[0].logprobs,
