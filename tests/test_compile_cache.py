@@ -21,7 +21,7 @@ from radixlora.config import EngineConfig, ModelConfig
 from radixlora.demo import DEMO_MODEL_DIR
 from radixlora.startup import phase_line
 from radixlora.worker import compile_cache
-from radixlora.worker.compile_cache import KernelCache, manifest_key
+from radixlora.worker.compile_cache import KernelCache, config_key, manifest_key
 from radixlora.worker.model_runner import ModelRunner
 
 
@@ -67,21 +67,66 @@ def preloaded(monkeypatch):
     knobs.runtime.jit_cache_hook = saved
 
 
-def test_manifest_key_is_the_same_for_serve_warmup_and_the_engine():
+def test_config_key_is_the_same_for_serve_warmup_and_the_engine():
     config = EngineConfig(max_rank=32)
     engine_cfg = ModelConfig.from_dir(DEMO_MODEL_DIR).served(config)
     server_cfg = dataclasses.replace(engine_cfg, base_roots=(str(DEMO_MODEL_DIR),))
     server_config = dataclasses.replace(config, host_adapter_bytes=1 << 30,
-                                        compile_cache_dir="/elsewhere", seed=7)
-    key = manifest_key(engine_cfg, config, "NVIDIA H200")
-    assert manifest_key(server_cfg, server_config, "NVIDIA H200") == key
-    assert manifest_key(engine_cfg, EngineConfig(max_rank=64), "NVIDIA H200") != key
-    assert manifest_key(engine_cfg, config, "NVIDIA H100") != key
+                                        compile_cache_dir="/elsewhere", seed=7,
+                                        lora_target_modules=("q_proj",))
+    key = config_key(engine_cfg, config, "NVIDIA H200")
+    assert config_key(server_cfg, server_config, "NVIDIA H200") == key
+    assert config_key(engine_cfg, EngineConfig(max_rank=64), "NVIDIA H200") != key
+    assert config_key(engine_cfg, config, "NVIDIA H100") != key
+
+
+def test_flags_that_only_choose_among_variants_share_one_manifest():
+    """A cache switch, a running limit, a memory share, a rank limit: one manifest (and a
+    config key each); a dtype, a KV cache dtype, a backend or another device: another."""
+    model = ModelConfig.from_dir(DEMO_MODEL_DIR)
+    base = EngineConfig()
+    key = manifest_key(model, base, "NVIDIA H100")
+    same = [dataclasses.replace(base, **change) for change in (
+        {"enable_radix_cache": False}, {"max_running": 64}, {"gpu_memory_utilization": 0.5},
+        {"max_rank": 16}, {"cuda_graph": False}, {"max_batch_tokens": 2048})]
+    assert {manifest_key(model, c, "NVIDIA H100") for c in same} == {key}
+    assert len({config_key(model, c, "NVIDIA H100") for c in [base, *same]}) == len(same) + 1
+    other = [dataclasses.replace(base, **change) for change in (
+        {"dtype": "float16"}, {"kv_cache_dtype": "fp8"}, {"lora_dtype": "int8"},
+        {"attention_backend": "torch"})]
+    assert key not in {manifest_key(model, c, "NVIDIA H100") for c in other}
+    assert manifest_key(model, base, "NVIDIA H200") != key
+
+
+def test_a_changed_flag_reuses_the_manifest_and_compiles_only_what_it_adds(tmp_path,
+                                                                           preloaded):
+    """Flags A record two variants; flags B (the same manifest) preload them, dry-run once
+    (B is not covered yet) and send only the variant A never launched to the compile
+    processes; then B is covered too and a third start with B or A does no dry run."""
+    first = KernelCache(tmp_path, "k", processes=2, config="A")
+    first.start_recording()
+    hook = knobs.runtime.jit_cache_hook
+    hook(**hook_args("rmsnorm", '{"a": 1}'))
+    hook(**hook_args("sgmv", '{"b": 2}'))
+    first.stop_recording(warn_late=False)
+    first.save()
+    changed = KernelCache(tmp_path, "k", processes=2, config="B")
+    assert len(changed.known) == 2 and not changed.covers_config
+    changed.start_recording()
+    with changed.dry_run():  # the two known variants are loaded: Triton asks about the new one
+        assert knobs.runtime.jit_cache_hook(**hook_args("sgmv", '{"b": 16}')) is True
+    assert [e[2] for e in FakeCompiler.sent] == ['{"b": 16}']
+    changed.finish()
+    changed.stop_recording(warn_late=False)
+    changed.save()
+    for config in ("A", "B"):
+        again = KernelCache(tmp_path, "k", processes=2, config=config)
+        assert again.covers_config and len(again.known) == 3
 
 
 def test_recorded_variants_become_the_manifest_a_later_start_preloads(tmp_path, preloaded):
     first = KernelCache(tmp_path, "k", processes=4)
-    assert not first.found_manifest
+    assert not first.known
     first.start_recording()
     hook = knobs.runtime.jit_cache_hook
     assert hook(**hook_args("rmsnorm", '{"a": 1}')) is None  # recorded, compiled as usual
@@ -92,7 +137,7 @@ def test_recorded_variants_become_the_manifest_a_later_start_preloads(tmp_path, 
     assert knobs.runtime.jit_cache_hook is None
 
     again = KernelCache(tmp_path, "k", processes=4)
-    assert again.found_manifest and len(again.known) == 2
+    assert len(again.known) == 2
     (tmp_path / "triton").mkdir()
     for i in range(2):  # the cache directory holds as many compiled kernels
         (tmp_path / "triton" / f"kernel{i}").mkdir()
@@ -143,7 +188,8 @@ def test_a_compile_after_warm_up_is_logged(tmp_path, preloaded, caplog):
 def test_a_damaged_manifest_is_ignored(tmp_path):
     (tmp_path / compile_cache.MANIFESTS).mkdir()
     (tmp_path / compile_cache.MANIFESTS / "k.json").write_text('{"version": 1, "kernels": [1')
-    assert not KernelCache(tmp_path, "k", 1).found_manifest
+    damaged = KernelCache(tmp_path, "k", 1, config="A")
+    assert not damaged.known and not damaged.covers_config
 
 
 def test_compile_process_answers_every_variant_even_one_it_cannot_compile(tmp_path,

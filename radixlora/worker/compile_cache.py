@@ -2,12 +2,14 @@
 
 Kernels compile into a directory that outlives the process (EngineConfig.compile_cache_dir,
 `--compile-cache-dir`; Triton's own cache format under triton/). Beside it, a manifest per
-model and engine configuration lists every kernel variant (Triton's specialization data) that
-configuration launched. A start that finds its manifest has those variants compiled, or read
-back from the cache, by several processes while the weights load, then loads them into this
-process before the first forward. A start without one runs every CUDA graph's forward once
-dry (kernels recorded, not launched), has the recorded variants compiled the same way, and
-writes the manifest when it is ready. Either way no variant is compiled twice, and none is
+model and kernel-relevant fields (manifest_key: dtypes, backends, device, versions) lists
+every kernel variant (Triton's specialization data) the configurations of that kind launched,
+and which configurations (config_key: every flag) it covers. A start has the manifest's
+variants compiled, or read back from the cache, by several processes while the weights load,
+then loads them into this process before the first forward. A start whose configuration the
+manifest does not cover runs every CUDA graph's forward once dry (variants not loaded are
+recorded, not launched), has those compiled the same way, and adds them and its configuration
+to the manifest when it is ready. Either way no variant is compiled twice, and none is
 compiled on the thread that launches steps after warm-up.
 
 The compile processes are `python -m radixlora.worker.compile_cache`, one JSON line per variant on
@@ -92,21 +94,40 @@ def write_bytecode(root: Path, modules=None) -> int:
     return written
 
 
+# the engine config's fields that the kernels' code depends on; the others (limits, pool sizes,
+# switches) only choose among variants of that code, so every configuration of one model, these
+# fields and one device shares one manifest, the union of the variants each one launched
+KERNEL_FIELDS = ("dtype", "lora_dtype", "kv_cache_dtype", "quantization", "lora_backend",
+                 "attention_backend")
+
+
 def manifest_key(model_cfg, config, device_name: str) -> str:
-    """The name of a configuration's manifest: a digest of what chooses kernel variants (the
-    model's shape and weight format, the engine config, the device, the Triton and torch
-    versions), the same for `radixlora warmup`, `radixlora serve` and the Engine given the
-    same flags."""
+    """The name of the manifest a configuration shares: a digest of the model's shape and
+    weight format, the KERNEL_FIELDS, the device and the Triton and torch versions."""
+    kernel_fields = {f: getattr(config, f) for f in KERNEL_FIELDS}
+    return _digest((_model_key(model_cfg), kernel_fields, device_name))
+
+
+def config_key(model_cfg, config, device_name: str) -> str:
+    """A digest of the whole configuration (the same for `radixlora warmup`, `radixlora serve`
+    and the Engine given the same flags): whether a dry run has found its variants yet."""
+    # the target modules (inferred from the start-up adapters, which `radixlora warmup` is not
+    # given) only set pool row counts
+    config = dataclasses.replace(config, host_adapter_bytes=None, compile_cache_dir=None, seed=0,
+                                 qlora_mismatch="refuse", lora_target_modules=None)
+    return _digest((_model_key(model_cfg), config, device_name))
+
+
+def _model_key(model_cfg):
+    return dataclasses.replace(model_cfg, base_roots=None, qlora_mismatch="refuse")
+
+
+def _digest(parts) -> str:
     import torch
     import triton
 
-    model_cfg = dataclasses.replace(model_cfg, base_roots=None, qlora_mismatch="refuse")
-    # the target modules (inferred from the start-up adapters, which `radixlora warmup` is not
-    # given) only set pool row counts, which choose no kernel variant
-    config = dataclasses.replace(config, host_adapter_bytes=None, compile_cache_dir=None, seed=0,
-                                 qlora_mismatch="refuse", lora_target_modules=None)
-    parts = (model_cfg, config, device_name, triton.__version__, torch.__version__)
-    return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
+    return hashlib.sha256(repr((*parts, triton.__version__, torch.__version__)).encode()
+                          ).hexdigest()[:24]
 
 
 Entry = tuple[str, str, str]  # (module, qualified name, Triton's specialization data)
@@ -115,13 +136,15 @@ Entry = tuple[str, str, str]  # (module, qualified name, Triton's specialization
 class KernelCache:
     """The variants one ModelRunner launches: recorded from start_recording() to
     stop_recording(), compiled ahead by start() (the manifest's) and in dry runs (those found),
-    loaded into this process by finish(), and kept in the manifest by save()."""
+    loaded into this process by finish(), and kept in the manifest by save(), with the
+    configurations (config_key) whose variants it holds."""
 
-    def __init__(self, root: Path, key: str, processes: int):
+    def __init__(self, root: Path, key: str, processes: int, config: str = ""):
         self.path = root / MANIFESTS / f"{key}.json"
         self.triton_dir = Path(os.environ.get("TRITON_CACHE_DIR") or root / "triton")
         self.processes = max(1, min(processes, MAX_COMPILE_PROCESSES))
-        self.known: dict[str, Entry] = _read_manifest(self.path)
+        self.config = config
+        self.known, self.configs = _read_manifest(self.path)
         self.seen: dict[str, Entry] = {}
         self.ahead: dict[str, Entry] = {}  # sent to the compile processes, loaded by finish()
         self.dry = False
@@ -131,8 +154,10 @@ class KernelCache:
         self.loaded = 0
 
     @property
-    def found_manifest(self) -> bool:
-        return bool(self.known)
+    def covers_config(self) -> bool:
+        """The manifest holds every variant this configuration launches (a start with it
+        recorded them): no dry run is needed."""
+        return self.config in self.configs
 
     def start(self) -> None:
         """Begin what finish() waits for, while the caller loads the weights: with a manifest
@@ -221,17 +246,18 @@ class KernelCache:
         return True
 
     def save(self) -> None:
-        """Write the manifest: the variants of this start (with the earlier ones kept), when
-        they differ from what was read."""
+        """Write the manifest: the variants of this start (with the earlier ones kept) and this
+        configuration among those it covers, when that changes what was read."""
         entries = {**self.known, **self.seen}
-        if entries.keys() == self.known.keys():
+        configs = sorted({*self.configs, self.config} - {""})
+        if entries.keys() == self.known.keys() and configs == self.configs:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"version": MANIFEST_VERSION,
+        tmp.write_text(json.dumps({"version": MANIFEST_VERSION, "configs": configs,
                                    "kernels": [list(e) for e in entries.values()]}))
         os.replace(tmp, self.path)
-        self.known = entries
+        self.known, self.configs = entries, configs
 
 
 def _late_compile(*, repr, **_) -> None:
@@ -245,15 +271,20 @@ def _cache_entries(path: Path) -> int:
         return 0
 
 
-def _read_manifest(path: Path) -> dict[str, Entry]:
+def _read_manifest(path: Path) -> tuple[dict[str, Entry], list[str]]:
+    """(the variants, the configurations they cover); nothing from a damaged manifest."""
     try:
         data = json.loads(path.read_text())
         if data.get("version") != MANIFEST_VERSION:
-            return {}
-        return {hashlib.sha256(e[2].encode()).hexdigest(): (e[0], e[1], e[2])
-                for e in data["kernels"]}
+            return {}, []
+        entries = {hashlib.sha256(e[2].encode()).hexdigest(): (e[0], e[1], e[2])
+                   for e in data["kernels"]}
+        configs = data.get("configs", [])
+        if not all(isinstance(c, str) for c in configs):
+            return {}, []
+        return entries, sorted(configs)
     except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
-        return {}
+        return {}, []
 
 
 def _jit_function(module: str, qualname: str):

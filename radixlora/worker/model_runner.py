@@ -154,9 +154,12 @@ class ModelRunner:
         processes that split the cores between tensor-parallel ranks) while the weights
         load."""
         root = compile_cache.use_cache_dir(config.compile_cache_dir)
-        key = compile_cache.manifest_key(self.cfg, config, torch.cuda.get_device_name(self.device))
+        device = torch.cuda.get_device_name(self.device)
         ranks = self.tp.size if self.tp is not None else 1
-        kernels = compile_cache.KernelCache(root, key, (os.cpu_count() or 2) // ranks - 1)
+        kernels = compile_cache.KernelCache(root, compile_cache.manifest_key(self.cfg, config,
+                                                                             device),
+                                            (os.cpu_count() or 2) // ranks - 1,
+                                            compile_cache.config_key(self.cfg, config, device))
         kernels.start_recording()
         kernels.start()
         return kernels
@@ -183,9 +186,10 @@ class ModelRunner:
             self._inner = outer + elapsed
 
     def compile_dry(self, run) -> None:
-        """On a start without a kernel manifest: run `run` dry, its kernel variants compiled in
-        parallel processes, then loaded (see radixlora.worker.compile_cache)."""
-        if self.kernels is None or self.kernels.found_manifest:
+        """On a start whose configuration the kernel manifest does not cover yet: run `run`
+        dry, the kernel variants the manifest lacks compiled in parallel processes, then loaded
+        (see radixlora.worker.compile_cache)."""
+        if self.kernels is None or self.kernels.covers_config:
             return
         with self.phase("compile"):
             with self.kernels.dry_run():
