@@ -22,7 +22,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _load_kv_rows(cache, slots, kv_head, stride_s, stride_h, offs_d, mask, dtype):
+def _load_kv_rows(cache, slots, kv_head, stride_s, stride_h, offs_d, mask, dtype: tl.constexpr):
     """The rows in `dtype` (q's): an FP8 pool's values widen exactly."""
     ptrs = cache + slots[:, None] * stride_s + kv_head * stride_h + offs_d[None, :]
     return tl.load(ptrs, mask=mask, other=0.0).to(dtype)
