@@ -7,13 +7,17 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from radixlora.errors import ModelLoadError
 from radixlora.families import family_for
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# the model dtypes torch_dtype resolves, by name: torch is imported only where a dtype is asked
+# for, so the processes that only read configs and parse requests (the api) start without it
+DTYPES = ("float32", "bfloat16", "float16")
 LORA_DTYPES = ("auto", "int8")  # the adapter pool's storage: the model's dtype, or int8 rows
 # the KV cache's storage: the model's dtype, or FP8 e4m3 (vLLM's and SGLang's spellings)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -428,7 +432,9 @@ class EngineConfig:
                 name = "float32"
         if name not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or auto, got {name!r}")
-        return DTYPES[name]
+        import torch
+
+        return getattr(torch, name)
 
     def group_rows(self) -> dict[str, int]:
         """Rows of each module group's adapter pool (sized): `adapter_rows` for the target
@@ -440,6 +446,8 @@ class EngineConfig:
 
     def kv_storage_dtype(self, model: ModelConfig) -> torch.dtype:
         """The KV pool's storage dtype: FP8 e4m3 or the model's compute dtype."""
+        import torch
+
         if self.kv_cache_dtype.startswith("fp8"):
             return torch.float8_e4m3fn
         return self.torch_dtype(model)
@@ -447,9 +455,13 @@ class EngineConfig:
     def lora_pool_dtype(self, model: ModelConfig) -> torch.dtype:
         """The adapter pool's storage dtype: int8 (rows dequantized in the LoRA kernels) or
         the model's compute dtype."""
+        import torch
+
         return torch.int8 if self.lora_dtype == "int8" else self.torch_dtype(model)
 
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
+        import torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -19,12 +19,12 @@ Every rank lays its slices out at the same pool rows, so the scheduler sees one 
 
 The process group is gloo on the CPU and NCCL on CUDA (model collectives on the device); the
 plan broadcast always runs on a gloo group, as msgpack bytes (never pickled). The ranks may span
-nodes (node_ranks): their collectives and that broadcast are the only traffic between hosts."""
+nodes (radixlora.topology): their collectives and that broadcast are the only traffic between
+hosts."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from datetime import timedelta
 
 import msgspec
@@ -35,7 +35,6 @@ from radixlora.config import FUSED_MODULES, ModelConfig
 from radixlora.errors import ModelLoadError
 from radixlora.step_plan import StepMasks, StepPlan
 
-TP_RANK_ENV = "RADIXLORA_TP_RANK"  # set by the launcher on each worker rank's process
 COLUMN_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # rank 0 ticks the others far more often
 
@@ -218,24 +217,8 @@ class TensorParallel:
             dist.destroy_process_group()
 
 
-def node_ranks(size: int, nnodes: int, node_rank: int) -> range:
-    """The ranks node `node_rank` of `nnodes` runs: size / nnodes consecutive ones, so node 0
-    holds rank 0 (the one the scheduler talks to)."""
-    per_node = size // nnodes
-    return range(node_rank * per_node, (node_rank + 1) * per_node)
-
-
 def local_device(device: torch.device, rank: int, size: int, nnodes: int) -> torch.device:
     """The device rank `rank` drives: on CUDA its node's cuda:<local rank>."""
     if device.type != "cuda":
         return device
     return torch.device("cuda", rank % (size // nnodes))
-
-
-def rank_from_env() -> int:
-    return int(os.environ.get(TP_RANK_ENV, "0"))
-
-
-def worker_rank_name(rank: int) -> str:
-    """The process name of a worker rank: rank 0 is the worker, the others worker-tp<rank>."""
-    return "worker" if rank == 0 else f"worker-tp{rank}"

@@ -21,7 +21,8 @@ from radixlora.errors import AdapterError, InvalidRequestError, RadixLoraError
 from radixlora.lora.adapter import LoraAdapter
 from radixlora.model.loader import base_version
 from radixlora.sampling_params import SamplingParams
-from radixlora.sched.adapter_registry import AdapterRegistry, parse_spec
+from radixlora.sched.adapter_choice import parse_spec
+from radixlora.sched.adapter_registry import AdapterRegistry
 from radixlora.sched.grammar_compiler import GrammarCompiler
 from radixlora.sched.intake import Intake, check_prompt_ids
 from radixlora.sched.request import AdapterSet, Req, ReqStatus, uses_adapter

@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from radixlora.sched.adapter_registry import AdapterChoice
+from radixlora.sched.adapter_choice import AdapterChoice
 from radixlora.server.procs.router import PrefixTree, Router, namespace_of
 
 

@@ -17,7 +17,7 @@ import torch
 from radixlora import Engine, SamplingParams
 from radixlora.config import MODULE_GROUPS, EngineConfig
 from radixlora.lora.layout import bytes_per_row, group_row_bytes, load_bytes
-from radixlora.sched.adapter_registry import parse_spec
+from radixlora.sched.adapter_choice import parse_spec
 from radixlora.sched.request import uses_adapter
 from radixlora.worker.sizing import DeviceMemory, size_pools
 from tests.conftest import assert_all_free

@@ -12,7 +12,7 @@ import time
 import httpx
 
 from radixlora.sampling_params import SamplingParams
-from radixlora.sched.adapter_registry import AdapterChoice
+from radixlora.sched.adapter_choice import AdapterChoice
 from radixlora.server.http.bridge import Generation
 from radixlora.server.http.metrics import Metrics
 from radixlora.server.messages import (

@@ -27,9 +27,10 @@ import torch
 from radixlora import SamplingParams
 from radixlora.cli import main
 from radixlora.cli.flags import multinode
-from radixlora.distributed import local_device, node_ranks
+from radixlora.distributed import local_device
 from radixlora.server.args import ServerArgs
 from radixlora.structured import Structure
+from radixlora.topology import node_ranks
 from tests.server_harness import (
     ENGINE_FLAGS,
     MODEL_NAME,

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from radixlora.errors import InvalidRequestError
-from radixlora.sched.adapter_registry import check_adapter_name
+from radixlora.sched.adapter_choice import check_adapter_name
 from radixlora.text.chat import ChatTemplate
 from radixlora.text.tokenizer import Tokenizer
 from scripts.checkpoints import SPECIALS

@@ -3,8 +3,8 @@ one's environment adds, for one replica, several replicas and tensor-parallel ra
 
 from __future__ import annotations
 
-from radixlora.distributed import TP_RANK_ENV
 from radixlora.server.procs.supervisor import ChildSpec, core_specs, proc_kind
+from radixlora.topology import TP_RANK_ENV
 
 
 def test_one_replica_is_the_three_core_children_by_their_plain_names():

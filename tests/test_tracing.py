@@ -16,7 +16,7 @@ from opentelemetry.trace import StatusCode
 
 from radixlora.errors import RadixLoraError
 from radixlora.sampling_params import SamplingParams
-from radixlora.sched.adapter_registry import AdapterChoice
+from radixlora.sched.adapter_choice import AdapterChoice
 from radixlora.server.args import Endpoints, ServerArgs
 from radixlora.server.http.bridge import ProcessBridge
 from radixlora.server.http.tracing import Tracer

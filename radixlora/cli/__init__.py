@@ -153,10 +153,11 @@ def prepare(args: argparse.Namespace):
         engine.max_context(model_cfg.served(engine))
     except (ValueError, RadixLoraError) as e:
         raise StartError(_flag_hint(str(e))) from e
-    from radixlora.lora.adapter import check_header
-    from radixlora.sched.adapter_registry import check_adapter_name
+    from radixlora.sched.adapter_choice import check_adapter_name
 
     served = server_args.served_model(engine)
+    if adapters:  # reading adapters needs torch, which the api process otherwise never imports
+        from radixlora.lora.adapter import check_header
     for name, path in adapters.items():
         try:
             check_adapter_name(name, frozenset({server_args.model_name}))

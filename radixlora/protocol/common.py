@@ -12,7 +12,7 @@ import msgspec
 
 from radixlora.errors import InvalidRequestError
 from radixlora.sampling_params import SamplingParams
-from radixlora.sched.adapter_registry import BASE_ALIAS, AdapterChoice
+from radixlora.sched.adapter_choice import BASE_ALIAS, AdapterChoice
 
 MAX_STOP_STRINGS = 16
 

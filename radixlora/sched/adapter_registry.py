@@ -8,61 +8,19 @@ request's adapter identity, from which the cache namespace and the pool rows der
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from pathlib import Path
-
-import msgspec
 
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
 from radixlora.lora.adapter import LoraAdapter, load_adapter
 from radixlora.lora.registration import HashCache, load_adapters
+from radixlora.sched.adapter_choice import (
+    AdapterChoice,
+    adapter_weight,
+    check_adapter_name,
+)
 from radixlora.sched.request import AdapterSet
-
-MAX_ADAPTER_NAME = 128
-MAX_ADAPTER_WEIGHT = 100.0  # |weight| of one adapter in a stack: larger only overflows activations
-
-
-class AdapterChoice(msgspec.Struct, array_like=True):
-    """One adapter of a request's choice, by served name, not yet resolved."""
-
-    name: str
-    weight: float = 1.0
-
-
-def parse_spec(spec) -> list[AdapterChoice] | None:
-    """A Python adapter spec (None, a name, or a list of names / (name, weight) pairs) as
-    AdapterChoices; None is the base model."""
-    if spec is None:
-        return None
-    pairs = [spec] if isinstance(spec, (str, AdapterChoice)) else list(spec)
-    return [p if isinstance(p, AdapterChoice) else _choice(p) for p in pairs]
-
-
-def _choice(pair) -> AdapterChoice:
-    if isinstance(pair, str):
-        return AdapterChoice(pair)
-    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)):
-        raise InvalidRequestError(
-            f"an adapter entry must be a name or (name, weight), got {pair!r}", param="adapters"
-        )
-    return AdapterChoice(pair[0], _weight(pair[1]))
-
-
-def _weight(weight) -> float:
-    """The one bound on stack weights, for every edge (HTTP, ZeroMQ, Python)."""
-    if (
-        isinstance(weight, bool)
-        or not isinstance(weight, (int, float))
-        or not math.isfinite(weight)
-        or abs(weight) > MAX_ADAPTER_WEIGHT
-    ):
-        raise InvalidRequestError(
-            f"adapter weight must be a finite number in [-{MAX_ADAPTER_WEIGHT:g}, "
-            f"{MAX_ADAPTER_WEIGHT:g}], got {weight!r}", param="adapters"
-        )
-    return float(weight)
 
 
 class AdapterRegistry:
@@ -156,7 +114,7 @@ class AdapterRegistry:
                 raise InvalidRequestError(f"adapter {choice.name!r} is named twice",
                                           param="adapters")
             seen.add(choice.name)
-            resolved.append((self.by_name[choice.name], _weight(choice.weight)))
+            resolved.append((self.by_name[choice.name], adapter_weight(choice.weight)))
         _check_dora_alone(resolved)
         return AdapterSet.of(resolved)
 
@@ -175,25 +133,3 @@ def _check_dora_alone(resolved: list[tuple[LoraAdapter, float]]) -> None:
         )
 
 
-# `model` in a request naming the base model whatever its served name (SGLang's default)
-BASE_ALIAS = "default"
-
-
-def check_adapter_name(name, reserved: frozenset[str] = frozenset()) -> None:
-    if not isinstance(name, str) or not name or len(name) > MAX_ADAPTER_NAME:
-        raise InvalidRequestError(
-            f"adapter names must be 1-{MAX_ADAPTER_NAME} characters", param="name"
-        )
-    if any(c in name for c in "/\\:\0") or name in (".", ".."):
-        raise InvalidRequestError(
-            f"adapter name {name!r} may not contain / \\ : or NUL", param="name"
-        )
-    if name in reserved:
-        raise InvalidRequestError(
-            f"adapter name {name!r} is the served model's name; choose another", param="name"
-        )
-    if name == BASE_ALIAS:
-        raise InvalidRequestError(
-            f"adapter name {name!r} stands for the base model in requests (as in SGLang); "
-            "choose another", param="name"
-        )

@@ -15,7 +15,7 @@ import zmq
 
 from radixlora.errors import RadixLoraError
 from radixlora.sampling_params import SamplingParams
-from radixlora.sched.adapter_registry import parse_spec
+from radixlora.sched.adapter_choice import parse_spec
 from radixlora.server.http.bridge import Sample
 from radixlora.server.ipc import check_local
 from radixlora.server.messages import (

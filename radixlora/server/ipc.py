@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import NoReturn
 
 import msgspec
-import torch
 import zmq
 
 from radixlora.errors import RadixLoraError
@@ -146,6 +145,8 @@ def child_main(proc: str, run, torch_threads: int | None = 1) -> None:
     worker's compiles and with each other (run 33: 8 adapters took 70 s to validate)."""
     args = read_args()
     if torch_threads is not None:
+        import torch  # here: the api process imports this module and never needs torch
+
         torch.set_num_threads(torch_threads)
     replica = args.data_parallel_size > 1 and proc in ("scheduler", "worker")
     setup_logging(args.log_level, f"{proc}-dp{args.dp_rank}" if replica else proc)

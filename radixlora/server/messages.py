@@ -34,7 +34,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from radixlora.sampling_params import SamplingParams
-from radixlora.sched.adapter_registry import AdapterChoice as AdapterChoice
+from radixlora.sched.adapter_choice import AdapterChoice as AdapterChoice
 from radixlora.step_plan import StepMasks, StepPlan, StepResult, StepTotals
 from radixlora.step_plan import bytes_to_ids as bytes_to_ids
 from radixlora.step_plan import ids_to_bytes as ids_to_bytes

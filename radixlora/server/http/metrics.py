@@ -18,7 +18,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from radixlora.sched.adapter_registry import AdapterChoice
+from radixlora.sched.adapter_choice import AdapterChoice
 from radixlora.server.messages import AdapterEvent, RouterStats, SampleOutput, SchedulerStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5, 10, 30, 60)

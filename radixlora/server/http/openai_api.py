@@ -28,7 +28,7 @@ from radixlora.protocol.responses import (
     usage,
 )
 from radixlora.protocol.tools import ToolChoice
-from radixlora.sched.adapter_registry import BASE_ALIAS
+from radixlora.sched.adapter_choice import BASE_ALIAS
 from radixlora.server.http.bridge import Generation, ProcessBridge, Sample
 from radixlora.server.http.common import (
     SSE_DONE,

@@ -32,9 +32,8 @@ import uvloop
 import zmq
 
 from radixlora.config import ModelConfig
-from radixlora.distributed import node_ranks
 from radixlora.sampling_params import SamplingParams
-from radixlora.sched.adapter_registry import AdapterChoice
+from radixlora.sched.adapter_choice import AdapterChoice
 from radixlora.server.args import Endpoints, ServerArgs
 from radixlora.server.http.api import Api
 from radixlora.server.http.bridge import Health, ProcessBridge, ReqFailed
@@ -53,6 +52,7 @@ from radixlora.server.procs.supervisor import (
     wait_for,
 )
 from radixlora.startup import phase_line, process_age_s
+from radixlora.topology import node_ranks
 
 log = logging.getLogger(__name__)
 

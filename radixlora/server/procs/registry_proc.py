@@ -45,7 +45,7 @@ from radixlora.errors import AdapterError, InvalidRequestError
 from radixlora.lora.adapter import CHANGING, LoraAdapter, content_hash, read_adapter_files
 from radixlora.lora.layout import PoolLayout, pool_layouts
 from radixlora.lora.registration import HashCache, load_adapters
-from radixlora.sched.adapter_registry import check_adapter_name
+from radixlora.sched.adapter_choice import check_adapter_name
 from radixlora.sched.token_bucket import TokenBucket
 from radixlora.server.args import ServerArgs
 from radixlora.server.ipc import (

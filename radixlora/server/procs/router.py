@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from radixlora.sched.adapter_registry import AdapterChoice
+from radixlora.sched.adapter_choice import AdapterChoice
 
 POLICIES = ("cache_aware", "round_robin")
 CACHE_THRESHOLD = 0.5  # share of the prompt a cached prefix must cover to decide alone

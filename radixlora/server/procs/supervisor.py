@@ -21,10 +21,10 @@ from pathlib import Path
 
 import msgspec
 
-from radixlora.distributed import TP_RANK_ENV, node_ranks, worker_rank_name
 from radixlora.server.args import ServerArgs
 from radixlora.server.ipc import Inbox
 from radixlora.server.messages import Heartbeat, Ready, Sized
+from radixlora.topology import TP_RANK_ENV, node_ranks, worker_rank_name
 from radixlora.worker import compile_cache
 
 log = logging.getLogger(__name__)

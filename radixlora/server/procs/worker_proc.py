@@ -15,7 +15,7 @@ import torch
 import zmq
 
 from radixlora.config import ModelConfig
-from radixlora.distributed import TensorParallel, local_device, rank_from_env, worker_rank_name
+from radixlora.distributed import TensorParallel, local_device
 from radixlora.errors import AdapterError
 from radixlora.lora.adapter import LoraAdapter, load_adapter
 from radixlora.lora.packer import ProcessPacker
@@ -32,6 +32,7 @@ from radixlora.server.ipc import (
 from radixlora.server.messages import InvalidMessage, Sized, WorkerInbox
 from radixlora.server.procs.adapter_store import snapshot_roots
 from radixlora.step_plan import AdapterLoad, StepMasks, StepPlan, StepResult
+from radixlora.topology import rank_from_env, worker_rank_name
 from radixlora.worker.adapter_reader import WARM_READERS
 from radixlora.worker.executor import StepExecutor
 from radixlora.worker.model_runner import ModelRunner
