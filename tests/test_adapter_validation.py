@@ -23,7 +23,8 @@ from radixlora import (
 )
 from radixlora.config import ModelConfig
 from radixlora.lora.adapter import read_adapter_files
-from radixlora.sched.adapter_registry import MAX_ADAPTER_WEIGHT, AdapterRegistry
+from radixlora.sched.adapter_choice import MAX_ADAPTER_WEIGHT
+from radixlora.sched.adapter_registry import AdapterRegistry
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 

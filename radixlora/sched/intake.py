@@ -14,7 +14,8 @@ import numpy as np
 from radixlora.config import EngineConfig, ModelConfig
 from radixlora.errors import AdapterNotFoundError, InvalidRequestError
 from radixlora.sampling_params import SamplingParams
-from radixlora.sched.adapter_registry import AdapterChoice, AdapterRegistry
+from radixlora.sched.adapter_choice import AdapterChoice
+from radixlora.sched.adapter_registry import AdapterRegistry
 from radixlora.sched.grammar_compiler import GrammarCompiler
 from radixlora.sched.request import (
     AdapterSet,
