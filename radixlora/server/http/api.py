@@ -219,25 +219,26 @@ class Api:
         ]
         return data + served + validating
 
-    @guarded
-    async def completions(self, request: Request) -> Response:
+    async def accepted(self, request: Request, schema):
+        """(the caller's identity, the body decoded into `schema`) of a generation request,
+        once the key is checked and the server is accepting work."""
         owner = self.access.identity(request)
         self.runtime.check_accepting()
-        req = await read_json(request, CompletionRequest, self.args.max_body_bytes)
+        return owner, await read_json(request, schema, self.args.max_body_bytes)
+
+    @guarded
+    async def completions(self, request: Request) -> Response:
+        owner, req = await self.accepted(request, CompletionRequest)
         return await self.openai.completions(request, req, owner)
 
     @guarded
     async def chat(self, request: Request) -> Response:
-        owner = self.access.identity(request)
-        self.runtime.check_accepting()
-        req = await read_json(request, ChatRequest, self.args.max_body_bytes)
+        owner, req = await self.accepted(request, ChatRequest)
         return await self.openai.chat(request, req, owner)
 
     @guarded
     async def create_response(self, request: Request) -> Response:
-        owner = self.access.identity(request)
-        self.runtime.check_accepting()
-        req = await read_json(request, ResponsesRequest, self.args.max_body_bytes)
+        owner, req = await self.accepted(request, ResponsesRequest)
         return await self.responses.create(request, req, owner)
 
     @guarded
@@ -254,9 +255,7 @@ class Api:
 
     @guarded
     async def generate(self, request: Request) -> Response:
-        owner = self.access.identity(request)
-        self.runtime.check_accepting()
-        req = await read_json(request, GenerateRequest, self.args.max_body_bytes)
+        owner, req = await self.accepted(request, GenerateRequest)
         return await self.sglang.generate(request, req, owner)
 
     @guarded
