@@ -1192,24 +1192,21 @@ def add_server_args(p: argparse.ArgumentParser, tiny_help: str) -> None:
                    help="where random weights are drawn (auto: cuda if available)")
 
 
-def rates(value: str) -> list[float]:
-    try:
-        out = sorted(float(v) for v in value.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected R[,R...], got {value!r}") from None
-    if any(r <= 0 for r in out):
-        raise argparse.ArgumentTypeError("rates must be > 0")
-    return out
+def positive_list(kind):
+    """An argparse type: comma-separated positive numbers of `kind`, distinct, ascending."""
+    def parse(value: str) -> list:
+        try:
+            out = sorted({kind(v) for v in value.split(",") if v.strip()})
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, got {value!r}"
+                                             ) from None
+        if not out or out[0] <= 0:
+            raise argparse.ArgumentTypeError(f"expected numbers > 0, got {value!r}")
+        return out
+    return parse
 
 
-def counts(value: str) -> list[int]:
-    try:
-        out = [int(v) for v in value.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N[,N...], got {value!r}") from None
-    if any(n < 1 for n in out):
-        raise argparse.ArgumentTypeError("adapter counts must be >= 1")
-    return out
+counts, rates = positive_list(int), positive_list(float)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

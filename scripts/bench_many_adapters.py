@@ -582,19 +582,15 @@ def print_table(results: dict) -> None:
 
 # ---- main -----------------------------------------------------------------------------------
 
-def counts_arg(text: str) -> list[int]:
-    return sorted({int(x) for x in text.split(",") if x.strip()})
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workloads", default=",".join(ALL_WORKLOADS),
                    help="comma-separated subset of s,c,start")
     bench_e2e.add_server_args(p, "tiny checkpoint, 24 adapters, scaled-down workloads, on "
                                  "the CPU")
-    p.add_argument("--s-counts", default=None,
+    p.add_argument("--s-counts", type=bench_e2e.counts, default=None,
                    help="s: adapter counts N' (default 5,1000; --tiny 2,24)")
-    p.add_argument("--c-counts", default=None,
+    p.add_argument("--c-counts", type=bench_e2e.counts, default=None,
                    help="c: MANY,FEW adapters (default 1000,5; --tiny 24,2)")
     p.add_argument("--start-flags", action="store_true",
                    help="start: a second launch with N --adapter flags")
@@ -610,10 +606,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown workloads {sorted(unknown)}; choose from s,c,start")
     scale = TINY if args.tiny else FULL
-    args.counts = counts_arg(args.s_counts) if args.s_counts else list(scale.s_counts)
-    c_counts = counts_arg(args.c_counts) if args.c_counts else [scale.c_few, scale.c_many]
-    if len(c_counts) != 2 or min(args.counts + c_counts) < 1:
-        p.error("--c-counts takes MANY,FEW (two different counts); counts are >= 1")
+    args.counts = args.s_counts or list(scale.s_counts)
+    c_counts = args.c_counts or [scale.c_few, scale.c_many]
+    if len(c_counts) != 2:
+        p.error("--c-counts takes MANY,FEW (two different counts)")
     args.scale = dataclasses.replace(scale, c_few=c_counts[0], c_many=c_counts[1])
     return args
 
