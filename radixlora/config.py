@@ -113,6 +113,14 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     local_rope: RopeConfig | None = None
     rotary_dim: int | None = None
+    # a mixture-of-experts base (qwen3_moe, mixtral): the experts of an MoE layer, the experts
+    # each token is routed to, an expert's intermediate size, whether the top-k routing weights
+    # are renormalised to sum to 1, and which layers are MoE (empty: a dense base)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] = ()
     # the served base's weight format: "nf4" (bitsandbytes 4-bit), "fp8", or None (dense); a
     # checkpoint's own quantization_config, or what EngineConfig.quantization asks at load
     quantization: str | None = None
@@ -207,6 +215,20 @@ class ModelConfig:
     def family_spec(self):
         """The Family this base belongs to (radixlora.families)."""
         return family_for(self.arch)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.moe_layers)
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
+    @property
+    def lora_modules(self) -> tuple[str, ...]:
+        """The projections adapters of this base may target: on an MoE base, attention's
+        (LoRA on the experts and the router is refused by name)."""
+        return LORA_MODULES[:4] if self.is_moe else LORA_MODULES
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window; None: it attends to the whole context."""

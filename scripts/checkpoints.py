@@ -25,9 +25,14 @@ ARCHITECTURES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
     "phi3": "Phi3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
-# the projections PEFT adapters of each family target (Phi-3 keeps q/k/v and gate/up fused)
-FAMILY_TARGETS = {"phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+# the projections PEFT adapters of each family target (Phi-3 keeps q/k/v and gate/up fused;
+# on MoE bases radixlora serves LoRA on attention)
+FAMILY_TARGETS = {"phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+                  "qwen3_moe": ("q_proj", "k_proj", "v_proj", "o_proj"),
+                  "mixtral": ("q_proj", "k_proj", "v_proj", "o_proj")}
 # Gemma 3's multimodal checkpoint: adapters target the language model's projections only
 LANGUAGE_ONLY = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 SMALL_SHAPE = dict(
@@ -256,8 +261,23 @@ def _phi3(common: dict):
                                    "long_factor": [2.0 + 0.3 * i for i in range(rotary_half)]})
 
 
+def _qwen3_moe(common: dict):
+    """Three layers, the middle one a dense MLP (mlp_only_layers); 6 experts of 32 channels,
+    2 per token, their weights renormalised."""
+    return hf_config("qwen3_moe", **{**common, "num_hidden_layers": 3}, head_dim=32,
+                     moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
+                     norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1,
+                     tie_word_embeddings=False)
+
+
+def _mixtral(common: dict):
+    """4 experts, 2 per token, a sliding window over every layer."""
+    return hf_config("mixtral", **{**common, "intermediate_size": 48}, num_local_experts=4,
+                     num_experts_per_tok=2, sliding_window=24, tie_word_embeddings=False)
+
+
 FAMILY_CONFIGS = {"qwen3": _qwen3, "gemma2": _gemma2, "gemma3_text": _gemma3_text,
-                  "gemma3": _gemma3, "phi3": _phi3}
+                  "gemma3": _gemma3, "phi3": _phi3, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral}
 
 
 def build_hf_model(path: Path, arch: str, sharded: bool = False, seed: int = 0) -> Path:

@@ -65,7 +65,7 @@ def sampling_params(n: int) -> list[SamplingParams]:
             for i in range(n)]
 
 
-FAMILIES = ("qwen3", "gemma2", "gemma3_text", "gemma3", "phi3")
+FAMILIES = ("qwen3", "gemma2", "gemma3_text", "gemma3", "phi3", "qwen3_moe", "mixtral")
 
 
 def family_adapters(model: Path, root: Path, arch: str) -> dict[str, Path]:

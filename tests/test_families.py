@@ -143,9 +143,9 @@ def test_two_ranks_answer_what_one_device_does(arch, family, tmp_path):
 
 
 def test_unsupported_architectures_and_targets_are_refused_by_name(family, tmp_path):
-    with pytest.raises(ModelLoadError, match=r"unsupported model_type 'qwen3_moe'.*closest is "
-                                             r"'qwen3'"):
-        ModelConfig.from_hf({"model_type": "qwen3_moe"})
+    with pytest.raises(ModelLoadError, match=r"unsupported model_type 'qwen2_moe'.*closest is "
+                                             r"'qwen3_moe'"):
+        ModelConfig.from_hf({"model_type": "qwen2_moe"})
     model, adapters = family("qwen3")
     embed = build_peft_adapter(model, tmp_path / "embed", seed=3, r=4, lora_alpha=8,
                                target_modules=["q_proj", "embed_tokens"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import pkgutil
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +28,8 @@ class Family:
     text_config: the key of a multimodal config whose value is the language model's config.
     renames: checkpoint name prefixes mapped to the decoder's ("model.language_model." ->
     "model."), tried in order; skip: prefixes of tensors the decoder does not keep (a vision
-    tower). The same renames apply to adapter keys.
+    tower). The same renames apply to adapter keys; then `patterns` (regex, replacement) rewrite
+    names inside a key (Mixtral's block_sparse_moe.experts.N.w1 -> mlp.experts.N.gate_proj).
     fused_lora: PEFT adapters of this family target qkv_proj and gate_up_proj (one A, one B
     stacked over the modules), which load as their modules' pairs."""
 
@@ -38,6 +40,7 @@ class Family:
     renames: tuple[tuple[str, str], ...] = ()
     skip: tuple[str, ...] = ()
     fused_lora: bool = False
+    patterns: tuple[tuple[str, str], ...] = ()
 
     def rename(self, name: str) -> str | None:
         """A checkpoint (or adapter) tensor name as the decoder names it; None: not kept."""
@@ -46,7 +49,10 @@ class Family:
                 return None
         for old, new in self.renames:
             if name.startswith(old):
-                return new + name[len(old):]
+                name = new + name[len(old):]
+                break
+        for pattern, replacement in self.patterns:
+            name = re.sub(pattern, replacement, name)
         return name
 
 
@@ -63,6 +69,15 @@ def windows(config: dict, types: list[str]) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: global attention)."""
     window = config.get("sliding_window")
     return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def moe_traits(config: dict, num_experts: int, moe_layer: Callable[[int], bool]) -> dict:
+    """The ModelConfig fields of a mixture-of-experts config: `num_experts` per MoE layer,
+    `moe_layer(i)` whether layer i is one."""
+    return {"num_experts": num_experts, "experts_per_token": config["num_experts_per_tok"],
+            "moe_intermediate_size": config.get("moe_intermediate_size")
+            or config["intermediate_size"],
+            "moe_layers": tuple(moe_layer(i) for i in range(config["num_hidden_layers"]))}
 
 
 def _families() -> dict[str, Family]:

@@ -5,7 +5,7 @@ the small sizes, and a sliding window from max_window_layers on when use_sliding
 from radixlora.families import Family, layer_types, windows
 
 
-def _traits(config: dict) -> dict:
+def traits(config: dict) -> dict:
     slide = config.get("use_sliding_window", False)
     types = layer_types(config, lambda i: "sliding_attention" if slide and i >= config.get(
         "max_window_layers", 0) else "full_attention")
@@ -14,4 +14,4 @@ def _traits(config: dict) -> dict:
             "layer_windows": windows(config, types)}
 
 
-QWEN3 = Family(name="Qwen3", model_types=("qwen3",), traits=_traits)
+QWEN3 = Family(name="Qwen3", model_types=("qwen3",), traits=traits)

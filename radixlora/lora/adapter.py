@@ -93,6 +93,7 @@ class LoraConfig(msgspec.Struct, kw_only=True):
     modules_to_save: list[str] | None = None
     fan_in_fan_out: bool | None = False
     trainable_token_indices: list[int] | dict[str, list[int]] | None = None
+    target_parameters: list[str] | None = None  # PEFT's LoRA on parameters (fused experts)
     base_model_name_or_path: str | None = None
     # radixlora's own key: the weight format of the base the adapter was trained on ("nf4" for
     # QLoRA, "none" for a dense base); without it, the format its base_model_name_or_path's
@@ -435,6 +436,7 @@ def _parse_config(name: str, raw: bytes) -> LoraConfig:
         "modules_to_save": "modules_to_save",
         "fan_in_fan_out": "fan_in_fan_out",
         "trainable_token_indices": "trainable tokens",
+        "target_parameters": "target_parameters (LoRA on parameters, such as fused experts)",
     }
     for key, what in unsupported.items():
         if getattr(config, key):
@@ -628,7 +630,7 @@ def _pair_tensors(name, tensors, model: ModelConfig):
     halves: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
     magnitudes: dict[str, torch.Tensor] = {}
     family = model.family_spec
-    targets = LORA_MODULES + (tuple(FUSED_MODULES) if family.fused_lora else ())
+    targets = model.lora_modules + (tuple(FUSED_MODULES) if family.fused_lora else ())
     for tensor_name, tensor in tensors.items():
         renamed = family.rename(tensor_name.removeprefix("base_model.model."))
         if renamed is None:
@@ -641,6 +643,9 @@ def _pair_tensors(name, tensors, model: ModelConfig):
         if match is None:
             lora_of = _LORA_OF.search(tensor_name)
             module = lora_of.group(1) if lora_of else None
+            if model.is_moe and ".experts." in renamed:
+                raise AdapterError(name, _moe_refusal(model, renamed.split(".lora_")[0]),
+                                   code="unsupported_adapter")
             if module in UNSERVED_MODULES:
                 raise AdapterError(name, f"LoRA on {module!r} is not supported: radixlora serves "
                                          f"LoRA on the {'/'.join(targets)} projections only",
@@ -656,6 +661,8 @@ def _pair_tensors(name, tensors, model: ModelConfig):
             match.group(3),
             match.group(4),
         )
+        if module not in targets and model.is_moe:
+            raise AdapterError(name, _moe_refusal(model, key), code="unsupported_adapter")
         if module not in targets:
             raise AdapterError(
                 name,
@@ -669,6 +676,12 @@ def _pair_tensors(name, tensors, model: ModelConfig):
         if set(pair) != {"A", "B"}:
             raise AdapterError(name, f"{key} has lora_{'A' if 'A' not in pair else 'B'} missing")
     return {k: (v["A"], v["B"]) for k, v in halves.items()}, magnitudes
+
+
+def _moe_refusal(model: ModelConfig, key: str) -> str:
+    return (f"{key}: LoRA on the experts, the router or the MLP of a {model.family_spec.name} "
+            f"base is not served yet; radixlora serves LoRA on its attention projections "
+            f"({', '.join(model.lora_modules)})")
 
 
 def _layers_to_transform(config: LoraConfig) -> set[int] | None:

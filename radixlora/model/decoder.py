@@ -17,7 +17,7 @@ from torch import nn
 
 from radixlora.config import ModelConfig
 from radixlora.model.forward_batch import ForwardBatch
-from radixlora.model.ops import add_delta, gated_act, rms_norm
+from radixlora.model.ops import add_delta, gated_act, rms_norm, sparse_moe
 from radixlora.model.rope import RotaryEmbedding
 
 
@@ -91,6 +91,34 @@ class MLP(nn.Module):
         return fb.lora_project(self.down_proj, hidden, self.layer_id, "down")
 
 
+class Experts(nn.Module):
+    """An MoE layer's experts, stacked as transformers 5 keeps them: gate_up_proj [E, 2I, H]
+    ([gate | up] rows of each expert), down_proj [E, H, I]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+
+class SparseMoE(nn.Module):
+    """A mixture-of-experts MLP: the router (`gate`) picks each token's experts_per_token
+    experts, whose SiLU-gated outputs are summed by their routing weights. No LoRA here
+    (ModelConfig.lora_modules)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.renormalize = cfg.experts_per_token, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch):
+        """(the routed sum, None): no deferred delta."""
+        return sparse_moe(x, self.gate.weight, self.experts.gate_up_proj,
+                          self.experts.down_proj, self.top_k, self.renormalize), None
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -99,7 +127,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_id)
         # without sandwich norms, the norm before the MLP; with them, the one after attention
         self.post_attention_layernorm = RMSNorm(*norm)
-        self.mlp = MLP(cfg, layer_id)
+        self.mlp = SparseMoE(cfg) if cfg.moe_layer(layer_id) else MLP(cfg, layer_id)
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(*norm)
             self.post_feedforward_layernorm = RMSNorm(*norm)

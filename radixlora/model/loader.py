@@ -36,6 +36,8 @@ from radixlora.model.quant_fp8 import (
 from radixlora.model.weight_reader import WeightReader, stored_tensors
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)$")
+# one expert's projection, as transformers saves MoE checkpoints (Mixtral's after its renames)
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _BNB_PART = re.compile(
     r"^(model\.layers\.\d+\.(?:self_attn|mlp)\.\w+_proj\.weight)"
     r"(?:\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.bitsandbytes__nf4))?$"
@@ -91,7 +93,7 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
     shard = tp.shard if tp is not None else None
     stored = _stored_format(path, load_format)
     blocksize = _nf4_blocksize(path) if stored == "nf4" else None
-    _check_quantized(path, cfg, stored, tp, blocksize or AT_LOAD_BLOCKSIZE)
+    _check_servable(path, cfg, stored, tp, blocksize or AT_LOAD_BLOCKSIZE)
     if shard is not None:
         cfg = shard.local
     with torch.device("meta"):
@@ -139,8 +141,12 @@ def _quantize_at_load(model: CausalLM, quantization: str,
     return model if tp is None else row_parallel_projections(model, tp)
 
 
-def _check_quantized(path: Path, cfg: ModelConfig, stored: str | None,
+def _check_servable(path: Path, cfg: ModelConfig, stored: str | None,
                      tp: TensorParallel | None, blocksize: int) -> None:
+    if cfg.is_moe and (tp is not None or cfg.quantization is not None):
+        feature = "tensor parallel" if tp is not None else f"a {cfg.quantization} base"
+        raise ModelLoadError(f"{feature} is not served on {cfg.family_spec.name} (mixture-of-"
+                             "experts) bases yet: serve it on one device, in bf16 or fp16")
     if cfg.quantization is None:
         return
     if cfg.quantization == "nf4" and tp is not None:
@@ -216,12 +222,12 @@ def _load_weights(model: CausalLM, cfg: ModelConfig, path: Path,
                 raise ModelLoadError(
                     f"{name}: shape {stored.shape}, expected {tuple(dst.shape)}")
             reader.add(file, stored, dst)
-            loaded[target] = loaded.get(target, 0) + dst.shape[0]
+            loaded[target] = loaded.get(target, 0) + dst.numel()
         if slow:
             _load_through_safetensors(file, cfg, params, loaded, parts, slow, shard)
     reader.run()
     _load_quantized(model, cfg, parts, loaded, shard)
-    missing = {n for n, p in params.items() if loaded.get(n, 0) != p.shape[0]}
+    missing = {n for n, p in params.items() if loaded.get(n, 0) != p.numel()}
     missing |= {n for n, m in model.named_modules()
                 if isinstance(m, (NF4Linear, Fp8Linear)) and loaded.get(n, 0) != m.out_features}
     if cfg.tie_word_embeddings:
@@ -304,13 +310,17 @@ def _load_tensor(cfg, params, loaded, name, tensor, shard: Shard | None = None) 
     if dst.shape != tensor.shape:
         raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
     dst.copy_(tensor)
-    rows = params[target].shape[0] if target in _VOCAB else dst.shape[0]
-    loaded[target] = loaded.get(target, 0) + rows
+    elements = params[target].numel() if target in _VOCAB else dst.numel()
+    loaded[target] = loaded.get(target, 0) + elements
 
 
 def _destination(cfg: ModelConfig, params, name: str) -> tuple[str, torch.Tensor] | None:
-    """(our parameter's name, the tensor a checkpoint tensor goes into: the parameter or its
-    rows of a fused one); None for tensors the model does not keep."""
+    """(our parameter's name, the tensor a checkpoint tensor goes into: the parameter, its rows
+    of a fused one, or one expert's part of stacked experts); None for tensors the model does
+    not keep."""
+    expert = _EXPERT.match(name)
+    if expert is not None:
+        return _expert_destination(cfg, params, name, expert)
     target, rows = _target(cfg, name)
     if target is None or (target == "lm_head.weight" and cfg.tie_word_embeddings):
         return None
@@ -318,6 +328,21 @@ def _destination(cfg: ModelConfig, params, name: str) -> tuple[str, torch.Tensor
     if param is None:
         raise ModelLoadError(f"unexpected tensor {name} in checkpoint")
     return target, (param.data if rows is None else param.data[rows[0] : rows[1]])
+
+
+def _expert_destination(cfg: ModelConfig, params, name: str,
+                        match: re.Match) -> tuple[str, torch.Tensor]:
+    """Expert e's gate / up rows of the layer's stacked gate_up_proj, or its down_proj."""
+    layer, expert, proj = int(match.group(1)), int(match.group(2)), match.group(3)
+    target = f"layers.{layer}.mlp.experts.{'down' if proj == 'down' else 'gate_up'}_proj"
+    param = params.get(target)
+    if param is None or expert >= cfg.num_experts:
+        raise ModelLoadError(f"unexpected tensor {name} in checkpoint")
+    if proj == "down":
+        return target, param.data[expert]
+    size = cfg.moe_intermediate_size
+    start = 0 if proj == "gate" else size
+    return target, param.data[expert, start : start + size]
 
 
 _VOCAB = ("embed_tokens.weight", "lm_head.weight")

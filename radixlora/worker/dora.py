@@ -47,8 +47,8 @@ class DoraBase:
 
     def linear(self, layer: int, group: str) -> torch.nn.Module:
         block = self.model.layers[layer]
-        return {"qkv": block.self_attn.qkv_proj, "o": block.self_attn.o_proj,
-                "gate_up": block.mlp.gate_up_proj, "down": block.mlp.down_proj}[group]
+        owner = block.self_attn if group in ("qkv", "o") else block.mlp
+        return getattr(owner, f"{group}_proj")
 
     def weight(self, layer: int, group: str) -> torch.Tensor:
         return dense_weight(self.linear(layer, group), self.dtype)

@@ -125,7 +125,8 @@ def with_lora_targets(config: EngineConfig, adapter_paths: Iterable[str | Path],
                       model: ModelConfig) -> EngineConfig:
     """lora_target_modules, unless set: the modules of the adapters given at start (the first
     INFER_ADAPTERS, from their configs and safetensors headers; one that does not read is left
-    to the registry, which refuses it with the reason), or every module (None) without any."""
+    to the registry, which refuses it with the reason), or every module the base serves LoRA
+    on (None: all of them) without any."""
     if config.lora_target_modules is not None:
         return config
     groups: set[str] = set()
@@ -135,7 +136,9 @@ def with_lora_targets(config: EngineConfig, adapter_paths: Iterable[str | Path],
         except (AdapterError, OSError):
             continue
         groups.update(header.group_ranks)
-    if not groups or len(groups) == len(MODULE_GROUPS):
+    servable = set(target_groups(model.lora_modules))  # an MoE base: attention only
+    groups = (groups & servable) or servable
+    if len(groups) == len(MODULE_GROUPS):
         return config
     modules = tuple(m for g in MODULE_GROUPS if g in groups for m in MODULE_GROUPS[g])
     log.info("adapter pool sized for %s, the modules of the adapters given at start (adapters "

@@ -1,0 +1,123 @@
+"""Mixture-of-experts MLP: each token's rows (token * top_k + j, one per chosen expert) grouped by
+expert and padded to whole blocks (moe_align), then one grouped GEMM launch per projection over
+the blocks of every expert, each block reading its expert's weight (no per-expert loop). The
+routing weights scale the down projection's rows; the caller sums a token's top_k rows.
+
+Expert weights are stacked as transformers 5 keeps them: gate_up [E, 2I, H] ([gate | up] rows),
+down [E, H, I]. Every shape is static for a given token count, so a decode step's experts run
+inside a CUDA graph."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .activation import silu_and_mul
+from .triton_compat import tl, triton
+
+
+def moe_experts_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Pure-torch reference (the CPU path): transformers' expert loop. x [T, H], topk_ids and
+    topk_weights [T, k]; the routed sum [T, H] in x's dtype."""
+    out = torch.zeros_like(x)
+    for expert in topk_ids.unique().tolist():
+        token, slot = torch.where(topk_ids == expert)
+        g, u = F.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
+        h = F.linear(F.silu(g) * u, down[expert]) * topk_weights[token, slot, None]
+        out.index_add_(0, token, h.to(out.dtype))
+    return out
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int,
+              block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_rows, block_expert, num_padded) for the M = T * k rows of topk_ids [T, k]: the rows
+    sorted by expert, each expert's run padded to a multiple of block_m with the sentinel M;
+    block_expert[b] the expert of block b; num_padded [1] the rows in use. Tensor ops only,
+    sized by M alone (no host sync): at most one partial block per expert in use."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    m, device = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    by_expert = flat[order]
+    rank = torch.arange(m, device=device) - (counts.cumsum(0) - counts)[by_expert]
+    dest = (padded_end - padded)[by_expert] + rank
+    num_blocks = triton.cdiv(m + min(num_experts, m) * (block_m - 1), block_m)
+    sorted_rows = torch.full((num_blocks * block_m,), m, dtype=torch.int32, device=device)
+    sorted_rows[dest] = order.to(torch.int32)
+    starts = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_rows, block_expert.to(torch.int32), padded_end[-1:]
+
+
+@triton.jit
+def _grouped_gemm(
+    a_ptr, w_ptr, c_ptr, rows_ptr, block_expert_ptr, num_padded_ptr, scale_ptr,
+    num_rows, N, K, stride_am, stride_we, stride_wn, stride_cm,
+    ROWS_PER_A: tl.constexpr, SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """c[row] = a[row // ROWS_PER_A] @ w[expert].T (times scale[row] with SCALE) for the rows of
+    one block of one expert."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows < num_rows
+    a_rows = (rows // ROWS_PER_A).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + kk[None, :],
+                    mask=valid[:, None] & (kk[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + kk[:, None],
+                    mask=(offs_n[None, :] < N) & (kk[:, None] < K), other=0.0)
+        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
+    if SCALE:
+        acc *= tl.load(scale_ptr + rows, mask=valid, other=0.0)[:, None]
+    c = c_ptr + rows[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+def _block_m(num_rows: int) -> int:
+    return 16 if num_rows <= 64 else 64
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, aligned, num_rows: int, rows_per_a: int,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
+    """[num_rows, N]: row r is a[r // rows_per_a] @ w[expert of r].T (times scale[r]); w [E, N, K]
+    contiguous, aligned = moe_align(...) with this block size."""
+    sorted_rows, block_expert, num_padded = aligned
+    _, n, k = w.shape
+    out = torch.empty(num_rows, n, dtype=a.dtype, device=a.device)
+    block_m, block_n = _block_m(num_rows), 64
+    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    _grouped_gemm[grid](
+        a, w, out, sorted_rows, block_expert, num_padded,
+        scale if scale is not None else out, num_rows, n, k,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        ROWS_PER_A=rows_per_a, SCALE=scale is not None,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32,
+    )
+    return out
+
+
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """moe_experts_ref with two grouped GEMM launches: gate_up over the tokens' rows, the gated
+    activation, down scaled by the routing weights; a token's rows summed."""
+    tokens, top_k = topk_ids.shape
+    rows = tokens * top_k
+    aligned = moe_align(topk_ids, gate_up.shape[0], _block_m(rows))
+    h = silu_and_mul(grouped_gemm(x.contiguous(), gate_up, aligned, rows, top_k))
+    scale = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    y = grouped_gemm(h, down, aligned, rows, 1, scale)
+    return y.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -1,0 +1,133 @@
+"""Mixture-of-experts bases (Qwen3-MoE, Mixtral) against transformers + PEFT (fp32, CPU), on tiny
+random checkpoints saved by transformers: one batch mixes the base, two attention adapters of
+different ranks (one rsLoRA), their stack and a DoRA adapter, with the radix cache on and off.
+The grouped expert GEMM (Triton, interpreter) against its torch reference. What is not served yet
+on these bases (LoRA on the experts or the router, tensor parallel, quantized weights) is refused
+by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from radixlora import Engine
+from radixlora.config import ModelConfig
+from radixlora.errors import AdapterError, ModelLoadError
+from radixlora_kernels.moe import moe_align, moe_experts, moe_experts_ref
+from scripts.checkpoints import build_hf_model, build_peft_adapter
+from tests.conftest import assert_all_free
+from tests.oracle import peft_model
+from tests.test_families import ENGINE, check_oracle, mixed_batch, targets
+
+MOE = ("qwen3_moe", "mixtral")
+
+
+@pytest.fixture(scope="module")
+def moe_family(tmp_path_factory):
+    root, built = tmp_path_factory.mktemp("moe"), {}
+
+    def get(arch: str):
+        if arch not in built:
+            model = build_hf_model(root / arch, arch)
+            specs = {"a": dict(r=8, lora_alpha=16, target_modules=targets(arch)),
+                     "b": dict(r=4, lora_alpha=8, use_rslora=True,
+                               target_modules=targets(arch, subset=True)),
+                     "dora": dict(r=4, lora_alpha=8, use_dora=True,
+                                  target_modules=targets(arch))}
+            built[arch] = model, {name: build_peft_adapter(model, root / f"{arch}-{name}",
+                                                           seed=50 + i, **spec)
+                                  for i, (name, spec) in enumerate(specs.items())}
+        return built[arch]
+
+    return get
+
+
+def test_configs_declare_their_experts(moe_family):
+    qwen = ModelConfig.from_dir(moe_family("qwen3_moe")[0])
+    assert (qwen.num_experts, qwen.experts_per_token, qwen.moe_intermediate_size) == (6, 2, 32)
+    assert qwen.moe_layers == (True, False, True) and qwen.norm_topk_prob and qwen.qk_norm
+    mixtral = ModelConfig.from_dir(moe_family("mixtral")[0])
+    assert mixtral.moe_layers == (True, True) and mixtral.norm_topk_prob
+    assert mixtral.lora_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_a_mixed_batch_equals_peft_with_the_cache_on_and_off(arch, moe_family):
+    model, adapters = moe_family(arch)
+    ref = peft_model(model, adapters)
+    for cache in (True, False):
+        engine = Engine(model, adapters=adapters, enable_radix_cache=cache, **ENGINE)
+        runs = mixed_batch(engine)
+        check_oracle(ref, runs)
+        again = mixed_batch(engine)
+        assert [o.token_ids for *_, o in again] == [o.token_ids for *_, o in runs]
+        check_oracle(ref, again)
+        assert_all_free(engine)
+
+
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 6, 2), (5, 4, 2), (70, 8, 3)])
+def test_grouped_expert_gemm_equals_the_reference(tokens, experts, top_k):
+    g = torch.Generator().manual_seed(tokens)
+    hidden, inter = 32, 24
+    x = torch.randn(tokens, hidden, generator=g)
+    weights, ids = torch.softmax(torch.randn(tokens, experts, generator=g), -1).topk(top_k, -1)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2
+    down = torch.randn(experts, hidden, inter, generator=g) * 0.2
+    out = moe_experts(x, ids, weights, gate_up, down)
+    torch.testing.assert_close(out, moe_experts_ref(x, ids, weights, gate_up, down),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_alignment_pads_each_expert_to_whole_blocks():
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]])
+    rows, block_expert, used = moe_align(ids, num_experts=4, block_m=4)
+    m = ids.numel()
+    assert int(used) == 12  # experts 0, 1, 2: one block of 4 each; expert 3 none
+    blocks = rows[:12].view(3, 4)
+    for block, expert in zip(blocks, block_expert[:3].tolist(), strict=True):
+        real = [r for r in block.tolist() if r < m]
+        assert real and all(ids.view(-1)[r] == expert for r in real)
+        assert all(r == m for r in block.tolist()[len(real):])
+    assert sorted(r for r in rows.tolist() if r < m) == list(range(m))
+
+
+def _expert_adapter(source, path, key: str):
+    """An attention adapter with one more LoRA pair under `key` (a module PEFT adapts)."""
+    shutil.copytree(source, path)
+    tensors = load_file(path / "adapter_model.safetensors")
+    a = next(t for k, t in tensors.items() if "lora_A" in k)
+    tensors[f"base_model.model.{key}.lora_A.weight"] = a.clone()
+    tensors[f"base_model.model.{key}.lora_B.weight"] = torch.zeros(32, a.shape[0])
+    save_file(tensors, path / "adapter_model.safetensors")
+    return path
+
+
+@pytest.mark.parametrize(("arch", "key", "named"), [
+    ("qwen3_moe", "model.layers.0.mlp.experts.3.gate_proj", "mlp.experts.3.gate_proj"),
+    ("qwen3_moe", "model.layers.0.mlp.gate", "model.layers.0.mlp.gate"),
+    ("mixtral", "model.layers.1.block_sparse_moe.experts.2.w1", "mlp.experts.2.gate_proj"),
+])
+def test_lora_on_experts_or_the_router_is_refused_by_name(arch, key, named, moe_family,
+                                                          tmp_path):
+    model, adapters = moe_family(arch)
+    bad = _expert_adapter(adapters["a"], tmp_path / "bad", key)
+    with pytest.raises(AdapterError, match=r"attention projections") as err:
+        Engine(model, adapters={"bad": bad}, **ENGINE)
+    assert named in str(err.value) and err.value.code == "unsupported_adapter"
+
+
+def test_target_parameters_and_unserved_features_are_refused(moe_family, tmp_path):
+    model, adapters = moe_family("qwen3_moe")
+    params = tmp_path / "params"
+    shutil.copytree(adapters["a"], params)
+    config = json.loads((params / "adapter_config.json").read_text())
+    config["target_parameters"] = ["mlp.experts.gate_up_proj"]
+    (params / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(AdapterError, match="target_parameters"):
+        Engine(model, adapters={"p": params}, **ENGINE)
+    with pytest.raises(ModelLoadError, match="nf4 base is not served on Qwen3-MoE"):
+        Engine(model, quantization="nf4", **ENGINE)
