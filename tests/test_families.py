@@ -204,9 +204,13 @@ def test_fp8_checkpoint_equals_its_dequantized_twin(arch, family, tmp_path):
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_int8_pool_is_within_int8_error_of_peft(arch, family):
-    """The int8 adapter pool (tests/test_int8_pool.py's tolerance and near-tie rule)."""
     model, adapters = family(arch)
-    engine = Engine(model, adapters=adapters, lora_dtype="int8", **engine_config(arch))
+    check_int8_pool(model, adapters, engine_config(arch))
+
+
+def check_int8_pool(model, adapters, config: dict) -> None:
+    """The int8 adapter pool (tests/test_int8_pool.py's tolerance and near-tie rule)."""
+    engine = Engine(model, adapters=adapters, lora_dtype="int8", **config)
     ref = peft_model(model, adapters)
     ids = prompt(13, 15)
     for spec in ("a", "b", ["a", "b"]):

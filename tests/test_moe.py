@@ -21,7 +21,7 @@ from radixlora_kernels.moe import moe_align, moe_experts, moe_experts_ref
 from scripts.checkpoints import build_hf_model, build_peft_adapter
 from tests.conftest import assert_all_free
 from tests.oracle import peft_model
-from tests.test_families import ENGINE, check_oracle, mixed_batch, targets
+from tests.test_families import ENGINE, check_int8_pool, check_oracle, mixed_batch, targets
 
 MOE = ("qwen3_moe", "mixtral")
 
@@ -67,6 +67,11 @@ def test_a_mixed_batch_equals_peft_with_the_cache_on_and_off(arch, moe_family):
         assert [o.token_ids for *_, o in again] == [o.token_ids for *_, o in runs]
         check_oracle(ref, again)
         assert_all_free(engine)
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_int8_pool_is_within_int8_error_of_peft(arch, moe_family):
+    check_int8_pool(*moe_family(arch), ENGINE)
 
 
 @pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 6, 2), (5, 4, 2), (70, 8, 3)])
