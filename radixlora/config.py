@@ -364,6 +364,9 @@ class EngineConfig:
     adapter_rows: int | None = None
     max_running: int | None = None
     max_batch_tokens: int | None = None
+    # while requests decode, a step's prefill is capped to last about this long by the measured
+    # step costs (radixlora.sched.step_budget); None: steps take max_batch_tokens
+    itl_target_ms: float | None = None
     context_length: int | None = None
     gpu_memory_utilization: float = 0.90
     max_loras: int = 32
@@ -416,6 +419,8 @@ class EngineConfig:
         if self.lora_dtype not in LORA_DTYPES:
             raise ValueError(f"lora_dtype must be one of {list(LORA_DTYPES)}, "
                              f"got {self.lora_dtype!r}")
+        if self.itl_target_ms is not None and self.itl_target_ms <= 0:
+            raise ValueError(f"itl_target_ms must be > 0, got {self.itl_target_ms}")
         if self.grammar_compile_timeout <= 0:
             raise ValueError(f"grammar_compile_timeout must be > 0, got "
                              f"{self.grammar_compile_timeout}")

@@ -43,6 +43,11 @@ ENGINE_FLAGS = {
                                "--chunked-prefill-size"),
                          "prompt tokens per step, longer prompts are chunked (default by GPU "
                          "memory: 8192 on a 60-160 GiB GPU; 2048 on the CPU)"),
+    "itl_target_ms": (float, ("--itl-target-ms",),
+                      "while requests decode, cap each step's prompt tokens so that the step "
+                      "(one inter-token gap of every stream) lasts about this many ms, by the "
+                      "step times measured so far; prompts alone still take "
+                      "--max-batch-tokens (default: no cap)"),
     "context_length": (int, ("--context-length", "--max-model-len"),
                        "prompt + output tokens per request (default: the model's)"),
     "device": (str, ("--device",), "where to run; auto: cuda when available, else cpu "

@@ -176,6 +176,11 @@ class Req:
         return self.fill_len - self.kv_len
 
     @property
+    def decoding(self) -> bool:
+        """Its prompt's KV is complete and a step computes only its newest token."""
+        return self.kv_len >= len(self.prompt_ids) and self.remaining_prefill <= 1
+
+    @property
     def max_total_tokens(self) -> int:
         return len(self.prompt_ids) + self.params.max_tokens
 

@@ -32,6 +32,7 @@ from radixlora.sched.kv_allocator import KVAllocator
 from radixlora.sched.radix_cache import RadixCache
 from radixlora.sched.request import Req, ReqStatus
 from radixlora.sched.residency import AdapterResidency, ReaderView
+from radixlora.sched.step_budget import StepCosts
 from radixlora.sched.token_bucket import SwapCap
 from radixlora.step_plan import AdapterLoad, GroupRows, PlanItem, StepPlan, ids_to_bytes
 from radixlora.structured import next_token_masks
@@ -73,6 +74,11 @@ class BatchPlan:
     prefetch_loads: list[tuple[LoraAdapter, np.ndarray]] = field(default_factory=list)
     lora_rows: dict[tuple, dict[str, GroupRows]] = field(default_factory=dict)  # by set key
     made_at: int = 0  # the scheduler's step count when it made this plan
+    # what the step costs (radixlora.sched.step_budget): the KV its attention reads, its
+    # decoding requests, its prefill tokens
+    context_tokens: int = 0
+    decodes: int = 0
+    prefill_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -158,6 +164,7 @@ class Scheduler:
         self.num_in_flight = 0  # plans made whose results are not folded in yet
         self.num_prefetches = 0  # adapters loaded ahead of the requests that need them
         self.reads = ReaderView()  # the worker's adapter reads and host tier, as reported
+        self.step_costs = StepCosts()  # the steps' measured seconds (the step budget)
 
     # ---- intake ----------------------------------------------------------------------------
 
@@ -205,8 +212,11 @@ class Scheduler:
         self.step_count += 1
         self.num_swap_deferred = 0
         budget = self.config.max_batch_tokens
-        items = self._schedule_running(budget)
+        prefill = self.prefill_budget()
+        items = self._schedule_running(budget, prefill)
         budget -= sum(len(i.extend_ids) for i in items)
+        budget = min(budget, prefill - sum(len(i.extend_ids) for i in items
+                                           if not i.req.decoding))
         plan = BatchPlan(items, made_at=self.step_count)
         queue = _WaitingQueue(self)
         reserved = self._admission_room(budget)
@@ -221,6 +231,11 @@ class Scheduler:
         sampled = 0
         for item in plan.items:
             req = item.req
+            plan.context_tokens += req.kv_len + len(item.extend_ids)
+            if req.decoding:
+                plan.decodes += 1
+            else:
+                plan.prefill_tokens += len(item.extend_ids)
             if req.adapter_set.key not in plan.lora_rows:
                 plan.lora_rows[req.adapter_set.key] = self._lora_rows(req)
             req.kv_len += len(item.extend_ids)
@@ -233,21 +248,37 @@ class Scheduler:
         self.num_in_flight += 1
         return plan
 
-    def _schedule_running(self, budget: int) -> list[ScheduledReq]:
+    def prefill_budget(self) -> int:
+        """Prefill tokens this step may plan: with --itl-target-ms and streams decoding, what
+        keeps the step within the target by the measured step costs; else max_batch_tokens."""
+        ceiling = self.config.max_batch_tokens
+        target = self.config.itl_target_ms
+        if target is None:
+            return ceiling
+        decoding = [r for r in self.running if r.decoding]
+        if not decoding:
+            return ceiling
+        context = sum(r.kv_len + 1 for r in decoding)
+        return self.step_costs.prefill_budget(context, len(decoding), target / 1000, ceiling)
+
+    def _schedule_running(self, budget: int, prefill: int) -> list[ScheduledReq]:
         wanted: list[tuple[Req, int]] = []
-        used = 0
+        used = prefilled = 0
         for req in self.running:
             if len(req.output_ids) + req.pending >= req.params.max_tokens:
                 continue  # its last token is being sampled
             if req.pending and bans_after_newest(req.params):
                 continue  # its next bans need the token being sampled
             n = min(req.remaining_prefill, budget - used)
+            if not req.decoding:
+                n = min(n, prefill - prefilled)
+                prefilled += max(n, 0)
             if n > 0:
                 wanted.append((req, n))
                 used += n
         if self._reserve_all(wanted):
             return [self._item(req, n) for req, n in wanted]
-        return self._schedule_running_retracting(budget)
+        return self._schedule_running_retracting(budget, prefill)
 
     def _reserve_all(self, wanted: list[tuple[Req, int]]) -> bool:
         """Reserve the KV of every (request, tokens) at once, evicting cached prefixes if need
@@ -272,11 +303,11 @@ class Scheduler:
                 at = end
         return True
 
-    def _schedule_running_retracting(self, budget: int) -> list[ScheduledReq]:
+    def _schedule_running_retracting(self, budget: int, prefill: int) -> list[ScheduledReq]:
         """Request by request in admission order, retracting the newest requests while the KV
         for an older one does not fit."""
         items: list[ScheduledReq] = []
-        used = 0
+        used = prefilled = 0
         for req in list(self.running):
             if req.status is not ReqStatus.RUNNING:
                 continue  # retracted while an older request made room
@@ -285,6 +316,8 @@ class Scheduler:
             if req.pending and bans_after_newest(req.params):
                 continue  # its next bans need the token being sampled
             n = min(req.remaining_prefill, budget - used)
+            if not req.decoding:
+                n = min(n, prefill - prefilled)
             if n <= 0:
                 continue
             while not self._reserve_kv(req, n):
@@ -295,6 +328,7 @@ class Scheduler:
             if req.status is ReqStatus.RUNNING:
                 items.append(self._item(req, n))
                 used += n
+                prefilled += 0 if req.decoding else n
         return [i for i in items if i.req.status is ReqStatus.RUNNING]
 
     def _admission_room(self, budget: int) -> int | None:

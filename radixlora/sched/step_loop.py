@@ -76,7 +76,7 @@ class StepLoop:
         if not self.in_flight or result.step != self.in_flight[0][0].step:
             return None
         plan, batch, planned_at = self.in_flight.popleft()
-        self._count(plan, planned_at)
+        self._count(plan, batch, planned_at)
         sched = self.scheduler
         sched.reads.note_reads(batch.made_at, result.unread_adapters)
         if result.error is not None or result.failed_adapters:
@@ -107,12 +107,17 @@ class StepLoop:
             words = every
         return StepMasks(step=plan.step, words=words.tobytes())
 
-    def _count(self, plan: StepPlan, planned_at: float) -> None:
+    def _count(self, plan: StepPlan, batch: BatchPlan, planned_at: float) -> None:
+        """The step's time (from the later of its planning and the previous fold to its fold:
+        its device time while the pipeline is full) into the totals and the step costs."""
         now = time.monotonic()
         tokens, requests = len(plan.input_ids) // 4, len(plan.items)  # int32 ids, one per token
         totals = self.totals["decode" if tokens == requests else "mixed"]
+        seconds = now - max(self._last_fold, planned_at)
+        self.scheduler.step_costs.observe(batch.context_tokens, batch.decodes,
+                                          batch.prefill_tokens, seconds)
         totals.steps += 1
-        totals.seconds += now - max(self._last_fold, planned_at)
+        totals.seconds += seconds
         totals.plan_seconds += self._plan_seconds.pop(plan.step, 0.0)
         totals.tokens += tokens
         totals.requests += requests
