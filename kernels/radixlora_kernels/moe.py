@@ -86,8 +86,11 @@ def _grouped_gemm(
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
 
-def _block_m(num_rows: int) -> int:
-    return 16 if num_rows <= 64 else 64
+def _block_m(num_rows: int, num_experts: int) -> int:
+    """Rows per block: about the rows an expert gets (a decode step's few rows per expert
+    waste little of a small block; a prefill's many fill large ones)."""
+    per_expert = num_rows / min(num_experts, num_rows)
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, aligned, num_rows: int, rows_per_a: int,
@@ -95,9 +98,9 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, aligned, num_rows: int, rows_
     """[num_rows, N]: row r is a[r // rows_per_a] @ w[expert of r].T (times scale[r]); w [E, N, K]
     contiguous, aligned = moe_align(...) with this block size."""
     sorted_rows, block_expert, num_padded = aligned
-    _, n, k = w.shape
+    experts, n, k = w.shape
     out = torch.empty(num_rows, n, dtype=a.dtype, device=a.device)
-    block_m, block_n = _block_m(num_rows), 64
+    block_m, block_n = _block_m(num_rows, experts), 64
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _grouped_gemm[grid](
         a, w, out, sorted_rows, block_expert, num_padded,
@@ -116,7 +119,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     activation, down scaled by the routing weights; a token's rows summed."""
     tokens, top_k = topk_ids.shape
     rows = tokens * top_k
-    aligned = moe_align(topk_ids, gate_up.shape[0], _block_m(rows))
+    aligned = moe_align(topk_ids, gate_up.shape[0], _block_m(rows, gate_up.shape[0]))
     h = silu_and_mul(grouped_gemm(x.contiguous(), gate_up, aligned, rows, top_k))
     scale = topk_weights.reshape(-1).to(torch.float32).contiguous()
     y = grouped_gemm(h, down, aligned, rows, 1, scale)
