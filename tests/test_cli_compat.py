@@ -96,6 +96,14 @@ def test_adapter_counts_become_pool_sizes():
                            DEMO_MODEL_DIR)
 
 
+def test_step_and_weight_flags_reach_the_engine_config():
+    args = parse("--itl-target-ms", "60", "--load-format", "dummy")
+    overrides = resolved_overrides(args, DEMO_MODEL_DIR)
+    assert overrides["itl_target_ms"] == 60.0 and overrides["load_format"] == "dummy"
+    with pytest.raises(SystemExit):
+        parse("--load-format", "pt")
+
+
 def test_hugging_face_ids_resolve_through_the_local_cache(tmp_path, monkeypatch):
     constants = pytest.importorskip("huggingface_hub.constants")
     snapshot = tmp_path / "models--org--tiny" / "snapshots" / "0123abcd"

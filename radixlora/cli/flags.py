@@ -67,6 +67,11 @@ ENGINE_FLAGS = {
                                                "as e4m3 with a scale per output channel; a "
                                                "checkpoint's own quantization_config needs no "
                                                "flag (default: none)"),
+    "load_format": (str, ("--load-format",), "safetensors: the checkpoint's weights; dummy: "
+                                             "random weights of the shape its config.json "
+                                             "gives, no weight file read (benchmarks of "
+                                             "models larger than the disk; default "
+                                             "safetensors)"),
     "seed": (int, ("--seed", "--random-seed"), "seeds the sampling of requests that give no "
                                                 "seed of their own, so a server started "
                                                 "again with it answers the same requests "
@@ -85,7 +90,7 @@ ENGINE_FLAGS = {
 }
 CHOICES = {"device": DEVICE_CHOICES, "dtype": DTYPE_CHOICES, "lora_dtype": LORA_DTYPE_CHOICES,
            "quantization": ("nf4", "fp8"), "qlora_mismatch": ("refuse", "serve"),
-           "kv_cache_dtype": ("auto", "fp8", "fp8_e4m3")}
+           "kv_cache_dtype": ("auto", "fp8", "fp8_e4m3"), "load_format": ("safetensors", "dummy")}
 
 
 class HelpFormatter(argparse.HelpFormatter):
