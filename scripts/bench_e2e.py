@@ -124,7 +124,20 @@ GEMMA3_12B = dict(
     hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, bos_token_id=1,
     eos_token_id=2, torch_dtype="bfloat16",
 )
-MODEL_SHAPES = {"llama3-8b": LLAMA3_8B, "qwen3-8b": QWEN3_8B, "gemma3-12b": GEMMA3_12B}
+# Qwen3-30B-A3B: 128 experts of 768 channels, 8 per token; 61 GB of bf16 weights, more than the
+# GPU machine's disk holds beside anything else, so it is served with --load-format dummy (random
+# weights of this config, no weight file)
+QWEN3_30B_A3B = dict(
+    model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936,
+    hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
+)
+MODEL_SHAPES = {"llama3-8b": LLAMA3_8B, "qwen3-8b": QWEN3_8B, "gemma3-12b": GEMMA3_12B,
+                "qwen3-30b-a3b": QWEN3_30B_A3B}
+DUMMY_WEIGHTS = ("qwen3-30b-a3b",)  # shapes served with --load-format dummy
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MARKER = "bench_e2e_complete.json"
 SHARD_BYTES = 5 * 10**9
@@ -179,7 +192,8 @@ S_DISTINCT_WEIGHTS = 1000  # q adapters beyond this share weights (weight_twin)
 
 @dataclass(frozen=True)
 class Shape:
-    """The dimensions of a Llama-style model that the floor needs."""
+    """The dimensions of a Llama-style model that the floor needs; a mixture of experts has
+    `experts` experts of `moe_intermediate` channels in every layer, `top_k` per token."""
 
     hidden: int
     intermediate: int
@@ -188,25 +202,51 @@ class Shape:
     kv_heads: int
     head_dim: int
     vocab: int
+    experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
 
     @classmethod
     def from_config(cls, cfg: dict) -> Shape:
         heads = cfg["num_attention_heads"]
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
         return cls(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], heads,
                    cfg.get("num_key_value_heads") or heads,
-                   cfg.get("head_dim") or cfg["hidden_size"] // heads, cfg["vocab_size"])
+                   cfg.get("head_dim") or cfg["hidden_size"] // heads, cfg["vocab_size"],
+                   experts, cfg.get("num_experts_per_tok", 0) if experts else 0,
+                   cfg.get("moe_intermediate_size") or cfg["intermediate_size"] if experts else 0)
 
     def projections(self) -> dict[str, tuple[int, int]]:
-        """(in, out) features of each LoRA-targetable projection."""
+        """(in, out) features of each LoRA-targetable projection (a mixture of experts: the
+        attention's)."""
         h, i = self.hidden, self.intermediate
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        if self.experts:
+            return attention
+        return {**attention, "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def expert_params(self) -> int:
+        """One expert's parameters (gate, up, down) in one layer."""
+        return 3 * self.hidden * self.moe_intermediate
 
     def params(self) -> int:
-        """Non-embedding parameters, the LM head and the norms included."""
+        """Non-embedding parameters a token is computed with (a mixture of experts: its
+        router and top_k experts), the LM head and the norms included."""
         per_layer = sum(i * o for i, o in self.projections().values()) + 2 * self.hidden
+        if self.experts:
+            per_layer += self.experts * self.hidden + self.top_k * self.expert_params()
         return self.layers * per_layer + self.hidden + self.vocab * self.hidden
+
+    def decode_weight_bytes(self, batch: int) -> int:
+        """bf16 weight bytes a decode step of `batch` tokens reads: every weight, but of a
+        mixture of experts only the experts some token is routed to (their expected number
+        under uniform routing)."""
+        if not self.experts:
+            return 2 * self.params()
+        touched = self.experts * (1 - (1 - self.top_k / self.experts) ** batch)
+        unrouted = self.params() - self.layers * self.top_k * self.expert_params()
+        return int(2 * (unrouted + self.layers * touched * self.expert_params()))
 
     def lora_in_out(self) -> int:
         """sum over the 7 projections of (in + out): a rank-1 LoRA's parameters per layer."""
@@ -234,13 +274,14 @@ def floor(shape: Shape, reqs: list[Planned], peak_flops: float = H200_FLOPS,
     attention = 4 * shape.layers * q_width * sum(r.prompt_len**2 / 2 for r in reqs)
     lora = sum(2 * r.rank * lora_per_rank * r.prompt_len for r in reqs if r.adapter)
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * 2
-    weight_bytes = 2 * params
+    weight_bytes = shape.decode_weight_bytes(len(reqs))
     steps = max((r.output_len for r in reqs), default=1) - 1
     decode_bytes = 0
     for s in range(1, steps + 1):
         active = [r for r in reqs if r.output_len > s]
         adapters = {r.adapter: r.rank for r in active if r.adapter}
-        decode_bytes += weight_bytes + 2 * lora_per_rank * sum(adapters.values())
+        decode_bytes += shape.decode_weight_bytes(len(active))
+        decode_bytes += 2 * lora_per_rank * sum(adapters.values())
         decode_bytes += kv_per_token * sum(r.prompt_len + s for r in active)
     prefill_flops = dense + attention + lora
     prefill_s, decode_s = prefill_flops / peak_flops, decode_bytes / peak_bytes_per_s
@@ -333,6 +374,10 @@ def write_checkpoint(path: Path, cfg: dict, device: str, seed: int = 0,
         del data
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    write_config(path, cfg, tokenizer_vocab)
+
+
+def write_config(path: Path, cfg: dict, tokenizer_vocab: int = 32000) -> None:
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     bench_tokenizer(tokenizer_vocab).save(str(path / "tokenizer.json"))
 
@@ -426,6 +471,10 @@ def prepare_files(work: Path, tiny: bool, plan: dict[str, int], device: str, dor
         start = time.perf_counter()
         if tiny:
             checkpoints.build_tiny_model(model)
+        elif model_shape in DUMMY_WEIGHTS:
+            log(f"writing the {model_shape} config and tokenizer to {model} (served with "
+                "--load-format dummy: random weights, no weight file)")
+            write_config(model, MODEL_SHAPES[model_shape])
         else:
             log(f"writing the {model_shape}-shaped checkpoint to {model} (on {device})")
             write_checkpoint(model, MODEL_SHAPES[model_shape], device)
@@ -1256,6 +1305,8 @@ def main(argv=None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     scale = TINY if args.tiny else FULL
     extra = shlex.split(args.extra_serve_args)
+    if args.model_shape in DUMMY_WEIGHTS and not args.tiny:
+        extra += ["--load-format", "dummy"]
     if args.tiny and "--device" not in extra:
         extra += ["--device", "cpu"]
     device = "cpu" if args.tiny else pick_device(args.gen_device)

@@ -33,6 +33,19 @@ def test_shape_counts():
     assert SMALL.lora_in_out() == 64
 
 
+def test_moe_shape_matches_the_published_parameter_counts():
+    """Qwen3-30B-A3B's model card: 30.5B parameters, 3.3B activated (embeddings included; the
+    card rounds). A decode step of one token reads its 8 experts' weights; a large batch reads
+    all 128."""
+    shape = bench_e2e.Shape.from_config(bench_e2e.QWEN3_30B_A3B)
+    embedding = shape.vocab * shape.hidden
+    assert abs(shape.params() + embedding - 3.3e9) < 0.1e9
+    every = shape.decode_weight_bytes(100_000) // 2
+    assert abs(every + embedding - 30.5e9) < 0.05e9
+    assert shape.decode_weight_bytes(1) == 2 * shape.params()
+    assert shape.decode_weight_bytes(1) < shape.decode_weight_bytes(16) < 2 * every
+
+
 def test_floor_hand_computed():
     reqs = [bench_e2e.Planned(prompt_len=3, output_len=3, adapter="x", rank=2),
             bench_e2e.Planned(prompt_len=2, output_len=2)]

@@ -74,7 +74,8 @@ def test_int8_pool_is_within_int8_error_of_peft(arch, moe_family):
     check_int8_pool(*moe_family(arch), ENGINE)
 
 
-@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 6, 2), (5, 4, 2), (70, 8, 3), (200, 4, 2)])
+@pytest.mark.parametrize(("tokens", "experts", "top_k"),
+                         [(1, 6, 2), (5, 4, 2), (70, 8, 3), (200, 4, 2)])
 def test_grouped_expert_gemm_equals_the_reference(tokens, experts, top_k):
     g = torch.Generator().manual_seed(tokens)
     hidden, inter = 32, 24
