@@ -44,7 +44,8 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
     kv = cfg.num_kv_heads
     problems = [f"{what} ({n}) is not a multiple of {size}"
                 for what, n in (("num_attention_heads", cfg.num_heads),
-                                ("intermediate_size", cfg.intermediate_size))
+                                ("intermediate_size", cfg.intermediate_size),
+                                ("moe_intermediate_size", cfg.moe_intermediate_size))
                 if n % size]
     if kv % size and size % kv:
         problems.append(f"num_key_value_heads ({kv}) neither divides nor is a multiple of {size}")
@@ -67,7 +68,9 @@ class Shard:
         vocab-parallel modules shard it themselves)."""
         return dataclasses.replace(self.full, num_heads=self.full.num_heads // self.size,
                                    num_kv_heads=len(self.kv_heads()),
-                                   intermediate_size=self.full.intermediate_size // self.size)
+                                   intermediate_size=self.full.intermediate_size // self.size,
+                                   moe_intermediate_size=self.full.moe_intermediate_size
+                                   // self.size)
 
     def q_heads(self) -> range:
         n = self.full.num_heads // self.size
@@ -93,6 +96,25 @@ class Shard:
             return slice(heads.start * d, heads.stop * d)
         n = self.full.intermediate_size // self.size
         return slice(self.rank * n, (self.rank + 1) * n)
+
+    def expert_features(self) -> slice:
+        """This rank's slice of every expert's intermediate channels (the experts' gate and up
+        rows, their down columns): each rank computes every expert's share, all-reduced."""
+        n = self.full.moe_intermediate_size // self.size
+        return slice(self.rank * n, (self.rank + 1) * n)
+
+    def expert_weight(self, proj: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of one expert's gate / up ([I, H]: rows) or down ([H, I]: columns)
+        tensor, or of transformers 5's stacked experts.gate_up_proj ([E, 2I, H]: each half's
+        rows) and experts.down_proj ([E, H, I]: columns)."""
+        cut, size = self.expert_features(), self.full.moe_intermediate_size
+        if proj in ("gate", "up"):
+            return tensor[cut]
+        if proj == "down":
+            return tensor[:, cut]
+        if proj == "gate_up_proj":
+            return torch.cat([tensor[:, cut], tensor[:, size + cut.start:size + cut.stop]], 1)
+        return tensor[:, :, cut]
 
     def weight(self, module: str, kind: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a checkpoint projection tensor (kind: weight or bias; a tensor or

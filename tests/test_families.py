@@ -124,8 +124,12 @@ def test_longrope_past_the_original_context_takes_the_long_factors(family):
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3"])
 def test_two_ranks_answer_what_one_device_does(arch, family, tmp_path):
-    model, adapters = family(arch)
-    engine = Engine(model, adapters=adapters, **engine_config(arch))
+    check_two_ranks(*family(arch), engine_config(arch), tmp_path)
+
+
+def check_two_ranks(model, adapters, config: dict, tmp_path) -> None:
+    """Two tensor-parallel ranks over gloo answer the mixed batch's steps as one device."""
+    engine = Engine(model, adapters=adapters, **config)
     rec = Recorded([], [])
     launch, finish = engine.executor.launch, engine.executor.finish
 

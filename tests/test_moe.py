@@ -1,9 +1,9 @@
 """Mixture-of-experts bases (Qwen3-MoE, Mixtral) against transformers + PEFT (fp32, CPU), on tiny
 random checkpoints saved by transformers: one batch mixes the base, two attention adapters of
 different ranks (one rsLoRA), their stack and a DoRA adapter, with the radix cache on and off.
-The grouped expert GEMM (Triton, interpreter) against its torch reference. What is not served yet
-on these bases (LoRA on the experts or the router, tensor parallel, quantized weights) is refused
-by name."""
+The grouped expert GEMM (Triton, interpreter) against its torch reference. Two tensor-parallel ranks
+(every expert's channels split) answer as one device. What is not served yet on these bases
+(LoRA on the experts or the router, quantized weights) is refused by name."""
 
 from __future__ import annotations
 
@@ -21,7 +21,14 @@ from radixlora_kernels.moe import moe_align, moe_experts, moe_experts_ref
 from scripts.checkpoints import build_hf_model, build_peft_adapter
 from tests.conftest import assert_all_free
 from tests.oracle import peft_model
-from tests.test_families import ENGINE, check_int8_pool, check_oracle, mixed_batch, targets
+from tests.test_families import (
+    ENGINE,
+    check_int8_pool,
+    check_oracle,
+    check_two_ranks,
+    mixed_batch,
+    targets,
+)
 
 MOE = ("qwen3_moe", "mixtral")
 
@@ -70,8 +77,42 @@ def test_a_mixed_batch_equals_peft_with_the_cache_on_and_off(arch, moe_family):
 
 
 @pytest.mark.parametrize("arch", MOE)
+def test_two_ranks_split_every_experts_channels(arch, moe_family, tmp_path):
+    check_two_ranks(*moe_family(arch), ENGINE, tmp_path)
+
+
+@pytest.mark.parametrize("arch", MOE)
 def test_int8_pool_is_within_int8_error_of_peft(arch, moe_family):
     check_int8_pool(*moe_family(arch), ENGINE)
+
+
+def stacked_twin(model, path):
+    """The per-expert checkpoint at `model` with its experts stacked as transformers 5 keeps
+    them in memory: experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]."""
+    shutil.copytree(model, path)
+    tensors = load_file(path / "model.safetensors")
+    prefixes = {k.split(".experts.")[0] for k in tensors if ".experts." in k}
+    for prefix in prefixes:
+        count = len({k for k in tensors if k.startswith(prefix + ".experts.")}) // 3
+        names = [f"{prefix}.experts.{e}" for e in range(count)]
+        tensors[f"{prefix}.experts.gate_up_proj"] = torch.stack([
+            torch.cat([tensors.pop(f"{n}.gate_proj.weight"), tensors.pop(f"{n}.up_proj.weight")])
+            for n in names])
+        tensors[f"{prefix}.experts.down_proj"] = torch.stack([
+            tensors.pop(f"{n}.down_proj.weight") for n in names])
+    save_file(tensors, path / "model.safetensors")
+    return path
+
+
+def test_stacked_expert_checkpoints_load_as_per_expert_ones(moe_family, tmp_path):
+    model, adapters = moe_family("qwen3_moe")
+    twin = stacked_twin(model, tmp_path / "stacked")
+    runs = [mixed_batch(Engine(m, adapters=adapters, **ENGINE)) for m in (model, twin)]
+    for (_, _, a), (_, _, b) in zip(*runs, strict=True):  # the same function; CPU threads
+        assert a.token_ids == b.token_ids  # may sum in another order run to run
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    (tmp_path / "ranks").mkdir()
+    check_two_ranks(twin, adapters, ENGINE, tmp_path / "ranks")
 
 
 @pytest.mark.parametrize(("tokens", "experts", "top_k"),

@@ -112,11 +112,13 @@ class SparseMoE(nn.Module):
         self.top_k, self.renormalize = cfg.experts_per_token, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg)
+        self.tp = None  # tensor parallel: each rank's experts hold a share of their channels
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch):
         """(the routed sum, None): no deferred delta."""
-        return sparse_moe(x, self.gate.weight, self.experts.gate_up_proj,
-                          self.experts.down_proj, self.top_k, self.renormalize), None
+        y = sparse_moe(x, self.gate.weight, self.experts.gate_up_proj,
+                       self.experts.down_proj, self.top_k, self.renormalize)
+        return (y if self.tp is None else self.tp.all_reduce(y)), None
 
 
 class DecoderLayer(nn.Module):

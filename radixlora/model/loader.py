@@ -143,10 +143,10 @@ def _quantize_at_load(model: CausalLM, quantization: str,
 
 def _check_servable(path: Path, cfg: ModelConfig, stored: str | None,
                      tp: TensorParallel | None, blocksize: int) -> None:
-    if cfg.is_moe and (tp is not None or cfg.quantization is not None):
-        feature = "tensor parallel" if tp is not None else f"a {cfg.quantization} base"
-        raise ModelLoadError(f"{feature} is not served on {cfg.family_spec.name} (mixture-of-"
-                             "experts) bases yet: serve it on one device, in bf16 or fp16")
+    if cfg.is_moe and cfg.quantization is not None:
+        raise ModelLoadError(f"a {cfg.quantization} base is not served on "
+                             f"{cfg.family_spec.name} (mixture-of-experts) bases yet: serve it "
+                             "in bf16 or fp16")
     if cfg.quantization is None:
         return
     if cfg.quantization == "nf4" and tp is not None:
@@ -357,6 +357,11 @@ def _shard_tensor(shard: Shard, name: str, target: str, tensor: torch.Tensor,
         dst.zero_()
         rows = tensor[shard.vocab_rows()]
         return rows, dst[: rows.shape[0]]
+    expert = _EXPERT.match(name)
+    if expert is not None:
+        return shard.expert_weight(expert.group(3), tensor), dst
+    if target.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        return shard.expert_weight(target.rsplit(".", 1)[1], tensor), dst
     m = _LAYER.match(name)
     if m is None:
         return tensor[:], dst

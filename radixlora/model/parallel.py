@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlora.distributed import TensorParallel
-from radixlora.model.decoder import CausalLM
+from radixlora.model.decoder import CausalLM, SparseMoE
 from radixlora.model.quant import NF4Linear
 from radixlora.model.quant_fp8 import Fp8Linear
 
@@ -120,8 +120,11 @@ def row_parallel_projections(model: CausalLM, tp: TensorParallel) -> CausalLM:
     columns): dense, NF4 or FP8 alike."""
     for layer in model.layers:
         for block, name in ROW_PARALLEL:
-            module = getattr(getattr(layer, block), name)
-            setattr(getattr(layer, block), name, _row_parallel(module, tp))
+            owner = getattr(layer, block)
+            if isinstance(owner, SparseMoE):
+                owner.tp = tp  # every expert's share of channels: its output all-reduced
+                continue
+            setattr(owner, name, _row_parallel(getattr(owner, name), tp))
     return model
 
 
