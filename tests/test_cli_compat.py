@@ -104,6 +104,20 @@ def test_step_and_weight_flags_reach_the_engine_config():
         parse("--load-format", "pt")
 
 
+def test_start_up_checks_of_adapters_leave_the_api_process_without_torch():
+    """prepare() reads every start-up adapter's config and safetensors header in the process
+    that becomes the api, which never needs torch (importing it costs seconds at start)."""
+    argv = ["serve", "--port", str(free_port())]
+    for name, path in DEMO_ADAPTERS.items():
+        argv += ["--adapter", f"{name}={path}"]
+    code = ("import sys; from radixlora.cli import build_parser, prepare; "
+            f"prepare(build_parser().parse_args({argv!r})); print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "False"
+
+
 def test_hugging_face_ids_resolve_through_the_local_cache(tmp_path, monkeypatch):
     constants = pytest.importorskip("huggingface_hub.constants")
     snapshot = tmp_path / "models--org--tiny" / "snapshots" / "0123abcd"

@@ -156,8 +156,7 @@ def prepare(args: argparse.Namespace):
     from radixlora.sched.adapter_choice import check_adapter_name
 
     served = server_args.served_model(engine)
-    if adapters:  # reading adapters needs torch, which the api process otherwise never imports
-        from radixlora.lora.adapter import check_header
+    from radixlora.lora.header import check_header  # torch-free, as the api process stays
     for name, path in adapters.items():
         try:
             check_adapter_name(name, frozenset({server_args.model_name}))

@@ -43,14 +43,12 @@ import torch
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError
 from radixlora.lora.adapter import (
-    LoraAdapter,
     adapter_from_bytes,
-    adapter_from_header,
-    check_header,
     content_hash,
     load_adapter,
     read_adapter_files,
 )
+from radixlora.lora.header import LoraAdapter, adapter_from_header, check_header
 from radixlora.lora.host_cache import packed_name, write_packed
 
 if TYPE_CHECKING:

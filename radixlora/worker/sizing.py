@@ -25,7 +25,7 @@ from pathlib import Path
 
 from radixlora.config import MODULE_GROUPS, EngineConfig, ModelConfig, target_groups
 from radixlora.errors import AdapterError, SizingError
-from radixlora.lora.adapter import adapter_from_header
+from radixlora.lora.header import adapter_from_header
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
-from radixlora.lora.adapter import CHANGING, LoraAdapter, adapter_from_header, check_header
+from radixlora.lora.header import CHANGING, LoraAdapter, adapter_from_header, check_header
 from radixlora.sched.adapter_registry import AdapterRegistry
 from radixlora.sched.request import uses_adapter
 from radixlora.sched.scheduler import Scheduler
