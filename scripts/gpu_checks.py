@@ -9,13 +9,15 @@ inside the graphs (seeded temperature, top-k, top-p, min-p and greedy rows in on
 draw the tokens of the torch reference sampler applied to the graph's own logits, and the
 reference path's tokens. An FP8 KV pool (--kv-cache-dtype fp8) must give the torch path's tokens
 and logprobs too. Then every model family (Qwen3, Gemma 2, Gemma 3 and its multimodal
-checkpoint, Phi-3 with partial rotary and longrope) on checkpoints saved by transformers, with
+checkpoint, Phi-3 with partial rotary and longrope, Qwen3-MoE and Mixtral with their grouped
+expert GEMMs) on checkpoints saved by transformers, with
 PEFT adapters (LoRA, rsLoRA, DoRA, a stack), prompts longer than their sliding windows: the
 fast path against the torch path in fp32 (no sequence may differ) and in bf16 (sequences that
 differ are counted and reported). Exits non-zero on any fp32 mismatch.
 
     python scripts/gpu_checks.py
     python scripts/gpu_checks.py --families   # the families alone, bf16 (a few minutes)
+    python scripts/gpu_checks.py --only-families=qwen3_moe,mixtral   # these, fp32 and bf16
 """
 
 from __future__ import annotations
@@ -81,14 +83,15 @@ def family_adapters(model: Path, root: Path, arch: str) -> dict[str, Path]:
             for i, (name, spec) in enumerate(specs.items())}
 
 
-def family_checks(root: Path, dtypes=("float32", "bfloat16")) -> dict[str, dict]:
+def family_checks(root: Path, dtypes=("float32", "bfloat16"),
+                  families=FAMILIES) -> dict[str, dict]:
     """Per family and dtype: sequences whose tokens differ between the fast path (Triton
     kernels, CUDA graphs, overlap) and the torch path, and the largest logprob difference."""
     specs = [None, "a", "b", [("a", 1.0), ("b", 0.5)], "d", None, "a", "d"]
     prompts = [[3 + i] * (9 + 4 * i) for i in range(len(specs))]  # past the 8/16-token windows
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     out = {}
-    for arch in FAMILIES:
+    for arch in families:
         model = build_hf_model(root / arch, arch)
         adapters = family_adapters(model, root, arch)
         for dtype in dtypes:
@@ -131,6 +134,10 @@ def main() -> int:
     if "--families" in sys.argv:  # the families alone, in the model dtype they serve in
         families = family_checks(root, ("bfloat16",))
         print("families:", families)
+        return 0
+    chosen = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--only-families=")]
+    if chosen:  # some families alone, fp32 and bf16: --only-families=qwen3_moe,mixtral
+        print("families:", family_checks(root, families=tuple(chosen[0].split(","))))
         return 0
     model = build_tiny_model(root / "model")
     adapters = {f"ad{i}": build_tiny_adapter(model, root / f"ad{i}", rank=r, seed=i)
