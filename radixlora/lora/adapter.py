@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,34 +24,21 @@ from radixlora.lora.header import (
     MAX_CONFIG_BYTES,
     MAX_MAGNITUDE,
     LoraAdapter,
-    _adapter_files,
-    _checked_pairs,
-    _dora_groups,
-    _group_ranks,
-    _parse_config,
-    _read_file,
-    _read_regular,
-    _tensor_header,
+    adapter_files,
     check_base_format,
     check_header,
+    checked_pairs,
+    dora_groups,
+    group_ranks_of,
+    parse_config,
+    read_file,
+    read_regular,
+    tensor_header,
 )
-
-log = logging.getLogger(__name__)
-
-log = logging.getLogger(__name__)
-
 
 # RMSNorm squares the hidden state in float32: a delta whose output can pass
 # sqrt(float32 max / hidden_size) for an input of RMS 1 overflows the next norm (inf, NaN).
 FP32_MAX = torch.finfo(torch.float32).max
-
-
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 def load_adapter(name: str, path: str | Path, model: ModelConfig, max_rank: int) -> LoraAdapter:
@@ -68,14 +54,14 @@ def adapter_from_bytes(
 ) -> LoraAdapter:
     """Validate the two files' bytes; the content hash covers exactly these bytes (`digest`, if
     given, must be content_hash of these very bytes, computed by the caller)."""
-    config = _parse_config(name, config_bytes)
+    config = parse_config(name, config_bytes)
     tensors = _parse_tensors(name, tensor_bytes)
     weights, magnitudes = _build_weights(name, config, tensors, model, max_rank)
-    group_ranks = _group_ranks((module, a.shape[0]) for (_, module), (a, _) in weights.items())
+    group_ranks = group_ranks_of((module, a.shape[0]) for (_, module), (a, _) in weights.items())
     digest = digest or content_hash(config_bytes, tensor_bytes)
     trained_on, mismatch = check_base_format(name, config, model)
     return LoraAdapter(name, str(path), digest, max(group_ranks.values()), group_ranks, weights,
-                       trained_on, mismatch, _dora_groups(magnitudes), magnitudes)
+                       trained_on, mismatch, dora_groups(magnitudes), magnitudes)
 
 
 def content_hash(config_bytes: bytes, tensor_bytes: bytes) -> str:
@@ -90,16 +76,16 @@ def read_adapter_files(name: str, path: Path,
                        roots: Sequence[str | Path] = ()) -> tuple[bytes, bytes]:
     """(adapter_config.json, adapter_model.safetensors) bytes, or an AdapterError. Each file
     must be a regular file within its size cap and, with `roots`, resolve inside one of them."""
-    config_path, tensor_path = _adapter_files(name, path)
-    return (_read_file(name, config_path, MAX_CONFIG_BYTES, roots),
-            _read_regular(name, tensor_path, MAX_ADAPTER_BYTES, roots,
+    config_path, tensor_path = adapter_files(name, path)
+    return (read_file(name, config_path, MAX_CONFIG_BYTES, roots),
+            read_regular(name, tensor_path, MAX_ADAPTER_BYTES, roots,
                           functools.partial(_read_tensors, name)))
 
 
 def _read_tensors(name: str, f: BinaryIO, size: int) -> bytes:
     """The whole safetensors file, once its header was checked against its size
-    (_tensor_header): never more than the header accounts for."""
-    _tensor_header(name, f, size)
+    (tensor_header): never more than the header accounts for."""
+    tensor_header(name, f, size)
     f.seek(0)
     data = f.read(size)
     if len(data) != size:
@@ -120,7 +106,7 @@ def _parse_tensors(name: str, raw: bytes) -> dict[str, torch.Tensor]:
 def _build_weights(name, config, tensors, model: ModelConfig, max_rank):
     """(weights, magnitudes) of LoraAdapter."""
     weights, magnitudes = {}, {}
-    for (layer, module, key), (a, b), scale, m in _checked_pairs(name, config, tensors, model,
+    for (layer, module, key), (a, b), scale, m in checked_pairs(name, config, tensors, model,
                                                                  max_rank):
         a, b = a.float(), b.float() * scale
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):

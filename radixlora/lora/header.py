@@ -172,14 +172,14 @@ def adapter_from_header(name: str, path: str | Path, model: ModelConfig, max_ran
     values (the caller vouches for those: radixlora.lora.registration's hash cache, or reads
     and validates them next). With `roots`, each file must resolve inside one of them."""
     path = Path(path)
-    config_path, tensor_path = _adapter_files(name, path)
-    config = _parse_config(name, _read_file(name, config_path, MAX_CONFIG_BYTES, roots))
-    tensors = _read_regular(name, tensor_path, MAX_ADAPTER_BYTES, roots,
-                            functools.partial(_tensor_header, name))
-    pairs = list(_checked_pairs(name, config, tensors, model, max_rank))
-    group_ranks = _group_ranks((module, a.shape[0]) for (_, module, _), (a, _), _, _ in pairs)
+    config_path, tensor_path = adapter_files(name, path)
+    config = parse_config(name, read_file(name, config_path, MAX_CONFIG_BYTES, roots))
+    tensors = read_regular(name, tensor_path, MAX_ADAPTER_BYTES, roots,
+                            functools.partial(tensor_header, name))
+    pairs = list(checked_pairs(name, config, tensors, model, max_rank))
+    group_ranks = group_ranks_of((module, a.shape[0]) for (_, module, _), (a, _), _, _ in pairs)
     trained_on, mismatch = check_base_format(name, config, model)
-    dora = _dora_groups({(layer, module): m for (layer, module, _), _, _, m in pairs
+    dora = dora_groups({(layer, module): m for (layer, module, _), _, _, m in pairs
                          if m is not None})
     return LoraAdapter(name, str(path), digest, max(group_ranks.values()), group_ranks, {},
                        trained_on, mismatch, dora)
@@ -246,12 +246,12 @@ def _declared_format(base: str) -> str | None:
         return None
 
 
-def _dora_groups(magnitudes) -> tuple[str, ...]:
+def dora_groups(magnitudes) -> tuple[str, ...]:
     groups = {GROUP_OF[module] for _, module in magnitudes}
     return tuple(g for g in MODULE_GROUPS if g in groups)
 
 
-def _group_ranks(module_ranks) -> dict[str, int]:
+def group_ranks_of(module_ranks) -> dict[str, int]:
     group_ranks: dict[str, int] = {}
     for module, rank in module_ranks:
         group = GROUP_OF[module]
@@ -259,7 +259,7 @@ def _group_ranks(module_ranks) -> dict[str, int]:
     return group_ranks
 
 
-def _adapter_files(name: str, path: Path) -> tuple[Path, Path]:
+def adapter_files(name: str, path: Path) -> tuple[Path, Path]:
     if not path.is_dir():
         raise AdapterError(name, f"directory {path} does not exist")
     config_path = path / "adapter_config.json"
@@ -277,14 +277,14 @@ def _adapter_files(name: str, path: Path) -> tuple[Path, Path]:
     return config_path, tensor_path
 
 
-def _read_file(name: str, path: Path, max_bytes: int, roots: Sequence[str | Path]) -> bytes:
-    data = _read_regular(name, path, max_bytes, roots, lambda f, _: f.read(max_bytes + 1))
+def read_file(name: str, path: Path, max_bytes: int, roots: Sequence[str | Path]) -> bytes:
+    data = read_regular(name, path, max_bytes, roots, lambda f, _: f.read(max_bytes + 1))
     if len(data) > max_bytes:
         raise AdapterError(name, f"{path.name} is larger than {_size(max_bytes)}")
     return data
 
 
-def _read_regular(name: str, path: Path, max_bytes: int, roots: Sequence[str | Path],
+def read_regular(name: str, path: Path, max_bytes: int, roots: Sequence[str | Path],
                   read: Callable[[BinaryIO, int], _T]) -> _T:
     """`read(file, size)` of one regular file of at most max_bytes. The file is opened by its
     real path without following links and non-blocking (a FIFO swapped in cannot block the
@@ -315,7 +315,7 @@ def _read_regular(name: str, path: Path, max_bytes: int, roots: Sequence[str | P
                            code="unreadable_adapter") from e
 
 
-def _tensor_header(name: str, f: BinaryIO, size: int) -> dict[str, TensorMeta]:
+def tensor_header(name: str, f: BinaryIO, size: int) -> dict[str, TensorMeta]:
     """The tensors a safetensors file declares (names, shapes, dtypes), read from its header:
     no tensor data is read. The header's offsets must tile the rest of the file exactly: a
     file with bytes beyond its tensors, or fewer than they need, is refused here."""
@@ -423,7 +423,7 @@ def _size(n: int) -> str:
     return f"{n >> 30} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"
 
 
-def _parse_config(name: str, raw: bytes) -> LoraConfig:
+def parse_config(name: str, raw: bytes) -> LoraConfig:
     config = _decode_config(name, raw)
     if config.peft_type != "LORA":
         raise AdapterError(name, f"peft_type {config.peft_type!r} is not supported (LORA only)")
@@ -514,7 +514,7 @@ def _subpatterns(av):
             yield from _subpatterns(item)
 
 
-def _checked_pairs(name, config, tensors, model: ModelConfig, max_rank):
+def checked_pairs(name, config, tensors, model: ModelConfig, max_rank):
     """((layer, module, key), (A, B), scale, m) of every LoRA pair whose names, layers, ranks,
     dtypes and shapes fit the model, in order (m: its DoRA magnitude vector, None without
     use_dora); the checks need tensor metadata only."""
