@@ -49,10 +49,10 @@ def targets(arch: str, subset: bool = False):
     return list(modules[::2] if subset else modules)
 
 
-@pytest.fixture(scope="module")
-def family(tmp_path_factory):
-    """arch -> (model dir, {adapter name: dir}), built on first use."""
-    root, built = tmp_path_factory.mktemp("families"), {}
+def family_builder(root, seed: int):
+    """arch -> (model dir, {adapter name: dir}) under `root`, built on first use: a rank-8
+    LoRA, a rank-4 rsLoRA on half the targets and a DoRA adapter, made by PEFT."""
+    built = {}
 
     def get(arch: str):
         if arch not in built:
@@ -63,11 +63,16 @@ def family(tmp_path_factory):
                      "dora": dict(r=4, lora_alpha=8, use_dora=True,
                                   target_modules=targets(arch))}
             built[arch] = model, {name: build_peft_adapter(model, root / f"{arch}-{name}",
-                                                           seed=20 + i, **spec)
+                                                           seed=seed + i, **spec)
                                   for i, (name, spec) in enumerate(specs.items())}
         return built[arch]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    return family_builder(tmp_path_factory.mktemp("families"), seed=20)
 
 
 def mixed_batch(engine: Engine):

@@ -18,7 +18,6 @@ from radixlora import Engine
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, ModelLoadError
 from radixlora_kernels.moe import moe_align, moe_experts, moe_experts_ref
-from scripts.checkpoints import build_hf_model, build_peft_adapter
 from tests.conftest import assert_all_free
 from tests.oracle import peft_model
 from tests.test_families import (
@@ -26,8 +25,8 @@ from tests.test_families import (
     check_int8_pool,
     check_oracle,
     check_two_ranks,
+    family_builder,
     mixed_batch,
-    targets,
 )
 
 MOE = ("qwen3_moe", "mixtral")
@@ -35,22 +34,7 @@ MOE = ("qwen3_moe", "mixtral")
 
 @pytest.fixture(scope="module")
 def moe_family(tmp_path_factory):
-    root, built = tmp_path_factory.mktemp("moe"), {}
-
-    def get(arch: str):
-        if arch not in built:
-            model = build_hf_model(root / arch, arch)
-            specs = {"a": dict(r=8, lora_alpha=16, target_modules=targets(arch)),
-                     "b": dict(r=4, lora_alpha=8, use_rslora=True,
-                               target_modules=targets(arch, subset=True)),
-                     "dora": dict(r=4, lora_alpha=8, use_dora=True,
-                                  target_modules=targets(arch))}
-            built[arch] = model, {name: build_peft_adapter(model, root / f"{arch}-{name}",
-                                                           seed=50 + i, **spec)
-                                  for i, (name, spec) in enumerate(specs.items())}
-        return built[arch]
-
-    return get
+    return family_builder(tmp_path_factory.mktemp("moe"), seed=50)
 
 
 def test_configs_declare_their_experts(moe_family):
