@@ -41,65 +41,30 @@ log = logging.getLogger(__name__)
 _KEY = re.compile(
     r"^(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_(A|B)(?:\.[^.]+)?\.weight$"
 )
-
-
 # DoRA's magnitude vector m [out] of a module (PEFT saves it without the adapter name)
 _MAGNITUDE = re.compile(
     r"^(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))"
     r"\.lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?$"
 )
-
-
 # modules of the base PEFT can adapt that radixlora does not serve (named when refused)
 UNSERVED_MODULES = ("embed_tokens", "lm_head")
-
-
 # the module a PEFT tensor belongs to: its LoRA weights, or the base layer PEFT saves beside them
 _LORA_OF = re.compile(r"(?:^|\.)(\w+)\.(?:lora_\w+|base_layer)\b")
-
-
 MAX_ADAPTER_BYTES = 8 << 30
-
-
 CHANGING = "adapter_changing"  # AdapterError.code: the files changed or vanished while read
-
-
 MAX_CONFIG_BYTES = 1 << 20
-
-
 MAX_ALPHA = 1e6
-
-
 MAX_MAGNITUDE = 1e6  # a DoRA magnitude scales a whole projection's output
-
-
 MAX_PATTERN_CHARS = 256
-
-
 MAX_PATTERN_REPEATS = 4
-
-
 MAX_PATTERNS = 512  # keys of rank_pattern or alpha_pattern
-
-
 MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit
-
-
 _T = TypeVar("_T")
-
-
 _REPEATS = (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT, sre_constants.POSSESSIVE_REPEAT)
 
-
 Rank = Annotated[int, msgspec.Meta(ge=1)]
-
-
 Alpha = Annotated[float, msgspec.Meta(ge=-MAX_ALPHA, le=MAX_ALPHA)]
-
-
 PositiveAlpha = Annotated[float, msgspec.Meta(gt=0, le=MAX_ALPHA)]
-
-
 Layer = Annotated[int, msgspec.Meta(ge=0)]
 
 
