@@ -2,7 +2,8 @@
 random checkpoints saved by transformers: one batch mixes the base, two attention adapters of
 different ranks (one rsLoRA), their stack and a DoRA adapter, with the radix cache on and off.
 The grouped expert GEMM (Triton, interpreter) against its torch reference. Two tensor-parallel ranks
-(every expert's channels split) answer as one device. What is not served yet on these bases
+(every expert's channels split) answer as one device; `radixlora serve` answers as the Engine,
+and structured output holds on an MoE base. What is not served yet on these bases
 (LoRA on the experts or the router, quantized weights) is refused by name."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from radixlora import Engine
+from radixlora import Engine, SamplingParams
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, ModelLoadError
 from radixlora_kernels.moe import moe_align, moe_experts, moe_experts_ref
@@ -97,6 +98,57 @@ def test_stacked_expert_checkpoints_load_as_per_expert_ones(moe_family, tmp_path
         torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
     (tmp_path / "ranks").mkdir()
     check_two_ranks(twin, adapters, ENGINE, tmp_path / "ranks")
+
+
+def test_served_over_http_equals_the_engine(moe_family, tmp_path):
+    """`radixlora serve` on the Qwen3-MoE checkpoint (a tokenizer added) with an attention
+    adapter, through the official openai client: the Engine's greedy tokens for the base and
+    the adapter."""
+    import openai
+
+    from scripts.checkpoints import TINY_CORPUS, build_tokenizer
+    from tests.server_harness import engine_like_server, running_server
+
+    model, adapters = moe_family("qwen3_moe")
+    served = tmp_path / "served"
+    shutil.copytree(model, served)
+    build_tokenizer(TINY_CORPUS * 4, 256).save(str(served / "tokenizer.json"))
+    prompt = list(range(40, 60))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine = engine_like_server(served, {"a": adapters["a"]})
+    want = {name: engine.generate(prompt, params, adapters=adapter)[0].outputs[0].token_ids
+            for name, adapter in (("served", None), ("a", "a"))}
+    assert want["served"] != want["a"]
+    with running_server(served, {"a": adapters["a"]}, tmp_path / "server.log") as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        for name, tokens in want.items():
+            got = client.completions.create(
+                model=name, prompt=prompt, max_tokens=6, temperature=0, logprobs=1,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+            assert [int(t.removeprefix("token_id:")) for t in got.choices[0].logprobs.tokens] \
+                == tokens
+
+
+def test_structured_output_on_an_moe_base(tmp_path):
+    """The demo's vocabulary and tokenizer on a Qwen3-MoE config, random weights
+    (--load-format dummy): a json_object answer is JSON from its first token."""
+    import openai
+
+    from radixlora.demo import DEMO_MODEL_DIR
+    from tests.server_harness import running_server
+
+    model = tmp_path / "moe"
+    shutil.copytree(DEMO_MODEL_DIR, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((model / "config.json").read_text())
+    config.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=8,
+                  num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    (model / "config.json").write_text(json.dumps(config))
+    with running_server(model, {}, tmp_path / "server.log", "--load-format", "dummy") as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        answer = client.chat.completions.create(
+            model="moe", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            response_format={"type": "json_object"})
+        assert answer.choices[0].message.content.lstrip().startswith("{")
 
 
 @pytest.mark.parametrize(("tokens", "experts", "top_k"),
