@@ -168,17 +168,19 @@ def _repeat_product(sub) -> int:
                   sre_constants.POSSESSIVE_REPEAT):
             low, high = av[0], av[1]
             factor = max(1, low if high == sre_constants.MAXREPEAT else high)
-        inner = max((_repeat_product(child) for child in _subpatterns(av)), default=1)
+        inner = max((_repeat_product(child) for child in subpatterns(av)), default=1)
         most = max(most, factor * inner)
     return most
 
 
-def _subpatterns(av):
+def subpatterns(av):
+    """The parsed subpatterns inside a node's argument of a sre_parse tree (its branches,
+    groups and repeated items), at any depth of tuples and lists."""
     if isinstance(av, sre_parse.SubPattern):
         yield av
     elif isinstance(av, (tuple, list)):
         for item in av:
-            yield from _subpatterns(item)
+            yield from subpatterns(item)
 
 
 LARK_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_]\w*(\.-?\d+)?[ \t]*:", re.MULTILINE)

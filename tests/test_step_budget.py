@@ -57,10 +57,10 @@ def primed_engine(checkpoints, **kw) -> tuple[Engine, list]:
     else does; the steps it measures are recorded instead of fitted (the CPU's own timings
     would move the fit)."""
     engine = Engine(checkpoints["llama"], kv_pages=8192, max_batch_tokens=1024, **kw)
-    costs = engine.scheduler.step_costs
-    synthetic(costs, 64, truth=(0.0, 0.0, 0.0, PER_PREFILL))
-    seen = []
-    costs.observe = lambda *sample: seen.append(sample)
+    costs, seen = engine.scheduler.step_costs, []
+    if costs is not None:  # without a target the scheduler keeps no costs
+        synthetic(costs, 64, truth=(0.0, 0.0, 0.0, PER_PREFILL))
+        costs.observe = lambda *sample: seen.append(sample)
     return engine, seen
 
 
@@ -78,9 +78,10 @@ def test_steps_beside_decoding_streams_keep_to_the_prefill_budget(checkpoints):
                         for _, decodes, prefill, _ in seen if decodes)
     assert any(decodes and prefill for _, decodes, prefill, _ in seen)  # prompts still moved
     assert max(prefill for _, decodes, prefill, _ in seen if not decodes) == 1024
-    plain, _ = primed_engine(checkpoints)
+    plain, unseen = primed_engine(checkpoints)
     assert [o.outputs[0].token_ids for o in capped] == [
         o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert plain.scheduler.step_costs is None and not unseen
     assert_all_free(engine)
 
 

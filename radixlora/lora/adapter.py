@@ -132,4 +132,3 @@ def _check_delta_bound(name: str, key: str, a: torch.Tensor, b: torch.Tensor,
         raise AdapterError(name, f"{key}'s scaled delta can reach {bound:.3g} for an input of "
                                  f"RMS 1, past the {limit:.3g} at which the next layer's "
                                  "float32 norm overflows: the weights are not a usable adapter")
-

@@ -30,6 +30,7 @@ from radixlora.config import (
     checkpoint_quantization,
 )
 from radixlora.errors import AdapterError, ModelLoadError
+from radixlora.structured import subpatterns
 
 if TYPE_CHECKING:
     import torch
@@ -464,19 +465,11 @@ def _check_backtracking(sub, in_repeat: bool = False) -> int:
         if in_repeat and (repeat or op is sre_constants.BRANCH):
             raise re.error("a repetition or alternation inside a repetition is not allowed")
         count += repeat
-        for child in _subpatterns(av):
+        for child in subpatterns(av):
             count += _check_backtracking(child, in_repeat or repeat)
     if count > MAX_PATTERN_REPEATS:
         raise re.error(f"more than {MAX_PATTERN_REPEATS} repetitions")
     return count
-
-
-def _subpatterns(av):
-    if isinstance(av, sre_parse.SubPattern):
-        yield av
-    elif isinstance(av, (tuple, list)):
-        for item in av:
-            yield from _subpatterns(item)
 
 
 def checked_pairs(name, config, tensors, model: ModelConfig, max_rank):
@@ -642,4 +635,3 @@ def _check_shapes(name, key, a, b, rank, shape, max_rank) -> None:
             f"{key}: shape mismatch: lora_A {tuple(a.shape)} and lora_B "
             f"{tuple(b.shape)}, expected ({rank}, {in_dim}) and ({out_dim}, {rank})",
         )
-

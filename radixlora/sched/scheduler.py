@@ -145,6 +145,18 @@ def _adapter_loads(loads: list[tuple[LoraAdapter, np.ndarray]]) -> list[AdapterL
                         rows=ids_to_bytes(rows)) for a, rows in loads]
 
 
+def _note_costs(plan: BatchPlan) -> None:
+    """The plan's KV read, decoding requests and prompt tokens (before its items' kv_len
+    advance), for the step budget's cost model."""
+    for item in plan.items:
+        req = item.req
+        plan.context_tokens += req.kv_len + len(item.extend_ids)
+        if req.decoding:
+            plan.decodes += 1
+        else:
+            plan.prefill_tokens += len(item.extend_ids)
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, max_context: int):
         if not config.sized:
@@ -164,7 +176,8 @@ class Scheduler:
         self.num_in_flight = 0  # plans made whose results are not folded in yet
         self.num_prefetches = 0  # adapters loaded ahead of the requests that need them
         self.reads = ReaderView()  # the worker's adapter reads and host tier, as reported
-        self.step_costs = StepCosts()  # the steps' measured seconds (the step budget)
+        # the steps' measured costs, with --itl-target-ms (the step budget); else None
+        self.step_costs = StepCosts() if config.itl_target_ms is not None else None
 
     # ---- intake ----------------------------------------------------------------------------
 
@@ -215,8 +228,9 @@ class Scheduler:
         prefill = self.prefill_budget()
         items = self._schedule_running(budget, prefill)
         budget -= sum(len(i.extend_ids) for i in items)
-        budget = min(budget, prefill - sum(len(i.extend_ids) for i in items
-                                           if not i.req.decoding))
+        if prefill < self.config.max_batch_tokens:
+            budget = min(budget, prefill - sum(len(i.extend_ids) for i in items
+                                               if not i.req.decoding))
         plan = BatchPlan(items, made_at=self.step_count)
         queue = _WaitingQueue(self)
         reserved = self._admission_room(budget)
@@ -228,14 +242,11 @@ class Scheduler:
             return None
         if self._may_prefetch():
             self._prefetch(plan, queue.order, queue.needs)
+        if self.step_costs is not None:
+            _note_costs(plan)
         sampled = 0
         for item in plan.items:
             req = item.req
-            plan.context_tokens += req.kv_len + len(item.extend_ids)
-            if req.decoding:
-                plan.decodes += 1
-            else:
-                plan.prefill_tokens += len(item.extend_ids)
             if req.adapter_set.key not in plan.lora_rows:
                 plan.lora_rows[req.adapter_set.key] = self._lora_rows(req)
             req.kv_len += len(item.extend_ids)
@@ -253,7 +264,7 @@ class Scheduler:
         keeps the step within the target by the measured step costs; else max_batch_tokens."""
         ceiling = self.config.max_batch_tokens
         target = self.config.itl_target_ms
-        if target is None:
+        if self.step_costs is None:
             return ceiling
         decoding = [r for r in self.running if r.decoding]
         if not decoding:
@@ -270,7 +281,7 @@ class Scheduler:
             if req.pending and bans_after_newest(req.params):
                 continue  # its next bans need the token being sampled
             n = min(req.remaining_prefill, budget - used)
-            if not req.decoding:
+            if prefill < budget and not req.decoding:  # capped: its prompt tokens count
                 n = min(n, prefill - prefilled)
                 prefilled += max(n, 0)
             if n > 0:
@@ -316,7 +327,7 @@ class Scheduler:
             if req.pending and bans_after_newest(req.params):
                 continue  # its next bans need the token being sampled
             n = min(req.remaining_prefill, budget - used)
-            if not req.decoding:
+            if prefill < budget and not req.decoding:
                 n = min(n, prefill - prefilled)
             if n <= 0:
                 continue
@@ -328,7 +339,7 @@ class Scheduler:
             if req.status is ReqStatus.RUNNING:
                 items.append(self._item(req, n))
                 used += n
-                prefilled += 0 if req.decoding else n
+                prefilled += 0 if prefill >= budget or req.decoding else n
         return [i for i in items if i.req.status is ReqStatus.RUNNING]
 
     def _admission_room(self, budget: int) -> int | None:

@@ -114,8 +114,9 @@ class StepLoop:
         tokens, requests = len(plan.input_ids) // 4, len(plan.items)  # int32 ids, one per token
         totals = self.totals["decode" if tokens == requests else "mixed"]
         seconds = now - max(self._last_fold, planned_at)
-        self.scheduler.step_costs.observe(batch.context_tokens, batch.decodes,
-                                          batch.prefill_tokens, seconds)
+        costs = self.scheduler.step_costs
+        if costs is not None:
+            costs.observe(batch.context_tokens, batch.decodes, batch.prefill_tokens, seconds)
         totals.steps += 1
         totals.seconds += seconds
         totals.plan_seconds += self._plan_seconds.pop(plan.step, 0.0)
