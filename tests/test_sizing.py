@@ -111,6 +111,20 @@ def test_too_little_memory_is_a_sizing_error_naming_the_flags():
     assert config.kv_pages == 64
 
 
+def test_a_base_that_fills_the_device_gets_a_smaller_adapter_pool_not_an_error(caplog):
+    h100, weights = int(79.2 * GIB), int(58.2 * GIB)  # Qwen3-30B-A3B's bf16 weights
+    config, sizing = size_8b(EngineConfig(), total=h100, in_use=weights,
+                             activations=GIB // 2, graphs=5 * GIB)
+    room = int(0.9 * h100) - weights - GIB // 2 - 5 * GIB
+    assert sizing.adapter_bytes <= room // 2 < sizing.adapter_bytes + sizing.adapter_row_bytes
+    assert sizing.kv_bytes >= room // 2 - 128 * 1024
+    assert 65 <= config.adapter_rows < 32 * 64
+    assert "--adapter-rows" in caplog.text
+    with pytest.raises(SizingError, match="no room for a KV pool"):  # explicit rows win
+        size_8b(EngineConfig(adapter_rows=32 * 64), total=h100, in_use=weights,
+                activations=GIB // 2, graphs=5 * GIB)
+
+
 @pytest.mark.parametrize("gib, tokens", [(16, 2048), (40, 4096), (80, 8192), (140, 8192),
                                          (180, 16384)])
 def test_prefill_budget_follows_device_memory(gib, tokens):

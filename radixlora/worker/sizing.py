@@ -42,6 +42,10 @@ HOST_TIER_SHARE = 0.25  # of the host memory available at start, for packed adap
 CUDA_MIN_RUNNING, CUDA_MAX_RUNNING = 256, 1024
 TOKENS_PER_RUNNING = 256
 MIN_KV_TOKENS = 4096
+# a default-sized adapter pool takes at most this share of the room the KV and adapter pools
+# share, so a base that fills most of the device still starts with a KV pool (Qwen3-30B-A3B's
+# 57 GiB of bf16 weights on an 80 GiB H100 left 7.5 GiB for both)
+ADAPTER_SHARE_MAX = 0.5
 INFER_ADAPTERS = 1000  # start-up adapters whose modules with_lora_targets reads
 # chunked-prefill tokens per step by device memory (GiB): an H100/H200 class device gets 8192
 PREFILL_BUDGETS = ((160, 16384), (60, 8192), (30, 4096), (0, 2048))
@@ -196,6 +200,28 @@ def adapter_rows_for(config: EngineConfig, group_row_bytes: Mapping[str, int]) -
     return max(rows, budget // sum(group_row_bytes[g] for g in targets))
 
 
+def _pool_bytes(config: EngineConfig, rows: int, group_row_bytes: Mapping[str, int]) -> int:
+    group_rows = dataclasses.replace(config, adapter_rows=rows).group_rows()
+    return sum(n * group_row_bytes[g] for g, n in group_rows.items())
+
+
+def _rows_within(config: EngineConfig, rows: int, group_row_bytes: Mapping[str, int],
+                 cap: int) -> int:
+    """`rows`, or fewer so the pool's bytes stay within `cap`; never fewer than one adapter of
+    rank `max_rank` needs (DoRA's magnitude row included)."""
+    if _pool_bytes(config, rows, group_row_bytes) <= cap:
+        return rows
+    least = config.max_rank + 1
+    per_row = sum(group_row_bytes[g] for g in target_groups(config.lora_target_modules))
+    spare = cap - _pool_bytes(config, least, group_row_bytes)
+    fewer = min(rows, max(least, least + spare // per_row))
+    log.warning("the adapter pool holds %d rows, not the %d that --max-loras %d x "
+                "--max-lora-rank %d ask for: at most %.0f%% of the %s left for the KV and "
+                "adapter pools (--adapter-rows sets it)", fewer, rows, config.max_loras,
+                config.max_rank, ADAPTER_SHARE_MAX * 100, _gib(int(cap / ADAPTER_SHARE_MAX)))
+    return fewer
+
+
 def size_pools(config: EngineConfig, memory: DeviceMemory, *, weights_bytes: int,
                activation_bytes: int, graph_bytes: int, kv_slot_bytes: int,
                group_row_bytes: Mapping[str, int]) -> tuple[EngineConfig, PoolSizing]:
@@ -203,12 +229,14 @@ def size_pools(config: EngineConfig, memory: DeviceMemory, *, weights_bytes: int
     and what was sized. `memory` is measured after the weights are loaded; explicit kv_pages,
     adapter_rows and max_running win. `group_row_bytes`: a rank row's bytes in each module
     group's pool, over every layer."""
-    rows = adapter_rows_for(config, group_row_bytes)
-    group_rows = dataclasses.replace(config, adapter_rows=rows).group_rows()
-    adapter_bytes = sum(n * group_row_bytes[g] for g, n in group_rows.items())
     in_use = memory.total - memory.free
     budget = int(config.gpu_memory_utilization * memory.total) - in_use
-    kv_budget = budget - activation_bytes - graph_bytes - adapter_bytes
+    room = budget - activation_bytes - graph_bytes
+    rows = adapter_rows_for(config, group_row_bytes)
+    if config.adapter_rows is None:
+        rows = _rows_within(config, rows, group_row_bytes, int(room * ADAPTER_SHARE_MAX))
+    adapter_bytes = _pool_bytes(config, rows, group_row_bytes)
+    kv_budget = room - adapter_bytes
     page_bytes = kv_slot_bytes * config.page_size
     pages = config.kv_pages or kv_budget // page_bytes
     if pages * config.page_size < MIN_KV_TOKENS and config.kv_pages is None:
@@ -234,7 +262,7 @@ def size_pools(config: EngineConfig, memory: DeviceMemory, *, weights_bytes: int
         adapter_bytes=adapter_bytes,
         adapter_row_bytes=sum(group_row_bytes[g] for g in target_groups(
             config.lora_target_modules)),
-        adapter_groups=tuple(g for g, n in group_rows.items() if n == rows),
+        adapter_groups=tuple(g for g, n in sized.group_rows().items() if n == rows),
         host_adapter_bytes=sized.host_adapter_bytes,
         max_running=sized.max_running,
         max_batch_tokens=sized.max_batch_tokens,
