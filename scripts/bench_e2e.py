@@ -559,7 +559,7 @@ class Server:
     def phase_line(self) -> str | None:
         """The server's last start-up line (`ready in T s: weights ..., other ...`)."""
         for _ in range(50):  # logged just after /health starts answering
-            found = re.findall(r"INFO radixlora\.server\.launcher: (ready in .*)",
+            found = re.findall(r"INFO radixlora\.server\.(?:procs\.)?launcher: (ready in .*)",
                                self.log_path.read_text(errors="replace"))
             if found:
                 return found[-1]
