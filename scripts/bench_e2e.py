@@ -19,10 +19,14 @@ work dir; /get_server_info's pool sizing is printed once it is ready.
 
 Workloads (prompts are random token ids; greedy; ignore_eos, so every request generates exactly
 its max_tokens; a fresh prompt set per run, so runs do not hit each other's prefix cache):
-  b  time to ready (launch until GET /health is 200), then the first request after ready (256
-     tokens in, 64 out, adapter a0) against the median of 5 repeats of it, each after
-     POST /flush_cache so that it prefills its prompt again as the first did; the repeats'
-     one-stream ITL P50.
+  b  restarts first: four launches one after another on a compile cache of the benchmark's own
+     (--compile-cache-dir in the work dir unless --extra-serve-args gives one): fresh (the
+     cache emptied), the same flags, a flag that selects no kernel variant changed
+     (--disable-radix-cache), the same flags again; each one's time to ready and the server's
+     start-up line (its phase split). Then the benchmark's own launch, its time to ready, and
+     the first request after ready (256 tokens in, 64 out, adapter a0) against the median of 5
+     repeats of it, each after POST /flush_cache so that it prefills its prompt again as the
+     first did; the repeats' one-stream ITL P50.
   c  32 requests (256 in, 64 out), a0..a7 four times each, all sent at once: a warm-up run, then
      5 runs: output tok/s median and spread (max-min)/median. After the server stops, the same
      runs through the in-process radixlora.Engine (same prompts, adapters, parameters, engine
@@ -528,6 +532,7 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
+        self.log_offset = 0  # where this launch's lines start in the log
 
     def start(self, timeout_s: float) -> float:
         """Launch and wait for GET /health to answer 200; returns the seconds it took."""
@@ -539,6 +544,7 @@ class Server:
         log(f"starting: {shlex.join(self.cmd[:10])} ... ({len(self.cmd)} args), "
             f"log {self.log_path}")
         env = dict(os.environ, RADIXLORA_ADMIN_API_KEY=self.admin_key)
+        self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         start = time.perf_counter()
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
@@ -557,10 +563,13 @@ class Server:
         raise RuntimeError(f"the server was not ready in {timeout_s} s:\n{self.log_tail()}")
 
     def phase_line(self) -> str | None:
-        """The server's last start-up line (`ready in T s: weights ..., other ...`)."""
+        """This launch's start-up line (`ready in T s: weights ..., other ...`)."""
         for _ in range(50):  # logged just after /health starts answering
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                text = f.read().decode(errors="replace")
             found = re.findall(r"INFO radixlora\.server\.(?:procs\.)?launcher: (ready in .*)",
-                               self.log_path.read_text(errors="replace"))
+                               text)
             if found:
                 return found[-1]
             time.sleep(0.1)
@@ -747,6 +756,31 @@ def with_floor(summary: dict, specs, ranks: dict[str, int], ctx) -> dict:
     summary["floor"] = fl
     summary["time_over_floor"] = summary["duration_s"] / fl["floor_s"]
     return summary
+
+
+RESTARTS = (("fresh", (), True), ("same flags", (), False),
+            ("--disable-radix-cache", ("--disable-radix-cache",), False),
+            ("same flags again", (), False))
+
+
+def restart_launches(model: Path, adapters: dict[str, Path], port: int, extra: list[str],
+                     work: Path, timeout_s: float) -> list[dict]:
+    """b's four launches (RESTARTS): each launched, timed to ready and stopped."""
+    cache = work / "compile-cache-b"
+    own_cache = "--compile-cache-dir" not in extra
+    flags = [*extra, "--compile-cache-dir", str(cache)] if own_cache else list(extra)
+    launches = []
+    for label, changed, fresh in RESTARTS:
+        if fresh and own_cache:
+            shutil.rmtree(cache, ignore_errors=True)
+        server = Server(model, adapters, port, [*flags, *changed], work / "server.log")
+        try:
+            ready = server.start(timeout_s)
+            launches.append({"launch": label, "ready_s": ready, "phases": server.phase_line()})
+        finally:
+            server.stop()
+        log(f"b: {label}: {launches[-1]['phases'] or f'ready in {ready:.1f} s'}")
+    return launches
 
 
 def workload_b(ctx) -> dict:
@@ -1119,6 +1153,8 @@ def run_rows(name: str, r: dict) -> list[tuple[str, str]]:
 def rows(results: dict) -> list[tuple[str, str]]:
     out = [("time to ready s", fmt(results.get("time_to_ready_s"))),
            ("server's start-up line", results.get("startup_phases") or "-")]
+    out += [(f"b launch, {r['launch']}", r["phases"] or f"ready in {fmt(r['ready_s'])} s")
+            for r in results.get("restarts", [])]
     b = results.get("b")
     if b:
         out += [("b: first request s (TTFT ms)",
@@ -1326,6 +1362,9 @@ def main(argv=None) -> None:
                           client_processes=args.client_processes, work=work,
                           d_json=args.d_json, g_rates=args.g_rates or list(scale.g_rates),
                           g_slo=args.g_slo)
+    if "b" in args.workload_set:
+        results["restarts"] = restart_launches(model, adapters, args.port, extra, work,
+                                               args.ready_timeout)
     try:
         ctx.ready_s = results["time_to_ready_s"] = server.start(args.ready_timeout)
         log(f"ready in {ctx.ready_s:.1f} s")
