@@ -149,3 +149,17 @@ def test_half_of_the_goodput_requests_are_on_the_base_model():
     specs = bench_e2e.sharegpt_specs(ctx, ["q0", "q1"], seed=1, n=8, base_share=0.5)
     assert [s.adapter for s in specs] == ["q0", "base", "q1", "base", "q0", "base", "q1", "base"]
     assert {s.adapter for s in bench_e2e.sharegpt_specs(ctx, [], seed=1, n=4)} == {"base"}
+
+
+def test_each_launch_reads_its_own_start_up_line(tmp_path):
+    """b's restarts share one server log: a launch's phase split is the line logged after it
+    started, never an earlier launch's."""
+    log_path = tmp_path / "server.log"
+    line = "2026-12-06 18:09:31,080 [api] INFO radixlora.server.procs.launcher: ready in {} s"
+    log_path.write_text(line.format("9.0") + "\n")
+    server = bench_e2e.Server(tmp_path, {}, 0, [], log_path)
+    assert server.phase_line() == "ready in 9.0 s"
+    server.log_offset = log_path.stat().st_size  # what start() records
+    with open(log_path, "a") as f:
+        f.write(line.format("4.2") + "\n")
+    assert server.phase_line() == "ready in 4.2 s"
