@@ -24,7 +24,8 @@ from radixlora.sampling_params import SamplingParams
 from radixlora.sched.adapter_choice import parse_spec
 from radixlora.sched.adapter_registry import AdapterRegistry
 from radixlora.sched.grammar_compiler import GrammarCompiler
-from radixlora.sched.intake import Intake, check_prompt_ids
+from radixlora.sched.intake import Intake
+from radixlora.sched.prompt_limits import check_prompt_ids
 from radixlora.sched.request import AdapterSet, Req, ReqStatus, uses_adapter
 from radixlora.sched.scheduler import Scheduler
 from radixlora.sched.step_loop import StepLoop

@@ -52,7 +52,7 @@ from radixlora.protocol.responses import (
     usage,
 )
 from radixlora.sampling_params import SamplingParams
-from radixlora.sched.intake import fill_context, max_total_tokens
+from radixlora.sched.prompt_limits import fill_context, max_total_tokens
 from radixlora_frontend.backend import GenResult
 from radixlora_frontend.endpoint import http_client, http_error
 from radixlora_frontend.runtime import Runtime

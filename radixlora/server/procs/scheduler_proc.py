@@ -20,7 +20,8 @@ from radixlora.lora.registration import HashCache
 from radixlora.model.loader import base_version
 from radixlora.sched.adapter_registry import AdapterRegistry
 from radixlora.sched.grammar_compiler import GrammarCompiler
-from radixlora.sched.intake import Intake, check_prompt_ids
+from radixlora.sched.intake import Intake
+from radixlora.sched.prompt_limits import check_prompt_ids
 from radixlora.sched.request import Req, ReqStatus
 from radixlora.sched.scheduler import NON_FINITE_LOGITS, BatchPlan, Scheduler
 from radixlora.sched.step_loop import StepLoop

@@ -21,7 +21,7 @@ import zmq
 from radixlora.config import ModelConfig
 from radixlora.errors import InvalidRequestError
 from radixlora.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from radixlora.sched.intake import check_prompt_ids, fill_context, max_total_tokens
+from radixlora.sched.prompt_limits import check_prompt_ids, fill_context, max_total_tokens
 from radixlora.server.args import ServerArgs
 from radixlora.server.ipc import (
     Heartbeats,
