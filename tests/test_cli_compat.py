@@ -521,20 +521,3 @@ def test_the_openai_client_on_an_sglang_style_server(tmp_path):
     finally:
         assert proc.stop() == 0, proc.logs()
 
-
-def test_the_tokenizer_process_tokenizes_without_torch():
-    """The tokenizer process (python -m radixlora.server.procs.tokenizer_proc) imports only what
-    tokenizing, chat templates and the context checks need: not torch."""
-    code = ("import sys; from radixlora.demo import DEMO_MODEL_DIR; "
-            "from radixlora.server.args import ServerArgs; "
-            "from radixlora.server.procs.tokenizer_proc import TokenizerService; "
-            "from radixlora.worker.sizing import SIZED_FIELDS, cpu_config; "
-            "from radixlora.server.procs.supervisor import sized_args; "
-            "args = ServerArgs(model=str(DEMO_MODEL_DIR)); c = cpu_config(args.engine_config()); "
-            "s = TokenizerService(sized_args(args, {'engine': {k: getattr(c, k) "
-            "for k in SIZED_FIELDS}})); "
-            "assert s.tokenizer.encode('input: hi'); print('torch' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "False"

@@ -6,6 +6,7 @@ miss: a response served with the wrong adapter, or over another adapter's cached
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from openai import OpenAI
@@ -59,3 +60,13 @@ def test_stack_and_model_forms(server):
     stacked = complete(client, BASE, text, adapters=[{"name": "upper", "weight": 1.0},
                                                      {"name": "reverse", "weight": 1.0}])
     assert stacked == reverse_words(text).upper()
+
+
+def test_the_tokenizer_process_runs_without_torch(server):
+    """The tokenizer process tokenizes, renders chat templates and checks contexts without
+    torch (importing it costs seconds at start); after traffic its memory maps no libtorch."""
+    complete(OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0), BASE, "hi")
+    pids = server.info()["pids"]
+    maps = {name: Path(f"/proc/{pid}/maps").read_text() for name, pid in pids.items()}
+    assert "libtorch" not in maps["tokenizer"]
+    assert "libtorch" in maps["worker"]  # what the check looks for is what torch maps

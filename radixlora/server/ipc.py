@@ -139,10 +139,12 @@ def read_args() -> ServerArgs:
 
 def child_main(proc: str, run, torch_threads: int | None = 1) -> None:
     """Entry point of a child: `python -m radixlora.server.X`, ServerArgs as JSON on stdin.
-    torch_threads: the child's intra-op threads (None: torch's default, one per core). Only
-    the worker computes; the others' few tensor operations (adapter validation) run one per
-    thread or process, and a pool of a thread per core in each of them would contend with the
-    worker's compiles and with each other (run 33: 8 adapters took 70 s to validate)."""
+    torch_threads: the child's intra-op threads (None: torch is not imported here, so it keeps
+    its default of one per core if the child imports it). Only the worker computes; the
+    scheduler's and registry's few tensor operations (adapter validation) run one per thread or
+    process, and a pool of a thread per core in each of them would contend with the worker's
+    compiles and with each other (run 33: 8 adapters took 70 s to validate). The tokenizer
+    needs no torch."""
     args = read_args()
     if torch_threads is not None:
         import torch  # here: the api process imports this module and never needs torch

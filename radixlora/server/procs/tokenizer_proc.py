@@ -524,5 +524,5 @@ def dispatch(service: TokenizerService, msg) -> tuple[list, list]:
 
 
 if __name__ == "__main__":
-    child_main("tokenizer", run)
+    child_main("tokenizer", run, torch_threads=None)
 
