@@ -6,6 +6,7 @@ read), its heartbeat to the launcher, and the main loop every child runs (serve_
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -206,11 +207,22 @@ class Heartbeats:
             log.debug("heartbeat not sent: the launcher is not reading")
 
 
+def freeze_start_up_heap() -> None:
+    """Move what the process built to start (modules, the model, tokenizers, compiled kernels,
+    all of it kept until exit) out of the garbage collector's generations, so that a full
+    collection while serving scans only what serving allocated. Without it, one full
+    collection in the api process stalled every stream for 120 ms on the 2-core development
+    machine (the scheduler's and worker's start-up ones took 57-97 ms)."""
+    gc.collect()
+    gc.freeze()
+
+
 def serve_forever(heart: Heartbeats, turn: Callable[[], int]) -> NoReturn:
     """The main loop of every child process: a turn (wait, at most the process's own poll
     interval, for what it serves, and handle it), then a heartbeat carrying the progress count
     the turn returns. A turn that never ends silences the process, and the launcher's watchdog
     reports it."""
+    freeze_start_up_heap()
     while True:
         heart.beat(turn())
 

@@ -40,7 +40,7 @@ from radixlora.server.http.bridge import Health, ProcessBridge, ReqFailed
 from radixlora.server.http.gateway import ClientGateway
 from radixlora.server.http.metrics import Metrics
 from radixlora.server.http.tracing import Tracer
-from radixlora.server.ipc import Inbox, setup_logging, subscribe
+from radixlora.server.ipc import Inbox, freeze_start_up_heap, setup_logging, subscribe
 from radixlora.server.messages import GenerateReq, LauncherInbox, Ready, Sized
 from radixlora.server.procs.supervisor import (
     OPTIONAL,
@@ -225,6 +225,7 @@ class Launcher:
                 runtime.tracer = tracer
                 await runtime.query_info()  # the adapters' content hashes for the spans
             tasks += [asyncio.create_task(c) for c in (gateway.serve(), self.announce())]
+            freeze_start_up_heap()
             await self.server.serve()
         finally:
             for task in tasks:
