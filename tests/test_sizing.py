@@ -123,6 +123,9 @@ def test_a_base_that_fills_the_device_gets_a_smaller_adapter_pool_not_an_error(c
     with pytest.raises(SizingError, match="no room for a KV pool"):  # explicit rows win
         size_8b(EngineConfig(adapter_rows=32 * 64), total=h100, in_use=weights,
                 activations=GIB // 2, graphs=5 * GIB)
+    config, _ = size_8b(EngineConfig(kv_pages=64), total=h100, in_use=weights,
+                        activations=GIB // 2, graphs=5 * GIB)
+    assert config.adapter_rows == 32 * 64  # a KV pool of the user's size leaves the rest
 
 
 @pytest.mark.parametrize("gib, tokens", [(16, 2048), (40, 4096), (80, 8192), (140, 8192),

@@ -5,7 +5,8 @@ step has measured what activations take: a `gpu_memory_utilization` share of the
 memory, less what is in use (weights, CUDA context, other processes), the activations and the
 CUDA graphs, is split between the adapter pool (`max_loras` adapters of rank `max_rank` on every
 target module, or `adapter_rows` rows, at the byte size of a row in the pool's dtype: an int8
-pool's `max_loras` cost about half a bf16 pool's) and the KV pool (the rest, or `kv_pages`).
+pool's `max_loras` cost about half a bf16 pool's; when both pools are sized, at most
+ADAPTER_SHARE_MAX of their room) and the KV pool (the rest, or `kv_pages`).
 Batch limits follow the device and the KV pool: a chunked-prefill budget of `max_batch_tokens`
 tokens per step by the device's size, and `max_running` requests by the KV pool (one per
 TOKENS_PER_RUNNING tokens of it, between CUDA_MIN_RUNNING and CUDA_MAX_RUNNING): the scheduler
@@ -233,7 +234,7 @@ def size_pools(config: EngineConfig, memory: DeviceMemory, *, weights_bytes: int
     budget = int(config.gpu_memory_utilization * memory.total) - in_use
     room = budget - activation_bytes - graph_bytes
     rows = adapter_rows_for(config, group_row_bytes)
-    if config.adapter_rows is None:
+    if config.adapter_rows is None and config.kv_pages is None:
         rows = _rows_within(config, rows, group_row_bytes, int(room * ADAPTER_SHARE_MAX))
     adapter_bytes = _pool_bytes(config, rows, group_row_bytes)
     kv_budget = room - adapter_bytes
