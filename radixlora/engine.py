@@ -19,7 +19,7 @@ import numpy as np
 from radixlora.config import EngineConfig, ModelConfig
 from radixlora.errors import AdapterError, InvalidRequestError, RadixLoraError
 from radixlora.lora.adapter import LoraAdapter
-from radixlora.model.loader import base_version
+from radixlora.model.checkpoint_files import base_version
 from radixlora.sampling_params import SamplingParams
 from radixlora.sched.adapter_choice import parse_spec
 from radixlora.sched.adapter_registry import AdapterRegistry

@@ -64,9 +64,11 @@ def test_stack_and_model_forms(server):
 
 def test_the_tokenizer_process_runs_without_torch(server):
     """The tokenizer process tokenizes, renders chat templates and checks contexts without
-    torch (importing it costs seconds at start); after traffic its memory maps no libtorch."""
+    torch (importing it costs seconds at start), and the scheduler without Triton or the
+    model's modules; after traffic their memory maps show neither library."""
     complete(OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0), BASE, "hi")
     pids = server.info()["pids"]
     maps = {name: Path(f"/proc/{pid}/maps").read_text() for name, pid in pids.items()}
     assert "libtorch" not in maps["tokenizer"]
     assert "libtorch" in maps["worker"]  # what the check looks for is what torch maps
+    assert "libtriton" not in maps["scheduler"]  # it plans steps; the kernels are the worker's

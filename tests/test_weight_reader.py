@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 from radixlora.config import ModelConfig
 from radixlora.errors import ModelLoadError
 from radixlora.model import weight_reader
-from radixlora.model.loader import load_model, weight_files
+from radixlora.model.checkpoint_files import weight_files
+from radixlora.model.loader import load_model
 from radixlora.model.weight_reader import stored_tensors
 
 

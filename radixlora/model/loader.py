@@ -4,7 +4,6 @@ here, not in the model."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -15,6 +14,7 @@ from safetensors import safe_open
 from radixlora.config import LORA_MODULES, ModelConfig, checkpoint_quantization
 from radixlora.distributed import COLUMN_MODULES, Shard, TensorParallel
 from radixlora.errors import ModelLoadError
+from radixlora.model.checkpoint_files import weight_files
 from radixlora.model.decoder import CausalLM
 from radixlora.model.parallel import row_parallel_projections, shard_model, whole_row_absmax
 from radixlora.model.quant import (
@@ -53,30 +53,6 @@ _FUSED = {
     "gate": ("gate_up_proj", 0),
     "up": ("gate_up_proj", 1),
 }
-
-
-def weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / s for s in shards]
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    if list(path.glob("*.bin")) or list(path.glob("*.pt")):
-        raise ModelLoadError(f"{path} holds only pickle weights; radixlora loads safetensors only")
-    raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {path}")
-
-
-def base_version(path: Path, load_format: str = "safetensors") -> str:
-    """Identity of the base checkpoint for cache keys: its config and its weight files' names
-    and sizes (hashing every weight byte would cost a full read of a multi-GB model)."""
-    h = hashlib.sha256((path / "config.json").read_bytes())
-    if load_format == "dummy":
-        return h.hexdigest() + "-dummy"
-    for f in weight_files(path):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return h.hexdigest()
 
 
 def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,

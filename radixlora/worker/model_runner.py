@@ -18,8 +18,9 @@ from radixlora.config import MODULE_GROUPS, EngineConfig, ModelConfig
 from radixlora.distributed import TensorParallel
 from radixlora.lora.host_cache import PackedAdapter
 from radixlora.lora.layout import group_row_bytes
+from radixlora.model.checkpoint_files import weight_files
 from radixlora.model.forward_batch import ForwardBatch
-from radixlora.model.loader import load_model, weight_files
+from radixlora.model.loader import load_model
 from radixlora.sampling_params import GREEDY, SamplingParams, needs_adjustments
 from radixlora.step_plan import GroupRows, PlanItem, StepPlan, bytes_to_ids, ids_to_bytes
 from radixlora.structured import mask_words

@@ -17,7 +17,7 @@ import zmq
 from radixlora.errors import AdapterError, AdapterNotFoundError, InvalidRequestError
 from radixlora.lora.layout import bytes_per_row, load_bytes, pool_layouts
 from radixlora.lora.registration import HashCache
-from radixlora.model.loader import base_version
+from radixlora.model.checkpoint_files import base_version
 from radixlora.sched.adapter_registry import AdapterRegistry
 from radixlora.sched.grammar_compiler import GrammarCompiler
 from radixlora.sched.intake import Intake
