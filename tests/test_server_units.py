@@ -253,3 +253,13 @@ def test_a_request_whose_output_fails_to_detokenize_ends_alone(checkpoints, monk
     assert isinstance(batch, OutputBatch) and [o.rid for o in batch.outputs] == ["good"]
     assert isinstance(error, ReqError) and (error.rid, error.status) == ("bad", 500)
     assert "bad" not in service.reqs and "good" in service.reqs
+
+
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=40))
+def test_id_lists_read_from_bytes_equal_numpys(ids):
+    from radixlora.step_plan import bytes_to_id_list, bytes_to_ids, ids_to_bytes
+
+    raw = ids_to_bytes(ids)
+    assert bytes_to_id_list(raw) == bytes_to_ids(raw).tolist() == ids
+    with pytest.raises(ValueError, match="multiple of 4"):
+        bytes_to_id_list(raw + b"\0")

@@ -26,7 +26,7 @@ from radixlora.server.messages import (
     OutputBatch,
     ReqError,
     SampleOutput,
-    bytes_to_ids,
+    bytes_to_id_list,
     ids_to_bytes,
 )
 
@@ -78,7 +78,7 @@ class RuntimeClient:
         samples: dict[int, Sample] = {}
         for out in self.stream(prompt, params, adapters, stop, messages):
             sample = samples.setdefault(out.index, Sample(out.index))
-            sample.add(out, bytes_to_ids(out.token_ids).tolist())
+            sample.add(out, bytes_to_id_list(out.token_ids))
         return [samples[i] for i in sorted(samples)]
 
     def _send(self, msg) -> None:

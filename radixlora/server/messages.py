@@ -36,6 +36,7 @@ import msgspec
 from radixlora.sampling_params import SamplingParams
 from radixlora.sched.adapter_choice import AdapterChoice as AdapterChoice
 from radixlora.step_plan import StepMasks, StepPlan, StepResult, StepTotals
+from radixlora.step_plan import bytes_to_id_list as bytes_to_id_list
 from radixlora.step_plan import bytes_to_ids as bytes_to_ids
 from radixlora.step_plan import ids_to_bytes as ids_to_bytes
 from radixlora.text.chat import ChatMessage as ChatMessage

@@ -42,7 +42,7 @@ from radixlora.server.messages import (
     RouterStats,
     SampleOutput,
     SchedulerStats,
-    bytes_to_ids,
+    bytes_to_id_list,
 )
 from radixlora.step_plan import StepTotals
 
@@ -95,7 +95,7 @@ class Sample:
             self.prompt_text = out.prompt_text
         self.input_logprobs += out.input_logprobs
         self.input_top += out.input_top or []
-        self.input_ids += bytes_to_ids(out.input_ids).tolist()
+        self.input_ids += bytes_to_id_list(out.input_ids)
         self.input_texts += out.input_texts or []
         self.text += out.text
         self.token_ids += ids
@@ -390,7 +390,7 @@ class ProcessBridge:
         gen = self.generations.get(out.rid)
         if gen is None:
             return  # aborted
-        ids = bytes_to_ids(out.token_ids).tolist()
+        ids = bytes_to_id_list(out.token_ids)
         sample = gen.samples.setdefault(out.index, Sample(out.index))
         sample.add(out, ids)
         if out.index == 0:

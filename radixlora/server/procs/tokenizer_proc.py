@@ -45,6 +45,7 @@ from radixlora.server.messages import (
     TokenizedReq,
     TokenizerInbox,
     TokenOut,
+    bytes_to_id_list,
     bytes_to_ids,
     ids_to_bytes,
 )
@@ -281,7 +282,7 @@ class TokenizerService:
         """An echoed token-id prompt's text (a text prompt is echoed by the api as given)."""
         if not req.echo or req.input_ids is None or self.tokenizer is None:
             return None
-        return self.tokenizer.decode(bytes_to_ids(outcome.input_ids).tolist(),
+        return self.tokenizer.decode(bytes_to_id_list(outcome.input_ids),
                                      req.skip_special_tokens)
 
     @staticmethod
@@ -335,8 +336,8 @@ class TokenizerService:
             sample = SampleState(stream, state.token_texts)
             state.samples[out.index] = sample
             if state.head is not None:
-                input_ids = ids_to_bytes([state.head, *bytes_to_ids(input_ids).tolist()])
-        ids = bytes_to_ids(out.token_ids).tolist()
+                input_ids = ids_to_bytes([state.head, *bytes_to_id_list(input_ids)])
+        ids = bytes_to_id_list(out.token_ids)
         texts = _id_texts if state.ids_as_texts else self._texts
         finish = out.finish_reason
         if sample.stream is not None:
@@ -361,7 +362,7 @@ class TokenizerService:
             input_ids=input_ids,
             input_top=_top(out.input_top, texts) if sample.token_texts and out.input_top else None,
             prompt_text=prompt_text,
-            input_texts=texts(bytes_to_ids(input_ids).tolist())
+            input_texts=texts(bytes_to_id_list(input_ids))
             if sample.token_texts and input_ids else None,
             scheduled_at=out.scheduled_at,
         )
