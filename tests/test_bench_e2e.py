@@ -163,3 +163,10 @@ def test_each_launch_reads_its_own_start_up_line(tmp_path):
     with open(log_path, "a") as f:
         f.write(line.format("4.2") + "\n")
     assert server.phase_line() == "ready in 4.2 s"
+
+
+def test_b_uses_its_own_compile_cache_unless_the_flags_name_one(tmp_path):
+    flags = bench_e2e.with_b_cache(["--max-running", "8"], tmp_path)
+    assert flags == ["--max-running", "8", "--compile-cache-dir", str(tmp_path / bench_e2e.B_CACHE)]
+    mine = ["--compile-cache-dir", "/srv/cache"]
+    assert bench_e2e.with_b_cache(mine, tmp_path) == mine
