@@ -5,6 +5,7 @@ read), its heartbeat to the launcher, and the main loop every child runs (serve_
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import gc
 import logging
@@ -212,9 +213,12 @@ def freeze_start_up_heap() -> None:
     all of it kept until exit) out of the garbage collector's generations, so that a full
     collection while serving scans only what serving allocated. Without it, one full
     collection in the api process stalled every stream for 120 ms on the 2-core development
-    machine (the scheduler's and worker's start-up ones took 57-97 ms)."""
+    machine (the scheduler's and worker's start-up ones took 57-97 ms). At exit they are
+    unfrozen, so the interpreter's last collection frees them as before (native extensions
+    such as Triton's report objects still alive then as leaks)."""
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)
 
 
 def serve_forever(heart: Heartbeats, turn: Callable[[], int]) -> NoReturn:
