@@ -26,11 +26,9 @@ def bytes_to_ids(raw: bytes) -> np.ndarray:
 def bytes_to_id_list(raw: bytes) -> list[int]:
     """bytes_to_ids(raw).tolist() without numpy's cost per call: the api and tokenizer
     processes turn a few ids of every request into a list at every step."""
-    if len(raw) % 4:
-        raise ValueError(f"an int32 array needs a multiple of 4 bytes, got {len(raw)}")
-    if sys.byteorder == "little":
-        return memoryview(raw).cast("i").tolist()
-    return bytes_to_ids(raw).tolist()
+    if sys.byteorder != "little" or len(raw) % 4:
+        return bytes_to_ids(raw).tolist()  # (raises on a partial id)
+    return memoryview(raw).cast("i").tolist()
 
 
 class PlanItem(msgspec.Struct, array_like=True):

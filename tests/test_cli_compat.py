@@ -520,4 +520,3 @@ def test_the_openai_client_on_an_sglang_style_server(tmp_path):
         assert complete(model, lora_path="rev") == "fish 42 ate fox red the"
     finally:
         assert proc.stop() == 0, proc.logs()
-

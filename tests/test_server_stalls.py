@@ -73,8 +73,7 @@ def test_huge_adapter_files_neither_pause_streams_nor_kill_processes(tmp_path):
 def test_a_full_collection_while_serving_scans_only_what_serving_allocated():
     """Every process freezes its start-up heap before serving (freeze_start_up_heap, called by
     serve_forever and the api before it accepts clients): what start-up built leaves the
-    collector's generations, so a full collection no longer walks it (an unfrozen api's full
-    collection stalled every stream for 120 ms on the development machine)."""
+    collector's generations, so a full collection no longer walks it."""
     start_up = [[] for _ in range(10_000)]
     try:
         freeze_start_up_heap()

@@ -20,6 +20,7 @@ from radixlora.server.messages import (
     StepResult,
     TokenizedReq,
     WorkerInbox,
+    bytes_to_id_list,
     bytes_to_ids,
     ids_to_bytes,
 )
@@ -257,8 +258,6 @@ def test_a_request_whose_output_fails_to_detokenize_ends_alone(checkpoints, monk
 
 @given(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=40))
 def test_id_lists_read_from_bytes_equal_numpys(ids):
-    from radixlora.step_plan import bytes_to_id_list, bytes_to_ids, ids_to_bytes
-
     raw = ids_to_bytes(ids)
     assert bytes_to_id_list(raw) == bytes_to_ids(raw).tolist() == ids
     with pytest.raises(ValueError, match="multiple of 4"):

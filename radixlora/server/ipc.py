@@ -211,11 +211,10 @@ class Heartbeats:
 def freeze_start_up_heap() -> None:
     """Move what the process built to start (modules, the model, tokenizers, compiled kernels,
     all of it kept until exit) out of the garbage collector's generations, so that a full
-    collection while serving scans only what serving allocated. Without it, one full
-    collection in the api process stalled every stream for 120 ms on the 2-core development
-    machine (the scheduler's and worker's start-up ones took 57-97 ms). At exit they are
-    unfrozen, so the interpreter's last collection frees them as before (native extensions
-    such as Triton's report objects still alive then as leaks)."""
+    collection while serving, a pause of every stream the process feeds, scans only what
+    serving allocated. At exit they are unfrozen, so the interpreter's last collection frees
+    them as before (native extensions such as Triton's report objects still alive then as
+    leaks)."""
     gc.collect()
     gc.freeze()
     atexit.register(gc.unfreeze)

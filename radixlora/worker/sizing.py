@@ -44,8 +44,7 @@ CUDA_MIN_RUNNING, CUDA_MAX_RUNNING = 256, 1024
 TOKENS_PER_RUNNING = 256
 MIN_KV_TOKENS = 4096
 # a default-sized adapter pool takes at most this share of the room the KV and adapter pools
-# share, so a base that fills most of the device still starts with a KV pool (Qwen3-30B-A3B's
-# 57 GiB of bf16 weights on an 80 GiB H100 left 7.5 GiB for both)
+# share, so a base that fills most of the device still starts with a KV pool
 ADAPTER_SHARE_MAX = 0.5
 INFER_ADAPTERS = 1000  # start-up adapters whose modules with_lora_targets reads
 # chunked-prefill tokens per step by device memory (GiB): an H100/H200 class device gets 8192
