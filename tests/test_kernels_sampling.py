@@ -161,3 +161,19 @@ def test_bad_arguments_raise():
     top_k, top_p, min_p = filters(3)
     with pytest.raises(ValueError, match="top_p"):
         sample_tokens(logits, temps, seeds, steps, (top_k, top_p.double(), min_p))
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_rows_of_nan_end_in_a_column_and_leave_other_rows_alone(filtered):
+    """A row of NaN logits (a broken adapter, an overflow) still gets a column of its row, never
+    the one past it, and a filtered row's candidate loop ends; the other rows are unchanged."""
+    logits, temps, seeds, steps = batch(9, 200)
+    logits[2] = float("nan")
+    logits[4, 17] = float("nan")
+    row_filters = filters(9) if filtered else None
+    tokens, _, _ = sample_tokens(logits, temps, seeds, steps, row_filters,
+                                 block=BLOCK, filter_block=BLOCK)
+    assert bool(((tokens >= 0) & (tokens < 200)).all()), tokens
+    ref = sample_tokens_ref(logits, temps, seeds, steps, row_filters)[0]
+    finite = [r for r in range(9) if r not in (2, 4)]
+    assert torch.equal(tokens[finite], ref[finite])

@@ -11,7 +11,8 @@ the kept set only grows as a column's score does. Stage 2 finds the Gumbel-max o
 a sort: it starts from stage 1's winner over all columns; while the candidate is not kept, every
 kept column scores strictly higher than it, so the next candidate is the Gumbel-max over the
 columns scoring higher, found with the candidate's membership in one more pass over the row.
-The top column is always kept, so the loop ends; a sample of the unfiltered distribution lands
+The top column is always kept, so the loop ends (a candidate with no column above it is kept
+outright, so a row with NaN logits ends it too); a sample of the unfiltered distribution lands
 in the kept set with probability about top_p, so most rows take one pass.
 """
 
@@ -247,7 +248,8 @@ def _sample_merge_kernel(
     part_best = tl.load(parts_ptr + 2 * stride_part + at, mask=mask, other=float("-inf"))
     part_idx = tl.load(part_idx_ptr + at, mask=mask, other=vocab)
     best = tl.max(part_best, axis=0)
-    token = tl.min(tl.where(part_best == best, part_idx, vocab), axis=0)
+    # a row of NaN has no best column: any column in range, never one past the row
+    token = tl.minimum(tl.min(tl.where(part_best == best, part_idx, vocab), axis=0), vocab - 1)
     if FILTER:
         temp = tl.load(temp_ptr + row)
         if _row_filtered(row, temp > 0, top_k_ptr, top_p_ptr, min_p_ptr, FILTER):
@@ -266,8 +268,10 @@ def _sample_merge_kernel(
                 score = tl.load(row_ptr + token).to(tl.float32) * inv_temp
                 mass, count, above_best = _scan_above(row_ptr, vocab, score, inv_temp, lse_t,
                                                       row_hash, BLOCK)
-                kept = ((count < k) & ((top_p >= 1) | (mass < top_p))
-                        & (tl.exp(score - max_t) >= min_p)).to(tl.int32)
+                # no column above the candidate: it is a top column, which every filter keeps
+                # (and a NaN candidate or row ends the loop here instead of spinning)
+                kept = (((count < k) & ((top_p >= 1) | (mass < top_p))
+                         & (tl.exp(score - max_t) >= min_p)) | (above_best == vocab)).to(tl.int32)
                 token = tl.where(kept != 0, token, above_best)
     chosen = tl.load(row_ptr + token).to(tl.float32)
     tl.store(token_ptr + row, token.to(tl.int64))
