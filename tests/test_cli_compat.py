@@ -96,6 +96,15 @@ def test_adapter_counts_become_pool_sizes():
                            DEMO_MODEL_DIR)
 
 
+def test_ready_timeout_reaches_the_launcher():
+    """A first start of a large model may need more than the default to compile and capture."""
+    assert prepare(parse("--port", str(free_port()))).ready_timeout_s == 600.0
+    assert prepare(parse("--ready-timeout", "1800", "--port",
+                         str(free_port()))).ready_timeout_s == 1800.0
+    with pytest.raises(SystemExit):
+        parse("--ready-timeout", "0")
+
+
 def test_step_and_weight_flags_reach_the_engine_config():
     args = parse("--itl-target-ms", "60", "--load-format", "dummy")
     overrides = resolved_overrides(args, DEMO_MODEL_DIR)

@@ -211,6 +211,7 @@ def _server_args(args: argparse.Namespace, model, adapters: dict[str, str], serv
         drain_timeout_s=args.drain_timeout,
         step_timeout_s=args.step_timeout,
         watchdog_timeout_s=args.watchdog_timeout,
+        ready_timeout_s=args.ready_timeout,
         log_level=args.log_level,
         log_requests=args.log_requests,
         stats_interval_s=args.stats_interval,
@@ -357,6 +358,10 @@ def _serve_parser(sub) -> None:
                         "(vllm:num_requests_waiting, vllm:kv_cache_usage_perc, "
                         "vllm:lora_requests_info, ...), which the Gateway API inference "
                         "extension's endpoint picker reads")
+    p.add_argument("--ready-timeout", type=positive(float), default=600.0,
+                   help="seconds the worker may take to load the model and size its pools, and "
+                        "again to warm up (a first start compiles every kernel), before the "
+                        "start counts as failed")
     p.add_argument("--watchdog-timeout", type=positive(float), default=30.0,
                    help="seconds a child process may go without a heartbeat before it counts "
                         "as dead (503s, exit; the registry is restarted)")

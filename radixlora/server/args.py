@@ -89,7 +89,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     drain_timeout_s: float = 30.0
     step_timeout_s: float = 600.0  # a worker step running longer is a hung worker
     watchdog_timeout_s: float = 30.0  # a child silent this long (no heartbeat) is dead
-    ready_timeout_s: float = 300.0
+    ready_timeout_s: float = 600.0  # --ready-timeout: to Sized, then again to Ready
     max_body_bytes: int = 8 << 20
     # logprob entries (a token's logprob, or one of its top alternatives) one client request
     # may return; None: one full context with the most top logprobs (context x 21)

@@ -383,7 +383,7 @@ def wait_for(inbox: Inbox, children: Children, timeout_s: float, names: tuple[st
         if time.monotonic() > deadline:
             missing = sorted(set(names) - set(seen[kind]))
             raise StartupError(f"no {kind.__name__.lower()} acknowledgement from {missing} in "
-                               f"{timeout_s:.0f} s")
+                               f"{timeout_s:.0f} s (--ready-timeout)")
         if inbox.poll(100):
             for msg in inbox.recv_nowait():
                 children.on_beat(msg)
