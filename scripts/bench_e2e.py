@@ -57,7 +57,9 @@ its max_tokens; a fresh prompt set per run, so runs do not hit each other's pref
      arrivals for 40 s of ShareGPT-like requests, half on the base model and half over q0..q99,
      from the client processes: TTFT and ITL P50 / P90 / P99 and output tok/s per rate, then the
      goodput: the highest rate up to which every rate meets --g-slo (default TTFT P99 <= 300
-     ms and ITL P99 <= 100 ms, with no failed request).
+     ms and ITL P99 <= 100 ms, with no failed request). Each stream gap of 50 ms or more is
+     matched against the server's recent steps (/get_server_info) and counted under its cause:
+     one long step, steps the stream sat out, or no step at all (a host stall).
 
 The floor printed beside every run is the time an H200 would need at its peak rates:
   floor_s = prefill FLOPs / peak FLOP/s + decode bytes / peak bytes/s       (800e12, 4.24e12)
@@ -79,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import dataclasses
 import itertools
 import json
@@ -689,13 +692,13 @@ def drive(url: str, gaps: list[float], specs: list, allow_failed: bool = False,
 
 
 def drive_processes(url: str, specs: list, processes: int, work: Path,
-                    arrivals: list[float] | None = None) -> dict:
+                    arrivals: list[float] | None = None, keep_gaps: bool = False) -> dict:
     """The specs sent from `processes` forked client processes (spec i from process
     i % processes), each with its own event loop, so a stream's chunk gaps measure the server,
     not one client's loop: all at once, or spec i `arrivals[i]` seconds (non-decreasing) after
     a wall-clock instant the processes share. They hand their results back as JSON files;
     bench_serving's summary of all of them, the duration from that instant to the last
-    response."""
+    response; with keep_gaps, also every stream's long gaps (Result.long_gaps) in time order."""
     arrivals = arrivals or [0.0] * len(specs)
     start_at = time.time() + 2.0
     paths = [work / f"client-{k}.json" for k in range(processes)]
@@ -723,6 +726,8 @@ def drive_processes(url: str, specs: list, processes: int, work: Path,
         path.unlink()
     summary = bench_serving.summarize(results, max(ends) - start_at)
     summary["client_processes"] = processes
+    if keep_gaps:
+        summary["long_gaps"] = sorted(g for r in results if r.ok for g in r.long_gaps)
     return summary
 
 
@@ -1085,6 +1090,49 @@ def goodput(runs: dict[float, dict], slo: dict[str, float]) -> float | None:
     return best
 
 
+GAP_CAUSES = ("one long step", "steps it sat out", "no step (a host stall)")
+
+
+def gap_cause(end: float, gap: float, steps: list[list[float]]) -> tuple[str, float]:
+    """(cause, the tokens of its longest step) of one stream gap [end - gap, end] from the
+    server's recent steps ([fold time, seconds, requests, tokens], fold times in order, a step
+    running over [fold - seconds, fold]): one step covering at least half of
+    it; else steps covering at least half of it between them, none of which carried the
+    stream's token; else no step ran for most of it, a stall outside the step loop (the
+    scheduler's, the api's or the tokenizer's host work, a collection, the network)."""
+    start = end - gap
+    first = bisect.bisect_left(steps, [start])
+    covered, longest, step_tokens = 0.0, 0.0, 0.0
+    for fold, seconds, _, tokens in steps[first:]:
+        overlap = min(fold, end) - max(fold - seconds, start)
+        if fold - seconds >= end:
+            break
+        if overlap > 0:
+            covered += overlap
+            if overlap > longest:
+                longest, step_tokens = overlap, tokens
+    if longest >= gap / 2:
+        return GAP_CAUSES[0], step_tokens
+    return (GAP_CAUSES[1] if covered >= gap / 2 else GAP_CAUSES[2]), step_tokens
+
+
+def gap_causes(gaps: list[list[float]], steps: list[list[float]]) -> dict:
+    """Per cause (gap_cause) of the long stream gaps: how many, their share of all long-gap
+    time, and for long steps their mean tokens (a mixed step's prompt tokens and decodes)."""
+    steps = sorted(steps)
+    total = sum(gap for _, gap in gaps) or 1.0
+    out = {c: {"gaps": 0, "time_share": 0.0, "mean_step_tokens": None} for c in GAP_CAUSES}
+    long_steps: list[float] = []
+    for end, gap in gaps:
+        cause, tokens = gap_cause(end, gap, steps)
+        out[cause]["gaps"] += 1
+        out[cause]["time_share"] += gap / total
+        if cause == GAP_CAUSES[0]:
+            long_steps.append(tokens)
+    out[GAP_CAUSES[0]]["mean_step_tokens"] = statistics.fmean(long_steps) if long_steps else None
+    return out
+
+
 def workload_g(ctx) -> dict:
     """Goodput: for each rate, Poisson arrivals for g_seconds of ShareGPT-like requests, half
     on the base model and half over g_adapters rank-8 q/k/v/o adapters, streamed from the
@@ -1103,8 +1151,11 @@ def workload_g(ctx) -> dict:
         specs = sharegpt_specs(ctx, adapters, seed=700 + k, n=n, base_share=0.5)
         log(f"g: {n} requests, Poisson at {rate:g}/s")
         before = step_totals(ctx.url)
-        run = drive_processes(ctx.url, specs, ctx.client_processes, ctx.work, arrivals)
+        run = drive_processes(ctx.url, specs, ctx.client_processes, ctx.work, arrivals,
+                              keep_gaps=True)
         run["steps"] = step_breakdown(before, step_totals(ctx.url))
+        steps = ctx.server.admin("GET", "/get_server_info").json()["recent_steps"]
+        run["gap_causes"] = gap_causes(run.pop("long_gaps"), steps)
         runs[rate] = run
         if not meets(run, ctx.g_slo) and k + 1 < len(ctx.g_rates):
             log(f"g: {rate:g}/s misses the SLO; higher rates are still measured")
@@ -1202,6 +1253,11 @@ def rows(results: dict) -> list[tuple[str, str]]:
                     (f"g {rate}/s: output tok/s; failed", f"{fmt(r['output_token_throughput'])}; "
                                                           f"{r['failed']}"),
                     (f"g {rate}/s: meets the SLO", str(meets(r, g["slo"])))]
+            causes = r.get("gap_causes") or {}
+            out += [(f"g {rate}/s: gaps >= {1e3 * bench_serving.LONG_GAP_S:g} ms from {cause}: "
+                     "count, share of their time, mean step tokens",
+                     f"{c['gaps']}, {fmt(c['time_share'])}, {fmt(c['mean_step_tokens'])}")
+                    for cause, c in causes.items()]
         slo = ", ".join(f"{k} <= {v:g} ms" for k, v in g["slo"].items())
         out.append((f"g: goodput, req/s ({slo})", fmt(g["goodput"])))
     for name, r in (results.get("s") or {}).items():

@@ -33,6 +33,8 @@ class Result:
     output_tokens: int = 0
     ttft: float | None = None
     itls: list[float] = field(default_factory=list)
+    # [time.monotonic() at the chunk, seconds since the previous one] of gaps >= LONG_GAP_S
+    long_gaps: list[list[float]] = field(default_factory=list)
     latency: float = 0.0
     error: str | None = None
 
@@ -46,6 +48,7 @@ def draw_length(rng: random.Random, mean: int, dist: str) -> int:
 
 
 SHAREGPT_SIGMA = 1.0
+LONG_GAP_S = 0.05  # a stream's chunk gaps this long are kept with their times (bench_e2e g)
 SHAREGPT_PROMPT = (270, 2048)  # mean before the cap, cap
 SHAREGPT_OUTPUT = (210, 1024)
 
@@ -108,6 +111,8 @@ async def one_request(client: httpx.AsyncClient, args, adapter: str, prompt, max
                     result.ttft = now - start
                 else:
                     result.itls.append(now - last)
+                    if now - last >= LONG_GAP_S:
+                        result.long_gaps.append([time.monotonic(), now - last])
                 last = now
         result.ok = True
     except httpx.HTTPError as e:

@@ -170,3 +170,18 @@ def test_b_uses_its_own_compile_cache_unless_the_flags_name_one(tmp_path):
     assert flags == ["--max-running", "8", "--compile-cache-dir", str(tmp_path / bench_e2e.B_CACHE)]
     mine = ["--compile-cache-dir", "/srv/cache"]
     assert bench_e2e.with_b_cache(mine, tmp_path) == mine
+
+
+def test_each_long_gap_is_put_down_to_a_long_step_steps_it_sat_out_or_a_stall():
+    """Steps as /get_server_info's recent_steps give them: [fold time, seconds, requests,
+    tokens], each running over [fold - seconds, fold]."""
+    steps = [[1.00, 0.02, 8, 0], [1.30, 0.28, 6, 2054], [1.32, 0.02, 8, 0], [1.34, 0.02, 8, 0],
+             [1.36, 0.02, 8, 0], [1.38, 0.02, 8, 0], [1.40, 0.02, 8, 0], [2.00, 0.02, 8, 0]]
+    assert bench_e2e.gap_cause(1.31, 0.30, steps) == ("one long step", 2054)
+    assert bench_e2e.gap_cause(1.40, 0.08, steps)[0] == "steps it sat out"
+    assert bench_e2e.gap_cause(1.98, 0.50, steps)[0] == "no step (a host stall)"
+    causes = bench_e2e.gap_causes([[1.40, 0.08], [1.31, 0.30], [1.98, 0.50]], steps)
+    assert {c: v["gaps"] for c, v in causes.items()} == dict.fromkeys(bench_e2e.GAP_CAUSES, 1)
+    assert causes["one long step"]["time_share"] == pytest.approx(0.30 / 0.88)
+    assert causes["one long step"]["mean_step_tokens"] == 2054
+    assert causes["no step (a host stall)"]["mean_step_tokens"] is None

@@ -55,10 +55,12 @@ def test_merged_stats_sum_counts_and_unite_adapters():
 def test_merged_info_sums_numbers_and_keeps_each_replica():
     infos = [
         {"running": 1, "kv_free_tokens": 90, "adapter_event_seq": 7, "adapter_pinned": ["a"],
-         "adapter_refs": {"h1": 1}, "adapters": [{"name": "a", "adapter_id": "h1"}]},
+         "adapter_refs": {"h1": 1}, "adapters": [{"name": "a", "adapter_id": "h1"}],
+         "recent_steps": [[1.0, 0.5, 3, 0], [3.0, 0.5, 3, 10]]},
         {"running": 2, "kv_free_tokens": 80, "adapter_event_seq": 6, "adapter_pinned": ["b"],
          "adapter_refs": {"h1": 2, "h2": 1},
-         "adapters": [{"name": "a", "adapter_id": "h1"}, {"name": "b", "adapter_id": "h2"}]},
+         "adapters": [{"name": "a", "adapter_id": "h1"}, {"name": "b", "adapter_id": "h2"}],
+         "recent_steps": [[2.0, 0.5, 1, 5]]},
     ]
     merged = merge_infos(infos)
     assert (merged["running"], merged["kv_free_tokens"]) == (3, 170)
@@ -66,6 +68,7 @@ def test_merged_info_sums_numbers_and_keeps_each_replica():
     assert merged["adapter_pinned"] == ["a", "b"]
     assert merged["adapter_refs"] == {"h1": 3, "h2": 1}
     assert [a["name"] for a in merged["adapters"]] == ["a", "b"]
+    assert [step[0] for step in merged["recent_steps"]] == [1.0, 2.0, 3.0]  # in time order
     assert merged["replicas"] == infos
 
 

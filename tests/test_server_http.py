@@ -92,6 +92,10 @@ def test_steps_overlap(server):
     server.http.post("/v1/completions", json=body).raise_for_status()
     sched = server.info()["scheduler"]
     assert sched["overlapped_steps"] >= 10 and sched["steps"] > sched["overlapped_steps"]
+    recent = sched["recent_steps"]  # [fold time, seconds, requests, tokens]
+    assert 10 <= len(recent) <= sched["steps"]
+    assert all(s[1] >= 0 for s in recent) and [s[0] for s in recent] == sorted(s[0] for s in recent)
+    assert any(s[3] > s[2] for s in recent) and any(s[3] == s[2] >= 1 for s in recent)
 
 
 def test_adapters_change_outputs(server):

@@ -33,6 +33,9 @@ class Folded:
         return [r for r in self.sampled if r.finish_reason is not None]
 
 
+RECENT_STEPS = 8192  # steps kept for /get_server_info's recent_steps (a few minutes of load)
+
+
 class StepLoop:
     """With overlap scheduling up to two steps are in flight (the one running, the one planned
     behind it); without it, one."""
@@ -46,6 +49,9 @@ class StepLoop:
         self.totals = {"decode": StepTotals(), "mixed": StepTotals()}
         self._plan_seconds: dict[int, float] = {}  # step -> its planning time, until folded
         self._last_fold = 0.0
+        # (fold time.monotonic(), seconds as in `totals`, requests, tokens) of the last
+        # RECENT_STEPS steps: a stream's long gaps matched against the steps that ran in them
+        self.recent: deque[tuple[float, float, int, int]] = deque(maxlen=RECENT_STEPS)
 
     def can_plan(self) -> bool:
         sched = self.scheduler
@@ -117,6 +123,7 @@ class StepLoop:
         costs = self.scheduler.step_costs
         if costs is not None:
             costs.observe(batch.context_tokens, batch.decodes, batch.prefill_tokens, seconds)
+        self.recent.append((now, seconds, requests, tokens))
         totals.steps += 1
         totals.seconds += seconds
         totals.plan_seconds += self._plan_seconds.pop(plan.step, 0.0)

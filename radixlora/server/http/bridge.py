@@ -566,6 +566,8 @@ def merge_infos(infos: list[dict]) -> dict:
             merged[key] = sum(values)
         elif key == "adapters":
             merged[key] = unite_by_name(values)
+        elif key == "recent_steps":  # every replica's, in time order
+            merged[key] = sorted(step for v in values for step in v)
         elif isinstance(first, dict):
             merged[key] = {k: sum(v.get(k, 0) for v in values) for v in values for k in v}
         elif isinstance(first, list):

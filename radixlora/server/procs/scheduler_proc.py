@@ -479,6 +479,7 @@ class SchedulerService:
             "open_requests": len(self.reqs),
             "steps": self.loop.num_steps,
             "overlapped_steps": self.loop.num_overlapped,
+            "recent_steps": [list(step) for step in self.loop.recent],
             "retractions": sched.num_retractions,
             "adapter_rows_total": residency.rows.num_rows,
             "adapter_rows_free": residency.rows.num_free(),
