@@ -192,10 +192,15 @@ class ModelRunner:
         (see radixlora.worker.compile_cache)."""
         if self.kernels is None or self.kernels.covers_config:
             return
+        log.info("a dry run finds the kernel variants this configuration lacks; they compile in "
+                 "%d processes (once per configuration and versions)", self.kernels.processes)
+        started = time.perf_counter()
         with self.phase("compile"):
             with self.kernels.dry_run():
                 run()
-            self.kernels.finish()
+            loaded = self.kernels.finish()
+        log.info("%d kernel variants compiled and loaded in %.1f s", loaded,
+                 time.perf_counter() - started)
 
     def _build_pools(self, num_slots: int, group_rows: dict[str, int], host_bytes: int) -> None:
         cfg = self.cfg
