@@ -30,6 +30,7 @@ from bench_common import replace_fields
 from radixlora import Engine, SamplingParams
 from radixlora.config import GROUP_OF, ModelConfig
 from radixlora.lora.adapter import LoraAdapter
+from radixlora.lora.layout import load_bytes
 from radixlora.worker import cuda_graph
 from radixlora_kernels.sgmv_grouped import DEFAULT_TUNING, GroupedTuning
 
@@ -83,15 +84,16 @@ def run_until_done(engine: Engine) -> list[tuple[float, int, bool, float]]:
     cfg, pool = engine.model_cfg, engine.runner.adapter_pool
     dtype_bytes = engine.runner.dtype.itemsize
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
-    row_bytes = pool.bytes_per_row(cfg, engine.runner.dtype)
     launched = None  # with overlap, a call folds (waits for) the step the previous call launched
     while engine.scheduler.has_work():
         running = list(engine.scheduler.running)
         decode_only = bool(running) and all(r.remaining_prefill == 1 for r in running) and not (
             engine.scheduler.waiting)
-        adapters = {a.adapter_id: a.rank for r in running for a in r.adapter_set.adapters}
+        adapters = {a.adapter_id: a for r in running for a in r.adapter_set.adapters}
+        adapter_bytes = sum(load_bytes(cfg, pool.dtype, a.group_ranks, a.dora_groups)
+                            for a in adapters.values())
         floor = (weight_bytes + kv_bytes * sum(r.kv_len for r in running)
-                 + row_bytes * sum(adapters.values())) / HBM_BYTES_PER_S
+                 + adapter_bytes) / HBM_BYTES_PER_S
         start = time.perf_counter()
         engine.step()
         now = (len(running), decode_only, floor)
