@@ -69,6 +69,7 @@ from bench_engine import (  # noqa: E402
 from bench_engine import SMOKE as ENGINE_SMOKE  # noqa: E402
 from bench_sgmv import FULL, build_meta, build_projections, scattered_rows, scenarios  # noqa: E402
 from bench_sgmv import SMOKE as SGMV_SMOKE  # noqa: E402
+from checkpoints import _fp8_blocks  # noqa: E402
 
 from radixlora.config import ModelConfig  # noqa: E402
 from radixlora.lora.layout import bytes_per_row, quantize_rows  # noqa: E402
@@ -437,6 +438,30 @@ def fp8_case(shape, device: str):
     return w8, scale, (w8.float() * scale[:, None]).to(torch.bfloat16)
 
 
+FP8_BLOCK = (128, 128)  # Qwen's and DeepSeek's FP8 checkpoints' weight_block_size
+
+
+def fp8_block_case(shape, device: str):
+    """(W8, scales per row and block of 128 columns, the dequantized bf16 weight)."""
+    g = torch.Generator(device=device).manual_seed(1)
+    w = (torch.randn(shape, device=device, generator=g) * 0.02).cpu()
+    w8, scale, _ = _fp8_blocks(w, FP8_BLOCK)
+    linear = quant_fp8.Fp8Linear(shape[1], shape[0], False, torch.bfloat16, FP8_BLOCK)
+    linear.load_rows((0, shape[0]), w8, quant_fp8.row_block_scales(scale, shape[0], FP8_BLOCK,
+                                                                   shape[1]))
+    linear = linear.to(device)
+    return linear.weight, linear.weight_scale, linear.dequantized(torch.bfloat16)
+
+
+def check_fp8_block(rep: Report, name: str, shape, batch: int, device: str, case) -> dict:
+    w8, scale, ref_w = case
+    g = torch.Generator(device=device).manual_seed(2)
+    x = torch.randn(batch, shape[1], dtype=torch.bfloat16, device=device, generator=g)
+    check_gemv(rep, f"fp8 {name} bs{batch} W8A16 GEMV, 128 x 128 block scales", F.linear(x, ref_w),
+               fp8_gemv(x, w8, scale, scale_k=FP8_BLOCK[1]))
+    return {"gemv_block": timed(lambda: fp8_gemv(x, w8, scale, scale_k=FP8_BLOCK[1]), device)}
+
+
 def check_fp8(rep: Report, name: str, shape, batch: int, device: str, w8, scale,
               ref_w) -> dict:
     g = torch.Generator(device=device).manual_seed(2)
@@ -499,8 +524,11 @@ def measure_projection(rep: Report, out: dict, name: str, pshape, device: str) -
     w8, scale, ref_w = fp8_case(pshape, device)
     result = {"shape": list(pshape), "nf4": nf4, "floor_bf16_us": floor_us(ref_w.numel() * 2),
               "floor_fp8_us": floor_us(w8.numel() + scale.numel() * 4)}
+    block = fp8_block_case(pshape, device)
     for batch in (1, 32):
         result[f"fp8_bs{batch}"] = check_fp8(rep, name, pshape, batch, device, w8, scale, ref_w)
+        result[f"fp8_bs{batch}"] |= check_fp8_block(rep, name, pshape, min(batch, 16), device,
+                                                    block)
     out[name] = result
 
 
@@ -511,6 +539,7 @@ def print_proj_table(rep: Report, out: dict) -> None:
             ("fp8 _scaled_mm row-wise, fast accum", "mm_rowwise_fast_accum"),
             ("fp8 _scaled_mm tensor-wise (cuBLASLt)", "mm_tensorwise"),
             ("fp8 W8A8 total (fp8_linear_w8a8)", "w8a8"), ("fp8 W8A16 Triton GEMV", "gemv"),
+            ("fp8 W8A16 GEMV, 128x128 blocks (bs 1, 16)", "gemv_block"),
             ("bf16 GEMM", "bf16_gemm")]
     for name, o in out.items():
         rep.line(f"  {name} [out, in] = {o['shape']}")

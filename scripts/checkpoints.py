@@ -339,18 +339,25 @@ def save_nf4(dense: Path, path: Path, double_quant: bool = True, sharded: bool =
     return Path(path)
 
 
-def build_fp8_model(path: Path, dense: Path, strategy: str = "channel") -> tuple[Path, Path]:
+def build_fp8_model(path: Path, dense: Path, strategy: str = "channel",
+                    block: tuple[int, int] = (128, 128)) -> tuple[Path, Path]:
     """The dense checkpoint at `dense` (transformers, float32) with its projections in FP8 e4m3
     as compressed-tensors stores them (`weight` e4m3, `weight_scale` [out, 1] per channel or
-    [1] per tensor, dynamic per-token activations), and beside it (path + "-ref") the same
-    model with those weights dequantized (W8 * scale, float32): its exact reference."""
+    [1] per tensor, dynamic per-token activations), or for strategy "block" as Qwen's and
+    DeepSeek's FP8 checkpoints do (quant_method fp8, `weight_scale_inv` per block of `block`
+    [rows, columns]), and beside it (path + "-ref") the same model with those weights
+    dequantized (W8 * scale, float32): its exact reference."""
     from safetensors.torch import load_file
 
     path, ref = Path(path), Path(str(path) + "-ref")
     tensors = load_file(str(Path(dense) / "model.safetensors"))
     fp8, dequantized = dict(tensors), dict(tensors)
     for name, w in tensors.items():
-        if name.endswith("_proj.weight"):
+        if name.endswith("_proj.weight") and strategy == "block":
+            w8, scale, full = _fp8_blocks(w, block)
+            fp8[name], fp8[name + "_scale_inv"] = w8, scale
+            dequantized[name] = w8.float() * full
+        elif name.endswith("_proj.weight"):
             absmax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().max()
             scale = (absmax / 448.0).float().reshape(-1, 1) if strategy == "channel" else (
                 (absmax / 448.0).float().reshape(1))
@@ -358,13 +365,28 @@ def build_fp8_model(path: Path, dense: Path, strategy: str = "channel") -> tuple
             fp8[name], fp8[name + "_scale"] = w8, scale
             dequantized[name] = w8.float() * scale
     config = json.loads((Path(dense) / "config.json").read_text())
-    for out, weights, qc in ((path, fp8, _compressed_tensors_fp8(strategy)), (ref, dequantized,
-                                                                             None)):
+    quantization = ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                     "weight_block_size": list(block)} if strategy == "block"
+                    else _compressed_tensors_fp8(strategy))
+    for out, weights, qc in ((path, fp8, quantization), (ref, dequantized, None)):
         out.mkdir(parents=True, exist_ok=True)
         save_file(weights, str(out / "model.safetensors"))
         (out / "config.json").write_text(json.dumps({**config, "quantization_config": qc}
                                                     if qc else config))
     return path, ref
+
+
+def _fp8_blocks(w: torch.Tensor, block: tuple[int, int]):
+    """(W8, scales [cdiv(out, rows), cdiv(in, columns)], the scales spread over W's shape):
+    each block scaled by its own absmax / 448, the last row and column blocks partial."""
+    rows, cols = block
+    nr, nc = -(-w.shape[0] // rows), -(-w.shape[1] // cols)
+    padded = torch.zeros(nr * rows, nc * cols)
+    padded[:w.shape[0], :w.shape[1]] = w.float()
+    absmax = padded.view(nr, rows, nc, cols).abs().amax(dim=(1, 3))
+    scale = (absmax / 448.0).clamp(min=1e-12)
+    full = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:w.shape[0], :w.shape[1]]
+    return (w.float() / full).to(torch.float8_e4m3fn), scale, full
 
 
 def _compressed_tensors_fp8(strategy: str) -> dict:

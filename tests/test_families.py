@@ -196,10 +196,11 @@ def test_nf4_at_load_equals_bitsandbytes_on_the_family(arch, family):
     assert greedy_against(engine, transformers_nf4(model), prompt(9, 20), max_tokens=8) <= TOL
 
 
+@pytest.mark.parametrize("strategy", ["channel", "block"])  # block: Qwen's FP8 checkpoints' form
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_fp8_checkpoint_equals_its_dequantized_twin(arch, family, tmp_path):
+def test_fp8_checkpoint_equals_its_dequantized_twin(arch, family, tmp_path, strategy):
     model, adapters = family(arch)
-    path, ref = build_fp8_model(tmp_path / "fp8", model, "channel")
+    path, ref = build_fp8_model(tmp_path / "fp8", model, strategy, (24, 16))
     engine = Engine(path, adapters=adapters, **engine_config(arch))
     twin = Engine(ref, adapters=adapters, **engine_config(arch))
     assert engine.model_cfg.quantization == "fp8"

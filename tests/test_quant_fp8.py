@@ -1,5 +1,6 @@
-"""FP8 bases (compressed-tensors, FP8_DYNAMIC): a tiny checkpoint with e4m3 projections and a
-weight scale per channel or per tensor gives, on the CPU (the reference path: weights
+"""FP8 bases (compressed-tensors, FP8_DYNAMIC; quant_method fp8 with block scales, as Qwen's and
+DeepSeek's FP8 checkpoints): a tiny checkpoint with e4m3 projections and a weight scale per
+channel, per tensor or per block gives, on the CPU (the reference path: weights
 dequantized to the compute dtype), exactly the outputs of the same model saved dense with
 those weights dequantized, LoRA beside it included; the GPU path's W8A8 product (dynamic
 per-token activation scales, torch._scaled_mm) stays within FP8's error of that reference."""
@@ -24,11 +25,14 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprob
 PROMPT = [4, 8, 15, 16, 23, 42]
 
 
-@pytest.fixture(scope="module", params=["channel", "tensor"])
+BLOCK = (24, 16)  # rows, columns: partial row blocks in every projection of the tiny model
+
+
+@pytest.fixture(scope="module", params=["channel", "tensor", "block"])
 def fp8(request, tmp_path_factory, checkpoints):
     """(FP8 checkpoint, its dequantized dense twin, an adapter of the dense base)."""
     root = tmp_path_factory.mktemp(f"fp8-{request.param}")
-    path, ref = build_fp8_model(root / "fp8", checkpoints["llama"], request.param)
+    path, ref = build_fp8_model(root / "fp8", checkpoints["llama"], request.param, BLOCK)
     adapter = build_peft_adapter(checkpoints["llama"], root / "adapter", seed=3, r=8,
                                  lora_alpha=16)
     return path, ref, adapter
@@ -39,7 +43,9 @@ def test_fp8_checkpoint_equals_its_dequantized_reference(fp8):
     engine = Engine(path, adapters={"a": adapter}, kv_pages=128)
     reference = Engine(ref, adapters={"a": adapter}, kv_pages=128)
     assert engine.model_cfg.quantization == "fp8"
-    assert isinstance(engine.runner.model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    qkv = engine.runner.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Fp8Linear)
+    assert qkv.block == (BLOCK if "block" in str(path) else None)
     for spec in (None, "a"):  # LoRA stays in the model's dtype beside the FP8 projections
         ours = engine.generate(PROMPT, GREEDY, adapters=spec)[0].outputs[0]
         theirs = reference.generate(PROMPT, GREEDY, adapters=spec)[0].outputs[0]
@@ -98,13 +104,25 @@ def test_the_fp8_gemm_path_is_chosen_only_on_cuda_89():
     assert not scaled_mm_supported(torch.device("cpu"))
 
 
-def test_fp8_block_scales_are_refused(fp8, tmp_path):
+@pytest.mark.parametrize("block", [[128], [0, 128], "128x128", [128, 128.0]])
+def test_a_block_size_that_is_not_two_positive_integers_is_refused(checkpoints, tmp_path,
+                                                                   block):
     import json
-    import shutil
 
-    path = shutil.copytree(fp8[0], tmp_path / "blocked")
+    path, _ = build_fp8_model(tmp_path / "fp8", checkpoints["llama"], "block", BLOCK)
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "block"
+    config["quantization_config"]["weight_block_size"] = block
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="weight strategy 'block'"):
+    with pytest.raises(ModelLoadError, match="expected \\[rows, columns\\]"):
         Engine(path, kv_pages=128)
+
+
+def test_compressed_tensors_block_strategy_names_its_block_structure():
+    from radixlora.model.quant_fp8 import fp8_block
+
+    group = {"weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                         "block_structure": [128, 128]}}
+    assert fp8_block({"quant_method": "compressed-tensors",
+                      "config_groups": {"group_0": group}}) == (128, 128)
+    assert fp8_block({"quant_method": "fp8", "weight_block_size": [64, 32]}) == (64, 32)
+    assert fp8_block({"quant_method": "fp8"}) is None

@@ -1,8 +1,9 @@
 """The decode kernels of quantized bases (kernels/radixlora_kernels/quant_gemv.py, interpreted)
 against the product with the dequantized weight: NF4 weights quantized by bitsandbytes itself (with
 double quantization, several blocksizes, blocks that straddle rows) for 1 and 3 rows of x (a program
-each), FP8 weights with a scale per row for 1 row (the CUDA-core kernel) up to more than one
-program's rows (tl.dot); with and without bias."""
+each), FP8 weights with a scale per row, or per row and block of columns (block-wise FP8
+checkpoints), for 1 row (the CUDA-core kernel) up to more than one program's rows (tl.dot); with
+and without bias."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from radixlora.model.quant import dequantize_nf4, nf4_from_bnb
-from radixlora.model.quant_fp8 import quantize_fp8
+from radixlora.model.quant_fp8 import Fp8Linear, quantize_fp8, row_block_scales
 from radixlora_kernels.quant_gemv import Tile, fp8_gemv, nf4_gemv, nf4_span
+from scripts.checkpoints import _fp8_blocks
 
 # relative Frobenius error against the dequantized product: fp32 is exact up to summation
 # order; 16-bit outputs are rounded once, and the interpreter's casts truncate
@@ -72,6 +74,26 @@ def test_fp8_gemv_equals_the_dequantized_product(dtype, m, shape, with_bias):
     assert rel_err(y, ref) < REL_TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "shape", "block"), [(1, (48, 256), (128, 128)),
+                                                   (7, (40, 200), (16, 32)),
+                                                   (70, (33, 96), (24, 16))])
+def test_fp8_gemv_with_block_scales_equals_the_dequantized_product(dtype, m, shape, block):
+    """Scales per block of a checkpoint's weight_block_size, partial blocks at the ends: (40,
+    200) in blocks of 32 columns leaves an 8-column block; 16-column blocks make a loop step of
+    16."""
+    g = torch.Generator().manual_seed(m)
+    w8, scale, full = _fp8_blocks(torch.randn(*shape, generator=g) * 0.05, block)
+    linear = Fp8Linear(shape[1], shape[0], False, dtype, block)
+    linear.load_rows((0, shape[0]), w8, row_block_scales(scale, shape[0], block, shape[1]))
+    x = torch.randn(m, shape[1], generator=g).to(dtype)
+    y = fp8_gemv(x, linear.weight, linear.weight_scale, scale_k=block[1])
+    assert torch.equal(linear.dequantized(torch.float32), w8.float() * full)
+    ref = F.linear(x.float(), linear.dequantized(dtype).float())
+    assert y.dtype == dtype and y.shape == (m, shape[0])
+    assert rel_err(y, ref) < REL_TOL[dtype]
+
+
 def test_bad_operands_are_refused():
     w = bnb_nf4((32, 64), 64, seed=0)
     x = torch.randn(2, 64)
@@ -86,3 +108,7 @@ def test_bad_operands_are_refused():
         fp8_gemv(x, w8, scale[:1])
     with pytest.raises(ValueError, match=r"weight must be \[N, 64\]"):
         fp8_gemv(x, w8.t().contiguous(), scale)
+    with pytest.raises(ValueError, match=r"a scale per row and block: \[32, 4\]"):
+        fp8_gemv(x, w8, scale, scale_k=16)
+    with pytest.raises(ValueError, match="power of two"):
+        fp8_gemv(x, w8, scale[:, None].expand(32, 3).contiguous(), scale_k=24)

@@ -1,9 +1,10 @@
 """Quantized bases under tensor parallel on the CPU (gloo): a bitsandbytes NF4 checkpoint,
---quantization nf4 at load, a per-channel FP8 checkpoint and --quantization fp8 at load, each
+--quantization nf4 at load, a per-channel FP8 checkpoint, one with scales per 32 x 32 block
+(each rank's o and down columns whole blocks) and --quantization fp8 at load, each
 on 2 ranks (the FP8 checkpoint also on 4, over 2 KV heads: replicated), answer the
 single-device greedy tokens and logprobs within TOL (float32: only the all-reduce's summation
 order differs), base-only and with a LoRA adapter (non-zero lora_B) in one batch; a model whose
-NF4 blocks a rank's slice would cut is refused at load. The ranks are
+NF4 blocks or FP8 scale blocks a rank's slice would cut is refused at load. The ranks are
 tests.test_tensor_parallel's worker ranks.
 
 The model: llama with biases on every projection (the row-parallel ones added once, after the
@@ -53,20 +54,23 @@ def bases(tmp_path_factory) -> dict[str, Path]:
     model.save_pretrained(root / "dense")
     save_nf4(root / "dense", root / "nf4")
     fp8, _ = build_fp8_model(root / "fp8", root / "dense", "channel")
+    fp8_block, _ = build_fp8_model(root / "fp8-block", root / "dense", "block", (32, 32))
     adapter = build_peft_adapter(root / "dense", root / "adapter", seed=5, r=8, lora_alpha=16)
-    return {"dense": root / "dense", "nf4": root / "nf4", "fp8": fp8, "adapter": adapter}
+    return {"dense": root / "dense", "nf4": root / "nf4", "fp8": fp8, "fp8-block": fp8_block,
+            "adapter": adapter}
 
 
 @pytest.mark.parametrize("base,quantization,sizes", [("nf4", None, [2]), ("dense", "nf4", [2]),
                                                      ("fp8", None, [2, 4]),
+                                                     ("fp8-block", None, [2]),
                                                      ("dense", "fp8", [2])],
-                         ids=["nf4", "nf4-at-load", "fp8", "fp8-at-load"])
+                         ids=["nf4", "nf4-at-load", "fp8", "fp8-block", "fp8-at-load"])
 def test_ranks_match_the_single_device_run(bases, base, quantization, sizes, tmp_path):
     # adapters of the dense base served on an NF4 one: the mismatch is not what is tested here
     engine = Engine(bases[base], adapters={"a": bases["adapter"]}, dtype="float32",
                     kv_pages=128, max_running=4, quantization=quantization,
                     qlora_mismatch="serve")
-    assert engine.model_cfg.quantization == (quantization or base)
+    assert engine.model_cfg.quantization == (quantization or base.removesuffix("-block"))
     rec = tpt.Recorded([], [])
     launch, finish = engine.executor.launch, engine.executor.finish
     engine.executor.launch = lambda plan: rec.plans.append(plan) or launch(plan)
@@ -89,3 +93,15 @@ def test_nf4_blocks_a_rank_would_cut_are_refused(checkpoints, stored, tmp_path):
                                              r"of blocksize 64"):
         load_model(path, cfg, torch.float32, "cpu", tp=tp)
 
+
+
+def test_fp8_scale_blocks_a_rank_would_cut_are_refused(bases, tmp_path):
+    """Blocks of 48 input columns: rank 1's columns of o_proj, [64, 128), and of down_proj,
+    [128, 256), start inside a block."""
+    path, _ = build_fp8_model(tmp_path / "fp8", bases["dense"], "block", (48, 48))
+    cfg = ModelConfig.from_dir(path).served(EngineConfig())
+    tp = TensorParallel(Shard(1, 2, cfg), group=None, control=None)
+    with pytest.raises(ModelLoadError, match=r"tensor-parallel-size 2: the FP8 (o|down)_proj's "
+                                             r"input columns \[(64, 128|128, 256)\) of rank 1 "
+                                             r"are not whole blocks of 48"):
+        load_model(path, cfg, torch.float32, "cpu", tp=tp)

@@ -1,6 +1,7 @@
 """Products for decode batches that read a quantized weight once and dequantize it in
 registers: y [M, N] = x [M, K] @ W.T (+ bias), W [N, K] either NF4 (bitsandbytes' layout, as
-radixlora.model.quant stores it) or e4m3 with a float32 scale per row.
+radixlora.model.quant stores it) or e4m3 with a float32 scale per row, or per row and block of
+SCALE_K columns (block-wise FP8 checkpoints: DeepSeek's and Qwen's weight_block_size).
 
 At decode a projection's time is its weight read. Dequantizing the whole weight ahead of a
 cuBLAS GEMM reads the 4-bit weight, writes 16 bits and reads them again; FP8 W8A8 through
@@ -10,7 +11,9 @@ weight byte once: a program owns BLOCK_N output rows and walks K.
 fp8_gemv casts each e4m3 tile exactly to x's dtype and multiplies it on the tensor cores
 (tl.dot, M padded to 16), or for a single row of x on the CUDA cores, summing the rows at the
 end; the row sums are scaled by the row's scale in fp32 (W8A16, as the dequantized reference
-computes: activations are not quantized). Up to FP8_MAX_M rows it beats _scaled_mm.
+computes: activations are not quantized). Up to FP8_MAX_M rows it beats _scaled_mm. With block
+scales a loop step lies in one scale block (BLOCK_K divides SCALE_K), and its tile is scaled
+before the product, cast to x's dtype, as the dequantized reference rounds it.
 
 nf4_gemv runs one row of x a program on the CUDA cores, the only form that beat dequantize +
 cuBLAS (a tensor-core version was 4x slower than that, see the performance log), so it serves
@@ -99,10 +102,12 @@ def _nf4_weights(packed_ptr, absmax_ptr, code_ptr, rows, row_ok, K, HALF_K, kb,
 
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
-                     stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     stride_ym, stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, VECTOR: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """VECTOR: M = 1, products on the CUDA cores."""
+                     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     SCALE_K: tl.constexpr):
+    """VECTOR: M = 1, products on the CUDA cores. SCALE_K > 0: scale [N, cdiv(K, SCALE_K)]
+    (row stride stride_sn), a scale per row and block of SCALE_K columns; 0: one per row."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok, m_ok = rows < N, ms < M
@@ -116,13 +121,18 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride_x
         k_ok = (ks < K)[None, :]
         w = tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & k_ok, other=0.0)
         x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
+        if SCALE_K > 0:  # the step's tile dequantized as the reference rounds it
+            s = tl.load(scale_ptr + rows.to(tl.int64) * stride_sn + k0 // SCALE_K,
+                        mask=row_ok, other=0.0)
+            w = (w.to(tl.float32) * s[:, None]).to(dtype)
         if VECTOR:
             partial += w.to(tl.float32) * x.to(tl.float32)
         else:
             acc = _dot(acc, x, w.to(dtype), UPCAST, DOT_PRECISION)
     if VECTOR:
         acc += tl.sum(partial, axis=1)[None, :]
-    acc *= tl.load(scale_ptr + rows, mask=row_ok, other=0.0)[None, :]
+    if SCALE_K == 0:
+        acc *= tl.load(scale_ptr + rows, mask=row_ok, other=0.0)[None, :]
     _store(acc, bias_ptr, y_ptr, rows, ms, row_ok, m_ok, stride_ym, HAS_BIAS)
 
 
@@ -182,26 +192,43 @@ def nf4_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: 
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-             bias: torch.Tensor | None = None, tile: Tile | None = None) -> torch.Tensor:
-    """x [M, K] @ (weight * scale[:, None]).T (+ bias): weight [N, K] float8_e4m3fn with
-    contiguous rows, scale [N] fp32; x's last dimension contiguous; y in x's dtype."""
+             bias: torch.Tensor | None = None, tile: Tile | None = None,
+             scale_k: int = 0) -> torch.Tensor:
+    """x [M, K] @ (weight * scale).T (+ bias): weight [N, K] float8_e4m3fn with contiguous
+    rows; scale fp32, [N] (a scale per row, scale_k 0) or [N, cdiv(K, scale_k)] (per row and
+    block of scale_k columns, fp8_block_supported(scale_k)); x's last dimension contiguous; y
+    in x's dtype."""
     m, k = _check_x(x)
     tile = tile or (FP8_VECTOR_TILE if m == 1 else FP8_TILE)
     n = weight.shape[0]
     if weight.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
         raise ValueError(f"weight must be [N, {k}] with contiguous rows, got "
                          f"{tuple(weight.shape)} strides {weight.stride()}")
-    if scale.numel() != n:
+    block_k = tile.block_k
+    if scale_k:
+        if not fp8_block_supported(scale_k):
+            raise ValueError(f"scale blocks of a power of two of at least 16 columns, got "
+                             f"{scale_k}")
+        if tuple(scale.shape) != (n, triton.cdiv(k, scale_k)) or scale.stride(1) != 1:
+            raise ValueError(f"a scale per row and block: [{n}, {triton.cdiv(k, scale_k)}], "
+                             f"got {tuple(scale.shape)}")
+        block_k = min(block_k, scale_k)
+    elif scale.numel() != n:
         raise ValueError(f"one scale per output row: {n}, got {scale.numel()}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = _block_m(m)
     _fp8_gemv_kernel[_grid(m, n, block_m, tile)](
         x, weight, scale, bias if bias is not None else y, y, m, n, k, x.stride(0),
-        weight.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, VECTOR=m == 1, HAS_BIAS=bias is not None, **_dot_args(x),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        weight.stride(0), y.stride(0), scale.stride(0) if scale_k else 0, BLOCK_M=block_m,
+        BLOCK_N=tile.block_n, BLOCK_K=block_k, VECTOR=m == 1, HAS_BIAS=bias is not None,
+        SCALE_K=scale_k, **_dot_args(x), num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return y
+
+
+def fp8_block_supported(scale_k: int) -> bool:
+    """Whether fp8_gemv takes scale blocks of scale_k columns (a loop step must fit in one)."""
+    return scale_k >= 16 and scale_k & (scale_k - 1) == 0
 
 
 def _check_x(x: torch.Tensor) -> tuple[int, int]:

@@ -29,9 +29,11 @@ from radixlora.model.quant import (
 from radixlora.model.quant_fp8 import (
     Fp8Linear,
     attach_fp8_path,
+    fp8_block,
     fp8_modules,
     fp8_projections,
     fp8_scheme,
+    row_block_scales,
 )
 from radixlora.model.weight_reader import WeightReader, stored_tensors
 
@@ -43,7 +45,8 @@ _BNB_PART = re.compile(
     r"(?:\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.bitsandbytes__nf4))?$"
 )
 _FP8_PART = re.compile(
-    r"^(model\.layers\.\d+\.(?:self_attn|mlp)\.\w+_proj)\.(weight|weight_scale|input_scale)$"
+    r"^(model\.layers\.\d+\.(?:self_attn|mlp)\.\w+_proj)\."
+    r"(weight|weight_scale|weight_scale_inv|input_scale)$"
 )
 AT_LOAD_BLOCKSIZE = 64  # --quantization nf4: bitsandbytes' default blocksize
 _FUSED = {
@@ -77,7 +80,7 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
         if blocksize is not None:
             model = nf4_modules(model, blocksize)
         if stored == "fp8":
-            model = fp8_modules(model)
+            model = fp8_modules(model, _fp8_block(path))
         if tp is not None:
             model = shard_model(model, tp)
     model = model.to_empty(device=device)
@@ -153,6 +156,11 @@ def _check_nf4_shards(cfg: ModelConfig, size: int, blocksize: int) -> None:
                     f"--tensor-parallel-size {size}: the NF4 {proj} [{out_features}, "
                     f"{in_features}] of blocksize {blocksize} does not split into whole blocks "
                     f"(rank {rank}: {e})") from e
+
+
+def _fp8_block(path: Path) -> tuple[int, int] | None:
+    """The weight scale blocks an FP8 checkpoint declares (None: per tensor or channel)."""
+    return fp8_block(json.loads((path / "config.json").read_text())["quantization_config"])
 
 
 def _nf4_blocksize(path: Path) -> int | None:
@@ -249,9 +257,15 @@ def _load_quantized(model, cfg: ModelConfig, parts: dict, loaded: dict[str, int]
                 w = nf4_from_bnb(tensors)
                 module.load_rows(rows, w if shard is None else _shard_nf4(shard, proj, w))
             elif isinstance(module, Fp8Linear):
-                weight, scale = tensors["weight"], tensors["weight_scale"]
+                weight = tensors["weight"]
+                # quant_method fp8 names block scales weight_scale_inv (W = W8 * scale all the same)
+                scale = tensors["weight_scale"] if "weight_scale" in tensors else (
+                    tensors["weight_scale_inv"])
+                if module.block is not None:
+                    scale = row_block_scales(scale, weight.shape[0], module.block,
+                                             weight.shape[1])
                 if shard is not None:
-                    weight, scale = _shard_fp8(shard, proj, weight, scale)
+                    weight, scale = _shard_fp8(shard, proj, weight, scale, module.block)
                 module.load_rows(rows, weight, scale)
             else:
                 raise ModelLoadError(f"unexpected quantized tensor {name} in checkpoint")
@@ -266,13 +280,22 @@ def _shard_nf4(shard: Shard, proj: str, w: NF4Weight) -> NF4Weight:
     return w.rows(cut) if proj in COLUMN_MODULES else w.columns(cut)
 
 
-def _shard_fp8(shard: Shard, proj: str, weight: torch.Tensor,
-               scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _shard_fp8(shard: Shard, proj: str, weight: torch.Tensor, scale: torch.Tensor,
+               block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's slice of an FP8 weight and its scales: a column-parallel rank's rows with
-    their scales, a row-parallel rank's columns with every row's scale (W = W8 * s is linear in
-    W8, so the scaled partial products add up to the whole one)."""
+    their scales, a row-parallel rank's columns with every row's scale, or with `block` (scales
+    per row and block of columns) the scales of its columns' blocks, which must be whole (W =
+    W8 * s is linear in W8, so the scaled partial products add up to the whole one)."""
     if proj in COLUMN_MODULES and scale.numel() > 1:
         scale = shard.weight(proj, "weight", scale)
+    elif block is not None:
+        cut, columns = shard.features(proj), weight.shape[1]
+        if cut.start % block[1] or (cut.stop % block[1] and cut.stop != columns):
+            raise ModelLoadError(
+                f"--tensor-parallel-size {shard.size}: the FP8 {proj}'s input columns "
+                f"[{cut.start}, {cut.stop}) of rank {shard.rank} are not whole blocks of "
+                f"{block[1]} columns (the checkpoint's weight_block_size)")
+        scale = scale[:, cut.start // block[1]:-(-cut.stop // block[1])]
     return shard.weight(proj, "weight", weight), scale
 
 

@@ -64,11 +64,13 @@ class RowParallelNF4(RowParallelLinear, NF4Linear):
 
 
 class RowParallelFp8(RowParallelLinear, Fp8Linear):
-    """This rank's input columns with every row's whole scale: scaling is linear, so the scaled
-    partial products add up to the whole product."""
+    """This rank's input columns with every row's whole scale (with blocks: the scales of its
+    columns' blocks, whole blocks): scaling is linear, so the scaled partial products add up
+    to the whole product."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
-        super().__init__(in_features, out_features, bias, torch.float32)
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel,
+                 block: tuple[int, int] | None = None):
+        super().__init__(in_features, out_features, bias, torch.float32, block)
         self.tp = tp
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +138,7 @@ def _row_parallel(module: nn.Module, tp: TensorParallel) -> RowParallelLinear:
         if isinstance(module, NF4Linear):
             twin = RowParallelNF4(*shape, bias, module.blocksize, tp)
         elif isinstance(module, Fp8Linear):
-            twin = RowParallelFp8(*shape, bias, tp)
+            twin = RowParallelFp8(*shape, bias, tp, module.block)
         else:
             twin = RowParallelDense(*shape, bias, tp)
     twin.load_state_dict(module.state_dict(), assign=True)

@@ -1,12 +1,17 @@
 """FP8 (e4m3) bases in the formats vLLM serves: compressed-tensors "float-quantized" checkpoints
-and quant_method "fp8" ones, with a weight scale per tensor or per output channel and dynamic
-activation scales.
+and quant_method "fp8" ones, with a weight scale per tensor, per output channel or per block
+(`weight_block_size` [rows, columns], as Qwen's and DeepSeek's FP8 checkpoints store their
+`weight_scale_inv`; compressed-tensors' "block" strategy) and dynamic activation scales.
 
 A weight is stored as float8_e4m3fn W8 with float32 scales s (one per output row; a tensor's one
 scale is repeated over its rows, which is exact), and means W = W8 * s. On CUDA devices of
 compute capability 8.9 or more, `Fp8Linear` quantizes each token of x to e4m3 with its own scale
 (absmax / 448) and multiplies in FP8 through torch._scaled_mm with both scale vectors (W8A8, as
 vLLM does); elsewhere it dequantizes W to x's dtype and runs the dense GEMM (the reference).
+Block scales are kept per row and block of columns (each block's scale repeated over its rows,
+which is exact and lets fused projections and tensor-parallel shards slice them as rows). Their
+decode batches run fp8_gemv with those scales; larger batches dequantize W and run the dense
+GEMM, since _scaled_mm takes no block scales here.
 On CUDA the activations are quantized by one Triton kernel (a program per token), not by the
 nine elementwise and reduction launches of the torch spelling: at decode those launches cost
 more than the FP8 GEMM's weight read. Decode batches (up to FP8_MAX_M tokens) skip the activation
@@ -21,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlora_kernels.quant_gemv import FP8_MAX_M, fp8_gemv
+from radixlora_kernels.quant_gemv import FP8_MAX_M, fp8_block_supported, fp8_gemv
 from radixlora_kernels.triton_compat import tl, triton
 
 FP8 = torch.float8_e4m3fn
@@ -31,11 +36,11 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def fp8_scheme(qc: dict) -> None:
-    """Refuse an FP8 quantization_config radixlora cannot serve: block-wise weight scales,
-    static activation scales, or compressed-tensors groups that are not 8-bit floats."""
+    """Refuse an FP8 quantization_config radixlora cannot serve: static activation scales, a
+    block size that is not two positive integers, or compressed-tensors groups that are not
+    8-bit floats."""
+    fp8_block(qc)
     if qc.get("quant_method") == "fp8":
-        if qc.get("weight_block_size"):
-            raise ValueError("fp8 checkpoints with block-wise weight scales are not supported")
         if qc.get("activation_scheme", "dynamic") != "dynamic":
             raise ValueError("fp8 checkpoints with static activation scales are not supported")
         return
@@ -43,12 +48,32 @@ def fp8_scheme(qc: dict) -> None:
         weights, acts = group.get("weights") or {}, group.get("input_activations")
         if (weights.get("type"), weights.get("num_bits")) != ("float", 8):
             raise ValueError(f"compressed-tensors group {name}: 8-bit float weights only")
-        if weights.get("strategy") not in ("tensor", "channel"):
+        if weights.get("strategy") not in ("tensor", "channel", "block"):
             raise ValueError(f"compressed-tensors group {name}: weight strategy "
-                             f"{weights.get('strategy')!r} (tensor or channel only)")
+                             f"{weights.get('strategy')!r} (tensor, channel or block only)")
         if acts is not None and not acts.get("dynamic", False):
             raise ValueError(f"compressed-tensors group {name}: static activation scales are "
                              "not supported")
+
+
+def fp8_block(qc: dict) -> tuple[int, int] | None:
+    """The (rows, columns) of an FP8 quantization_config's weight scale blocks, None for scales
+    per tensor or per channel."""
+    if qc.get("quant_method") == "fp8":
+        block = qc.get("weight_block_size")
+    else:
+        groups = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
+        blocks = [w.get("block_structure") for w in groups if w.get("strategy") == "block"]
+        if blocks and (len(blocks) < len(groups) or any(b != blocks[0] for b in blocks)):
+            raise ValueError("compressed-tensors groups with different weight strategies")
+        block = blocks[0] if blocks else None
+    if not block:
+        return None
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"weight block size {block!r}: expected [rows, columns], two positive "
+                         "integers")
+    return block[0], block[1]
 
 
 def scaled_mm_supported(device: torch.device) -> bool:
@@ -124,14 +149,20 @@ def fp8_linear_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 
 
 class Fp8Linear(nn.Module):
-    """A projection with an e4m3 weight [out, in] and a float32 scale per output row (a fused
-    projection's parts concatenated along the rows, each with its own scales)."""
+    """A projection with an e4m3 weight [out, in] and float32 scales: one per output row, or
+    with `block` (a checkpoint's [rows, columns] scale blocks) one per row and block of
+    block[1] columns, [out, cdiv(in, block[1])] (a fused projection's parts concatenated along
+    the rows, each with its own scales)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 block: tuple[int, int] | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.block = block
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8))
-        self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32))
+        scales = (out_features,) if block is None else (
+            out_features, -(-in_features // block[1]))
+        self.register_buffer("weight_scale", torch.empty(scales, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
         self.use_scaled_mm = False  # FP8 kernels; set once the device is known (attach_fp8_path)
 
@@ -140,26 +171,52 @@ class Fp8Linear(nn.Module):
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W.T + bias, by the path forward takes."""
-        if self.use_scaled_mm:
-            if x.dim() == 2 and x.shape[0] <= FP8_MAX_M:
+        small = x.dim() == 2 and x.shape[0] <= FP8_MAX_M
+        if self.use_scaled_mm and self.block is None:
+            if small:
                 return fp8_gemv(x, self.weight, self.weight_scale, bias)
             return fp8_linear_w8a8(x, self.weight, self.weight_scale, bias)
+        if self.use_scaled_mm and small and fp8_block_supported(self.block[1]):
+            return fp8_gemv(x, self.weight, self.weight_scale, bias, scale_k=self.block[1])
         return F.linear(x, self.dequantized(x.dtype), bias)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """W8 * s in float32, rounded once to `dtype` (the reference)."""
-        return (self.weight.float() * self.weight_scale.view(-1, 1)).to(dtype)
+        if self.block is None:
+            return (self.weight.float() * self.weight_scale.view(-1, 1)).to(dtype)
+        scale = self.weight_scale.repeat_interleave(self.block[1], dim=1)[:, :self.in_features]
+        return (self.weight.float() * scale).to(dtype)
 
     def load_rows(self, rows: tuple[int, int], weight: torch.Tensor, scale: torch.Tensor) -> None:
-        """One part (rows [start, end)): its e4m3 weight and its scale (one, or one per row)."""
+        """One part (rows [start, end)): its e4m3 weight and its scale (one, or one per row;
+        with blocks, one per row and block of columns: row_block_scales)."""
         n = rows[1] - rows[0]
         if weight.dtype != FP8 or tuple(weight.shape) != (n, self.in_features):
             raise ValueError(f"expected a float8_e4m3fn [{n}, {self.in_features}] weight, got "
                              f"{weight.dtype} {tuple(weight.shape)}")
-        if scale.numel() not in (1, n):
+        if self.block is not None:
+            want = (n, self.weight_scale.shape[1])
+            if tuple(scale.shape) != want:
+                raise ValueError(f"expected block scales {list(want)} per row, got "
+                                 f"{list(scale.shape)}")
+        elif scale.numel() not in (1, n):
             raise ValueError(f"a weight scale per tensor or per row, got {scale.numel()} values")
+        else:
+            scale = scale.float().reshape(-1).expand(n)
         self.weight[rows[0] : rows[1]].copy_(weight)
-        self.weight_scale[rows[0] : rows[1]].copy_(scale.float().reshape(-1).expand(n))
+        self.weight_scale[rows[0] : rows[1]].copy_(scale.float())
+
+
+def row_block_scales(scale: torch.Tensor, rows: int, block: tuple[int, int],
+                     in_features: int) -> torch.Tensor:
+    """A checkpoint's block scales [cdiv(rows, block[0]), cdiv(in_features, block[1])] as
+    Fp8Linear keeps them: one per row and block of columns, [rows, cdiv(in_features, block[1])]
+    (each block's scale repeated over its rows)."""
+    want = (-(-rows // block[0]), -(-in_features // block[1]))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"expected block scales {list(want)} for [{rows}, {in_features}] in "
+                         f"blocks of {list(block)}, got {list(scale.shape)}")
+    return scale.float().repeat_interleave(block[0], dim=0)[:rows]
 
 
 def quantize_fp8(weight: torch.Tensor,
@@ -204,12 +261,12 @@ def _fp8_from_linear(linear: nn.Linear, absmax: torch.Tensor | None) -> Fp8Linea
     return out
 
 
-def fp8_modules(model: nn.Module) -> nn.Module:
+def fp8_modules(model: nn.Module, block: tuple[int, int] | None = None) -> nn.Module:
     """Swap every projection of `model` (on the meta device, after its dtype is set) for an
-    empty Fp8Linear of the same shape."""
+    empty Fp8Linear of the same shape (with `block`: of block scales)."""
     dtype = model.embed_tokens.weight.dtype
     return swap_projections(model, lambda linear: Fp8Linear(
-        linear.in_features, linear.out_features, linear.bias is not None, dtype))
+        linear.in_features, linear.out_features, linear.bias is not None, dtype, block))
 
 
 def attach_fp8_path(model: nn.Module, device) -> None:
