@@ -8,6 +8,7 @@ called). Tests import this module as `scripts.checkpoints`, scripts as `checkpoi
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -353,11 +354,13 @@ def build_fp8_model(path: Path, dense: Path, strategy: str = "channel",
     tensors = load_file(str(Path(dense) / "model.safetensors"))
     fp8, dequantized = dict(tensors), dict(tensors)
     for name, w in tensors.items():
-        if name.endswith("_proj.weight") and strategy == "block":
+        projection = name.endswith("_proj.weight") or re.search(r"\.experts\.\d+\.w[123]\.weight$",
+                                                               name)  # Mixtral's experts
+        if projection and strategy == "block":
             w8, scale, full = _fp8_blocks(w, block)
             fp8[name], fp8[name + "_scale_inv"] = w8, scale
             dequantized[name] = w8.float() * full
-        elif name.endswith("_proj.weight"):
+        elif projection:
             absmax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().max()
             scale = (absmax / 448.0).float().reshape(-1, 1) if strategy == "channel" else (
                 (absmax / 448.0).float().reshape(1))

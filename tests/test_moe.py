@@ -3,8 +3,9 @@ random checkpoints saved by transformers: one batch mixes the base, two attentio
 different ranks (one rsLoRA), their stack and a DoRA adapter, with the radix cache on and off.
 The grouped expert GEMM (Triton, interpreter) against its torch reference. Two tensor-parallel ranks
 (every expert's channels split) answer as one device; `radixlora serve` answers as the Engine,
-and structured output holds on an MoE base. What is not served yet on these bases
-(LoRA on the experts or the router, quantized weights) is refused by name."""
+and structured output holds on an MoE base. An FP8 checkpoint (scales per channel or per block,
+experts included) answers as its dequantized twin. What is not served yet on these bases (LoRA
+on the experts or the router, NF4 weights) is refused by name."""
 
 from __future__ import annotations
 
@@ -201,6 +202,30 @@ def test_lora_on_experts_or_the_router_is_refused_by_name(arch, key, named, moe_
     with pytest.raises(AdapterError, match=r"attention projections") as err:
         Engine(model, adapters={"bad": bad}, **ENGINE)
     assert named in str(err.value) and err.value.code == "unsupported_adapter"
+
+
+@pytest.mark.parametrize("strategy", ["channel", "block"])
+@pytest.mark.parametrize("arch", MOE)
+def test_an_fp8_checkpoint_equals_its_dequantized_twin(arch, strategy, moe_family, tmp_path):
+    """Every projection in FP8, the experts' too (dequantized at load into the stacked experts;
+    the attention projections stay FP8), against the twin saved with those weights dequantized,
+    attention adapters beside it."""
+    from scripts.checkpoints import build_fp8_model
+
+    model, adapters = moe_family(arch)
+    path, ref = build_fp8_model(tmp_path / "fp8", model, strategy, (24, 16))
+    stored = load_file(path / "model.safetensors")
+    assert sum(".experts." in k and v.dtype == torch.float8_e4m3fn for k, v in stored.items())
+    engine = Engine(path, adapters=adapters, **ENGINE)
+    assert engine.model_cfg.quantization == "fp8"
+    runs = [mixed_batch(e) for e in (engine, Engine(ref, adapters=adapters, **ENGINE))]
+    for (_, _, a), (_, _, b) in zip(*runs, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    assert_all_free(engine)
+    if arch == "qwen3_moe" and strategy == "block":  # each rank dequantizes its experts' share
+        (tmp_path / "ranks").mkdir()
+        check_two_ranks(path, adapters, ENGINE, tmp_path / "ranks")
 
 
 def test_target_parameters_and_unserved_features_are_refused(moe_family, tmp_path):

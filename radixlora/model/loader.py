@@ -5,6 +5,7 @@ here, not in the model."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from radixlora.model.quant import (
 from radixlora.model.quant_fp8 import (
     Fp8Linear,
     attach_fp8_path,
+    dequantize_fp8,
     fp8_block,
     fp8_modules,
     fp8_projections,
@@ -37,6 +39,7 @@ from radixlora.model.quant_fp8 import (
 )
 from radixlora.model.weight_reader import WeightReader, stored_tensors
 
+log = logging.getLogger(__name__)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)$")
 # one expert's projection, as transformers saves MoE checkpoints (Mixtral's after its renames)
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -45,7 +48,7 @@ _BNB_PART = re.compile(
     r"(?:\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.bitsandbytes__nf4))?$"
 )
 _FP8_PART = re.compile(
-    r"^(model\.layers\.\d+\.(?:self_attn|mlp)\.\w+_proj)\."
+    r"^(model\.layers\.\d+\.(?:self_attn|mlp)\.(?:experts\.\d+\.)?\w+_proj)\."
     r"(weight|weight_scale|weight_scale_inv|input_scale)$"
 )
 AT_LOAD_BLOCKSIZE = 64  # --quantization nf4: bitsandbytes' default blocksize
@@ -122,10 +125,14 @@ def _quantize_at_load(model: CausalLM, quantization: str,
 
 def _check_servable(path: Path, cfg: ModelConfig, stored: str | None,
                      tp: TensorParallel | None, blocksize: int) -> None:
-    if cfg.is_moe and cfg.quantization is not None:
+    if cfg.is_moe and cfg.quantization is not None and stored != "fp8":
         raise ModelLoadError(f"a {cfg.quantization} base is not served on "
                              f"{cfg.family_spec.name} (mixture-of-experts) bases yet: serve it "
                              "in bf16 or fp16")
+    if cfg.is_moe and stored == "fp8":
+        log.warning("this FP8 checkpoint's experts are dequantized to the model's dtype at load "
+                    "(no FP8 expert GEMM yet): they take twice their checkpoint bytes; the "
+                    "attention projections stay FP8")
     if cfg.quantization is None:
         return
     if cfg.quantization == "nf4" and tp is not None:
@@ -245,8 +252,17 @@ def _load_quantized(model, cfg: ModelConfig, parts: dict, loaded: dict[str, int]
     """Each quantized weight (its tensors by part name) into its rows of the module holding it;
     with `shard`, this rank's slice of it."""
     modules = dict(model.named_modules())
+    block = next((m.block for m in modules.values() if isinstance(m, Fp8Linear)), None)
+    params = dict(model.named_parameters())
     for name, tensors in parts.items():
         weight_name = name if name.endswith(".weight") else name + ".weight"
+        if _EXPERT.match(weight_name):  # FP8 experts: dequantized into the stacked experts
+            try:
+                weight = dequantize_fp8(tensors["weight"], _fp8_scale(tensors), block)
+            except (KeyError, ValueError) as e:
+                raise ModelLoadError(f"{name}: not an fp8 weight: {e}") from e
+            _load_tensor(cfg, params, loaded, weight_name, weight, shard)
+            continue
         target, rows = _target(cfg, weight_name)
         module_name = target.removesuffix(".weight")
         module = modules.get(module_name)
@@ -257,10 +273,7 @@ def _load_quantized(model, cfg: ModelConfig, parts: dict, loaded: dict[str, int]
                 w = nf4_from_bnb(tensors)
                 module.load_rows(rows, w if shard is None else _shard_nf4(shard, proj, w))
             elif isinstance(module, Fp8Linear):
-                weight = tensors["weight"]
-                # quant_method fp8 names block scales weight_scale_inv (W = W8 * scale all the same)
-                scale = tensors["weight_scale"] if "weight_scale" in tensors else (
-                    tensors["weight_scale_inv"])
+                weight, scale = tensors["weight"], _fp8_scale(tensors)
                 if module.block is not None:
                     scale = row_block_scales(scale, weight.shape[0], module.block,
                                              weight.shape[1])
@@ -278,6 +291,12 @@ def _shard_nf4(shard: Shard, proj: str, w: NF4Weight) -> NF4Weight:
     """This rank's rows (column-parallel) or columns (row-parallel) of an NF4 weight."""
     cut = shard.features(proj)
     return w.rows(cut) if proj in COLUMN_MODULES else w.columns(cut)
+
+
+def _fp8_scale(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """An FP8 weight's scale: quant_method fp8 names block scales weight_scale_inv, meaning
+    W = W8 * scale all the same."""
+    return tensors["weight_scale"] if "weight_scale" in tensors else tensors["weight_scale_inv"]
 
 
 def _shard_fp8(shard: Shard, proj: str, weight: torch.Tensor, scale: torch.Tensor,

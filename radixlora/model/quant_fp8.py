@@ -207,6 +207,21 @@ class Fp8Linear(nn.Module):
         self.weight_scale[rows[0] : rows[1]].copy_(scale.float())
 
 
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor,
+                   block: tuple[int, int] | None) -> torch.Tensor:
+    """W8 * scale in float32, for a checkpoint's scale per tensor, per row, or per block of
+    `block` [rows, columns]."""
+    rows, columns = weight.shape
+    if block is not None:
+        scale = row_block_scales(scale, rows, block, columns)
+        scale = scale.repeat_interleave(block[1], dim=1)[:, :columns]
+    elif scale.numel() in (1, rows):
+        scale = scale.float().reshape(-1, 1)
+    else:
+        raise ValueError(f"a weight scale per tensor or per row, got {scale.numel()} values")
+    return weight.float() * scale
+
+
 def row_block_scales(scale: torch.Tensor, rows: int, block: tuple[int, int],
                      in_features: int) -> torch.Tensor:
     """A checkpoint's block scales [cdiv(rows, block[0]), cdiv(in_features, block[1])] as
