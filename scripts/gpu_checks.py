@@ -13,11 +13,14 @@ checkpoint, Phi-3 with partial rotary and longrope, Qwen3-MoE and Mixtral with t
 expert GEMMs) on checkpoints saved by transformers, with
 PEFT adapters (LoRA, rsLoRA, DoRA, a stack), prompts longer than their sliding windows: the
 fast path against the torch path in fp32 (no sequence may differ) and in bf16 (sequences that
-differ are counted and reported). Exits non-zero on any fp32 mismatch.
+differ are counted and reported). Exits non-zero on any fp32 mismatch. With --fp8-block, each
+family's checkpoint in FP8 with 128 x 128 block scales (Qwen's FP8 form) in bf16, the fast path
+against the torch path on its dequantized twin (differing sequences reported).
 
     python scripts/gpu_checks.py
     python scripts/gpu_checks.py --families   # the families alone, bf16 (a few minutes)
     python scripts/gpu_checks.py --only-families=qwen3_moe,mixtral   # these, fp32 and bf16
+    python scripts/gpu_checks.py --fp8-block  # every family as a block-wise FP8 checkpoint, bf16
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 from checkpoints import (
     FAMILY_TARGETS,
     LANGUAGE_ONLY,
+    build_fp8_model,
     build_hf_model,
     build_peft_adapter,
     build_tiny_adapter,
@@ -84,9 +88,11 @@ def family_adapters(model: Path, root: Path, arch: str) -> dict[str, Path]:
 
 
 def family_checks(root: Path, dtypes=("float32", "bfloat16"),
-                  families=FAMILIES) -> dict[str, dict]:
+                  families=FAMILIES, fp8_block: bool = False) -> dict[str, dict]:
     """Per family and dtype: sequences whose tokens differ between the fast path (Triton
-    kernels, CUDA graphs, overlap) and the torch path, and the largest logprob difference."""
+    kernels, CUDA graphs, overlap) and the torch path, and the largest logprob difference.
+    fp8_block: the fast path serves the checkpoint in FP8 with 128 x 128 block scales, the
+    torch path its dequantized twin."""
     specs = [None, "a", "b", [("a", 1.0), ("b", 0.5)], "d", None, "a", "d"]
     prompts = [[3 + i] * (9 + 4 * i) for i in range(len(specs))]  # past the 8/16-token windows
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -94,11 +100,14 @@ def family_checks(root: Path, dtypes=("float32", "bfloat16"),
     for arch in families:
         model = build_hf_model(root / arch, arch)
         adapters = family_adapters(model, root, arch)
+        ref_model = model
+        if fp8_block:
+            model, ref_model = build_fp8_model(root / f"{arch}-fp8", model, "block", (128, 128))
         for dtype in dtypes:
             started = time.perf_counter()
             common = dict(adapters=adapters, device="cuda", dtype=dtype, kv_pages=2048,
                           context_length=64 if arch == "phi3" else None)
-            reference = Engine(model, attention_backend="torch", lora_backend="torch",
+            reference = Engine(ref_model, attention_backend="torch", lora_backend="torch",
                                cuda_graph=False, overlap_schedule=False, **common)
             ref = reference.generate(prompts, params, adapters=specs)
             fast = Engine(model, warm_up=False, **common).generate(prompts, params, adapters=specs)
@@ -106,9 +115,10 @@ def family_checks(root: Path, dtypes=("float32", "bfloat16"),
             gaps = [parting_gap(a, b) for a, b in pairs if a.token_ids != b.token_ids]
             worst = max(abs(x - y) for a, b in pairs
                         for x, y in zip(a.logprobs[:agreed(a, b)], b.logprobs))
-            out[f"{arch} {dtype}"] = {"differ": len(gaps), "of": len(ref), "max_logprob": worst,
-                                      "parting_gaps": gaps}
-            print(f"{arch} {dtype}: sequences with different tokens {len(gaps)}/{len(ref)} "
+            label = f"{arch} {dtype}{' fp8-block' if fp8_block else ''}"
+            out[label] = {"differ": len(gaps), "of": len(ref), "max_logprob": worst,
+                          "parting_gaps": gaps}
+            print(f"{label}: sequences with different tokens {len(gaps)}/{len(ref)} "
                   f"(the torch path's top-2 logprob gap where each parts: "
                   f"{', '.join(f'{g:.3f}' for g in gaps) or '-'}), max |logprob diff| up to "
                   f"there {worst:.2e} ({time.perf_counter() - started:.0f} s)", flush=True)
@@ -134,6 +144,9 @@ def main() -> int:
     if "--families" in sys.argv:  # the families alone, in the model dtype they serve in
         families = family_checks(root, ("bfloat16",))
         print("families:", families)
+        return 0
+    if "--fp8-block" in sys.argv:  # block-wise FP8 checkpoints of every family, bf16
+        print("families:", family_checks(root, ("bfloat16",), fp8_block=True))
         return 0
     chosen = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--only-families=")]
     if chosen:  # some families alone, fp32 and bf16: --only-families=qwen3_moe,mixtral

@@ -131,8 +131,8 @@ def _check_servable(path: Path, cfg: ModelConfig, stored: str | None,
                              "in bf16 or fp16")
     if cfg.is_moe and stored == "fp8":
         log.warning("this FP8 checkpoint's experts are dequantized to the model's dtype at load "
-                    "(no FP8 expert GEMM yet): they take twice their checkpoint bytes; the "
-                    "attention projections stay FP8")
+                    "(no FP8 expert GEMM yet), so in bf16 they take twice their checkpoint "
+                    "bytes; the attention projections stay FP8")
     if cfg.quantization is None:
         return
     if cfg.quantization == "nf4" and tp is not None:
