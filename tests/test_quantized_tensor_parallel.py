@@ -96,12 +96,12 @@ def test_nf4_blocks_a_rank_would_cut_are_refused(checkpoints, stored, tmp_path):
 
 
 def test_fp8_scale_blocks_a_rank_would_cut_are_refused(bases, tmp_path):
-    """Blocks of 48 input columns: rank 1's columns of o_proj, [64, 128), and of down_proj,
-    [128, 256), start inside a block."""
+    """Blocks of 48 input columns: rank 0's columns of o_proj, [0, 64), end inside a block.
+    Every rank checks every rank's cut before loading, so rank 1 refuses as rank 0 does."""
     path, _ = build_fp8_model(tmp_path / "fp8", bases["dense"], "block", (48, 48))
     cfg = ModelConfig.from_dir(path).served(EngineConfig())
     tp = TensorParallel(Shard(1, 2, cfg), group=None, control=None)
-    with pytest.raises(ModelLoadError, match=r"tensor-parallel-size 2: the FP8 (o|down)_proj's "
-                                             r"input columns \[(64, 128|128, 256)\) of rank 1 "
-                                             r"are not whole blocks of 48"):
+    with pytest.raises(ModelLoadError, match=r"tensor-parallel-size 2: the FP8 o_proj's input "
+                                             r"columns \[0, 64\) of rank 0 are not whole "
+                                             r"blocks of 48"):
         load_model(path, cfg, torch.float32, "cpu", tp=tp)

@@ -142,6 +142,24 @@ def _check_servable(path: Path, cfg: ModelConfig, stored: str | None,
             fp8_scheme(json.loads((path / "config.json").read_text())["quantization_config"])
         except ValueError as e:
             raise ModelLoadError(str(e)) from e
+        block = _fp8_block(path)
+        if block is not None and tp is not None:
+            _check_fp8_shards(cfg, tp.size, block)
+
+
+def _check_fp8_shards(cfg: ModelConfig, size: int, block: tuple[int, int]) -> None:
+    """Raise ModelLoadError unless every row-parallel rank's input columns of o and down are
+    whole blocks of the FP8 scales' columns (every rank checks every rank's, so all refuse
+    together)."""
+    for rank in range(size):
+        shard = Shard(rank, size, cfg)
+        for proj in ("o_proj", "down_proj"):
+            cut, columns = shard.features(proj), cfg.module_shape(proj)[0]
+            if cut.start % block[1] or (cut.stop % block[1] and cut.stop != columns):
+                raise ModelLoadError(
+                    f"--tensor-parallel-size {size}: the FP8 {proj}'s input columns "
+                    f"[{cut.start}, {cut.stop}) of rank {rank} are not whole blocks of "
+                    f"{block[1]} columns (the checkpoint's weight_block_size)")
 
 
 def _check_nf4_shards(cfg: ModelConfig, size: int, blocksize: int) -> None:
@@ -303,17 +321,13 @@ def _shard_fp8(shard: Shard, proj: str, weight: torch.Tensor, scale: torch.Tenso
                block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's slice of an FP8 weight and its scales: a column-parallel rank's rows with
     their scales, a row-parallel rank's columns with every row's scale, or with `block` (scales
-    per row and block of columns) the scales of its columns' blocks, which must be whole (W =
-    W8 * s is linear in W8, so the scaled partial products add up to the whole one)."""
+    per row and block of columns) the scales of its columns' blocks, whole blocks
+    (_check_fp8_shards) (W = W8 * s is linear in W8, so the scaled partial products add up to
+    the whole one)."""
     if proj in COLUMN_MODULES and scale.numel() > 1:
         scale = shard.weight(proj, "weight", scale)
     elif block is not None:
-        cut, columns = shard.features(proj), weight.shape[1]
-        if cut.start % block[1] or (cut.stop % block[1] and cut.stop != columns):
-            raise ModelLoadError(
-                f"--tensor-parallel-size {shard.size}: the FP8 {proj}'s input columns "
-                f"[{cut.start}, {cut.stop}) of rank {shard.rank} are not whole blocks of "
-                f"{block[1]} columns (the checkpoint's weight_block_size)")
+        cut = shard.features(proj)
         scale = scale[:, cut.start // block[1]:-(-cut.stop // block[1])]
     return shard.weight(proj, "weight", weight), scale
 
