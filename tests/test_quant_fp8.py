@@ -126,3 +126,6 @@ def test_compressed_tensors_block_strategy_names_its_block_structure():
                       "config_groups": {"group_0": group}}) == (128, 128)
     assert fp8_block({"quant_method": "fp8", "weight_block_size": [64, 32]}) == (64, 32)
     assert fp8_block({"quant_method": "fp8"}) is None
+    del group["weights"]["block_structure"]
+    with pytest.raises(ValueError, match="without a block_structure"):
+        fp8_block({"quant_method": "compressed-tensors", "config_groups": {"group_0": group}})

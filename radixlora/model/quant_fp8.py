@@ -66,6 +66,9 @@ def fp8_block(qc: dict) -> tuple[int, int] | None:
         blocks = [w.get("block_structure") for w in groups if w.get("strategy") == "block"]
         if blocks and (len(blocks) < len(groups) or any(b != blocks[0] for b in blocks)):
             raise ValueError("compressed-tensors groups with different weight strategies")
+        if blocks and blocks[0] is None:
+            raise ValueError("compressed-tensors weight strategy 'block' without a "
+                             "block_structure")
         block = blocks[0] if blocks else None
     if not block:
         return None
