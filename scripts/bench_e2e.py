@@ -1154,7 +1154,7 @@ def workload_g(ctx) -> dict:
         run = drive_processes(ctx.url, specs, ctx.client_processes, ctx.work, arrivals,
                               keep_gaps=True)
         run["steps"] = step_breakdown(before, step_totals(ctx.url))
-        steps = ctx.server.admin("GET", "/get_server_info").json()["recent_steps"]
+        steps = ctx.server.admin("GET", "/get_server_info").json()["scheduler"]["recent_steps"]
         run["gap_causes"] = gap_causes(run.pop("long_gaps"), steps)
         runs[rate] = run
         if not meets(run, ctx.g_slo) and k + 1 < len(ctx.g_rates):
