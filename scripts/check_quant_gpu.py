@@ -69,7 +69,7 @@ from bench_engine import (  # noqa: E402
 from bench_engine import SMOKE as ENGINE_SMOKE  # noqa: E402
 from bench_sgmv import FULL, build_meta, build_projections, scattered_rows, scenarios  # noqa: E402
 from bench_sgmv import SMOKE as SGMV_SMOKE  # noqa: E402
-from checkpoints import _fp8_blocks  # noqa: E402
+from checkpoints import quantize_fp8_blocks  # noqa: E402
 
 from radixlora.config import ModelConfig  # noqa: E402
 from radixlora.lora.layout import bytes_per_row, quantize_rows  # noqa: E402
@@ -445,7 +445,7 @@ def fp8_block_case(shape, device: str):
     """(W8, scales per row and block of 128 columns, the dequantized bf16 weight)."""
     g = torch.Generator(device=device).manual_seed(1)
     w = (torch.randn(shape, device=device, generator=g) * 0.02).cpu()
-    w8, scale, _ = _fp8_blocks(w, FP8_BLOCK)
+    w8, scale, _ = quantize_fp8_blocks(w, FP8_BLOCK)
     linear = quant_fp8.Fp8Linear(shape[1], shape[0], False, torch.bfloat16, FP8_BLOCK)
     linear.load_rows((0, shape[0]), w8, quant_fp8.row_block_scales(scale, shape[0], FP8_BLOCK,
                                                                    shape[1]))

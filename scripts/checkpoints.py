@@ -357,7 +357,7 @@ def build_fp8_model(path: Path, dense: Path, strategy: str = "channel",
         projection = name.endswith("_proj.weight") or re.search(r"\.experts\.\d+\.w[123]\.weight$",
                                                                name)  # Mixtral's experts
         if projection and strategy == "block":
-            w8, scale, full = _fp8_blocks(w, block)
+            w8, scale, full = quantize_fp8_blocks(w, block)
             fp8[name], fp8[name + "_scale_inv"] = w8, scale
             dequantized[name] = w8.float() * full
         elif projection:
@@ -379,7 +379,7 @@ def build_fp8_model(path: Path, dense: Path, strategy: str = "channel",
     return path, ref
 
 
-def _fp8_blocks(w: torch.Tensor, block: tuple[int, int]):
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]):
     """(W8, scales [cdiv(out, rows), cdiv(in, columns)], the scales spread over W's shape):
     each block scaled by its own absmax / 448, the last row and column blocks partial."""
     rows, cols = block

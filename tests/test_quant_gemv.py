@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from radixlora.model.quant import dequantize_nf4, nf4_from_bnb
 from radixlora.model.quant_fp8 import Fp8Linear, quantize_fp8, row_block_scales
 from radixlora_kernels.quant_gemv import Tile, fp8_gemv, nf4_gemv, nf4_span
-from scripts.checkpoints import _fp8_blocks
+from scripts.checkpoints import quantize_fp8_blocks
 
 # relative Frobenius error against the dequantized product: fp32 is exact up to summation
 # order; 16-bit outputs are rounded once, and the interpreter's casts truncate
@@ -83,7 +83,7 @@ def test_fp8_gemv_with_block_scales_equals_the_dequantized_product(dtype, m, sha
     200) in blocks of 32 columns leaves an 8-column block; 16-column blocks make a loop step of
     16."""
     g = torch.Generator().manual_seed(m)
-    w8, scale, full = _fp8_blocks(torch.randn(*shape, generator=g) * 0.05, block)
+    w8, scale, full = quantize_fp8_blocks(torch.randn(*shape, generator=g) * 0.05, block)
     linear = Fp8Linear(shape[1], shape[0], False, dtype, block)
     linear.load_rows((0, shape[0]), w8, row_block_scales(scale, shape[0], block, shape[1]))
     x = torch.randn(m, shape[1], generator=g).to(dtype)
