@@ -139,10 +139,10 @@ def _check_servable(path: Path, cfg: ModelConfig, stored: str | None,
         _check_nf4_shards(cfg, tp.size, blocksize)
     if stored == "fp8":
         try:
-            fp8_scheme(json.loads((path / "config.json").read_text())["quantization_config"])
+            fp8_scheme(qc := json.loads((path / "config.json").read_text())["quantization_config"])
         except ValueError as e:
             raise ModelLoadError(str(e)) from e
-        block = _fp8_block(path)
+        block = fp8_block(qc)
         if block is not None and tp is not None:
             _check_fp8_shards(cfg, tp.size, block)
 

@@ -187,8 +187,7 @@ class Fp8Linear(nn.Module):
         """W8 * s in float32, rounded once to `dtype` (the reference)."""
         if self.block is None:
             return (self.weight.float() * self.weight_scale.view(-1, 1)).to(dtype)
-        scale = self.weight_scale.repeat_interleave(self.block[1], dim=1)[:, :self.in_features]
-        return (self.weight.float() * scale).to(dtype)
+        return scale_by_blocks(self.weight, self.weight_scale, self.block[1]).to(dtype)
 
     def load_rows(self, rows: tuple[int, int], weight: torch.Tensor, scale: torch.Tensor) -> None:
         """One part (rows [start, end)): its e4m3 weight and its scale (one, or one per row;
@@ -216,13 +215,20 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor,
     `block` [rows, columns]."""
     rows, columns = weight.shape
     if block is not None:
-        scale = row_block_scales(scale, rows, block, columns)
-        scale = scale.repeat_interleave(block[1], dim=1)[:, :columns]
-    elif scale.numel() in (1, rows):
-        scale = scale.float().reshape(-1, 1)
-    else:
+        return scale_by_blocks(weight, row_block_scales(scale, rows, block, columns), block[1])
+    if scale.numel() not in (1, rows):
         raise ValueError(f"a weight scale per tensor or per row, got {scale.numel()} values")
-    return weight.float() * scale
+    return weight.float() * scale.float().reshape(-1, 1)
+
+
+def scale_by_blocks(weight: torch.Tensor, scales: torch.Tensor, block_k: int) -> torch.Tensor:
+    """W8 * s in float32 for scales [rows, cdiv(columns, block_k)] per row and block of columns:
+    over whole blocks a view, so no scale is spread over every weight."""
+    rows, columns = weight.shape
+    if columns % block_k == 0:
+        blocks = weight.view(rows, -1, block_k).float() * scales[:, :, None]
+        return blocks.view(rows, columns)
+    return weight.float() * scales.repeat_interleave(block_k, dim=1)[:, :columns]
 
 
 def row_block_scales(scale: torch.Tensor, rows: int, block: tuple[int, int],
