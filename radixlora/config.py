@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,30 +27,45 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # the projections a LoRA adapter may target (PEFT's module names), and the fused groups the
 # model computes them in (one GEMM per group and layer; the adapter pool is laid out by group)
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# an MoE base's stacked experts, as PEFT's target_parameters adapts them: one A and one B per
+# expert of each parameter, the experts of one rank row side by side (ModelConfig.module_shape)
+EXPERT_MODULES = ("experts.gate_up_proj", "experts.down_proj")
 MODULE_GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "o": ("o_proj",),
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
+    "experts_gate_up": ("experts.gate_up_proj",),
+    "experts_down": ("experts.down_proj",),
 }
+EXPERT_GROUPS = ("experts_gate_up", "experts_down")
+LINEAR_GROUPS = tuple(g for g in MODULE_GROUPS if g not in EXPERT_GROUPS)
 GROUP_OF = {m: g for g, mods in MODULE_GROUPS.items() for m in mods}
 # PEFT target modules some families keep fused (Phi-3): one A and one B stacked over these
 FUSED_MODULES: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                                              "gate_up_proj": ("gate_proj", "up_proj")}
 ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
-ALL_TARGETS = ("all", "all-linear")  # --lora-target-modules' spellings of every module
+# --lora-target-modules' spellings of every linear module (PEFT's all-linear: not the experts,
+# which are parameters, not linear modules), and of both expert parameters
+ALL_TARGETS = ("all", "all-linear")
+ALL_EXPERTS = "experts"
 
 
 def target_groups(modules) -> tuple[str, ...]:
     """The module groups of target module names (PEFT's, fused ones included), in
-    MODULE_GROUPS order; None or "all" / "all-linear": every group."""
-    if modules is None or any(m in ALL_TARGETS for m in modules):
-        return tuple(MODULE_GROUPS)
-    unknown = sorted(set(modules) - GROUP_OF.keys() - FUSED_MODULES.keys())
+    MODULE_GROUPS order; None or "all" / "all-linear": every linear group; "experts": both
+    expert groups."""
+    if modules is None:
+        return LINEAR_GROUPS
+    known = {*GROUP_OF, *FUSED_MODULES, *ALL_TARGETS, ALL_EXPERTS}
+    unknown = sorted(set(modules) - known)
     if unknown:
-        raise ValueError(f"lora_target_modules: unknown modules {unknown}; known: "
-                         f"{[*LORA_MODULES, *FUSED_MODULES, *ALL_TARGETS]}")
-    groups = {GROUP_OF[m] for name in modules for m in FUSED_MODULES.get(name, (name,))}
+        names = [*LORA_MODULES, *FUSED_MODULES, *EXPERT_MODULES, *ALL_TARGETS, ALL_EXPERTS]
+        raise ValueError(f"lora_target_modules: unknown modules {unknown}; known: {names}")
+    groups = set(LINEAR_GROUPS) if any(m in ALL_TARGETS for m in modules) else set()
+    groups |= set(EXPERT_GROUPS) if ALL_EXPERTS in modules else set()
+    groups |= {GROUP_OF[m] for name in modules if name in GROUP_OF or name in FUSED_MODULES
+               for m in FUSED_MODULES.get(name, (name,))}
     return tuple(g for g in MODULE_GROUPS if g in groups)
 
 
@@ -143,6 +159,7 @@ class ModelConfig:
     def module_shape(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of a LoRA-targetable projection."""
         h, i = self.hidden_size, self.intermediate_size
+        e, mi = self.num_experts, self.moe_intermediate_size
         return {
             "q_proj": (h, self.q_dim),
             "k_proj": (h, self.kv_dim),
@@ -153,6 +170,9 @@ class ModelConfig:
             "down_proj": (i, h),
             "qkv_proj": (h, self.q_dim + 2 * self.kv_dim),
             "gate_up_proj": (h, 2 * i),
+            # every expert's A rows side by side ([r, E * in]), and B's outputs ([E * out, r])
+            "experts.gate_up_proj": (e * h, e * 2 * mi),
+            "experts.down_proj": (e * mi, e * h),
         }[module]
 
     @classmethod
@@ -226,9 +246,16 @@ class ModelConfig:
 
     @property
     def lora_modules(self) -> tuple[str, ...]:
-        """The projections adapters of this base may target: on an MoE base, attention's
-        (LoRA on the experts and the router is refused by name)."""
-        return LORA_MODULES[:4] if self.is_moe else LORA_MODULES
+        """The projections adapters of this base may target: on an MoE base, attention's and
+        the stacked experts' (LoRA on the router or a dense layer's MLP is refused by name)."""
+        return LORA_MODULES[:4] + EXPERT_MODULES if self.is_moe else LORA_MODULES
+
+    @property
+    def lora_groups(self) -> tuple[str, ...]:
+        """The module groups of lora_modules, in MODULE_GROUPS order: those the adapter pool
+        holds."""
+        groups = {GROUP_OF[m] for m in self.lora_modules}
+        return tuple(g for g in MODULE_GROUPS if g in groups)
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window; None: it attends to the whole context."""
@@ -463,13 +490,18 @@ class EngineConfig:
 
         return getattr(torch, name)
 
-    def group_rows(self) -> dict[str, int]:
-        """Rows of each module group's adapter pool (sized): `adapter_rows` for the target
-        modules' groups, `max_rank + 1` (at most `adapter_rows`) for the others, so that an
-        adapter of any rank, DoRA's magnitude row included, still fits."""
+    def group_rows(self, groups: Iterable[str] = LINEAR_GROUPS) -> dict[str, int]:
+        """Rows of each of these module groups' adapter pools (sized; the model's lora_groups,
+        by default a dense base's): `adapter_rows`
+        for the target modules' groups, `max_rank + 1` (at most `adapter_rows`) for the other
+        linear ones, so that an adapter of any rank, DoRA's magnitude row included, still fits;
+        none for the experts unless targeted (a rank row of every expert is some hundred times
+        a linear group's, so the pool holds them only when asked: --lora-target-modules
+        experts, or an expert adapter given at start)."""
         targets = target_groups(self.lora_target_modules)
         floor = min(self.adapter_rows, self.max_rank + 1)
-        return {g: self.adapter_rows if g in targets else floor for g in MODULE_GROUPS}
+        return {g: self.adapter_rows if g in targets else 0 if g in EXPERT_GROUPS else floor
+                for g in groups}
 
     def kv_storage_dtype(self, model: ModelConfig) -> torch.dtype:
         """The KV pool's storage dtype: FP8 e4m3 or the model's compute dtype."""

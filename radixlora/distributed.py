@@ -136,10 +136,22 @@ class Shard:
 
     def lora(self, module: str, a: torch.Tensor, b: torch.Tensor):
         """(A [r, in], B [out, r]) sliced for this rank: B's output rows of a column-parallel
-        module, A's input columns of a row-parallel one."""
+        module, A's input columns of a row-parallel one; of the stacked experts, every expert's
+        share of its intermediate channels (gate and up outputs, down inputs)."""
+        if module.startswith("experts."):
+            return self._expert_lora(module, a, b)
         if module in COLUMN_MODULES:
             return a, b[self.features(module)]
         return a[:, self.features(module)], b
+
+    def _expert_lora(self, module: str, a: torch.Tensor, b: torch.Tensor):
+        """A [r, E * in] and B [E * out, r] of experts.gate_up_proj (out: gate then up, each
+        moe_intermediate_size) or experts.down_proj (in: moe_intermediate_size)."""
+        experts, size, cut = (self.full.num_experts, self.full.moe_intermediate_size,
+                              self.expert_features())
+        if module == "experts.gate_up_proj":
+            return a, b.reshape(experts, 2, size, -1)[:, :, cut].reshape(-1, b.shape[-1])
+        return a.reshape(a.shape[0], experts, size)[:, :, cut].reshape(a.shape[0], -1), b
 
     @property
     def vocab_shard(self) -> int:

@@ -93,7 +93,8 @@ class Engine:
         self.runner = ModelRunner(self.model_path, self.model_cfg, self.config)
         self.runner.warm_up()
         self.config = self.runner.config  # pools and batch limits sized
-        self.scheduler = Scheduler(self.config, max_context=self.config.max_context(self.model_cfg))
+        self.scheduler = Scheduler(self.config, self.config.max_context(self.model_cfg),
+                                   self.model_cfg.lora_groups)
         self.registry = AdapterRegistry(
             self.model_cfg, self.config.max_rank, self.config.max_stacked, self.config.adapter_rows
         )

@@ -34,6 +34,8 @@ ARCHITECTURES = {
 FAMILY_TARGETS = {"phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
                   "qwen3_moe": ("q_proj", "k_proj", "v_proj", "o_proj"),
                   "mixtral": ("q_proj", "k_proj", "v_proj", "o_proj")}
+# PEFT's target_parameters of an MoE base's stacked experts (LoRA on every expert)
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 # Gemma 3's multimodal checkpoint: adapters target the language model's projections only
 LANGUAGE_ONLY = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 SMALL_SHAPE = dict(

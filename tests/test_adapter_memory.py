@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from radixlora import Engine, SamplingParams
-from radixlora.config import MODULE_GROUPS, EngineConfig, ModelConfig, target_groups
+from radixlora.config import LINEAR_GROUPS, EngineConfig, ModelConfig, target_groups
 from radixlora.lora.adapter import LoraAdapter
 from radixlora.lora.layout import group_row_bytes
 from radixlora.sched.residency import AdapterResidency, RowAllocator
@@ -27,13 +27,16 @@ from tests.test_sizing import LLAMA_8B
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def fake(name: str, rank: int, groups=MODULE_GROUPS, dora: bool = False) -> LoraAdapter:
+def fake(name: str, rank: int, groups=LINEAR_GROUPS, dora: bool = False) -> LoraAdapter:
     return LoraAdapter(name, f"/x/{name}", f"id-{name}", rank, dict.fromkeys(groups, rank), {},
                        dora_groups=("qkv",) if dora else ())
 
 
 def test_target_modules_name_groups():
-    assert target_groups(None) == target_groups(("all",)) == tuple(MODULE_GROUPS)
+    assert target_groups(None) == target_groups(("all",)) == LINEAR_GROUPS
+    assert target_groups(("all-linear", "experts")) == (*LINEAR_GROUPS, "experts_gate_up",
+                                                        "experts_down")
+    assert target_groups(("q_proj", "experts.down_proj")) == ("qkv", "experts_down")
     assert target_groups(("q_proj", "v_proj")) == ("qkv",)
     assert target_groups(("down_proj", "qkv_proj", "o_proj")) == ("qkv", "o", "down")
     with pytest.raises(ValueError, match="unknown modules"):
@@ -83,7 +86,7 @@ def test_churn_of_thousands_of_loads_leaks_no_row():
     groups = {"qkv": 64, "o": 64, "gate_up": 17, "down": 17}
     residency = AdapterResidency(groups)
     rng = random.Random(0)
-    pool = [fake(f"x{i}", rng.randint(1, 16), rng.choice([("qkv", "o"), tuple(MODULE_GROUPS),
+    pool = [fake(f"x{i}", rng.randint(1, 16), rng.choice([("qkv", "o"), LINEAR_GROUPS,
                                                          ("qkv",)]), dora=i % 7 == 0)
             for i in range(300)]
     held: list[list[LoraAdapter]] = []

@@ -132,8 +132,9 @@ def test_two_ranks_answer_what_one_device_does(arch, family, tmp_path):
     check_two_ranks(*family(arch), engine_config(arch), tmp_path)
 
 
-def check_two_ranks(model, adapters, config: dict, tmp_path) -> None:
-    """Two tensor-parallel ranks over gloo answer the mixed batch's steps as one device."""
+def check_two_ranks(model, adapters, config: dict, tmp_path, batch=mixed_batch) -> None:
+    """Two tensor-parallel ranks over gloo answer the mixed batch's steps (`batch`'s) as one
+    device."""
     engine = Engine(model, adapters=adapters, **config)
     rec = Recorded([], [])
     launch, finish = engine.executor.launch, engine.executor.finish
@@ -147,7 +148,7 @@ def check_two_ranks(model, adapters, config: dict, tmp_path) -> None:
         return rec.results[-1]
 
     engine.executor.launch, engine.executor.finish = recording_launch, recording_finish
-    mixed_batch(engine)
+    batch(engine)
     check_same_results(run_ranks(tmp_path, model, engine.config, rec, 2), rec.results)
 
 

@@ -4,8 +4,9 @@ different ranks (one rsLoRA), their stack and a DoRA adapter, with the radix cac
 The grouped expert GEMM (Triton, interpreter) against its torch reference. Two tensor-parallel ranks
 (every expert's channels split) answer as one device; `radixlora serve` answers as the Engine,
 and structured output holds on an MoE base. An FP8 checkpoint (scales per channel or per block,
-experts included) answers as its dequantized twin. What is not served yet on these bases (LoRA
-on the experts or the router, NF4 weights) is refused by name."""
+experts included) answers as its dequantized twin. What is not served on these bases (LoRA on
+each expert's own modules or the router, NF4 weights) is refused by name; LoRA on the stacked
+experts is tests/test_moe_lora.py's."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def test_configs_declare_their_experts(moe_family):
     assert qwen.moe_layers == (True, False, True) and qwen.norm_topk_prob and qwen.qk_norm
     mixtral = ModelConfig.from_dir(moe_family("mixtral")[0])
     assert mixtral.moe_layers == (True, True) and mixtral.norm_topk_prob
-    assert mixtral.lora_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert mixtral.lora_modules == ("q_proj", "k_proj", "v_proj", "o_proj",
+                                    "experts.gate_up_proj", "experts.down_proj")
 
 
 @pytest.mark.parametrize("arch", MOE)
@@ -233,9 +235,9 @@ def test_target_parameters_and_unserved_features_are_refused(moe_family, tmp_pat
     params = tmp_path / "params"
     shutil.copytree(adapters["a"], params)
     config = json.loads((params / "adapter_config.json").read_text())
-    config["target_parameters"] = ["mlp.experts.gate_up_proj"]
+    config["target_parameters"] = ["mlp.gate.weight"]  # the router
     (params / "adapter_config.json").write_text(json.dumps(config))
-    with pytest.raises(AdapterError, match="target_parameters"):
+    with pytest.raises(AdapterError, match=r"target_parameters mlp\.gate\.weight"):
         Engine(model, adapters={"p": params}, **ENGINE)
     with pytest.raises(ModelLoadError, match="nf4 base is not served on Qwen3-MoE"):
         Engine(model, quantization="nf4", **ENGINE)

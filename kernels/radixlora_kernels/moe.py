@@ -17,16 +17,28 @@ from .triton_compat import tl, triton
 
 
 def moe_experts_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """Pure-torch reference (the CPU path): transformers' expert loop. x [T, H], topk_ids and
-    topk_weights [T, k]; the routed sum [T, H] in x's dtype."""
-    out = torch.zeros_like(x)
-    for expert in topk_ids.unique().tolist():
-        token, slot = torch.where(topk_ids == expert)
-        g, u = F.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
-        h = F.linear(F.silu(g) * u, down[expert]) * topk_weights[token, slot, None]
-        out.index_add_(0, token, h.to(out.dtype))
-    return out
+                    gate_up: torch.Tensor, down: torch.Tensor, lora=None) -> torch.Tensor:
+    """Pure-torch reference (the CPU path): transformers' expert loop over the tokens' rows
+    (token * top_k + j, one per chosen expert). x [T, H], topk_ids and topk_weights [T, k]; the
+    routed sum [T, H] in x's dtype. lora: the layer's expert LoRA hook (moe_experts)."""
+    tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    scale = topk_weights.reshape(-1, 1)
+    h = x.new_empty(flat.shape[0], gate_up.shape[1])
+    y = x.new_empty(flat.shape[0], down.shape[1])
+    for expert in flat.unique().tolist():
+        rows = torch.where(flat == expert)[0]
+        h[rows] = F.linear(x[rows // top_k], gate_up[expert])
+    if lora is not None:
+        lora("experts_gate_up", x, top_k, topk_ids, h)
+    g, u = h.chunk(2, dim=-1)
+    h = F.silu(g) * u
+    for expert in flat.unique().tolist():
+        rows = torch.where(flat == expert)[0]
+        y[rows] = F.linear(h[rows], down[expert]) * scale[rows]
+    if lora is not None:
+        lora("experts_down", h, 1, topk_ids, y, scale.reshape(-1).float())
+    return y.view(tokens, top_k, -1).sum(dim=1)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int,
@@ -114,13 +126,22 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, aligned, num_rows: int, rows_
 
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                gate_up: torch.Tensor, down: torch.Tensor, lora=None) -> torch.Tensor:
     """moe_experts_ref with two grouped GEMM launches: gate_up over the tokens' rows, the gated
-    activation, down scaled by the routing weights; a token's rows summed."""
+    activation, down scaled by the routing weights; a token's rows summed. lora, if given, is
+    called as lora(group, a, rows_per_a, topk_ids, y, out_scale=None) after each GEMM to add
+    the rows' expert LoRA deltas into y (radixlora_kernels.moe_lora): group experts_gate_up
+    with a = x, experts_down with a = the activation and the routing weights as out_scale."""
     tokens, top_k = topk_ids.shape
     rows = tokens * top_k
     aligned = moe_align(topk_ids, gate_up.shape[0], _block_m(rows, gate_up.shape[0]))
-    h = silu_and_mul(grouped_gemm(x.contiguous(), gate_up, aligned, rows, top_k))
+    x = x.contiguous()
+    h = grouped_gemm(x, gate_up, aligned, rows, top_k)
+    if lora is not None:
+        lora("experts_gate_up", x, top_k, topk_ids, h)
+    h = silu_and_mul(h)
     scale = topk_weights.reshape(-1).to(torch.float32).contiguous()
     y = grouped_gemm(h, down, aligned, rows, 1, scale)
+    if lora is not None:
+        lora("experts_down", h, 1, topk_ids, y, scale)
     return y.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -47,6 +47,13 @@ _MAGNITUDE = re.compile(
     r"^(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))"
     r"\.lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?$"
 )
+# an MoE base's stacked experts adapted by PEFT's target_parameters: the LoRA of the first
+# parameter listed sits under base_layer. of the second's (both: mlp.experts.gate_up_proj and
+# mlp.experts.down_proj; which is which, their shapes tell)
+_EXPERTS = re.compile(
+    r"^model\.layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)\.lora_(A|B)(?:\.[^.]+)?\.weight$"
+)
+EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
 # modules of the base PEFT can adapt that radixlora does not serve (named when refused)
 UNSERVED_MODULES = ("embed_tokens", "lm_head")
 # the module a PEFT tensor belongs to: its LoRA weights, or the base layer PEFT saves beside them
@@ -397,8 +404,14 @@ def parse_config(name: str, raw: bytes) -> LoraConfig:
         "modules_to_save": "modules_to_save",
         "fan_in_fan_out": "fan_in_fan_out",
         "trainable_token_indices": "trainable tokens",
-        "target_parameters": "target_parameters (LoRA on parameters, such as fused experts)",
     }
+    others = [p for p in config.target_parameters or ()
+              if not p.endswith(EXPERT_PARAMETERS)]
+    if others:
+        raise AdapterError(name, f"target_parameters {', '.join(map(str, others))} are not "
+                                 f"supported: radixlora serves LoRA on parameters only on an "
+                                 f"MoE base's stacked experts ({', '.join(EXPERT_PARAMETERS)})",
+                           code="unsupported_adapter")
     for key, what in unsupported.items():
         if getattr(config, key):
             listed = getattr(config, key)
@@ -541,6 +554,7 @@ def _rows(t, rows: tuple[int, int] | None):
 def _pair_tensors(name, tensors, model: ModelConfig):
     """({(layer, module, key): (A, B)}, {key: DoRA magnitude vector})."""
     halves: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
+    experts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     magnitudes: dict[str, torch.Tensor] = {}
     family = model.family_spec
     targets = model.lora_modules + (tuple(FUSED_MODULES) if family.fused_lora else ())
@@ -549,6 +563,9 @@ def _pair_tensors(name, tensors, model: ModelConfig):
         if renamed is None:
             raise AdapterError(name, f"tensor {tensor_name!r} adapts a part of the checkpoint "
                                      f"the {family.name} language model does not have")
+        if model.is_moe and (e := _EXPERTS.match(renamed)):
+            experts.setdefault((int(e.group(1)), e.group(2)), {})[e.group(3)] = tensor
+            continue
         match = _KEY.match(renamed)
         if match is None and (m := _MAGNITUDE.match(renamed)):
             magnitudes[m.group(1)] = tensor
@@ -585,16 +602,61 @@ def _pair_tensors(name, tensors, model: ModelConfig):
         if layer >= model.num_layers:
             raise AdapterError(name, f"{key}: the base model has {model.num_layers} layers")
         halves.setdefault((layer, module, key), {})[side] = tensor
+    halves.update(_expert_pairs(name, experts, model))
     for (_, _, key), pair in halves.items():
         if set(pair) != {"A", "B"}:
             raise AdapterError(name, f"{key} has lora_{'A' if 'A' not in pair else 'B'} missing")
     return {k: (v["A"], v["B"]) for k, v in halves.items()}, magnitudes
 
 
+def _expert_pairs(name, experts, model: ModelConfig):
+    """The experts' LoRA pairs as those of two modules, experts.gate_up_proj and
+    experts.down_proj ({(layer, module, key): {"A": A, "B": B}}): PEFT's target_parameters
+    factors, A [E * r, in] (expert-major) and B [out, r * E] (rank-major), become one A
+    [r, E * in] whose rank row j holds every expert's row j, and one B [E * out, r]. A pair is
+    the gate_up one when A reads the hidden state and B writes 2 x moe_intermediate_size
+    outputs, the down one when A reads moe_intermediate_size and B writes the hidden size."""
+    h, mi, count = model.hidden_size, model.moe_intermediate_size, model.num_experts
+    pairs = {}
+    for (layer, nest), pair in experts.items():
+        where = f"model.layers.{layer}.mlp.experts{nest}"
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(name, f"{where} has lora_{'A' if 'A' not in pair else 'B'} "
+                                     f"missing")
+        a, b = pair["A"], pair["B"]
+        shapes = (tuple(a.shape[1:]), tuple(b.shape[:1]))
+        param = {((h,), (2 * mi,)): "gate_up_proj", ((mi,), (h,)): "down_proj"}.get(shapes)
+        rows = a.shape[0] if a.dim() == 2 else 0
+        if (param is None or a.dim() != 2 or b.dim() != 2 or rows % count
+                or tuple(b.shape[1:]) != (rows,) or not model.moe_layer(layer)):
+            raise AdapterError(name, f"{where}: lora_A {tuple(a.shape)} and lora_B "
+                                     f"{tuple(b.shape)} are neither experts.gate_up_proj's "
+                                     f"({count} x r, {h}) and ({2 * mi}, r x {count}) nor "
+                                     f"experts.down_proj's ({count} x r, {mi}) and ({h}, r x "
+                                     f"{count}) of an MoE layer")
+        module = f"experts.{param}"
+        key = f"model.layers.{layer}.mlp.{module}"
+        if (layer, module, key) in pairs:
+            raise AdapterError(name, f"{key} is adapted twice")
+        pairs[(layer, module, key)] = dict(zip("AB", _experts_side_by_side(a, b, count)))
+    return pairs
+
+
+def _experts_side_by_side(a, b, count: int):
+    rank, in_dim, out_dim = a.shape[0] // count, a.shape[1], b.shape[0]
+    if isinstance(a, TensorMeta):
+        return (TensorMeta((rank, count * in_dim), a.dtype),
+                TensorMeta((count * out_dim, rank), b.dtype))
+    a = a.reshape(count, rank, in_dim).transpose(0, 1).reshape(rank, count * in_dim)
+    b = b.reshape(out_dim, rank, count).permute(2, 0, 1).reshape(count * out_dim, rank)
+    return a, b
+
+
 def _moe_refusal(model: ModelConfig, key: str) -> str:
-    return (f"{key}: LoRA on the experts, the router or the MLP of a {model.family_spec.name} "
-            f"base is not served yet; radixlora serves LoRA on its attention projections "
-            f"({', '.join(model.lora_modules)})")
+    return (f"{key}: LoRA on each expert's own modules, the router or a dense MLP of a "
+            f"{model.family_spec.name} base is not served; radixlora serves LoRA on its "
+            f"attention projections and on its stacked experts as PEFT's target_parameters "
+            f"trains them ({', '.join(model.lora_modules)})")
 
 
 def _layers_to_transform(config: LoraConfig) -> set[int] | None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlora.config import GROUP_OF, MODULE_GROUPS, ModelConfig
+from radixlora.config import EXPERT_GROUPS, GROUP_OF, MODULE_GROUPS, ModelConfig
 from radixlora.distributed import Shard
 from radixlora.lora.adapter import LoraAdapter
 from radixlora.lora.host_cache import PackedAdapter
@@ -51,7 +51,7 @@ class PoolLayout:
 
     @functools.cached_property
     def key(self) -> str:
-        groups = {g: group_dims(self.cfg, g) for g in MODULE_GROUPS}
+        groups = {g: group_dims(self.cfg, g) for g in self.cfg.lora_groups}
         shard = (self.shard.rank, self.shard.size) if self.shard is not None else None
         text = repr((PACK_FORMAT, self.cfg.num_layers, groups, str(self.dtype), shard))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -161,15 +161,17 @@ def pool_layouts(cfg: ModelConfig, dtype: torch.dtype, tp_size: int) -> tuple[Po
     return tuple(PoolLayout(shard.local, dtype, shard) for shard in shards)
 
 
-def bytes_per_row(cfg: ModelConfig, dtype: torch.dtype, groups=tuple(MODULE_GROUPS)) -> int:
-    """Device bytes of one rank row on these module groups (default every one) of every layer
-    (int8: with its scales)."""
+def bytes_per_row(cfg: ModelConfig, dtype: torch.dtype, groups=None) -> int:
+    """Device bytes of one rank row on these module groups (default every linear one the model
+    has: not an MoE base's experts) of every layer (int8: with its scales)."""
+    if groups is None:
+        groups = [g for g in cfg.lora_groups if g not in EXPERT_GROUPS]
     return load_bytes(cfg, dtype, dict.fromkeys(groups, 1))
 
 
 def group_row_bytes(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
     """bytes_per_row of each module group alone."""
-    return {g: bytes_per_row(cfg, dtype, (g,)) for g in MODULE_GROUPS}
+    return {g: bytes_per_row(cfg, dtype, (g,)) for g in cfg.lora_groups}
 
 
 def load_bytes(cfg: ModelConfig, dtype: torch.dtype, group_ranks: Mapping[str, int],

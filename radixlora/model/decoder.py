@@ -104,11 +104,12 @@ class Experts(nn.Module):
 
 class SparseMoE(nn.Module):
     """A mixture-of-experts MLP: the router (`gate`) picks each token's experts_per_token
-    experts, whose SiLU-gated outputs are summed by their routing weights. No LoRA here
-    (ModelConfig.lora_modules)."""
+    experts, whose SiLU-gated outputs are summed by their routing weights. LoRA on the stacked
+    experts comes from the batch's expert hook (ForwardBatch.expert_lora); none on the router."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
+        self.layer_id = layer_id
         self.top_k, self.renormalize = cfg.experts_per_token, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg)
@@ -117,7 +118,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, fb: ForwardBatch):
         """(the routed sum, None): no deferred delta."""
         y = sparse_moe(x, self.gate.weight, self.experts.gate_up_proj,
-                       self.experts.down_proj, self.top_k, self.renormalize)
+                       self.experts.down_proj, self.top_k, self.renormalize,
+                       fb.expert_lora(self.layer_id))
         return (y if self.tp is None else self.tp.all_reduce(y)), None
 
 
@@ -129,7 +131,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_id)
         # without sandwich norms, the norm before the MLP; with them, the one after attention
         self.post_attention_layernorm = RMSNorm(*norm)
-        self.mlp = SparseMoE(cfg) if cfg.moe_layer(layer_id) else MLP(cfg, layer_id)
+        self.mlp = SparseMoE(cfg, layer_id) if cfg.moe_layer(layer_id) else MLP(cfg, layer_id)
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(*norm)
             self.post_feedforward_layernorm = RMSNorm(*norm)

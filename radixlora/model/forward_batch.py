@@ -29,6 +29,10 @@ class LoraHook(Protocol):
                 group: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(y, delta): linear(x) with the batch's LoRA deltas is y + delta."""
 
+    def experts(self, layer_id: int):
+        """The MoE layer's expert LoRA hook (radixlora_kernels.moe.moe_experts), or None when
+        no request of the batch adapts the experts."""
+
 
 @dataclass
 class ForwardBatch:
@@ -64,4 +68,8 @@ class ForwardBatch:
         if self.lora is None:
             return linear(x), None
         return self.lora.project(linear, x, layer_id, group)
+
+    def expert_lora(self, layer_id: int):
+        """The expert LoRA hook of MoE layer `layer_id` for this batch, or None."""
+        return None if self.lora is None else self.lora.experts(layer_id)
 

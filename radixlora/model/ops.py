@@ -83,9 +83,10 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int,
 
 
 def sparse_moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-               top_k: int, renormalize: bool) -> torch.Tensor:
+               top_k: int, renormalize: bool, lora=None) -> torch.Tensor:
     """The mixture-of-experts MLP of x [T, H]: routing, then each token's experts (SiLU-gated,
-    stacked weights gate_up [E, 2I, H] and down [E, H, I]) summed by their weights."""
+    stacked weights gate_up [E, 2I, H] and down [E, H, I]) summed by their weights; lora: the
+    batch's expert LoRA hook for this layer, or None (radixlora_kernels.moe.moe_experts)."""
     weights, experts = route(x, router, top_k, renormalize)
     run = moe_experts if x.is_cuda else moe_experts_ref
-    return run(x, experts, weights, gate_up, down)
+    return run(x, experts, weights, gate_up, down, lora)

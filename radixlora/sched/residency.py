@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from radixlora.config import MODULE_GROUPS
 from radixlora.lora.adapter import LoraAdapter
 
 
@@ -75,7 +76,7 @@ class AdapterResidency:
         if isinstance(group_rows, int):
             group_rows = {"": group_rows}
         self.rows_per_group = dict(group_rows)
-        counts = self.rows_per_group.values()
+        counts = [n for n in self.rows_per_group.values() if n] or [0]
         self.rows = RowAllocator(max(counts), min(counts))
         self.resident: OrderedDict[str, ResidentAdapter] = OrderedDict()
         self.pinned: set[str] = set()  # adapter ids never evicted while resident
@@ -116,6 +117,13 @@ class AdapterResidency:
 
     def oversized(self, adapters: list[LoraAdapter]) -> str | None:
         """Why these adapters can never be resident together, or None."""
+        adapted = {g for a in adapters for g in a.group_ranks}
+        missing = [g for g in MODULE_GROUPS
+                   if g in adapted and not self.rows_per_group.get(g, self.rows.num_rows)]
+        if missing:
+            modules = ", ".join(m for g in missing for m in MODULE_GROUPS[g])
+            return (f"the adapter adapts {modules}, which the adapter pool holds no rows of "
+                    f"(start with --lora-target-modules naming them)")
         total = sum(a.pool_rows for a in adapters)
         low = sum(a.pool_rows for a in adapters if self.low_only(a))
         if total > self.rows.num_rows:

@@ -20,11 +20,12 @@ import functools
 import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from radixlora.config import EngineConfig
+from radixlora.config import LINEAR_GROUPS, EngineConfig
 from radixlora.errors import InvalidRequestError
 from radixlora.lora.adapter import LoraAdapter
 from radixlora.sampling_params import banned_tokens, bans_after_newest, penalized
@@ -158,14 +159,16 @@ def _note_costs(plan: BatchPlan) -> None:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, max_context: int):
+    def __init__(self, config: EngineConfig, max_context: int,
+                 groups: Sequence[str] = LINEAR_GROUPS):
+        """groups: the module groups of the base's adapter pool (ModelConfig.lora_groups)."""
         if not config.sized:
             raise ValueError("the Scheduler needs a sized config (radixlora.worker.sizing; the "
                              "ModelRunner's config)")
         self.config = config
         self.max_context = max_context
         self.kv = KVAllocator(config.kv_pages, config.page_size)
-        self.residency = AdapterResidency(config.group_rows())
+        self.residency = AdapterResidency(config.group_rows(groups))
         self.tree = RadixCache(config.page_size) if config.enable_radix_cache else None
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []

@@ -73,15 +73,17 @@ class AdapterPool:
         slices)."""
         self.layout = PoolLayout(cfg, dtype, shard)
         if isinstance(num_rows, int):
-            num_rows = dict.fromkeys(MODULE_GROUPS, num_rows)
-        self.group_rows = dict(num_rows)
-        self.out_offsets = {g: group_dims(cfg, g)[1] for g in MODULE_GROUPS}
+            num_rows = dict.fromkeys(cfg.lora_groups, num_rows)
+        self.group_rows = {g: n for g, n in num_rows.items() if n}
+        self.groups = tuple(g for g in MODULE_GROUPS if g in self.group_rows)
+        self.out_offsets = {g: group_dims(cfg, g)[1] for g in self.groups}
         self.dtype = dtype
         self.device = torch.device(device)
         self.a_all: dict[str, torch.Tensor] = {}
         self.b_all: dict[str, torch.Tensor] = {}
         self.qscales_all: dict[str, torch.Tensor] = {}
-        for group, modules in MODULE_GROUPS.items():
+        for group in self.groups:
+            modules = MODULE_GROUPS[group]
             in_dim, offsets = group_dims(cfg, group)
             shape_a = (cfg.num_layers, len(modules), num_rows[group], in_dim)
             self.a_all[group] = torch.zeros(shape_a, dtype=dtype, device=device)

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from radixlora.config import MODULE_GROUPS
 from radixlora.model.forward_batch import ForwardBatch
 from radixlora.sampling_params import GREEDY
 from radixlora.worker.attention import TritonAttentionMeta
@@ -124,6 +124,8 @@ class StaticInputs:
         if runner.lora_backend.name != "triton":
             raise ValueError("cuda_graph needs lora_backend triton (or auto on CUDA)")
         self.runner = runner
+        self.groups = runner.adapter_pool.groups  # the module groups the pool holds
+        groups = self.groups
         # CudaGraphRunner: the side stream of the LoRA work, by whether the bucket defers
         self.lora_streams: dict[bool, torch.cuda.Stream] = {}
         self.max_batch, self.max_rows = max_batch, max_rows
@@ -146,10 +148,10 @@ class StaticInputs:
                 "num_groups": (1, i32),
                 "group_indptr": (t + 1, i32),  # groups never outnumber tokens
                 "group_tokens": (t, i32),
-                **{f"row_indptr.{g}": (t + 1, i32) for g in MODULE_GROUPS},
-                **{f"row_ids.{g}": (rows, i32) for g in MODULE_GROUPS},
-                **{f"row_scales.{g}": (rows, torch.float32) for g in MODULE_GROUPS},
-                **{f"magnitude_rows.{g}": (t, i32) for g in MODULE_GROUPS},
+                **{f"row_indptr.{g}": (t + 1, i32) for g in groups},
+                **{f"row_ids.{g}": (rows, i32) for g in groups},
+                **{f"row_scales.{g}": (rows, torch.float32) for g in groups},
+                **{f"magnitude_rows.{g}": (t, i32) for g in groups},
                 **{f"sample.{name}": (n, ROW_DTYPES[name]) for name in ROW_FIELDS},
             },
             dev,
@@ -160,10 +162,10 @@ class StaticInputs:
         self.qo_indptr, self.kv_indptr = views["qo_indptr"], views["kv_indptr"]
         self.kv_indices, self.num_groups = views["kv_indices"], views["num_groups"]
         self.group_indptr, self.group_tokens = views["group_indptr"], views["group_tokens"]
-        self.row_indptr = {g: views[f"row_indptr.{g}"] for g in MODULE_GROUPS}
-        self.row_ids = {g: views[f"row_ids.{g}"] for g in MODULE_GROUPS}
-        self.row_scales = {g: views[f"row_scales.{g}"] for g in MODULE_GROUPS}
-        self.magnitude_rows = {g: views[f"magnitude_rows.{g}"] for g in MODULE_GROUPS}
+        self.row_indptr = {g: views[f"row_indptr.{g}"] for g in groups}
+        self.row_ids = {g: views[f"row_ids.{g}"] for g in groups}
+        self.row_scales = {g: views[f"row_scales.{g}"] for g in groups}
+        self.magnitude_rows = {g: views[f"magnitude_rows.{g}"] for g in groups}
         self.sampling = {name: views[f"sample.{name}"] for name in ROW_FIELDS}
         for buffer in (self.logits_indices, self.qo_indptr, self.kv_indptr):
             buffer.copy_(torch.arange(len(buffer)))
@@ -226,9 +228,9 @@ class StaticInputs:
             "kv_indices": _pad(host["kv_indices"], pad_reqs),
         }
         if lora_segments is not None and key.rows:
-            parts.update(_group_parts(qo_lens, lora_segments))
+            parts.update(_group_parts(qo_lens, lora_segments, self.groups))
         if key.dora:
-            parts.update(_magnitude_parts(qo_lens, lora_segments, key.tokens))
+            parts.update(_magnitude_parts(qo_lens, lora_segments, key.tokens, self.groups))
         parts.update(_sampling_parts(sampling, key.batch))
         self.inputs.send(parts)
         if resolve is not None:
@@ -262,7 +264,7 @@ class StaticInputs:
                     ),
                     self.magnitude_rows[g][:t] if key.dora else None,
                 )
-                for g in MODULE_GROUPS
+                for g in self.groups
             }
             defer = t <= LORA_DEFER_MAX_TOKENS
             lora = LoraContext(
@@ -472,16 +474,18 @@ class PackedInputs:
         scatter_words(self.inbox, self.words, len(values), max(map(len, payload), default=0))
 
 
-def _group_parts(qo_lens: list[int], lora_segments: LoraSegments) -> dict[str, np.ndarray]:
-    """The LoRA group buffers' contents of a batch."""
+def _group_parts(qo_lens: list[int], lora_segments: LoraSegments,
+                 pool_groups: Sequence[str]) -> dict[str, np.ndarray]:
+    """The LoRA group buffers' contents of a batch (no rows in the groups no request uses)."""
     groups = HostGroups.build(qo_lens, lora_segments.request_sets)
     parts = {
         "num_groups": np.array([groups.num_groups]),
         "group_indptr": groups.group_indptr,
         "group_tokens": groups.token_ids,
     }
-    for group in MODULE_GROUPS:
-        row_indptr, row_ids, row_scales = groups.rows(*lora_segments[group])
+    unused = ([[]] * len(qo_lens),) * 2
+    for group in pool_groups:
+        row_indptr, row_ids, row_scales = groups.rows(*lora_segments.get(group, unused))
         parts[f"row_indptr.{group}"] = row_indptr
         parts[f"row_ids.{group}"] = row_ids
         parts[f"row_scales.{group}"] = row_scales
@@ -489,11 +493,11 @@ def _group_parts(qo_lens: list[int], lora_segments: LoraSegments) -> dict[str, n
 
 
 def _magnitude_parts(qo_lens: list[int], lora_segments: LoraSegments | None,
-                     tokens: int) -> dict[str, np.ndarray]:
+                     tokens: int, pool_groups: Sequence[str]) -> dict[str, np.ndarray]:
     """Each token's DoRA magnitude row per group, -1 for the rest and for padding."""
     lens = np.asarray(qo_lens, np.int64)
     parts = {}
-    for group in MODULE_GROUPS:
+    for group in pool_groups:
         rows = np.full(tokens, -1, np.int32)
         per_request = (lora_segments.magnitudes.get(group) if lora_segments is not None
                        else None)

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from radixlora.config import EXPERT_GROUPS
 from radixlora.model.parallel import RowParallelLinear
 from radixlora_kernels.lora_ops import LoraBatchMeta
+from radixlora_kernels.moe_lora import token_rows
 
 if TYPE_CHECKING:
     from radixlora.worker.adapter_pool import AdapterPool
@@ -76,9 +78,11 @@ class LoraContext:
         self.side_stream = side_stream
         self.defer = defer
         self._delta: dict[str, torch.Tensor] = {}  # deferred workspace, per group
+        self._token_rows: dict[str, tuple] = {}  # expert group -> token_rows(meta), per forward
 
     def begin(self, num_tokens: int, device) -> None:
         """Start a forward: a deferred context takes a zeroed workspace (one fill)."""
+        self._token_rows = {}
         if not self.defer:
             return
         used = [g for g, m in self.metas.items() if m is not None]
@@ -93,7 +97,7 @@ class LoraContext:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(y, delta): linear(x) plus the batch's LoRA deltas of `group` in layer `layer_id`
         is y + delta (delta None: nothing to add)."""
-        meta = self.metas[group]
+        meta = self.metas.get(group)
         if meta is None:
             return linear(x), None
         a, b, out_offsets, qs = self._pools(layer_id, group)
@@ -114,6 +118,26 @@ class LoraContext:
                 self.backend.expand(v, b, out_offsets, meta, y)
         self._scale_dora(linear, y, b, out_offsets, meta, qs)
         return y, None
+
+    def experts(self, layer_id: int):
+        """The expert LoRA hook of MoE layer `layer_id` (radixlora_kernels.moe.moe_experts), or
+        None when no request of the batch adapts the experts. Each token's rank rows are
+        found once per forward and group (token_rows), then read by every layer."""
+        if all(self.metas.get(g) is None for g in EXPERT_GROUPS):
+            return None
+
+        def add(group, a, rows_per_a, topk_ids, y, out_scale=None) -> None:
+            meta = self.metas.get(group)
+            if meta is None:
+                return
+            rows = self._token_rows.get(group)
+            if rows is None:
+                rows = self._token_rows[group] = token_rows(meta)
+            a_pool, b_pool, _, qs = self._pools(layer_id, group)
+            self.backend.expert_lora(a, rows_per_a, topk_ids, a_pool, b_pool, rows, meta, y,
+                                     out_scale, qs)
+
+        return add
 
     def _scale_dora(self, linear, y, b, out_offsets, meta, qs, delta=None) -> None:
         """DoRA's scales once the output is complete (radixlora.worker.dora): a batch without a

@@ -8,13 +8,21 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from radixlora.config import MODULE_GROUPS, EngineConfig, ModelConfig
+from radixlora.config import (
+    EXPERT_GROUPS,
+    LINEAR_GROUPS,
+    MODULE_GROUPS,
+    EngineConfig,
+    ModelConfig,
+    target_groups,
+)
 from radixlora.distributed import TensorParallel
 from radixlora.lora.host_cache import PackedAdapter
 from radixlora.lora.layout import group_row_bytes
@@ -136,8 +144,8 @@ class ModelRunner:
         with self.phase("sizing"):
             config = self._size_for_cuda(config) if cuda else cpu_config(config)
         self.config = config
-        self._build_pools(config.kv_pages * config.page_size, config.group_rows(),
-                          config.host_adapter_bytes)
+        self._build_pools(config.kv_pages * config.page_size,
+                          config.group_rows(self.cfg.lora_groups), config.host_adapter_bytes)
         if config.cuda_graph and cuda:
             if not isinstance(self.attn_backend, TritonAttentionBackend):
                 raise ValueError("cuda_graph needs attention_backend triton (or auto on CUDA)")
@@ -246,9 +254,10 @@ class ModelRunner:
         of the largest rank, run eagerly on small temporary pools (which also compiles the
         eager path's kernels)."""
         tokens, running, rank = config.max_batch_tokens, config.max_running, config.max_rank
-        self._build_pools(tokens + running + 1, dict.fromkeys(MODULE_GROUPS, rank), 0)
-        plans = (profile_plan(tokens, min(running, tokens), rank),
-                 profile_plan(running, running, rank))
+        groups = served_groups(config, self.cfg)
+        self._build_pools(tokens + running + 1, dict.fromkeys(groups, rank), 0)
+        plans = (profile_plan(tokens, min(running, tokens), rank, groups=groups),
+                 profile_plan(running, running, rank, groups=groups))
         self.compile_dry(lambda: [self.finish(self.launch(plan)) for plan in plans])
         peaks = []
         for plan in plans:
@@ -273,7 +282,8 @@ class ModelRunner:
                 self.kernels.stop_recording(warn_late=False)
             return
         num_slots = self.kv_pool.k_cache[0].shape[0]
-        plans = warm_up_plans(self.config, self.config.max_context(self.cfg), num_slots)
+        plans = warm_up_plans(self.config, self.config.max_context(self.cfg), num_slots,
+                              served_groups(self.config, self.cfg))
 
         def dry_run() -> None:
             graphs, self.graphs = self.graphs, None  # eager only: nothing captured dry
@@ -535,12 +545,20 @@ PROFILE_PARAMS = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0
 GREEDY_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 
+def served_groups(config: EngineConfig, model: ModelConfig) -> tuple[str, ...]:
+    """The module groups the adapter pool holds rows of (an MoE base's experts only when
+    targeted)."""
+    return tuple(g for g in model.lora_groups
+                 if g not in EXPERT_GROUPS or g in target_groups(config.lora_target_modules))
+
+
 def profile_plan(tokens: int, requests: int, rank: int, start: int = 0, sets: int = 1,
-                 params: SamplingParams = PROFILE_PARAMS) -> StepPlan:
+                 params: SamplingParams = PROFILE_PARAMS,
+                 groups: Sequence[str] = LINEAR_GROUPS) -> StepPlan:
     """A synthetic step: `requests` requests extending `tokens` tokens in all (the first ones
     one more when they do not divide evenly) after `start` cached ones, each sampling with
     `params` (default: every filter on), request k on adapter set k % sets, each set `rank`
-    rows in every module group (base only when rank is 0). KV slots 1, 2, ... (slot 0 is the
+    rows in each of `groups` (base only when rank is 0). KV slots 1, 2, ... (slot 0 is the
     padding target)."""
     extends = np.full(requests, tokens // requests)
     extends[: tokens % requests] += 1
@@ -548,12 +566,13 @@ def profile_plan(tokens: int, requests: int, rank: int, start: int = 0, sets: in
              for k, n in enumerate(extends)]
     slots = 1 + np.arange(int((extends + start).sum()))
     rows = GroupRows(list(range(rank)), [1.0] * rank)
-    adapter_set = {group: rows for group in MODULE_GROUPS} if rank else {}
+    adapter_set = {group: rows for group in groups} if rank else {}
     return StepPlan(step=0, items=items, input_ids=ids_to_bytes(np.ones(tokens)),
                     kv_slots=ids_to_bytes(slots), adapter_sets=[adapter_set] * sets)
 
 
-def warm_up_plans(config: EngineConfig, max_context: int, num_slots: int) -> list[StepPlan]:
+def warm_up_plans(config: EngineConfig, max_context: int, num_slots: int,
+                  groups: Sequence[str] = LINEAR_GROUPS) -> list[StepPlan]:
     """Eager steps of each kind of shape the graphs leave to the eager path, those that fit
     the context and the KV pool. Base only: the largest prefill chunk, odd lengths, one long
     prompt (greedy: the sampler's unfiltered variant), cached prefixes, many requests of a
@@ -571,7 +590,7 @@ def warm_up_plans(config: EngineConfig, max_context: int, num_slots: int) -> lis
         loras.setdefault(min(r, rank), sets)
     plans = [profile_plan(n, r, 0, start, params=params) for n, r, start, params in base
              if fits(n, r, start, config, max_context, num_slots)]
-    return plans + [profile_plan(n, r, lora, sets=sets) for n, r in segments
+    return plans + [profile_plan(n, r, lora, sets=sets, groups=groups) for n, r in segments
                     for lora, sets in loras.items()
                     if fits(n, r, 0, config, max_context, num_slots)]
 
@@ -667,6 +686,8 @@ def _lora_segments(plan: StepPlan) -> LoraSegments | None:
     segments, magnitudes = {}, {}
     for group in MODULE_GROUPS:
         rows = [s.get(group) for s in sets]
+        if not any(rows):
+            continue
         segments[group] = ([r.rows if r else [] for r in rows],
                            [r.scales if r else [] for r in rows])
         if any(r and r.magnitude >= 0 for r in rows):

@@ -24,7 +24,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from radixlora.config import MODULE_GROUPS, EngineConfig, ModelConfig, target_groups
+from radixlora.config import (
+    EXPERT_GROUPS,
+    LINEAR_GROUPS,
+    MODULE_GROUPS,
+    EngineConfig,
+    ModelConfig,
+    target_groups,
+)
 from radixlora.errors import AdapterError, SizingError
 from radixlora.lora.header import adapter_from_header
 
@@ -129,8 +136,9 @@ def with_lora_targets(config: EngineConfig, adapter_paths: Iterable[str | Path],
                       model: ModelConfig) -> EngineConfig:
     """lora_target_modules, unless set: the modules of the adapters given at start (the first
     INFER_ADAPTERS, from their configs and safetensors headers; one that does not read is left
-    to the registry, which refuses it with the reason), or every module the base serves LoRA
-    on (None: all of them) without any."""
+    to the registry, which refuses it with the reason), or, without any, every linear module
+    the base serves LoRA on (None; an MoE base's experts only when an adapter given at start
+    adapts them or --lora-target-modules names them)."""
     if config.lora_target_modules is not None:
         return config
     groups: set[str] = set()
@@ -140,9 +148,9 @@ def with_lora_targets(config: EngineConfig, adapter_paths: Iterable[str | Path],
         except (AdapterError, OSError):
             continue
         groups.update(header.group_ranks)
-    servable = set(target_groups(model.lora_modules))  # an MoE base: attention only
-    groups = (groups & servable) or servable
-    if len(groups) == len(MODULE_GROUPS):
+    servable = set(target_groups(model.lora_modules))  # an MoE base: attention, experts
+    groups = (groups & servable) or servable - set(EXPERT_GROUPS)
+    if groups == set(LINEAR_GROUPS):
         return config
     modules = tuple(m for g in MODULE_GROUPS if g in groups for m in MODULE_GROUPS[g])
     log.info("adapter pool sized for %s, the modules of the adapters given at start (adapters "
@@ -187,21 +195,28 @@ def running_limit(kv_tokens: int) -> int:
 
 def adapter_rows_for(config: EngineConfig, group_row_bytes: Mapping[str, int]) -> int:
     """The target groups' rows (EngineConfig.group_rows) that the memory of `max_loras`
-    adapters of rank `max_rank` on every module group buys, after the other groups' few rows:
-    with adapters on fewer modules, more of them fit in the same bytes."""
+    adapters of rank `max_rank` on every linear module group buys, after the other groups' few
+    rows: with adapters on fewer modules, more of them fit in the same bytes; with the experts
+    targeted too, fewer."""
     if config.adapter_rows is not None:
         return config.adapter_rows
     rows = config.max_loras * config.max_rank
-    targets = target_groups(config.lora_target_modules)
-    if len(targets) == len(group_row_bytes):
+    targets = _targets(config, group_row_bytes)
+    linear = {g: b for g, b in group_row_bytes.items() if g not in EXPERT_GROUPS}
+    if set(targets) == set(linear):
         return rows
-    others = sum(b for g, b in group_row_bytes.items() if g not in targets)
-    budget = rows * sum(group_row_bytes.values()) - min(rows, config.max_rank + 1) * others
+    others = sum(b for g, b in linear.items() if g not in targets)
+    budget = rows * sum(linear.values()) - min(rows, config.max_rank + 1) * others
     return max(rows, budget // sum(group_row_bytes[g] for g in targets))
 
 
+def _targets(config: EngineConfig, group_row_bytes: Mapping[str, int]) -> list[str]:
+    """The target groups (--lora-target-modules) the model has."""
+    return [g for g in target_groups(config.lora_target_modules) if g in group_row_bytes]
+
+
 def _pool_bytes(config: EngineConfig, rows: int, group_row_bytes: Mapping[str, int]) -> int:
-    group_rows = dataclasses.replace(config, adapter_rows=rows).group_rows()
+    group_rows = dataclasses.replace(config, adapter_rows=rows).group_rows(group_row_bytes)
     return sum(n * group_row_bytes[g] for g, n in group_rows.items())
 
 
@@ -212,7 +227,7 @@ def _rows_within(config: EngineConfig, rows: int, group_row_bytes: Mapping[str, 
     if _pool_bytes(config, rows, group_row_bytes) <= cap:
         return rows
     least = config.max_rank + 1
-    per_row = sum(group_row_bytes[g] for g in target_groups(config.lora_target_modules))
+    per_row = sum(group_row_bytes[g] for g in _targets(config, group_row_bytes))
     spare = cap - _pool_bytes(config, least, group_row_bytes)
     fewer = min(rows, max(least, least + spare // per_row))
     log.warning("the adapter pool holds %d rows, not the %d that --max-loras %d x "
@@ -260,9 +275,9 @@ def size_pools(config: EngineConfig, memory: DeviceMemory, *, weights_bytes: int
         kv_bytes=sized.kv_pages * page_bytes,
         adapter_rows=rows,
         adapter_bytes=adapter_bytes,
-        adapter_row_bytes=sum(group_row_bytes[g] for g in target_groups(
-            config.lora_target_modules)),
-        adapter_groups=tuple(g for g, n in sized.group_rows().items() if n == rows),
+        adapter_row_bytes=sum(group_row_bytes[g] for g in _targets(config, group_row_bytes)),
+        adapter_groups=tuple(g for g, n in sized.group_rows(group_row_bytes).items()
+                             if n == rows),
         host_adapter_bytes=sized.host_adapter_bytes,
         max_running=sized.max_running,
         max_batch_tokens=sized.max_batch_tokens,

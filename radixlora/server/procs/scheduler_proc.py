@@ -81,7 +81,8 @@ class SchedulerService:
         self.model_name = args.model_name
         self.config = args.engine_config()
         self.model_cfg = args.served_model(self.config)
-        self.scheduler = Scheduler(self.config, max_context=self.config.max_context(self.model_cfg))
+        self.scheduler = Scheduler(self.config, self.config.max_context(self.model_cfg),
+                                   self.model_cfg.lora_groups)
         self.pool_dtype = self.config.lora_pool_dtype(self.model_cfg)
         self.row_bytes = bytes_per_row(self.model_cfg, self.pool_dtype)
         if args.max_swaps_per_s > 0:

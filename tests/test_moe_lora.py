@@ -1,0 +1,237 @@
+"""LoRA on an MoE base's stacked experts, as PEFT's target_parameters trains it: the kernels
+(Triton, interpreter) against their torch reference and a per-row loop; Qwen3-MoE and Mixtral
+against transformers + PEFT (fp32, CPU) in one batch mixing the base, an attention adapter, an
+expert adapter and their stack, with the radix cache on and off, over two tensor-parallel ranks
+and in the int8 pool; the pool's expert rows (none unless targeted) and the refusals."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from radixlora import Engine, SamplingParams
+from radixlora.config import EngineConfig, ModelConfig
+from radixlora.errors import AdapterError, InvalidRequestError
+from radixlora.lora.layout import quantize_rows
+from radixlora.worker.sizing import with_lora_targets
+from radixlora_kernels.lora_ops import LoraBatchMeta
+from radixlora_kernels.moe_lora import expert_lora, expert_lora_ref, token_rows
+from scripts.checkpoints import EXPERT_TARGETS as EXPERTS
+from scripts.checkpoints import build_hf_model, build_peft_adapter
+from tests.conftest import assert_all_free
+from tests.oracle import logprobs, peft_model
+from tests.test_families import ENGINE, TOL, check_two_ranks, prompt
+
+MOE = ("qwen3_moe", "mixtral")
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+MIX = [None, "attn", "experts", ["attn", "experts"], "both"]
+
+
+@pytest.fixture(scope="module")
+def expert_family(tmp_path_factory):
+    root, built = tmp_path_factory.mktemp("moe-lora"), {}
+
+    def get(arch: str):
+        if arch not in built:
+            model = build_hf_model(root / arch, arch)
+            specs = {"attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+                     "experts": dict(r=4, lora_alpha=8, target_modules=[],
+                                     target_parameters=EXPERTS),
+                     "both": dict(r=6, lora_alpha=12, use_rslora=True,
+                                  target_modules=["k_proj", "o_proj"],
+                                  target_parameters=EXPERTS[::-1])}
+            built[arch] = model, {name: build_peft_adapter(model, root / f"{arch}-{name}",
+                                                           seed=70 + i, **spec)
+                                  for i, (name, spec) in enumerate(specs.items())}
+        return built[arch]
+
+    return get
+
+
+def mixed_batch(engine: Engine):
+    prompts = [prompt(80 + i, 11 + 4 * i) for i in range(len(MIX))]
+    specs = [[(n, 1.0) for n in s] if isinstance(s, list) else s for s in MIX]
+    outs = engine.generate(prompts, GREEDY, adapters=specs)
+    return [(p, spec, o.outputs[0]) for p, spec, o in zip(prompts, MIX, outs)]
+
+
+def check_oracle(ref_model, runs) -> None:
+    for ids, spec, out in runs:
+        active = None if spec is None else spec if isinstance(spec, list) else [spec]
+        ref = logprobs(ref_model, ids + out.token_ids, active)
+        for step, token in enumerate(out.token_ids):
+            row = ref[len(ids) - 1 + step]
+            assert token == int(row.argmax()), f"{spec}: greedy token differs at step {step}"
+            assert abs(out.logprobs[step] - float(row[token])) <= TOL, (spec, step)
+
+
+def expert_engine(model, adapters, **kw) -> Engine:
+    return Engine(model, adapters=adapters, **{**ENGINE, **kw})
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_expert_adapters_in_a_mixed_batch_equal_peft(arch, expert_family):
+    model, adapters = expert_family(arch)
+    ref = peft_model(model, adapters)
+    base = logprobs(ref, prompt(1, 12))
+    moved = logprobs(ref, prompt(1, 12), ["experts"])
+    assert (base - moved).abs().max() > 0.05  # the expert adapter changes the answers
+    for cache in (True, False):
+        engine = expert_engine(model, adapters, enable_radix_cache=cache)
+        runs = mixed_batch(engine)
+        check_oracle(ref, runs)
+        again = mixed_batch(engine)
+        assert [o.token_ids for *_, o in again] == [o.token_ids for *_, o in runs]
+        assert_all_free(engine)
+
+
+def test_the_pool_holds_expert_rows_only_when_targeted(expert_family):
+    model, adapters = expert_family("qwen3_moe")
+    cfg = ModelConfig.from_dir(model)
+    assert cfg.lora_groups == ("qkv", "o", "experts_gate_up", "experts_down")
+    sized = EngineConfig(adapter_rows=40, max_rank=8)
+    assert sized.group_rows(cfg.lora_groups) == {"qkv": 40, "o": 40, "experts_gate_up": 0,
+                                                 "experts_down": 0}
+    inferred = with_lora_targets(EngineConfig(), [adapters["experts"]], cfg)
+    assert inferred.lora_target_modules == ("experts.gate_up_proj", "experts.down_proj")
+    inferred = with_lora_targets(EngineConfig(), [adapters["attn"], adapters["experts"]], cfg)
+    assert inferred.lora_target_modules == ("q_proj", "k_proj", "v_proj",
+                                            "experts.gate_up_proj", "experts.down_proj")
+    assert with_lora_targets(EngineConfig(), [adapters["attn"]], cfg).lora_target_modules == (
+        "q_proj", "k_proj", "v_proj")
+    assert with_lora_targets(EngineConfig(), [], cfg).lora_target_modules == (
+        "q_proj", "k_proj", "v_proj", "o_proj")  # the experts only when an adapter asks
+    # sized for attention only: an expert adapter is refused by request, naming the flag
+    engine = expert_engine(model, {"attn": adapters["attn"], "experts": adapters["experts"]},
+                           lora_target_modules=["q_proj", "v_proj"])
+    with pytest.raises(InvalidRequestError, match=r"experts\.gate_up_proj, experts\.down_proj.*"
+                                                  r"--lora-target-modules"):
+        engine.generate(prompt(2, 8), GREEDY, adapters="experts")
+    assert engine.generate(prompt(2, 8), GREEDY, adapters="attn")[0].outputs[0].token_ids
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_two_ranks_split_the_expert_adapters(arch, expert_family, tmp_path):
+    check_two_ranks(*expert_family(arch), ENGINE, tmp_path, mixed_batch)
+
+
+def int8_twin(adapter: Path, path: Path, experts: int) -> Path:
+    """The adapter with each rank row rounded as the int8 pool stores it (quantize_rows over a
+    row of A and a column of B, an expert adapter's row spanning every expert): PEFT on it is
+    what the int8 pool computes. (Against the float adapter, int8's error can flip a later
+    layer's top-k routing at a near-tie, which moves a logprob far past int8's own error.)"""
+    shutil.copytree(adapter, path)
+    tensors = load_file(path / "adapter_model.safetensors")
+    for key in [k for k in tensors if ".lora_A." in k]:
+        a, b = tensors[key], tensors[key.replace(".lora_A.", ".lora_B.")]
+        count = experts if ".experts." in key else 1
+        rank, in_dim, out_dim = a.shape[0] // count, a.shape[1], b.shape[0]
+        a = a.reshape(count, rank, in_dim).transpose(0, 1).reshape(rank, -1)
+        b_t = b.reshape(out_dim, rank, count).permute(1, 2, 0).reshape(rank, -1)
+        a, b_t = ((q.float() * scale[:, None]) for q, scale in map(quantize_rows, (a, b_t)))
+        a = a.reshape(rank, count, in_dim).transpose(0, 1)
+        tensors[key] = a.reshape(-1, in_dim).contiguous()
+        tensors[key.replace(".lora_A.", ".lora_B.")] = (
+            b_t.reshape(rank, count, out_dim).permute(2, 0, 1).reshape(out_dim, -1).contiguous())
+    save_file(tensors, path / "adapter_model.safetensors")
+    return path
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_int8_pool_equals_peft_on_the_rounded_adapters(arch, expert_family, tmp_path):
+    model, adapters = expert_family(arch)
+    experts = ModelConfig.from_dir(model).num_experts
+    twins = {name: int8_twin(path, tmp_path / name, experts) for name, path in adapters.items()}
+    engine = expert_engine(model, adapters, lora_dtype="int8")
+    check_oracle(peft_model(model, twins), mixed_batch(engine))
+    assert_all_free(engine)
+
+
+def test_expert_adapters_on_a_dense_layer_or_a_router_are_refused(expert_family, tmp_path):
+    model, _ = expert_family("qwen3_moe")
+    router = build_peft_adapter(model, tmp_path / "router", seed=5, r=4, lora_alpha=8,
+                                target_modules=["q_proj"], target_parameters=["mlp.gate.weight"])
+    with pytest.raises(AdapterError, match=r"target_parameters mlp\.gate\.weight are not "
+                                           r"supported.*experts\.gate_up_proj"):
+        expert_engine(model, {"router": router})
+
+
+def random_meta(tokens: int, grouped: bool, rank_rows: int):
+    """Requests of 1-4 tokens over three adapter sets and no adapter; a stack's rows too."""
+    g = torch.Generator().manual_seed(tokens)
+    lens, left = [], tokens
+    while left:
+        lens.append(min(left, int(torch.randint(1, 5, (1,), generator=g))))
+        left -= lens[-1]
+    sets = [[], list(range(0, 4)), list(range(4, 12)), list(range(0, 4)) + list(range(12, 18))]
+    scales = [[], [1.0] * 4, [0.5] * 8, [1.0] * 4 + [0.7] * 6]
+    pick = [int(torch.randint(0, 4, (1,), generator=g)) for _ in lens]
+    seg_rows = [[r % rank_rows for r in sets[k]] for k in pick]
+    return LoraBatchMeta.from_segments(lens, seg_rows, [scales[k] for k in pick], "cpu",
+                                       grouped=grouped), lens, seg_rows, [scales[k] for k in pick]
+
+
+def per_row(x, rows_per_a, topk_ids, a_pool, b_pool, lens, seg_rows, seg_scales, y, out_scale,
+            qscales):
+    """The expert deltas one row at a time (the module docstring's formula)."""
+    top_k, out = topk_ids.shape[1], y.clone().float()
+    tokens = [s for s, n in enumerate(lens) for _ in range(n)]
+    experts = a_pool.shape[-1] // x.shape[1]
+    a = a_pool[0].float().reshape(a_pool.shape[1], experts, -1)
+    b = b_pool.float().reshape(b_pool.shape[0], experts, -1)
+    for m, e in enumerate(topk_ids.reshape(-1).tolist()):
+        seg = tokens[m // top_k]
+        for row, w in zip(seg_rows[seg], seg_scales[seg]):
+            scale = w * (1.0 if qscales is None else float(qscales[0, row]))
+            v = float(a[row, e] @ x[m // rows_per_a].float()) * scale
+            out[m] += v * b[row, e] * (1.0 if out_scale is None else float(out_scale[m]))
+    return out
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "int8"), [(1, 2, False), (9, 2, False),
+                                                      (23, 3, True)])
+def test_expert_kernels_equal_the_reference_and_a_per_row_loop(tokens, top_k, int8):
+    g = torch.Generator().manual_seed(7)
+    experts, hidden, inter, rows = 5, 24, 20, 18
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=g)
+    a_pool = torch.randn(1, rows, experts * hidden, generator=g) * 0.3
+    b_pool = torch.randn(rows, experts * 2 * inter, generator=g) * 0.3
+    qscales = None
+    if int8:
+        a_pool, b_pool = (t.mul(40).round().clamp(-127, 127).to(torch.int8)
+                          for t in (a_pool, b_pool))
+        qscales = torch.rand(1, rows, generator=g) * 1e-3
+    out_scale = torch.rand(tokens * top_k, generator=g)
+    y = torch.randn(tokens * top_k, 2 * inter, generator=g)
+    for grouped in (False, True):
+        meta, lens, seg_rows, seg_scales = random_meta(tokens, grouped, rows)
+        rows_of = token_rows(meta)
+        want = per_row(x, top_k, ids, a_pool, b_pool, lens, seg_rows, seg_scales, y, out_scale,
+                       qscales)
+        row_list = ((meta.row_ids, meta.row_scales) if meta.groups is None
+                    else (meta.groups.row_ids, meta.groups.row_scales))
+        for run in (expert_lora_ref, expert_lora):
+            got = y.clone()
+            run(x, top_k, ids, a_pool, b_pool, rows_of, *row_list, meta.max_rows, got,
+                out_scale, qscales)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_token_rows_of_groups_equal_those_of_segments():
+    for tokens in (1, 7, 40):
+        segments, *_ = random_meta(tokens, False, 18)
+        grouped, *_ = random_meta(tokens, True, 18)
+        s_start, s_count = token_rows(segments)
+        g_start, g_count = token_rows(grouped)
+        assert torch.equal(s_count, g_count)
+        for t in range(tokens):
+            n = int(s_count[t])
+            s_rows = segments.row_ids[s_start[t]:s_start[t] + n]
+            g_rows = grouped.groups.row_ids[g_start[t]:g_start[t] + n]
+            assert torch.equal(s_rows, g_rows)
