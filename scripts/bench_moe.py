@@ -3,7 +3,10 @@ launches, the gated activation, the weighted sum) at Qwen3-30B-A3B's shape (128 
 channels, hidden 2048, 8 per token, bf16), replayed in a CUDA graph, for 1 to 8,192 tokens with
 random routing. Each size is first checked against the torch expert loop (relative error of
 the largest output), then timed against two floors: the bytes of the experts its tokens touch
-(expected number under uniform routing) at --peak-bw, and its FLOPs at --peak-flops.
+(expected number under uniform routing) at --peak-bw, and its FLOPs at --peak-flops. Then the
+same with LoRA on the experts (radixlora_kernels.moe_lora): each token on one of --adapters
+rank-8 expert adapters, against the bytes its rows read (each row its expert's rank rows of A
+and B, both projections) at --peak-bw.
 
     python scripts/bench_moe.py                 # H100 floors (3.35 TB/s, 700 TFLOP/s)
     python scripts/bench_moe.py --peak-bw 4.24e12 --peak-flops 800e12   # H200
@@ -22,6 +25,8 @@ def main() -> None:
     p.add_argument("--tokens", default="1,64,256,1024,8192")
     p.add_argument("--peak-bw", type=float, default=3.35e12)
     p.add_argument("--peak-flops", type=float, default=700e12)
+    p.add_argument("--adapters", type=int, default=100)
+    p.add_argument("--rank", type=int, default=8)
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     if args.smoke:
@@ -36,7 +41,9 @@ def main() -> None:
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g, device=device) * 0.02).to(dtype)
     down = (torch.randn(experts, hidden, inter, generator=g, device=device) * 0.02).to(dtype)
     sizes = [4, 16] if args.smoke else [int(t) for t in args.tokens.split(",")]
-    print(f"{'tokens':>7} {'us':>8} {'rel err':>8} {'bytes floor us':>15} {'flops floor us':>15}")
+    pools = expert_pools(args.adapters * args.rank, experts, hidden, inter, dtype, device, g)
+    print(f"{'tokens':>7} {'us':>8} {'rel err':>8} {'bytes floor us':>15} {'flops floor us':>15}"
+          f" {'LoRA us':>8} {'rel err':>8} {'LoRA bytes floor us':>20}")
     for tokens in sizes:
         x = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
         logits = torch.randn(tokens, experts, generator=g, device=device)
@@ -49,8 +56,50 @@ def main() -> None:
         touched = experts * (1 - (1 - top_k / experts) ** tokens)
         weight_bytes = touched * 3 * hidden * inter * torch.finfo(dtype).bits // 8
         flops = 2 * tokens * top_k * 3 * hidden * inter
+        hook = lora_hook(tokens, args.adapters, args.rank, pools, device)
+        ref = moe_experts_ref(x, ids, weights, gate_up, down, hook).float()
+        out = moe_experts(x, ids, weights, gate_up, down, hook).float()
+        lora_err = ((out - ref).abs().max() / ref.abs().max()).item()
+        lora_seconds = float("nan") if args.smoke else graph_seconds(
+            moe_experts, x, ids, weights, gate_up, down, hook)
+        lora_bytes = (tokens * top_k * args.rank * 2 * (hidden + 2 * inter)
+                      * torch.finfo(dtype).bits // 8)
         print(f"{tokens:>7} {seconds * 1e6:>8.0f} {err:>8.3g} "
-              f"{weight_bytes / args.peak_bw * 1e6:>15.0f} {flops / args.peak_flops * 1e6:>15.0f}")
+              f"{weight_bytes / args.peak_bw * 1e6:>15.0f} {flops / args.peak_flops * 1e6:>15.0f}"
+              f" {lora_seconds * 1e6:>8.0f} {lora_err:>8.3g} "
+              f"{(weight_bytes + lora_bytes) / args.peak_bw * 1e6:>20.0f}")
+
+
+def expert_pools(rows: int, experts: int, hidden: int, inter: int, dtype, device, g):
+    """Random expert LoRA pools of `rows` rank rows: group -> (A [1, rows, E * in], B
+    [rows, E * out]), as radixlora.worker.adapter_pool lays them out."""
+    import torch
+
+    def pool(in_dim: int, out_dim: int):
+        a = torch.randn(1, rows, experts * in_dim, generator=g, device=device) * 0.02
+        b = torch.randn(rows, experts * out_dim, generator=g, device=device) * 0.02
+        return a.to(dtype), b.to(dtype)
+
+    return {"experts_gate_up": pool(hidden, 2 * inter), "experts_down": pool(inter, hidden)}
+
+
+def lora_hook(tokens: int, adapters: int, rank: int, pools, device):
+    """The expert LoRA hook of a batch whose token t is on adapter t % adapters (rows
+    [a * rank, (a + 1) * rank)), as the worker's LoraContext.experts builds it."""
+    from radixlora_kernels.lora_ops import LoraBatchMeta
+    from radixlora_kernels.moe_lora import expert_lora, token_rows
+
+    seg_rows = [list(range(t % adapters * rank, (t % adapters + 1) * rank))
+                for t in range(tokens)]
+    meta = LoraBatchMeta.from_segments([1] * tokens, seg_rows, [[1.0] * rank] * tokens, device)
+    rows, g = token_rows(meta), meta.groups
+
+    def hook(group, a, rows_per_a, topk_ids, y, out_scale=None):
+        a_pool, b_pool = pools[group]
+        expert_lora(a, rows_per_a, topk_ids, a_pool, b_pool, rows, g.row_ids, g.row_scales,
+                    meta.max_rows, y, out_scale)
+
+    return hook
 
 
 def graph_seconds(fn, *inputs, replays: int = 20) -> float:
