@@ -33,6 +33,7 @@ EXPERT_MODULES = ("experts.gate_up_proj", "experts.down_proj")
 MODULE_GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "o": ("o_proj",),
+    "router": ("router",),  # an MoE layer's router (PEFT: mlp.gate), its logits adapted
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
     "experts_gate_up": ("experts.gate_up_proj",),
@@ -170,6 +171,7 @@ class ModelConfig:
             "down_proj": (i, h),
             "qkv_proj": (h, self.q_dim + 2 * self.kv_dim),
             "gate_up_proj": (h, 2 * i),
+            "router": (h, e),
             # every expert's A rows side by side ([r, E * in]), and B's outputs ([E * out, r])
             "experts.gate_up_proj": (e * h, e * 2 * mi),
             "experts.down_proj": (e * mi, e * h),
@@ -246,9 +248,9 @@ class ModelConfig:
 
     @property
     def lora_modules(self) -> tuple[str, ...]:
-        """The projections adapters of this base may target: on an MoE base, attention's and
-        the stacked experts' (LoRA on the router or a dense layer's MLP is refused by name)."""
-        return LORA_MODULES[:4] + EXPERT_MODULES if self.is_moe else LORA_MODULES
+        """The projections adapters of this base may target: on an MoE base, attention's, the
+        router's and the stacked experts' (LoRA on a dense layer's MLP is refused by name)."""
+        return LORA_MODULES[:4] + ("router",) + EXPERT_MODULES if self.is_moe else LORA_MODULES
 
     @property
     def lora_groups(self) -> tuple[str, ...]:

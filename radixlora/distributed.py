@@ -137,9 +137,12 @@ class Shard:
     def lora(self, module: str, a: torch.Tensor, b: torch.Tensor):
         """(A [r, in], B [out, r]) sliced for this rank: B's output rows of a column-parallel
         module, A's input columns of a row-parallel one; of the stacked experts, every expert's
-        share of its intermediate channels (gate and up outputs, down inputs)."""
+        share of its intermediate channels (gate and up outputs, down inputs); the router's
+        whole."""
         if module.startswith("experts."):
             return self._expert_lora(module, a, b)
+        if module == "router":  # every rank routes every token: the router is whole
+            return a, b
         if module in COLUMN_MODULES:
             return a, b[self.features(module)]
         return a[:, self.features(module)], b

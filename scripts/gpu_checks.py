@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 from checkpoints import (
-    EXPERT_TARGETS,
     FAMILY_TARGETS,
     LANGUAGE_ONLY,
     build_fp8_model,
@@ -77,15 +76,15 @@ MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 def family_adapters(model: Path, root: Path, arch: str) -> dict[str, Path]:
-    """A rank-8 LoRA, a rank-4 rsLoRA on half the targets (and an MoE base's experts) and a
-    DoRA adapter, made by PEFT."""
+    """A rank-8 LoRA, a rank-4 rsLoRA on half the targets (on an MoE base: PEFT's all-linear,
+    the router and the stacked experts too) and a DoRA adapter, made by PEFT."""
     modules = FAMILY_TARGETS.get(arch, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                         "up_proj", "down_proj"))
     every = LANGUAGE_ONLY if arch == "gemma3" else list(modules)
     half = LANGUAGE_ONLY if arch == "gemma3" else list(modules[::2])
     specs = {"a": dict(r=8, lora_alpha=16, target_modules=every),
-             "b": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=half,
-                       **({"target_parameters": EXPERT_TARGETS} if arch in MOE_FAMILIES else {})),
+             "b": dict(r=4, lora_alpha=8, use_rslora=True,
+                       target_modules="all-linear" if arch in MOE_FAMILIES else half),
              "d": dict(r=4, lora_alpha=8, use_dora=True, target_modules=every)}
     return {name: build_peft_adapter(model, root / f"{arch}-{name}", seed=40 + i, **spec)
             for i, (name, spec) in enumerate(specs.items())}

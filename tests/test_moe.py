@@ -5,8 +5,8 @@ The grouped expert GEMM (Triton, interpreter) against its torch reference. Two t
 (every expert's channels split) answer as one device; `radixlora serve` answers as the Engine,
 and structured output holds on an MoE base. An FP8 checkpoint (scales per channel or per block,
 experts included) answers as its dequantized twin. What is not served on these bases (LoRA on
-each expert's own modules or the router, NF4 weights) is refused by name; LoRA on the stacked
-experts is tests/test_moe_lora.py's."""
+each expert's own modules or a dense MLP layer, NF4 weights) is refused by name; LoRA on the
+router and the stacked experts is tests/test_moe_lora.py's."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_configs_declare_their_experts(moe_family):
     assert qwen.moe_layers == (True, False, True) and qwen.norm_topk_prob and qwen.qk_norm
     mixtral = ModelConfig.from_dir(moe_family("mixtral")[0])
     assert mixtral.moe_layers == (True, True) and mixtral.norm_topk_prob
-    assert mixtral.lora_modules == ("q_proj", "k_proj", "v_proj", "o_proj",
+    assert mixtral.lora_modules == ("q_proj", "k_proj", "v_proj", "o_proj", "router",
                                     "experts.gate_up_proj", "experts.down_proj")
 
 
@@ -194,11 +194,11 @@ def _expert_adapter(source, path, key: str):
 
 @pytest.mark.parametrize(("arch", "key", "named"), [
     ("qwen3_moe", "model.layers.0.mlp.experts.3.gate_proj", "mlp.experts.3.gate_proj"),
-    ("qwen3_moe", "model.layers.0.mlp.gate", "model.layers.0.mlp.gate"),
+    ("qwen3_moe", "model.layers.1.mlp.gate_proj", "model.layers.1.mlp.gate_proj"),
     ("mixtral", "model.layers.1.block_sparse_moe.experts.2.w1", "mlp.experts.2.gate_proj"),
 ])
-def test_lora_on_experts_or_the_router_is_refused_by_name(arch, key, named, moe_family,
-                                                          tmp_path):
+def test_lora_on_each_experts_modules_or_a_dense_mlp_is_refused_by_name(arch, key, named,
+                                                                        moe_family, tmp_path):
     model, adapters = moe_family(arch)
     bad = _expert_adapter(adapters["a"], tmp_path / "bad", key)
     with pytest.raises(AdapterError, match=r"attention projections") as err:
@@ -235,9 +235,9 @@ def test_target_parameters_and_unserved_features_are_refused(moe_family, tmp_pat
     params = tmp_path / "params"
     shutil.copytree(adapters["a"], params)
     config = json.loads((params / "adapter_config.json").read_text())
-    config["target_parameters"] = ["mlp.gate.weight"]  # the router
+    config["target_parameters"] = ["model.embed_tokens.weight"]
     (params / "adapter_config.json").write_text(json.dumps(config))
-    with pytest.raises(AdapterError, match=r"target_parameters mlp\.gate\.weight"):
+    with pytest.raises(AdapterError, match=r"target_parameters model\.embed_tokens\.weight"):
         Engine(model, adapters={"p": params}, **ENGINE)
     with pytest.raises(ModelLoadError, match="nf4 base is not served on Qwen3-MoE"):
         Engine(model, quantization="nf4", **ENGINE)

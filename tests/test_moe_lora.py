@@ -6,6 +6,7 @@ and in the int8 pool; the pool's expert rows (none unless targeted) and the refu
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from tests.test_families import ENGINE, TOL, check_two_ranks, prompt
 
 MOE = ("qwen3_moe", "mixtral")
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
-MIX = [None, "attn", "experts", ["attn", "experts"], "both"]
+MIX = [None, "attn", "experts", ["attn", "experts"], "both", "all", ["all", "attn"]]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,10 @@ def expert_family(tmp_path_factory):
                                      target_parameters=EXPERTS),
                      "both": dict(r=6, lora_alpha=12, use_rslora=True,
                                   target_modules=["k_proj", "o_proj"],
-                                  target_parameters=EXPERTS[::-1])}
+                                  target_parameters=EXPERTS[::-1]),
+                     # PEFT's all-linear on an MoE base: attention, the router (mlp.gate) and
+                     # the experts, gate_up at twice the rank (its rank_pattern)
+                     "all": dict(r=4, lora_alpha=8, target_modules="all-linear")}
             built[arch] = model, {name: build_peft_adapter(model, root / f"{arch}-{name}",
                                                            seed=70 + i, **spec)
                                   for i, (name, spec) in enumerate(specs.items())}
@@ -59,9 +63,20 @@ def mixed_batch(engine: Engine):
     return [(p, spec, o.outputs[0]) for p, spec, o in zip(prompts, MIX, outs)]
 
 
-def check_oracle(ref_model, runs) -> None:
+# PEFT loads adapters with target_parameters into one model only when they target the same
+# parameters: one oracle model per such set
+ORACLE_SETS = (("attn", "experts", "both"), ("all", "attn"))
+
+
+def oracles(model, adapters) -> list:
+    return [peft_model(model, {k: adapters[k] for k in names}) for names in ORACLE_SETS]
+
+
+def check_oracle(refs: list, runs) -> None:
     for ids, spec, out in runs:
         active = None if spec is None else spec if isinstance(spec, list) else [spec]
+        ref_model = next(r for r, names in zip(refs, ORACLE_SETS, strict=True)
+                         if set(active or ()) <= set(names))
         ref = logprobs(ref_model, ids + out.token_ids, active)
         for step, token in enumerate(out.token_ids):
             row = ref[len(ids) - 1 + step]
@@ -76,9 +91,9 @@ def expert_engine(model, adapters, **kw) -> Engine:
 @pytest.mark.parametrize("arch", MOE)
 def test_expert_adapters_in_a_mixed_batch_equal_peft(arch, expert_family):
     model, adapters = expert_family(arch)
-    ref = peft_model(model, adapters)
-    base = logprobs(ref, prompt(1, 12))
-    moved = logprobs(ref, prompt(1, 12), ["experts"])
+    ref = oracles(model, adapters)
+    base = logprobs(ref[0], prompt(1, 12))
+    moved = logprobs(ref[0], prompt(1, 12), ["experts"])
     assert (base - moved).abs().max() > 0.05  # the expert adapter changes the answers
     for cache in (True, False):
         engine = expert_engine(model, adapters, enable_radix_cache=cache)
@@ -92,10 +107,10 @@ def test_expert_adapters_in_a_mixed_batch_equal_peft(arch, expert_family):
 def test_the_pool_holds_expert_rows_only_when_targeted(expert_family):
     model, adapters = expert_family("qwen3_moe")
     cfg = ModelConfig.from_dir(model)
-    assert cfg.lora_groups == ("qkv", "o", "experts_gate_up", "experts_down")
+    assert cfg.lora_groups == ("qkv", "o", "router", "experts_gate_up", "experts_down")
     sized = EngineConfig(adapter_rows=40, max_rank=8)
-    assert sized.group_rows(cfg.lora_groups) == {"qkv": 40, "o": 40, "experts_gate_up": 0,
-                                                 "experts_down": 0}
+    assert sized.group_rows(cfg.lora_groups) == {"qkv": 40, "o": 40, "router": 40,
+                                                 "experts_gate_up": 0, "experts_down": 0}
     inferred = with_lora_targets(EngineConfig(), [adapters["experts"]], cfg)
     assert inferred.lora_target_modules == ("experts.gate_up_proj", "experts.down_proj")
     inferred = with_lora_targets(EngineConfig(), [adapters["attn"], adapters["experts"]], cfg)
@@ -103,8 +118,8 @@ def test_the_pool_holds_expert_rows_only_when_targeted(expert_family):
                                             "experts.gate_up_proj", "experts.down_proj")
     assert with_lora_targets(EngineConfig(), [adapters["attn"]], cfg).lora_target_modules == (
         "q_proj", "k_proj", "v_proj")
-    assert with_lora_targets(EngineConfig(), [], cfg).lora_target_modules == (
-        "q_proj", "k_proj", "v_proj", "o_proj")  # the experts only when an adapter asks
+    # the experts only when an adapter asks
+    assert with_lora_targets(EngineConfig(), [], cfg).lora_target_modules is None
     # sized for attention only: an expert adapter is refused by request, naming the flag
     engine = expert_engine(model, {"attn": adapters["attn"], "experts": adapters["experts"]},
                            lora_target_modules=["q_proj", "v_proj"])
@@ -148,17 +163,21 @@ def test_int8_pool_equals_peft_on_the_rounded_adapters(arch, expert_family, tmp_
     experts = ModelConfig.from_dir(model).num_experts
     twins = {name: int8_twin(path, tmp_path / name, experts) for name, path in adapters.items()}
     engine = expert_engine(model, adapters, lora_dtype="int8")
-    check_oracle(peft_model(model, twins), mixed_batch(engine))
+    check_oracle(oracles(model, twins), mixed_batch(engine))
     assert_all_free(engine)
 
 
-def test_expert_adapters_on_a_dense_layer_or_a_router_are_refused(expert_family, tmp_path):
-    model, _ = expert_family("qwen3_moe")
-    router = build_peft_adapter(model, tmp_path / "router", seed=5, r=4, lora_alpha=8,
-                                target_modules=["q_proj"], target_parameters=["mlp.gate.weight"])
-    with pytest.raises(AdapterError, match=r"target_parameters mlp\.gate\.weight are not "
-                                           r"supported.*experts\.gate_up_proj"):
-        expert_engine(model, {"router": router})
+def test_a_target_parameter_other_than_the_experts_or_router_is_refused(expert_family,
+                                                                         tmp_path):
+    model, adapters = expert_family("qwen3_moe")
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters["attn"], bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    config["target_parameters"] = ["self_attn.q_proj.weight"]
+    (bad / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(AdapterError, match=r"target_parameters self_attn\.q_proj\.weight are "
+                                           r"not supported.*gate_up_proj, down_proj"):
+        expert_engine(model, {"bad": bad})
 
 
 def random_meta(tokens: int, grouped: bool, rank_rows: int):
@@ -251,10 +270,11 @@ def test_graph_buffers_serve_expert_adapters_as_the_eager_path(expert_family):
             return self.static_forward(key, *args, **kw)
 
     model, adapters = expert_family("qwen3_moe")
-    ref = peft_model(model, adapters)
+    ref = oracles(model, adapters)
     engine = expert_engine(model, adapters, attention_backend="triton", lora_backend="triton",
                            max_batch_tokens=24, page_size=2, kv_pages=256)
-    assert engine.runner.adapter_pool.groups == ("qkv", "o", "experts_gate_up", "experts_down")
+    assert engine.runner.adapter_pool.groups == ("qkv", "o", "router", "experts_gate_up",
+                                                 "experts_down")
     engine.runner.graphs = EagerStaticInputs(engine.runner, max_batch=8, max_context=512,
                                              max_rows=32)
     check_oracle(ref, mixed_batch(engine))

@@ -53,7 +53,9 @@ _MAGNITUDE = re.compile(
 _EXPERTS = re.compile(
     r"^model\.layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)\.lora_(A|B)(?:\.[^.]+)?\.weight$"
 )
-EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
+# the target_parameters names an MoE base's adapters may carry (PEFT's all-linear writes the
+# stacked experts' short names and the router's gate.weight)
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj", "gate.weight")
 # modules of the base PEFT can adapt that radixlora does not serve (named when refused)
 UNSERVED_MODULES = ("embed_tokens", "lm_head")
 # the module a PEFT tensor belongs to: its LoRA weights, or the base layer PEFT saves beside them
@@ -410,7 +412,8 @@ def parse_config(name: str, raw: bytes) -> LoraConfig:
     if others:
         raise AdapterError(name, f"target_parameters {', '.join(map(str, others))} are not "
                                  f"supported: radixlora serves LoRA on parameters only on an "
-                                 f"MoE base's stacked experts ({', '.join(EXPERT_PARAMETERS)})",
+                                 f"MoE base's stacked experts and router "
+                                 f"({', '.join(EXPERT_PARAMETERS)})",
                            code="unsupported_adapter")
     for key, what in unsupported.items():
         if getattr(config, key):
@@ -591,6 +594,8 @@ def _pair_tensors(name, tensors, model: ModelConfig):
             match.group(3),
             match.group(4),
         )
+        if module == "gate" and ".mlp." in key and model.moe_layer(layer):
+            module = "router"
         if module not in targets and model.is_moe:
             raise AdapterError(name, _moe_refusal(model, key), code="unsupported_adapter")
         if module not in targets:
@@ -653,10 +658,10 @@ def _experts_side_by_side(a, b, count: int):
 
 
 def _moe_refusal(model: ModelConfig, key: str) -> str:
-    return (f"{key}: LoRA on each expert's own modules, the router or a dense MLP of a "
+    return (f"{key}: LoRA on each expert's own modules or on a dense MLP of a "
             f"{model.family_spec.name} base is not served; radixlora serves LoRA on its "
-            f"attention projections and on its stacked experts as PEFT's target_parameters "
-            f"trains them ({', '.join(model.lora_modules)})")
+            f"attention projections, its router (mlp.gate) and its stacked experts as PEFT's "
+            f"target_parameters trains them ({', '.join(model.lora_modules)})")
 
 
 def _layers_to_transform(config: LoraConfig) -> set[int] | None:

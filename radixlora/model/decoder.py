@@ -104,8 +104,9 @@ class Experts(nn.Module):
 
 class SparseMoE(nn.Module):
     """A mixture-of-experts MLP: the router (`gate`) picks each token's experts_per_token
-    experts, whose SiLU-gated outputs are summed by their routing weights. LoRA on the stacked
-    experts comes from the batch's expert hook (ForwardBatch.expert_lora); none on the router."""
+    experts, whose SiLU-gated outputs are summed by their routing weights. LoRA on the router
+    adds to its logits like any projection's; LoRA on the stacked experts comes from the
+    batch's expert hook (ForwardBatch.expert_lora)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -117,9 +118,11 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch):
         """(the routed sum, None): no deferred delta."""
-        y = sparse_moe(x, self.gate.weight, self.experts.gate_up_proj,
-                       self.experts.down_proj, self.top_k, self.renormalize,
-                       fb.expert_lora(self.layer_id))
+        logits, delta = fb.lora_project(self.gate, x, self.layer_id, "router")
+        if delta is not None:
+            logits = logits.float() + delta
+        y = sparse_moe(x, logits, self.experts.gate_up_proj, self.experts.down_proj,
+                       self.top_k, self.renormalize, fb.expert_lora(self.layer_id))
         return (y if self.tp is None else self.tp.all_reduce(y)), None
 
 

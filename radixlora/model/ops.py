@@ -71,22 +71,23 @@ def gated_act(gate_up: torch.Tensor, delta: torch.Tensor | None = None,
     return (gelu_tanh_and_mul_ref if gelu else silu_and_mul_ref)(gate_up, delta)
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int,
+def route(logits: torch.Tensor, top_k: int,
           renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, experts [T, k]): the top_k experts of each token by softmax of
     its router logits, the weights renormalised to sum to 1 where the family does."""
-    probs = torch.softmax(torch.nn.functional.linear(x, router), dim=-1, dtype=torch.float32)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = probs.topk(top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
 
 
-def sparse_moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+def sparse_moe(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                top_k: int, renormalize: bool, lora=None) -> torch.Tensor:
-    """The mixture-of-experts MLP of x [T, H]: routing, then each token's experts (SiLU-gated,
-    stacked weights gate_up [E, 2I, H] and down [E, H, I]) summed by their weights; lora: the
-    batch's expert LoRA hook for this layer, or None (radixlora_kernels.moe.moe_experts)."""
-    weights, experts = route(x, router, top_k, renormalize)
+    """The mixture-of-experts MLP of x [T, H]: routing by the router's logits [T, E], then each
+    token's experts (SiLU-gated, stacked weights gate_up [E, 2I, H] and down [E, H, I]) summed
+    by their weights; lora: the batch's expert LoRA hook for this layer, or None
+    (radixlora_kernels.moe.moe_experts)."""
+    weights, experts = route(logits, top_k, renormalize)
     run = moe_experts if x.is_cuda else moe_experts_ref
     return run(x, experts, weights, gate_up, down, lora)

@@ -150,7 +150,7 @@ def with_lora_targets(config: EngineConfig, adapter_paths: Iterable[str | Path],
         groups.update(header.group_ranks)
     servable = set(target_groups(model.lora_modules))  # an MoE base: attention, experts
     groups = (groups & servable) or servable - set(EXPERT_GROUPS)
-    if groups == set(LINEAR_GROUPS):
+    if groups == set(LINEAR_GROUPS) & servable:  # what None means on this base
         return config
     modules = tuple(m for g in MODULE_GROUPS if g in groups for m in MODULE_GROUPS[g])
     log.info("adapter pool sized for %s, the modules of the adapters given at start (adapters "
