@@ -280,3 +280,54 @@ def test_graph_buffers_serve_expert_adapters_as_the_eager_path(expert_family):
     check_oracle(ref, mixed_batch(engine))
     assert sum(key.rows > 0 for key in replays) >= 5  # decode steps with adapters went there
     assert_all_free(engine)
+
+
+def expert_by_expert(stacked: Path, path: Path, arch: str, experts: int) -> Path:
+    """The stacked-experts adapter at `stacked` written as adapters trained before transformers
+    5 stacked the experts are: a LoRA pair on each expert's gate / up / down module (Mixtral:
+    block_sparse_moe's w1 / w3 / w2), gate and up sharing the stacked pair's A."""
+    path.mkdir()
+    config = json.loads((stacked / "adapter_config.json").read_text())
+    names = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    config.update(target_modules=list(names), target_parameters=None)
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    tensors, out = load_file(stacked / "adapter_model.safetensors"), {}
+    hidden = ModelConfig.from_dir(Path(config["base_model_name_or_path"])).hidden_size
+    for key in [k for k in tensors if ".lora_A." in k]:
+        a, b = tensors[key], tensors[key.replace(".lora_A.", ".lora_B.")]
+        layer = key.split(".layers.")[1].split(".")[0]
+        rank = a.shape[0] // experts
+        a = a.reshape(experts, rank, -1)
+        b = b.reshape(b.shape[0], rank, experts)
+        moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
+        for e in range(experts):
+            prefix = f"base_model.model.model.layers.{layer}.{moe}.experts.{e}"
+            if a.shape[-1] == hidden:  # gate_up: gate's rows of B, then up's
+                gate, up = b[:, :, e].chunk(2)
+                pairs = {names[0]: gate, names[1]: up}
+            else:
+                pairs = {names[2]: b[:, :, e]}
+            for module, lora_b in pairs.items():
+                out[f"{prefix}.{module}.lora_A.weight"] = a[e].clone()
+                out[f"{prefix}.{module}.lora_B.weight"] = lora_b.contiguous()
+    save_file(out, path / "adapter_model.safetensors")
+    return path
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_expert_by_expert_adapters_equal_their_stacked_form(arch, expert_family, tmp_path):
+    """An adapter on each expert's own modules is served as PEFT converts it: the stacked
+    experts' gate_up at gate's plus up's rank (A stacked, B block diagonal). The oracle is
+    PEFT on the stacked adapter it was written from."""
+    model, adapters = expert_family(arch)
+    experts = ModelConfig.from_dir(model).num_experts
+    own = expert_by_expert(adapters["experts"], tmp_path / "own", arch, experts)
+    engine = expert_engine(model, {"own": own, "attn": adapters["attn"]})
+    specs = [None, "own", [("own", 1.0), ("attn", 1.0)]]
+    prompts = [prompt(90 + i, 13 + 3 * i) for i in range(len(specs))]
+    outs = engine.generate(prompts, GREEDY, adapters=specs)
+    runs = [(p, s, o.outputs[0]) for p, s, o in
+            zip(prompts, [None, "experts", ["experts", "attn"]], outs, strict=True)]
+    check_oracle(oracles(model, adapters), runs)
+    assert engine.registry.by_name["own"].group_ranks["experts_gate_up"] == 8  # 4 + 4
+    assert_all_free(engine)

@@ -53,6 +53,13 @@ _MAGNITUDE = re.compile(
 _EXPERTS = re.compile(
     r"^model\.layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)\.lora_(A|B)(?:\.[^.]+)?\.weight$"
 )
+# LoRA on one expert's own module, as adapters trained before transformers 5 stacked the
+# experts name it (Mixtral's experts.N.w1 / w3 / w2 renamed by its family)
+_OWN_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)"
+    r"\.lora_(A|B)(?:\.[^.]+)?\.weight$"
+)
+_OWN_MODULE = re.compile(r"^experts\.\d+\.")
 # the target_parameters names an MoE base's adapters may carry (PEFT's all-linear writes the
 # stacked experts' short names and the router's gate.weight)
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj", "gate.weight")
@@ -491,10 +498,21 @@ def _check_backtracking(sub, in_repeat: bool = False) -> int:
 def checked_pairs(name, config, tensors, model: ModelConfig, max_rank):
     """((layer, module, key), (A, B), scale, m) of every LoRA pair whose names, layers, ranks,
     dtypes and shapes fit the model, in order (m: its DoRA magnitude vector, None without
-    use_dora); the checks need tensor metadata only."""
+    use_dora); the checks need tensor metadata only. LoRA on each expert's own modules comes
+    first, as the stacked experts' pairs (_stacked_own_experts)."""
     pairs, magnitudes = _pair_tensors(name, tensors, model)
     _check_magnitudes(name, config, pairs, magnitudes)
     layers = _layers_to_transform(config)
+    own = {k: pairs.pop(k) for k in [k for k in pairs if _OWN_MODULE.match(k[1])]}
+    if own:
+        if config.use_dora:
+            raise AdapterError(name, f"{next(iter(own))[2]}: DoRA on the experts is not "
+                                     f"supported", code="unsupported_adapter")
+        stacked = {layer for layer, module, _ in pairs if module.startswith("experts.")}
+        if clash := stacked & {layer for layer, _, _ in own}:
+            raise AdapterError(name, f"model.layers.{min(clash)}.mlp.experts: adapted both as "
+                                     f"stacked experts and expert by expert")
+        yield from _stacked_own_experts(name, config, own, model, max_rank, layers)
     for (layer, module, key), (a, b) in sorted(pairs.items()):
         if layers is not None and layer not in layers:
             raise AdapterError(name, f"{key} is outside layers_to_transform")
@@ -505,8 +523,66 @@ def checked_pairs(name, config, tensors, model: ModelConfig, max_rank):
             m = magnitudes.get(key)
             yield ((layer, part, key), (a, _rows(b, rows)), scale,
                    None if m is None else _rows(m, rows))
-    if not pairs:
+    if not pairs and not own:
         raise AdapterError(name, "adapter_model.safetensors holds no LoRA weights")
+
+
+def _stacked_own_experts(name, config, own, model: ModelConfig, max_rank, layers):
+    """checked_pairs' yields for LoRA on each expert's own modules (experts.N.gate_proj /
+    up_proj / down_proj), as PEFT converts such adapters to the stacked experts: per layer one
+    experts.gate_up_proj pair whose rank is gate's plus up's (A their rows stacked, B block
+    diagonal) and one experts.down_proj pair, each module's scale folded into its B (scale 1),
+    experts the adapter leaves out at zero."""
+    h, mi, count = model.hidden_size, model.moe_intermediate_size, model.num_experts
+    parts: dict[int, dict[tuple[str, int], tuple]] = {}
+    for (layer, module, key), (a, b) in sorted(own.items()):
+        _, expert, proj = module.split(".")
+        if layers is not None and layer not in layers:
+            raise AdapterError(name, f"{key} is outside layers_to_transform")
+        if not model.moe_layer(layer) or int(expert) >= count:
+            raise AdapterError(name, f"{key}: layer {layer} of the base has no expert {expert}")
+        rank, alpha = _rank_alpha(config, key)
+        _check_shapes(name, key, a, b, rank, (mi, h) if proj == "down_proj" else (h, mi),
+                      max_rank)
+        scale = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
+        parts.setdefault(layer, {})[(proj, int(expert))] = (a, b, scale)
+    for layer, pairs in parts.items():
+        for module, projs, out_dim in (("experts.gate_up_proj", ("gate_proj", "up_proj"), 2 * mi),
+                                       ("experts.down_proj", ("down_proj",), h)):
+            ranks = {p: max((a.shape[0] for (q, _), (a, _, _) in pairs.items() if q == p),
+                            default=0) for p in projs}
+            total, key = sum(ranks.values()), f"model.layers.{layer}.mlp.{module}"
+            if not total:
+                continue
+            if total > max_rank:
+                raise AdapterError(name, f"{key}: its experts' {' + '.join(projs)} ranks add "
+                                         f"up to {total}, above the server's max rank "
+                                         f"{max_rank} (raise --max-lora-rank)")
+            yield ((layer, module, key),
+                   _own_experts_stacked(pairs, projs, ranks, count, out_dim), 1.0, None)
+
+
+def _own_experts_stacked(pairs, projs, ranks, count: int, out_dim: int):
+    """(A [rank, E * in], B [E * out, rank]) of one stacked module from its experts' pairs."""
+    a0, b0, _ = next(iter(pairs.values()))
+    total = sum(ranks.values())
+    in_dim = next(a.shape[1] for (q, _), (a, _, _) in pairs.items() if q in projs)
+    if isinstance(a0, TensorMeta):
+        return (TensorMeta((total, count * in_dim), a0.dtype),
+                TensorMeta((count * out_dim, total), b0.dtype))
+    import torch
+
+    a_out = torch.zeros(total, count, in_dim)
+    b_out = torch.zeros(count, out_dim, total)
+    start, part_out = 0, out_dim // len(projs)
+    for i, proj in enumerate(projs):
+        for (q, expert), (a, b, scale) in pairs.items():
+            if q == proj:
+                a_out[start:start + a.shape[0], expert] = a.float()
+                b_out[expert, i * part_out:(i + 1) * part_out,
+                      start:start + a.shape[0]] = b.float() * scale
+        start += ranks[proj]
+    return a_out.reshape(total, -1), b_out.reshape(-1, total)
 
 
 def _check_magnitudes(name, config: LoraConfig, pairs, magnitudes) -> None:
@@ -568,6 +644,11 @@ def _pair_tensors(name, tensors, model: ModelConfig):
                                      f"the {family.name} language model does not have")
         if model.is_moe and (e := _EXPERTS.match(renamed)):
             experts.setdefault((int(e.group(1)), e.group(2)), {})[e.group(3)] = tensor
+            continue
+        if model.is_moe and (e := _OWN_EXPERT.match(renamed)):
+            layer, module = int(e.group(1)), f"experts.{e.group(2)}.{e.group(3)}"
+            key = f"model.layers.{layer}.mlp.{module}"
+            halves.setdefault((layer, module, key), {})[e.group(4)] = tensor
             continue
         match = _KEY.match(renamed)
         if match is None and (m := _MAGNITUDE.match(renamed)):
