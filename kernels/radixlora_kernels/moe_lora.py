@@ -82,6 +82,21 @@ def expert_lora_ref(x: torch.Tensor, rows_per_a: int, topk_ids: torch.Tensor,
 
 
 @triton.jit
+def _row_entries(m, experts_ptr, start_ptr, count_ptr, row_ids_ptr, TOP_K: tl.constexpr,
+                 R: tl.constexpr):
+    """(count, start, rank, valid, ids, expert) of row m: its token's rank rows and its
+    expert."""
+    token = m // TOP_K
+    count = tl.load(count_ptr + token)
+    start = tl.load(start_ptr + token)
+    rank = tl.arange(0, R)
+    valid = rank < count
+    ids = tl.load(row_ids_ptr + start + rank, mask=valid, other=0).to(tl.int64)
+    expert = tl.load(experts_ptr + m).to(tl.int64)
+    return count, start, rank, valid, ids, expert
+
+
+@triton.jit
 def _expert_shrink(
     x_ptr, a_ptr, v_ptr, experts_ptr, start_ptr, count_ptr, row_ids_ptr, row_scales_ptr,
     qscales_ptr, in_dim, stride_x, stride_a, TOP_K: tl.constexpr, ROWS_PER_A: tl.constexpr,
@@ -89,15 +104,10 @@ def _expert_shrink(
 ):
     """v[m, :count] for one row m (nothing for a token with no rows here)."""
     m = tl.program_id(0)
-    token = m // TOP_K
-    count = tl.load(count_ptr + token)
+    count, start, rank, valid, ids, expert = _row_entries(
+        m, experts_ptr, start_ptr, count_ptr, row_ids_ptr, TOP_K, R)
     if count == 0:
         return
-    start = tl.load(start_ptr + token)
-    rank = tl.arange(0, R)
-    valid = rank < count
-    ids = tl.load(row_ids_ptr + start + rank, mask=valid, other=0).to(tl.int64)
-    expert = tl.load(experts_ptr + m).to(tl.int64)
     x_row = (m // ROWS_PER_A).to(tl.int64)
     acc = tl.zeros((R,), dtype=tl.float32)
     for k0 in range(0, in_dim, BLOCK_K):
@@ -121,15 +131,10 @@ def _expert_expand(
 ):
     """y[m, n-block] += the deltas of v[m] (times out_scale[m])."""
     m = tl.program_id(0)
-    token = m // TOP_K
-    count = tl.load(count_ptr + token)
+    count, _, rank, valid, ids, expert = _row_entries(
+        m, experts_ptr, start_ptr, count_ptr, row_ids_ptr, TOP_K, R)
     if count == 0:
         return
-    start = tl.load(start_ptr + token)
-    rank = tl.arange(0, R)
-    valid = rank < count
-    ids = tl.load(row_ids_ptr + start + rank, mask=valid, other=0).to(tl.int64)
-    expert = tl.load(experts_ptr + m).to(tl.int64)
     v = tl.load(v_ptr + m.to(tl.int64) * R + rank, mask=valid, other=0.0)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     inside = offs < out_dim
