@@ -105,24 +105,29 @@ def test_stacked_expert_checkpoints_load_as_per_expert_ones(moe_family, tmp_path
 
 def test_served_over_http_equals_the_engine(moe_family, tmp_path):
     """`radixlora serve` on the Qwen3-MoE checkpoint (a tokenizer added) with an attention
-    adapter, through the official openai client: the Engine's greedy tokens for the base and
-    the adapter."""
+    adapter and PEFT's all-linear (router and experts too: the server sizes its pool for the
+    experts from it), through the official openai client: the Engine's greedy tokens for the
+    base and each adapter."""
     import openai
 
-    from scripts.checkpoints import TINY_CORPUS, build_tokenizer
+    from scripts.checkpoints import TINY_CORPUS, build_peft_adapter, build_tokenizer
     from tests.server_harness import engine_like_server, running_server
 
     model, adapters = moe_family("qwen3_moe")
     served = tmp_path / "served"
     shutil.copytree(model, served)
     build_tokenizer(TINY_CORPUS * 4, 256).save(str(served / "tokenizer.json"))
+    given = {"a": adapters["a"],
+             "all": build_peft_adapter(model, tmp_path / "all", seed=9, r=4, lora_alpha=8,
+                                       target_modules="all-linear")}
     prompt = list(range(40, 60))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    engine = engine_like_server(served, {"a": adapters["a"]})
+    engine = engine_like_server(served, given)
+    assert engine.runner.adapter_pool.groups[-2:] == ("experts_gate_up", "experts_down")
     want = {name: engine.generate(prompt, params, adapters=adapter)[0].outputs[0].token_ids
-            for name, adapter in (("served", None), ("a", "a"))}
-    assert want["served"] != want["a"]
-    with running_server(served, {"a": adapters["a"]}, tmp_path / "server.log") as srv:
+            for name, adapter in (("served", None), ("a", "a"), ("all", "all"))}
+    assert want["served"] != want["a"] and want["served"] != want["all"]
+    with running_server(served, given, tmp_path / "server.log") as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         for name, tokens in want.items():
             got = client.completions.create(
