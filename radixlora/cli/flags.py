@@ -138,8 +138,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    default=None, metavar="MODULE",
                    help="the modules the adapter pool is sized for (SGLang's flag): their "
                         "groups get the pool's rows, the other modules room for one adapter "
-                        "of --max-lora-rank at a time (default: the modules of the adapters "
-                        "given at start, else all)")
+                        "of --max-lora-rank at a time, an MoE base's experts none unless "
+                        "named (experts) (default: the modules of the adapters given at "
+                        "start, else every linear one)")
     p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_false",
                    default=None, help="fold each step's results in before planning the next "
                                       "(default: overlap on)")
