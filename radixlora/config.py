@@ -41,6 +41,7 @@ MODULE_GROUPS: dict[str, tuple[str, ...]] = {
 }
 EXPERT_GROUPS = ("experts_gate_up", "experts_down")
 LINEAR_GROUPS = tuple(g for g in MODULE_GROUPS if g not in EXPERT_GROUPS)
+DENSE_GROUPS = ("qkv", "o", "gate_up", "down")  # a dense base's (ModelConfig.lora_groups)
 GROUP_OF = {m: g for g, mods in MODULE_GROUPS.items() for m in mods}
 # PEFT target modules some families keep fused (Phi-3): one A and one B stacked over these
 FUSED_MODULES: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -492,7 +493,7 @@ class EngineConfig:
 
         return getattr(torch, name)
 
-    def group_rows(self, groups: Iterable[str] = LINEAR_GROUPS) -> dict[str, int]:
+    def group_rows(self, groups: Iterable[str] = DENSE_GROUPS) -> dict[str, int]:
         """Rows of each of these module groups' adapter pools (sized; the model's lora_groups,
         by default a dense base's): `adapter_rows`
         for the target modules' groups, `max_rank + 1` (at most `adapter_rows`) for the other

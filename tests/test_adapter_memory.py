@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from radixlora import Engine, SamplingParams
-from radixlora.config import LINEAR_GROUPS, EngineConfig, ModelConfig, target_groups
+from radixlora.config import DENSE_GROUPS, LINEAR_GROUPS, EngineConfig, ModelConfig, target_groups
 from radixlora.lora.adapter import LoraAdapter
 from radixlora.lora.layout import group_row_bytes
 from radixlora.sched.residency import AdapterResidency, RowAllocator
@@ -27,7 +27,7 @@ from tests.test_sizing import LLAMA_8B
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def fake(name: str, rank: int, groups=LINEAR_GROUPS, dora: bool = False) -> LoraAdapter:
+def fake(name: str, rank: int, groups=DENSE_GROUPS, dora: bool = False) -> LoraAdapter:
     return LoraAdapter(name, f"/x/{name}", f"id-{name}", rank, dict.fromkeys(groups, rank), {},
                        dora_groups=("qkv",) if dora else ())
 
@@ -86,7 +86,7 @@ def test_churn_of_thousands_of_loads_leaks_no_row():
     groups = {"qkv": 64, "o": 64, "gate_up": 17, "down": 17}
     residency = AdapterResidency(groups)
     rng = random.Random(0)
-    pool = [fake(f"x{i}", rng.randint(1, 16), rng.choice([("qkv", "o"), LINEAR_GROUPS,
+    pool = [fake(f"x{i}", rng.randint(1, 16), rng.choice([("qkv", "o"), DENSE_GROUPS,
                                                          ("qkv",)]), dora=i % 7 == 0)
             for i in range(300)]
     held: list[list[LoraAdapter]] = []

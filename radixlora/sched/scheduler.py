@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from radixlora.config import LINEAR_GROUPS, EngineConfig
+from radixlora.config import DENSE_GROUPS, EngineConfig
 from radixlora.errors import InvalidRequestError
 from radixlora.lora.adapter import LoraAdapter
 from radixlora.sampling_params import banned_tokens, bans_after_newest, penalized
@@ -160,7 +160,7 @@ def _note_costs(plan: BatchPlan) -> None:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, max_context: int,
-                 groups: Sequence[str] = LINEAR_GROUPS):
+                 groups: Sequence[str] = DENSE_GROUPS):
         """groups: the module groups of the base's adapter pool (ModelConfig.lora_groups)."""
         if not config.sized:
             raise ValueError("the Scheduler needs a sized config (radixlora.worker.sizing; the "

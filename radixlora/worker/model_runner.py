@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from radixlora.config import (
+    DENSE_GROUPS,
     EXPERT_GROUPS,
-    LINEAR_GROUPS,
     MODULE_GROUPS,
     EngineConfig,
     ModelConfig,
@@ -554,7 +554,7 @@ def served_groups(config: EngineConfig, model: ModelConfig) -> tuple[str, ...]:
 
 def profile_plan(tokens: int, requests: int, rank: int, start: int = 0, sets: int = 1,
                  params: SamplingParams = PROFILE_PARAMS,
-                 groups: Sequence[str] = LINEAR_GROUPS) -> StepPlan:
+                 groups: Sequence[str] = DENSE_GROUPS) -> StepPlan:
     """A synthetic step: `requests` requests extending `tokens` tokens in all (the first ones
     one more when they do not divide evenly) after `start` cached ones, each sampling with
     `params` (default: every filter on), request k on adapter set k % sets, each set `rank`
@@ -572,7 +572,7 @@ def profile_plan(tokens: int, requests: int, rank: int, start: int = 0, sets: in
 
 
 def warm_up_plans(config: EngineConfig, max_context: int, num_slots: int,
-                  groups: Sequence[str] = LINEAR_GROUPS) -> list[StepPlan]:
+                  groups: Sequence[str] = DENSE_GROUPS) -> list[StepPlan]:
     """Eager steps of each kind of shape the graphs leave to the eager path, those that fit
     the context and the KV pool. Base only: the largest prefill chunk, odd lengths, one long
     prompt (greedy: the sampler's unfiltered variant), cached prefixes, many requests of a
