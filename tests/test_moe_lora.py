@@ -1,8 +1,10 @@
-"""LoRA on an MoE base's stacked experts, as PEFT's target_parameters trains it: the kernels
+"""LoRA on an MoE base's router and stacked experts, as PEFT trains it (target_parameters on the
+experts, all-linear, and adapters with a pair on each expert's own module): the kernels
 (Triton, interpreter) against their torch reference and a per-row loop; Qwen3-MoE and Mixtral
 against transformers + PEFT (fp32, CPU) in one batch mixing the base, an attention adapter, an
-expert adapter and their stack, with the radix cache on and off, over two tensor-parallel ranks
-and in the int8 pool; the pool's expert rows (none unless targeted) and the refusals."""
+expert adapter, their stack, an rsLoRA adapter on both and PEFT's all-linear, with the radix
+cache on and off, over two tensor-parallel ranks, in the int8 pool and through the CUDA graphs'
+static buffers; the pool's expert rows (none unless targeted)."""
 
 from __future__ import annotations
 
