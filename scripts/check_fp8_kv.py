@@ -52,7 +52,12 @@ def compare(args: argparse.Namespace) -> dict:
     kw = dict(device=args.device, dtype=args.dtype, max_running=len(prompts))
     if args.model == str(DEMO_MODEL_DIR):
         kw["adapters"] = DEMO_ADAPTERS
-    engines = {kv: Engine(args.model, kv_cache_dtype=kv, **kw) for kv in ("auto", "fp8")}
+    # both engines live at once; --gpu-memory-utilization counts the memory already in use, so
+    # the second one's share is on top of the first one's
+    cuda = args.device.startswith("cuda")
+    engines = {kv: Engine(args.model, kv_cache_dtype=kv, **kw,
+                          **({"gpu_memory_utilization": 0.45 * (i + 1)} if cuda else {}))
+               for i, kv in enumerate(("auto", "fp8"))}
     tokens = {kv: run(e, prompts, routing, args.max_tokens) for kv, e in engines.items()}
     full, fp8 = tokens["auto"], tokens["fp8"]
     steps = sum(len(t) for t in full)

@@ -173,6 +173,20 @@ def test_grouped_expert_gemm_equals_the_reference(tokens, experts, top_k):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_the_reference_keeps_the_models_dtype():
+    """The torch expert loop in bf16 (the routing weights are float32): bf16 out, near fp32."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 32, generator=g)
+    weights, ids = torch.softmax(torch.randn(6, 4, generator=g), -1).topk(2, -1)
+    gate_up = torch.randn(4, 48, 32, generator=g) * 0.2
+    down = torch.randn(4, 32, 24, generator=g) * 0.2
+    want = moe_experts_ref(x, ids, weights, gate_up, down)
+    half = [t.to(torch.bfloat16) for t in (x, gate_up, down)]
+    got = moe_experts_ref(half[0], ids, weights, *half[1:])
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)
+
+
 def test_alignment_pads_each_expert_to_whole_blocks():
     ids = torch.tensor([[2, 0], [2, 1], [0, 2]])
     rows, block_expert, used = moe_align(ids, num_experts=4, block_m=4)

@@ -35,7 +35,7 @@ def moe_experts_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     h = F.silu(g) * u
     for expert in flat.unique().tolist():
         rows = torch.where(flat == expert)[0]
-        y[rows] = F.linear(h[rows], down[expert]) * scale[rows]
+        y[rows] = (F.linear(h[rows], down[expert]) * scale[rows]).to(y.dtype)
     if lora is not None:
         lora("experts_down", h, 1, topk_ids, y, scale.reshape(-1).float())
     return y.view(tokens, top_k, -1).sum(dim=1)
