@@ -62,7 +62,8 @@ def main() -> None:
         lora_err = ((out - ref).abs().max() / ref.abs().max()).item()
         lora_seconds = float("nan") if args.smoke else graph_seconds(
             moe_experts, x, ids, weights, gate_up, down, hook)
-        lora_bytes = (tokens * top_k * args.rank * 2 * (hidden + 2 * inter)
+        # a row's rank rows: gate_up's A (hidden) and B (2 x inter), down's A (inter) and B
+        lora_bytes = (tokens * top_k * args.rank * (2 * hidden + 3 * inter)
                       * torch.finfo(dtype).bits // 8)
         print(f"{tokens:>7} {seconds * 1e6:>8.0f} {err:>8.3g} "
               f"{weight_bytes / args.peak_bw * 1e6:>15.0f} {flops / args.peak_flops * 1e6:>15.0f}"
