@@ -495,12 +495,11 @@ class EngineConfig:
 
     def group_rows(self, groups: Iterable[str] = DENSE_GROUPS) -> dict[str, int]:
         """Rows of each of these module groups' adapter pools (sized; the model's lora_groups,
-        by default a dense base's): `adapter_rows`
-        for the target modules' groups, `max_rank + 1` (at most `adapter_rows`) for the other
-        linear ones, so that an adapter of any rank, DoRA's magnitude row included, still fits;
-        none for the experts unless targeted (a rank row of every expert is some hundred times
-        a linear group's, so the pool holds them only when asked: --lora-target-modules
-        experts, or an expert adapter given at start)."""
+        by default a dense base's): `adapter_rows` for the target modules' groups, `max_rank +
+        1` (at most `adapter_rows`) for the other linear ones, so that an adapter of any rank,
+        DoRA's magnitude row included, still fits; none for the experts unless targeted (a rank
+        row of every expert is some hundred times a linear group's, so the pool holds them only
+        when asked: --lora-target-modules experts, or an expert adapter given at start)."""
         targets = target_groups(self.lora_target_modules)
         floor = min(self.adapter_rows, self.max_rank + 1)
         return {g: self.adapter_rows if g in targets else 0 if g in EXPERT_GROUPS else floor

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from radixlora import Engine, SamplingParams
 from radixlora.config import EngineConfig, ModelConfig
-from radixlora.errors import InvalidRequestError
+from radixlora.errors import AdapterError, InvalidRequestError
 from radixlora.lora.layout import quantize_rows
 from radixlora.worker.sizing import with_lora_targets
 from radixlora_kernels.lora_ops import LoraBatchMeta
@@ -167,6 +167,20 @@ def test_int8_pool_equals_peft_on_the_rounded_adapters(arch, expert_family, tmp_
     engine = expert_engine(model, adapters, lora_dtype="int8")
     check_oracle(oracles(model, twins), mixed_batch(engine))
     assert_all_free(engine)
+
+
+def test_dora_on_the_router_is_refused(expert_family, tmp_path):
+    model, _ = expert_family("qwen3_moe")
+    dora = build_peft_adapter(model, tmp_path / "dora", seed=3, r=4, lora_alpha=8,
+                              use_dora=True, target_modules=["q_proj"])
+    tensors = load_file(dora / "adapter_model.safetensors")
+    router = "base_model.model.model.layers.0.mlp.gate"
+    tensors[f"{router}.lora_A.weight"] = torch.randn(4, 64)
+    tensors[f"{router}.lora_B.weight"] = torch.randn(6, 4)
+    tensors[f"{router}.lora_magnitude_vector"] = torch.ones(6)
+    save_file(tensors, dora / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match=r"mlp\.gate: DoRA on the router is not supported"):
+        expert_engine(model, {"dora": dora})
 
 
 def random_meta(tokens: int, grouped: bool, rank_rows: int):

@@ -503,6 +503,9 @@ def checked_pairs(name, config, tensors, model: ModelConfig, max_rank):
     pairs, magnitudes = _pair_tensors(name, tensors, model)
     _check_magnitudes(name, config, pairs, magnitudes)
     layers = _layers_to_transform(config)
+    if config.use_dora and (router := next((k for _, m, k in pairs if m == "router"), None)):
+        raise AdapterError(name, f"{router}: DoRA on the router is not supported",
+                           code="unsupported_adapter")
     own = {k: pairs.pop(k) for k in [k for k in pairs if _OWN_MODULE.match(k[1])]}
     if own:
         if config.use_dora:

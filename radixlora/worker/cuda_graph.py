@@ -124,8 +124,7 @@ class StaticInputs:
         if runner.lora_backend.name != "triton":
             raise ValueError("cuda_graph needs lora_backend triton (or auto on CUDA)")
         self.runner = runner
-        self.groups = runner.adapter_pool.groups  # the module groups the pool holds
-        groups = self.groups
+        self.groups = groups = runner.adapter_pool.groups  # the module groups the pool holds
         # CudaGraphRunner: the side stream of the LoRA work, by whether the bucket defers
         self.lora_streams: dict[bool, torch.cuda.Stream] = {}
         self.max_batch, self.max_rows = max_batch, max_rows
