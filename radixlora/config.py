@@ -41,7 +41,8 @@ MODULE_GROUPS: dict[str, tuple[str, ...]] = {
 }
 EXPERT_GROUPS = ("experts_gate_up", "experts_down")
 LINEAR_GROUPS = tuple(g for g in MODULE_GROUPS if g not in EXPERT_GROUPS)
-DENSE_GROUPS = ("qkv", "o", "gate_up", "down")  # a dense base's (ModelConfig.lora_groups)
+# a dense base's (ModelConfig.lora_groups)
+DENSE_GROUPS = tuple(g for g, mods in MODULE_GROUPS.items() if set(mods) <= set(LORA_MODULES))
 GROUP_OF = {m: g for g, mods in MODULE_GROUPS.items() for m in mods}
 # PEFT target modules some families keep fused (Phi-3): one A and one B stacked over these
 FUSED_MODULES: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -502,8 +503,13 @@ class EngineConfig:
         when asked: --lora-target-modules experts, or an expert adapter given at start)."""
         targets = target_groups(self.lora_target_modules)
         floor = min(self.adapter_rows, self.max_rank + 1)
-        return {g: self.adapter_rows if g in targets else 0 if g in EXPERT_GROUPS else floor
+        return {g: self.adapter_rows if g in targets else floor if self.holds(g) else 0
                 for g in groups}
+
+    def holds(self, group: str) -> bool:
+        """Whether the adapter pool has rows of `group`: every linear group, an MoE base's
+        expert groups only when targeted (group_rows)."""
+        return group not in EXPERT_GROUPS or group in target_groups(self.lora_target_modules)
 
     def kv_storage_dtype(self, model: ModelConfig) -> torch.dtype:
         """The KV pool's storage dtype: FP8 e4m3 or the model's compute dtype."""

@@ -93,12 +93,11 @@ def lora_hook(tokens: int, adapters: int, rank: int, pools, device):
     seg_rows = [list(range(t % adapters * rank, (t % adapters + 1) * rank))
                 for t in range(tokens)]
     meta = LoraBatchMeta.from_segments([1] * tokens, seg_rows, [[1.0] * rank] * tokens, device)
-    rows, g = token_rows(meta), meta.groups
+    rows = token_rows(meta)
 
     def hook(group, a, rows_per_a, topk_ids, y, out_scale=None):
         a_pool, b_pool = pools[group]
-        expert_lora(a, rows_per_a, topk_ids, a_pool, b_pool, rows, g.row_ids, g.row_scales,
-                    meta.max_rows, y, out_scale)
+        expert_lora(a, rows_per_a, topk_ids, a_pool, b_pool, rows, y, out_scale)
 
     return hook
 

@@ -233,15 +233,11 @@ def test_expert_kernels_equal_the_reference_and_a_per_row_loop(tokens, top_k, in
     y = torch.randn(tokens * top_k, 2 * inter, generator=g)
     for grouped in (False, True):
         meta, lens, seg_rows, seg_scales = random_meta(tokens, grouped, rows)
-        rows_of = token_rows(meta)
         want = per_row(x, top_k, ids, a_pool, b_pool, lens, seg_rows, seg_scales, y, out_scale,
                        qscales)
-        row_list = ((meta.row_ids, meta.row_scales) if meta.groups is None
-                    else (meta.groups.row_ids, meta.groups.row_scales))
         for run in (expert_lora_ref, expert_lora):
             got = y.clone()
-            run(x, top_k, ids, a_pool, b_pool, rows_of, *row_list, meta.max_rows, got,
-                out_scale, qscales)
+            run(x, top_k, ids, a_pool, b_pool, token_rows(meta), got, out_scale, qscales)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -249,14 +245,13 @@ def test_token_rows_of_groups_equal_those_of_segments():
     for tokens in (1, 7, 40):
         segments, *_ = random_meta(tokens, False, 18)
         grouped, *_ = random_meta(tokens, True, 18)
-        s_start, s_count = token_rows(segments)
-        g_start, g_count = token_rows(grouped)
-        assert torch.equal(s_count, g_count)
+        s, g = token_rows(segments), token_rows(grouped)
+        assert torch.equal(s.count, g.count)
         for t in range(tokens):
-            n = int(s_count[t])
-            s_rows = segments.row_ids[s_start[t]:s_start[t] + n]
-            g_rows = grouped.groups.row_ids[g_start[t]:g_start[t] + n]
-            assert torch.equal(s_rows, g_rows)
+            n = int(s.count[t])
+            for field in ("row_ids", "row_scales"):
+                assert torch.equal(getattr(s, field)[s.start[t]:s.start[t] + n],
+                                   getattr(g, field)[g.start[t]:g.start[t] + n])
 
 
 def test_graph_buffers_serve_expert_adapters_as_the_eager_path(expert_family):

@@ -329,21 +329,13 @@ class LoraBackend(ABC):
         delta.zero_()
         self.apply(x, delta, a_pool, b_pool, out_offsets, meta, qscales)
 
-    def expert_lora(self, x, rows_per_a, topk_ids, a_pool, b_pool, rows, meta, y,
-                    out_scale=None, qscales=None) -> None:
+    def expert_lora(self, x, rows_per_a, topk_ids, a_pool, b_pool, rows, y, out_scale=None,
+                    qscales=None) -> None:
         """An MoE layer's expert LoRA deltas added into its GEMM rows y
-        (radixlora_kernels.moe_lora; rows = token_rows(meta), the groups' rows if grouped)."""
+        (radixlora_kernels.moe_lora; rows: moe_lora.token_rows of the group's meta)."""
         from .moe_lora import expert_lora_ref
 
-        row_ids, row_scales = _row_list(meta)
-        expert_lora_ref(x, rows_per_a, topk_ids, a_pool, b_pool, rows, row_ids, row_scales,
-                        meta.max_rows, y, out_scale, qscales)
-
-
-def _row_list(meta: LoraBatchMeta) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row_ids, row_scales) that moe_lora.token_rows indexes."""
-    g = meta.groups
-    return (meta.row_ids, meta.row_scales) if g is None else (g.row_ids, g.row_scales)
+        expert_lora_ref(x, rows_per_a, topk_ids, a_pool, b_pool, rows, y, out_scale, qscales)
 
 
 class TorchLoraBackend(LoraBackend):
@@ -455,13 +447,11 @@ class TritonLoraBackend(LoraBackend):
                    qscales=None) -> None:
         dora_scale(y, b_pool, out_offsets, meta.magnitude_rows, bias, delta, qscales)
 
-    def expert_lora(self, x, rows_per_a, topk_ids, a_pool, b_pool, rows, meta, y,
-                    out_scale=None, qscales=None) -> None:
+    def expert_lora(self, x, rows_per_a, topk_ids, a_pool, b_pool, rows, y, out_scale=None,
+                    qscales=None) -> None:
         from .moe_lora import expert_lora
 
-        row_ids, row_scales = _row_list(meta)
-        expert_lora(x, rows_per_a, topk_ids, a_pool, b_pool, rows, row_ids, row_scales,
-                    meta.max_rows, y, out_scale, qscales)
+        expert_lora(x, rows_per_a, topk_ids, a_pool, b_pool, rows, y, out_scale, qscales)
 
     def _tuning(self, meta: LoraBatchMeta):
         return self.tuning or self._grouped.tuning_for_rows(meta.max_rows)

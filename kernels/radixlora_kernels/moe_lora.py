@@ -12,6 +12,8 @@ the adapter bytes it reads, not the experts' count. A token's rows come from its
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .lora_ops import LoraBatchMeta
@@ -20,15 +22,26 @@ from .triton_compat import tl, triton
 MAX_GATHER = 1 << 24  # elements of A or B gathered at once by the torch reference
 
 
-def token_rows(meta: LoraBatchMeta) -> tuple[torch.Tensor, torch.Tensor]:
-    """(start, count) [T] int64: token t's rank rows are row_ids[start[t]:start[t] + count[t]]
-    of meta's row list (its groups' when the batch is grouped, else its segments'); count 0 for
-    a token with no adapter here. Tensor ops only (no host sync), so it runs inside a graph."""
+class TokenRows(NamedTuple):
+    """Each token's rank rows: row_ids[start[t]:start[t] + count[t]] with their stacking
+    weights in row_scales (count 0: no adapter here); max_rows >= any count."""
+
+    start: torch.Tensor  # [T] int64
+    count: torch.Tensor  # [T] int64
+    row_ids: torch.Tensor  # [N] int32
+    row_scales: torch.Tensor  # [N] float32
+    max_rows: int
+
+
+def token_rows(meta: LoraBatchMeta) -> TokenRows:
+    """A batch's TokenRows, from its groups when it is grouped, else from its segments. Tensor
+    ops only (no host sync), so it runs inside a graph."""
     tokens = meta.token_seg.shape[0]
     if meta.groups is None:
         seg = meta.token_seg.long()
         start = meta.row_indptr[seg].long()
-        return start, meta.row_indptr[seg + 1].long() - start
+        return TokenRows(start, meta.row_indptr[seg + 1].long() - start, meta.row_ids,
+                         meta.row_scales, meta.max_rows)
     g = meta.groups
     device = g.token_ids.device
     ends = g.group_indptr[1:].long()
@@ -44,12 +57,12 @@ def token_rows(meta: LoraBatchMeta) -> tuple[torch.Tensor, torch.Tensor]:
     first = g.row_indptr[group].long()
     start.scatter_(0, dest, first)
     count.scatter_(0, dest, g.row_indptr[group + 1].long() - first)
-    return start[:tokens], count[:tokens]
+    return TokenRows(start[:tokens], count[:tokens], g.row_ids, g.row_scales, meta.max_rows)
 
 
 def expert_lora_ref(x: torch.Tensor, rows_per_a: int, topk_ids: torch.Tensor,
-                    a_pool: torch.Tensor, b_pool: torch.Tensor, rows: tuple, row_ids, row_scales,
-                    max_rows: int, y: torch.Tensor, out_scale: torch.Tensor | None = None,
+                    a_pool: torch.Tensor, b_pool: torch.Tensor, rows: TokenRows,
+                    y: torch.Tensor, out_scale: torch.Tensor | None = None,
                     qscales: torch.Tensor | None = None) -> None:
     """The module docstring's sum in torch (the CPU path and the kernels' reference), in
     chunks of rows. x [M / rows_per_a, in]; topk_ids [T, top_k]; a_pool [1, rows, E * in]
@@ -57,6 +70,7 @@ def expert_lora_ref(x: torch.Tensor, rows_per_a: int, topk_ids: torch.Tensor,
     [M, out], updated in place; out_scale [M] float32 or None."""
     experts = topk_ids.reshape(-1).long()
     total, top_k = experts.shape[0], topk_ids.shape[1]
+    row_ids, row_scales, max_rows = rows.row_ids, rows.row_scales, rows.max_rows
     if total == 0 or row_ids.numel() == 0:
         return
     num_rows, count = b_pool.shape[0], a_pool.shape[-1] // x.shape[1]
@@ -68,8 +82,8 @@ def expert_lora_ref(x: torch.Tensor, rows_per_a: int, topk_ids: torch.Tensor,
     for m0 in range(0, total, step):
         m = torch.arange(m0, min(total, m0 + step), device=x.device)
         token, expert = m // top_k, experts[m][:, None]
-        valid = rank[None, :] < rows[1][token][:, None]
-        pos = (rows[0][token][:, None] + rank).clamp_(max=row_ids.numel() - 1)
+        valid = rank[None, :] < rows.count[token][:, None]
+        pos = (rows.start[token][:, None] + rank).clamp_(max=row_ids.numel() - 1)
         ids = torch.where(valid, row_ids[pos].long(), 0)
         weight = torch.where(valid, row_scales[pos], 0.0)
         if qscales is not None:
@@ -149,8 +163,8 @@ def _expert_expand(
 
 
 def expert_lora(x: torch.Tensor, rows_per_a: int, topk_ids: torch.Tensor,
-                a_pool: torch.Tensor, b_pool: torch.Tensor, rows: tuple, row_ids, row_scales,
-                max_rows: int, y: torch.Tensor, out_scale: torch.Tensor | None = None,
+                a_pool: torch.Tensor, b_pool: torch.Tensor, rows: TokenRows, y: torch.Tensor,
+                out_scale: torch.Tensor | None = None,
                 qscales: torch.Tensor | None = None) -> None:
     """expert_lora_ref in two Triton launches: the shrink (a program per row) and the expand
     (a program per row and block of outputs). Static shapes: it runs inside CUDA graphs."""
@@ -158,19 +172,19 @@ def expert_lora(x: torch.Tensor, rows_per_a: int, topk_ids: torch.Tensor,
     total, top_k = experts.shape[0], topk_ids.shape[1]
     if total == 0:
         return
-    r = triton.next_power_of_2(max(max_rows, 16))
+    r = triton.next_power_of_2(max(rows.max_rows, 16))
     in_dim = a_pool.shape[-1] // (b_pool.shape[-1] // y.shape[1])
     out_dim = y.shape[1]
     v = torch.empty(total, r, dtype=torch.float32, device=x.device)
     quant = qscales is not None
     _expert_shrink[(total,)](
-        x, a_pool, v, experts, rows[0], rows[1], row_ids, row_scales,
-        qscales if quant else row_scales, in_dim, x.stride(0), a_pool.stride(-2),
+        x, a_pool, v, experts, rows.start, rows.count, rows.row_ids, rows.row_scales,
+        qscales if quant else rows.row_scales, in_dim, x.stride(0), a_pool.stride(-2),
         TOP_K=top_k, ROWS_PER_A=rows_per_a, QUANT=quant, R=r, BLOCK_K=64,
     )
     block_n = 64
     _expert_expand[(total, triton.cdiv(out_dim, block_n))](
-        v, b_pool, y, experts, rows[0], rows[1], row_ids,
-        out_scale if out_scale is not None else row_scales, out_dim, b_pool.stride(0),
+        v, b_pool, y, experts, rows.start, rows.count, rows.row_ids,
+        out_scale if out_scale is not None else rows.row_scales, out_dim, b_pool.stride(0),
         y.stride(0), TOP_K=top_k, SCALE=out_scale is not None, R=r, BLOCK_N=block_n,
     )

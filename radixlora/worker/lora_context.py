@@ -13,7 +13,7 @@ import torch
 from radixlora.config import EXPERT_GROUPS
 from radixlora.model.parallel import RowParallelLinear
 from radixlora_kernels.lora_ops import LoraBatchMeta
-from radixlora_kernels.moe_lora import token_rows
+from radixlora_kernels.moe_lora import TokenRows, token_rows
 
 if TYPE_CHECKING:
     from radixlora.worker.adapter_pool import AdapterPool
@@ -78,7 +78,7 @@ class LoraContext:
         self.side_stream = side_stream
         self.defer = defer
         self._delta: dict[str, torch.Tensor] = {}  # deferred workspace, per group
-        self._token_rows: dict[str, tuple] = {}  # expert group -> token_rows(meta), per forward
+        self._token_rows: dict[str, TokenRows] = {}  # expert group -> its rows, per forward
 
     def begin(self, num_tokens: int, device) -> None:
         """Start a forward: a deferred context takes a zeroed workspace (one fill)."""
@@ -134,7 +134,7 @@ class LoraContext:
             if rows is None:
                 rows = self._token_rows[group] = token_rows(meta)
             a_pool, b_pool, _, qs = self._pools(layer_id, group)
-            self.backend.expert_lora(a, rows_per_a, topk_ids, a_pool, b_pool, rows, meta, y,
+            self.backend.expert_lora(a, rows_per_a, topk_ids, a_pool, b_pool, rows, y,
                                      out_scale, qs)
 
         return add

@@ -15,14 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from radixlora.config import (
-    DENSE_GROUPS,
-    EXPERT_GROUPS,
-    MODULE_GROUPS,
-    EngineConfig,
-    ModelConfig,
-    target_groups,
-)
+from radixlora.config import DENSE_GROUPS, MODULE_GROUPS, EngineConfig, ModelConfig
 from radixlora.distributed import TensorParallel
 from radixlora.lora.host_cache import PackedAdapter
 from radixlora.lora.layout import group_row_bytes
@@ -254,7 +247,7 @@ class ModelRunner:
         of the largest rank, run eagerly on small temporary pools (which also compiles the
         eager path's kernels)."""
         tokens, running, rank = config.max_batch_tokens, config.max_running, config.max_rank
-        groups = served_groups(config, self.cfg)
+        groups = tuple(filter(config.holds, self.cfg.lora_groups))
         self._build_pools(tokens + running + 1, dict.fromkeys(groups, rank), 0)
         plans = (profile_plan(tokens, min(running, tokens), rank, groups=groups),
                  profile_plan(running, running, rank, groups=groups))
@@ -283,7 +276,7 @@ class ModelRunner:
             return
         num_slots = self.kv_pool.k_cache[0].shape[0]
         plans = warm_up_plans(self.config, self.config.max_context(self.cfg), num_slots,
-                              served_groups(self.config, self.cfg))
+                              tuple(filter(self.config.holds, self.cfg.lora_groups)))
 
         def dry_run() -> None:
             graphs, self.graphs = self.graphs, None  # eager only: nothing captured dry
@@ -543,13 +536,6 @@ class ModelRunner:
 
 PROFILE_PARAMS = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, min_p=0.01)
 GREEDY_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
-
-
-def served_groups(config: EngineConfig, model: ModelConfig) -> tuple[str, ...]:
-    """The module groups the adapter pool holds rows of (an MoE base's experts only when
-    targeted)."""
-    return tuple(g for g in model.lora_groups
-                 if g not in EXPERT_GROUPS or g in target_groups(config.lora_target_modules))
 
 
 def profile_plan(tokens: int, requests: int, rank: int, start: int = 0, sets: int = 1,
