@@ -5,8 +5,8 @@ random routing. Each size is first checked against the torch expert loop (relati
 the largest output), then timed against two floors: the bytes of the experts its tokens touch
 (expected number under uniform routing) at --peak-bw, and its FLOPs at --peak-flops. Then the
 same with LoRA on the experts (radixlora_kernels.moe_lora): each token on one of --adapters
-rank-8 expert adapters, against the bytes its rows read (each row its expert's rank rows of A
-and B, both projections) at --peak-bw.
+rank-8 expert adapters, against the bytes of the distinct (expert, adapter) pairs its rows
+read (the pair's rank rows of A and B, both projections) at --peak-bw.
 
     python scripts/bench_moe.py                 # H100 floors (3.35 TB/s, 700 TFLOP/s)
     python scripts/bench_moe.py --peak-bw 4.24e12 --peak-flops 800e12   # H200
@@ -62,8 +62,11 @@ def main() -> None:
         lora_err = ((out - ref).abs().max() / ref.abs().max()).item()
         lora_seconds = float("nan") if args.smoke else graph_seconds(
             moe_experts, x, ids, weights, gate_up, down, hook)
-        # a row's rank rows: gate_up's A (hidden) and B (2 x inter), down's A (inter) and B
-        lora_bytes = (tokens * top_k * args.rank * (2 * hidden + 3 * inter)
+        # each distinct (expert, adapter) pair's rank rows: gate_up's A (hidden) and B
+        # (2 x inter), down's A (inter) and B (hidden)
+        adapter = torch.arange(tokens, device=device)[:, None] % args.adapters
+        pairs = torch.unique(ids * args.adapters + adapter).numel()
+        lora_bytes = (pairs * args.rank * (2 * hidden + 3 * inter)
                       * torch.finfo(dtype).bits // 8)
         print(f"{tokens:>7} {seconds * 1e6:>8.0f} {err:>8.3g} "
               f"{weight_bytes / args.peak_bw * 1e6:>15.0f} {flops / args.peak_flops * 1e6:>15.0f}"

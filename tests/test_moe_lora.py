@@ -22,6 +22,7 @@ from radixlora.errors import AdapterError, InvalidRequestError
 from radixlora.lora.layout import quantize_rows
 from radixlora.worker.sizing import with_lora_targets
 from radixlora_kernels.lora_ops import LoraBatchMeta
+from radixlora_kernels.moe import align_blocks
 from radixlora_kernels.moe_lora import expert_lora, expert_lora_ref, token_rows
 from scripts.checkpoints import EXPERT_TARGETS as EXPERTS
 from scripts.checkpoints import build_hf_model, build_peft_adapter
@@ -216,7 +217,7 @@ def per_row(x, rows_per_a, topk_ids, a_pool, b_pool, lens, seg_rows, seg_scales,
 
 
 @pytest.mark.parametrize(("tokens", "top_k", "int8"), [(1, 2, False), (9, 2, False),
-                                                      (23, 3, True)])
+                                                      (23, 3, True), (60, 2, False)])
 def test_expert_kernels_equal_the_reference_and_a_per_row_loop(tokens, top_k, int8):
     g = torch.Generator().manual_seed(7)
     experts, hidden, inter, rows = 5, 24, 20, 18
@@ -252,6 +253,37 @@ def test_token_rows_of_groups_equal_those_of_segments():
             for field in ("row_ids", "row_scales"):
                 assert torch.equal(getattr(s, field)[s.start[t]:s.start[t] + n],
                                    getattr(g, field)[g.start[t]:g.start[t] + n])
+
+
+def test_token_rows_key_equal_sets_alike():
+    """Tokens share a set id only if their rows and weights are equal; in a grouped batch a
+    set's tokens share one id across the groups it is split into (40 tokens: sets of more
+    than GROUP_TOKENS)."""
+    for grouped in (False, True):
+        meta, lens, seg_rows, seg_scales = random_meta(40, grouped, 18)
+        rows = token_rows(meta)
+        seg = [s for s, n in enumerate(lens) for _ in range(n)]
+        content = [(tuple(seg_rows[s]), tuple(seg_scales[s])) for s in seg]
+        ids = rows.set_id.tolist()
+        assert all(0 <= i < rows.num_sets for i, c in zip(ids, content) if c[0])
+        assert all(i == -1 for i, c in zip(ids, content) if not c[0])
+        by_id = {}
+        for i, c in zip(ids, content):
+            assert by_id.setdefault(i, c) == c
+        if grouped:
+            assert len({i for i in ids if i >= 0}) == len({c for c in content if c[0]})
+
+
+def test_alignment_blocks_hold_one_key_each():
+    keys = torch.tensor([5, -1, 2, 5, 5, 2, -1, 9, 5, 5, 5])
+    rows, used = align_blocks(keys, block_m=4, max_keys=3)
+    m = keys.numel()
+    assert int(used) == 16  # key 5: two blocks (6 rows), keys 2 and 9 one each
+    for block in rows[:16].view(4, 4).tolist():
+        real = [r for r in block if r < m]
+        assert block[0] < m and len({int(keys[r]) for r in real}) == 1
+        assert block[len(real):] == [m] * (4 - len(real))
+    assert sorted(r for r in rows.tolist() if r < m) == [r for r in range(m) if keys[r] >= 0]
 
 
 def test_graph_buffers_serve_expert_adapters_as_the_eager_path(expert_family):

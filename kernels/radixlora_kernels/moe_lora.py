@@ -6,9 +6,11 @@ that expert: with the pool row of rank row j holding every expert's A row j side
     v[m, j] = x[m // rows_per_a] . a_pool[row_j, e * in:(e + 1) * in] * scale_j
     y[m] += (sum_j v[m, j] * b_pool[row_j, e * out:(e + 1) * out]) * out_scale[m]
 
-so a step reads, per row, the rank rows of one expert of its adapter set: its LoRA cost follows
-the adapter bytes it reads, not the experts' count. A token's rows come from its adapter set
-(token_rows), the same rank rows and stacking weights every other module group reads."""
+The rows are grouped by (expert, adapter set) into blocks (align_blocks), and a block's rows
+are multiplied by its set's rank rows of its expert, read once per block: a step's LoRA cost
+follows the distinct (expert, set) pairs it reads, not its rows or the experts' count. A
+token's rows come from its adapter set (token_rows), the same rank rows and stacking weights
+every other module group reads."""
 
 from __future__ import annotations
 
@@ -17,20 +19,28 @@ from typing import NamedTuple
 import torch
 
 from .lora_ops import LoraBatchMeta
+from .moe import align_blocks
+from .sgmv_expand import expand_fp32_dot
+from .sgmv_shrink import fp32_dot
 from .triton_compat import tl, triton
 
 MAX_GATHER = 1 << 24  # elements of A or B gathered at once by the torch reference
+BLOCK_M = 16  # rows of one expert and adapter set per program (tl.dot's least)
 
 
 class TokenRows(NamedTuple):
     """Each token's rank rows: row_ids[start[t]:start[t] + count[t]] with their stacking
-    weights in row_scales (count 0: no adapter here); max_rows >= any count."""
+    weights in row_scales (count 0: no adapter here); max_rows >= any count. set_id[t]
+    (< num_sets) is equal for tokens with equal rows and weights that the batch lists side by
+    side (a request's tokens; a set's groups), -1 for count 0: a key that groups rows."""
 
     start: torch.Tensor  # [T] int64
     count: torch.Tensor  # [T] int64
     row_ids: torch.Tensor  # [N] int32
     row_scales: torch.Tensor  # [N] float32
     max_rows: int
+    set_id: torch.Tensor  # [T] int64
+    num_sets: int
 
 
 def token_rows(meta: LoraBatchMeta) -> TokenRows:
@@ -39,9 +49,11 @@ def token_rows(meta: LoraBatchMeta) -> TokenRows:
     tokens = meta.token_seg.shape[0]
     if meta.groups is None:
         seg = meta.token_seg.long()
+        sets = _range_sets(meta.row_indptr, meta.row_ids, meta.row_scales, meta.max_rows)
         start = meta.row_indptr[seg].long()
-        return TokenRows(start, meta.row_indptr[seg + 1].long() - start, meta.row_ids,
-                         meta.row_scales, meta.max_rows)
+        count = meta.row_indptr[seg + 1].long() - start
+        return TokenRows(start, count, meta.row_ids, meta.row_scales, meta.max_rows,
+                         torch.where(count > 0, sets[seg], -1), sets.shape[0])
     g = meta.groups
     device = g.token_ids.device
     ends = g.group_indptr[1:].long()
@@ -52,12 +64,34 @@ def token_rows(meta: LoraBatchMeta) -> TokenRows:
     group = torch.searchsorted(ends, pos, right=True).clamp_(max=ends.shape[0] - 1)
     valid = pos < g.group_indptr[g.num_groups.long()].long()
     dest = torch.where(valid, g.token_ids.long(), tokens)
+    sets = _range_sets(g.row_indptr, g.row_ids, g.row_scales, meta.max_rows)
     start = torch.zeros(tokens + 1, dtype=torch.int64, device=device)
     count = torch.zeros(tokens + 1, dtype=torch.int64, device=device)
+    set_id = torch.full((tokens + 1,), -1, dtype=torch.int64, device=device)
     first = g.row_indptr[group].long()
     start.scatter_(0, dest, first)
     count.scatter_(0, dest, g.row_indptr[group + 1].long() - first)
-    return TokenRows(start[:tokens], count[:tokens], g.row_ids, g.row_scales, meta.max_rows)
+    set_id.scatter_(0, dest, sets[group])
+    return TokenRows(start[:tokens], count[:tokens], g.row_ids, g.row_scales, meta.max_rows,
+                     set_id[:tokens], sets.shape[0])
+
+
+def _range_sets(indptr: torch.Tensor, row_ids: torch.Tensor, row_scales: torch.Tensor,
+                max_rows: int) -> torch.Tensor:
+    """A set id per range i (rows indptr[i]:indptr[i + 1]): a range with the rows and weights
+    of the one before it shares its id (a set's groups, a request's segments)."""
+    starts, ends = indptr[:-1].long(), indptr[1:].long()
+    if row_ids.numel() == 0:
+        return torch.zeros(starts.shape[0], dtype=torch.int64, device=indptr.device)
+    rank = torch.arange(max(max_rows, 1), device=indptr.device)
+    inside = rank < (ends - starts)[:, None]
+    pos = (starts[:, None] + rank).clamp_(0, row_ids.numel() - 1)
+    ids = torch.where(inside, row_ids[pos].long(), -1)
+    scales = torch.where(inside, row_scales[pos], 0.0)
+    same = (ids[1:] == ids[:-1]).all(1) & (scales[1:] == scales[:-1]).all(1)
+    new = torch.ones(starts.shape[0], dtype=torch.int64, device=indptr.device)
+    new[1:] = (~same).long()
+    return new.cumsum(0) - 1
 
 
 def expert_lora_ref(x: torch.Tensor, rows_per_a: int, topk_ids: torch.Tensor,
@@ -96,95 +130,125 @@ def expert_lora_ref(x: torch.Tensor, rows_per_a: int, topk_ids: torch.Tensor,
 
 
 @triton.jit
-def _row_entries(m, experts_ptr, start_ptr, count_ptr, row_ids_ptr, TOP_K: tl.constexpr,
-                 R: tl.constexpr):
-    """(count, start, rank, valid, ids, expert) of row m: its token's rank rows and its
-    expert."""
-    token = m // TOP_K
-    count = tl.load(count_ptr + token)
+def _block_entries(pid, sorted_rows_ptr, num_padded_ptr, experts_ptr, start_ptr, count_ptr,
+                   row_ids_ptr, num_rows, TOP_K: tl.constexpr, R: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+    """(live, rows, valid, start, rank, rank_ok, ids, expert) of block pid: its rows (one
+    expert, one adapter set: align_blocks) and their rank rows; live False past the blocks in
+    use."""
+    live = pid * BLOCK_M < tl.load(num_padded_ptr)
+    rows = tl.load(sorted_rows_ptr + pid * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows < num_rows
+    first = tl.load(sorted_rows_ptr + pid * BLOCK_M)
+    token = tl.minimum(first, num_rows - 1) // TOP_K
     start = tl.load(start_ptr + token)
     rank = tl.arange(0, R)
-    valid = rank < count
-    ids = tl.load(row_ids_ptr + start + rank, mask=valid, other=0).to(tl.int64)
-    expert = tl.load(experts_ptr + m).to(tl.int64)
-    return count, start, rank, valid, ids, expert
+    rank_ok = rank < tl.load(count_ptr + token)
+    ids = tl.load(row_ids_ptr + start + rank, mask=rank_ok, other=0).to(tl.int64)
+    expert = tl.load(experts_ptr + tl.minimum(first, num_rows - 1)).to(tl.int64)
+    return live, rows, valid, start, rank, rank_ok, ids, expert
 
 
 @triton.jit
 def _expert_shrink(
-    x_ptr, a_ptr, v_ptr, experts_ptr, start_ptr, count_ptr, row_ids_ptr, row_scales_ptr,
-    qscales_ptr, in_dim, stride_x, stride_a, TOP_K: tl.constexpr, ROWS_PER_A: tl.constexpr,
-    QUANT: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, a_ptr, v_ptr, sorted_rows_ptr, num_padded_ptr, experts_ptr, start_ptr, count_ptr,
+    row_ids_ptr, row_scales_ptr, qscales_ptr, num_rows, in_dim, stride_x, stride_a,
+    TOP_K: tl.constexpr, ROWS_PER_A: tl.constexpr, QUANT: tl.constexpr, FP32_DOT: tl.constexpr,
+    R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """v[m, :count] for one row m (nothing for a token with no rows here)."""
-    m = tl.program_id(0)
-    count, start, rank, valid, ids, expert = _row_entries(
-        m, experts_ptr, start_ptr, count_ptr, row_ids_ptr, TOP_K, R)
-    if count == 0:
+    """v[rows, :count] = x[rows] @ A[rank rows of the block's set and expert].T, weighted."""
+    live, rows, valid, start, rank, rank_ok, ids, expert = _block_entries(
+        tl.program_id(0), sorted_rows_ptr, num_padded_ptr, experts_ptr, start_ptr, count_ptr,
+        row_ids_ptr, num_rows, TOP_K, R, BLOCK_M)
+    if not live:
         return
-    x_row = (m // ROWS_PER_A).to(tl.int64)
-    acc = tl.zeros((R,), dtype=tl.float32)
+    x_rows = (rows // ROWS_PER_A).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
     for k0 in range(0, in_dim, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         inside = kk < in_dim
-        x = tl.load(x_ptr + x_row * stride_x + kk, mask=inside, other=0.0).to(tl.float32)
-        a = tl.load(a_ptr + ids[:, None] * stride_a + expert * in_dim + kk[None, :],
-                    mask=valid[:, None] & inside[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(a * x[None, :], axis=1)
-    weight = tl.load(row_scales_ptr + start + rank, mask=valid, other=0.0)
+        x = tl.load(x_ptr + x_rows[:, None] * stride_x + kk[None, :],
+                    mask=valid[:, None] & inside[None, :], other=0.0)
+        a = tl.load(a_ptr + ids[None, :] * stride_a + expert * in_dim + kk[:, None],
+                    mask=rank_ok[None, :] & inside[:, None], other=0.0)
+        if FP32_DOT:
+            acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x, a.to(x.dtype))  # int8 values are exact in 16-bit floats
+    weight = tl.load(row_scales_ptr + start + rank, mask=rank_ok, other=0.0)
     if QUANT:
-        weight *= tl.load(qscales_ptr + ids, mask=valid, other=0.0)
-    tl.store(v_ptr + m.to(tl.int64) * R + rank, acc * weight, mask=valid)
+        weight *= tl.load(qscales_ptr + ids, mask=rank_ok, other=0.0)
+    tl.store(v_ptr + rows[:, None].to(tl.int64) * R + rank[None, :], acc * weight[None, :],
+             mask=valid[:, None] & rank_ok[None, :])
 
 
 @triton.jit
 def _expert_expand(
-    v_ptr, b_ptr, y_ptr, experts_ptr, start_ptr, count_ptr, row_ids_ptr, out_scale_ptr,
-    out_dim, stride_b, stride_y, TOP_K: tl.constexpr, SCALE: tl.constexpr, R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    v_ptr, b_ptr, y_ptr, sorted_rows_ptr, num_padded_ptr, experts_ptr, start_ptr, count_ptr,
+    row_ids_ptr, out_scale_ptr, num_rows, out_dim, stride_b, stride_y, TOP_K: tl.constexpr,
+    SCALE: tl.constexpr, FP32_DOT: tl.constexpr, INT8_B: tl.constexpr, R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """y[m, n-block] += the deltas of v[m] (times out_scale[m])."""
-    m = tl.program_id(0)
-    count, _, rank, valid, ids, expert = _row_entries(
-        m, experts_ptr, start_ptr, count_ptr, row_ids_ptr, TOP_K, R)
-    if count == 0:
+    """y[rows, n-block] += v[rows] @ B[rank rows of the block's set and expert] (times
+    out_scale[rows])."""
+    live, rows, valid, _, rank, rank_ok, ids, expert = _block_entries(
+        tl.program_id(0), sorted_rows_ptr, num_padded_ptr, experts_ptr, start_ptr, count_ptr,
+        row_ids_ptr, num_rows, TOP_K, R, BLOCK_M)
+    if not live:
         return
-    v = tl.load(v_ptr + m.to(tl.int64) * R + rank, mask=valid, other=0.0)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     inside = offs < out_dim
+    v = tl.load(v_ptr + rows[:, None].to(tl.int64) * R + rank[None, :],
+                mask=valid[:, None] & rank_ok[None, :], other=0.0)
     b = tl.load(b_ptr + ids[:, None] * stride_b + expert * out_dim + offs[None, :],
-                mask=valid[:, None] & inside[None, :], other=0.0).to(tl.float32)
-    delta = tl.sum(v[:, None] * b, axis=0)
+                mask=rank_ok[:, None] & inside[None, :], other=0.0)
+    if FP32_DOT:
+        delta = tl.dot(v, b.to(tl.float32), input_precision="ieee")
+    elif INT8_B:  # int8 values are exact in bfloat16; v carries B's row scales
+        delta = tl.dot(v.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        delta = tl.dot(v.to(b.dtype), b)
     if SCALE:
-        delta *= tl.load(out_scale_ptr + m)
-    y = y_ptr + m.to(tl.int64) * stride_y + offs
-    tl.store(y, (tl.load(y, mask=inside, other=0.0).to(tl.float32) + delta).to(
-        y_ptr.dtype.element_ty), mask=inside)
+        delta *= tl.load(out_scale_ptr + rows, mask=valid, other=0.0)[:, None]
+    y = y_ptr + rows[:, None].to(tl.int64) * stride_y + offs[None, :]
+    mask = valid[:, None] & inside[None, :]
+    tl.store(y, (tl.load(y, mask=mask, other=0.0).to(tl.float32) + delta).to(
+        y_ptr.dtype.element_ty), mask=mask)
 
 
 def expert_lora(x: torch.Tensor, rows_per_a: int, topk_ids: torch.Tensor,
                 a_pool: torch.Tensor, b_pool: torch.Tensor, rows: TokenRows, y: torch.Tensor,
                 out_scale: torch.Tensor | None = None,
                 qscales: torch.Tensor | None = None) -> None:
-    """expert_lora_ref in two Triton launches: the shrink (a program per row) and the expand
-    (a program per row and block of outputs). Static shapes: it runs inside CUDA graphs."""
+    """expert_lora_ref in two Triton launches over the rows grouped by (expert, adapter set)
+    in blocks (align_blocks): the shrink and the expand multiply a block's rows by its set's
+    rank rows of its expert, read once per block. Static shapes: it runs inside CUDA
+    graphs."""
     experts = topk_ids.reshape(-1)
     total, top_k = experts.shape[0], topk_ids.shape[1]
     if total == 0:
         return
+    num_experts = b_pool.shape[-1] // y.shape[1]
+    set_id = rows.set_id[torch.arange(total, device=x.device) // top_k]
+    keys = torch.where(set_id < 0, -1, experts.long() * rows.num_sets + set_id)
+    block_m = BLOCK_M
+    sorted_rows, num_padded = align_blocks(keys, block_m, num_experts * rows.num_sets)
     r = triton.next_power_of_2(max(rows.max_rows, 16))
-    in_dim = a_pool.shape[-1] // (b_pool.shape[-1] // y.shape[1])
+    in_dim = a_pool.shape[-1] // num_experts
     out_dim = y.shape[1]
     v = torch.empty(total, r, dtype=torch.float32, device=x.device)
-    quant = qscales is not None
-    _expert_shrink[(total,)](
-        x, a_pool, v, experts, rows.start, rows.count, rows.row_ids, rows.row_scales,
-        qscales if quant else rows.row_scales, in_dim, x.stride(0), a_pool.stride(-2),
-        TOP_K=top_k, ROWS_PER_A=rows_per_a, QUANT=quant, R=r, BLOCK_K=64,
+    grid_m = sorted_rows.numel() // block_m
+    common = (sorted_rows, num_padded, experts, rows.start, rows.count, rows.row_ids)
+    _expert_shrink[(grid_m,)](
+        x, a_pool, v, *common, rows.row_scales,
+        qscales if qscales is not None else rows.row_scales, total, in_dim, x.stride(0),
+        a_pool.stride(-2), TOP_K=top_k, ROWS_PER_A=rows_per_a, QUANT=qscales is not None,
+        FP32_DOT=fp32_dot(x.dtype, x.device), R=r, BLOCK_M=block_m, BLOCK_K=64,
     )
     block_n = 64
-    _expert_expand[(total, triton.cdiv(out_dim, block_n))](
-        v, b_pool, y, experts, rows.start, rows.count, rows.row_ids,
-        out_scale if out_scale is not None else rows.row_scales, out_dim, b_pool.stride(0),
-        y.stride(0), TOP_K=top_k, SCALE=out_scale is not None, R=r, BLOCK_N=block_n,
+    _expert_expand[(grid_m, triton.cdiv(out_dim, block_n))](
+        v, b_pool, y, *common, out_scale if out_scale is not None else rows.row_scales, total,
+        out_dim, b_pool.stride(0), y.stride(0), TOP_K=top_k, SCALE=out_scale is not None,
+        FP32_DOT=expand_fp32_dot(b_pool.dtype, x.dtype, x.device),
+        INT8_B=b_pool.dtype == torch.int8, R=r, BLOCK_M=block_m, BLOCK_N=block_n,
     )
