@@ -6,7 +6,9 @@ the largest output), then timed against two floors: the bytes of the experts its
 (expected number under uniform routing) at --peak-bw, and its FLOPs at --peak-flops. Then the
 same with LoRA on the experts (radixlora_kernels.moe_lora): each token on one of --adapters
 rank-8 expert adapters, against the bytes of the distinct (expert, adapter) pairs its rows
-read (the pair's rank rows of A and B, both projections) at --peak-bw.
+read (the pair's rank rows of A and B, both projections) at --peak-bw; and "idle", the hook on
+a batch with no token on an expert adapter (what a pool with expert rows adds to a CUDA graph's
+step without expert adapters).
 
     python scripts/bench_moe.py                 # H100 floors (3.35 TB/s, 700 TFLOP/s)
     python scripts/bench_moe.py --peak-bw 4.24e12 --peak-flops 800e12   # H200
@@ -43,7 +45,7 @@ def main() -> None:
     sizes = [4, 16] if args.smoke else [int(t) for t in args.tokens.split(",")]
     pools = expert_pools(args.adapters * args.rank, experts, hidden, inter, dtype, device, g)
     print(f"{'tokens':>7} {'us':>8} {'rel err':>8} {'bytes floor us':>15} {'flops floor us':>15}"
-          f" {'LoRA us':>8} {'rel err':>8} {'LoRA bytes floor us':>20}")
+          f" {'LoRA us':>8} {'rel err':>8} {'LoRA bytes floor us':>20} {'idle us':>8}")
     for tokens in sizes:
         x = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
         logits = torch.randn(tokens, experts, generator=g, device=device)
@@ -68,10 +70,14 @@ def main() -> None:
         pairs = torch.unique(ids * args.adapters + adapter).numel()
         lora_bytes = (pairs * args.rank * (2 * hidden + 3 * inter)
                       * torch.finfo(dtype).bits // 8)
+        idle = lora_hook(tokens, args.adapters, args.rank, pools, device, idle=True)
+        idle_seconds = float("nan") if args.smoke else graph_seconds(
+            moe_experts, x, ids, weights, gate_up, down, idle)
         print(f"{tokens:>7} {seconds * 1e6:>8.0f} {err:>8.3g} "
               f"{weight_bytes / args.peak_bw * 1e6:>15.0f} {flops / args.peak_flops * 1e6:>15.0f}"
               f" {lora_seconds * 1e6:>8.0f} {lora_err:>8.3g} "
-              f"{(weight_bytes + lora_bytes) / args.peak_bw * 1e6:>20.0f}")
+              f"{(weight_bytes + lora_bytes) / args.peak_bw * 1e6:>20.0f}"
+              f" {idle_seconds * 1e6:>8.0f}")
 
 
 def expert_pools(rows: int, experts: int, hidden: int, inter: int, dtype, device, g):
@@ -87,9 +93,13 @@ def expert_pools(rows: int, experts: int, hidden: int, inter: int, dtype, device
     return {"experts_gate_up": pool(hidden, 2 * inter), "experts_down": pool(inter, hidden)}
 
 
-def lora_hook(tokens: int, adapters: int, rank: int, pools, device):
+def lora_hook(tokens: int, adapters: int, rank: int, pools, device, idle: bool = False):
     """The expert LoRA hook of a batch whose token t is on adapter t % adapters (rows
-    [a * rank, (a + 1) * rank)), as the worker's LoraContext.experts builds it."""
+    [a * rank, (a + 1) * rank)), as the worker's LoraContext.experts builds it; idle: no
+    token's adapter adapts the experts (a CUDA graph's hook on a step without expert
+    adapters)."""
+    import torch
+
     from radixlora_kernels.lora_ops import LoraBatchMeta
     from radixlora_kernels.moe_lora import expert_lora, token_rows
 
@@ -97,6 +107,9 @@ def lora_hook(tokens: int, adapters: int, rank: int, pools, device):
                 for t in range(tokens)]
     meta = LoraBatchMeta.from_segments([1] * tokens, seg_rows, [[1.0] * rank] * tokens, device)
     rows = token_rows(meta)
+    if idle:
+        rows = rows._replace(count=torch.zeros_like(rows.count),
+                             set_id=torch.full_like(rows.set_id, -1))
 
     def hook(group, a, rows_per_a, topk_ids, y, out_scale=None):
         a_pool, b_pool = pools[group]
