@@ -63,7 +63,7 @@ $(BIN)/promtool: | $(VENV)/.installed
 
 test: setup $(VENV)/.sglang-frontend $(BIN)/promtool
 	$(BIN)/ruff check radixlora kernels frontend tests scripts
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n auto --maxprocesses=2
 
 # The suite in a fresh environment of the newest releases (torch is still TORCH); `make lock`
 # then pins what that environment holds.
