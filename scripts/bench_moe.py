@@ -29,6 +29,8 @@ def main() -> None:
     p.add_argument("--peak-flops", type=float, default=700e12)
     p.add_argument("--adapters", type=int, default=100)
     p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--lora-kernels", choices=("auto", "per-row", "blocked"), default="auto",
+                   help="the expert LoRA kernels (auto: as the server picks them by row count)")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     if args.smoke:
@@ -58,7 +60,8 @@ def main() -> None:
         touched = experts * (1 - (1 - top_k / experts) ** tokens)
         weight_bytes = touched * 3 * hidden * inter * torch.finfo(dtype).bits // 8
         flops = 2 * tokens * top_k * 3 * hidden * inter
-        hook = lora_hook(tokens, args.adapters, args.rank, pools, device)
+        blocked = {"auto": None, "per-row": False, "blocked": True}[args.lora_kernels]
+        hook = lora_hook(tokens, args.adapters, args.rank, pools, device, blocked)
         ref = moe_experts_ref(x, ids, weights, gate_up, down, hook).float()
         out = moe_experts(x, ids, weights, gate_up, down, hook).float()
         lora_err = ((out - ref).abs().max() / ref.abs().max()).item()
@@ -70,7 +73,7 @@ def main() -> None:
         pairs = torch.unique(ids * args.adapters + adapter).numel()
         lora_bytes = (pairs * args.rank * (2 * hidden + 3 * inter)
                       * torch.finfo(dtype).bits // 8)
-        idle = lora_hook(tokens, args.adapters, args.rank, pools, device, idle=True)
+        idle = lora_hook(tokens, args.adapters, args.rank, pools, device, blocked, idle=True)
         idle_seconds = float("nan") if args.smoke else graph_seconds(
             moe_experts, x, ids, weights, gate_up, down, idle)
         print(f"{tokens:>7} {seconds * 1e6:>8.0f} {err:>8.3g} "
@@ -93,9 +96,11 @@ def expert_pools(rows: int, experts: int, hidden: int, inter: int, dtype, device
     return {"experts_gate_up": pool(hidden, 2 * inter), "experts_down": pool(inter, hidden)}
 
 
-def lora_hook(tokens: int, adapters: int, rank: int, pools, device, idle: bool = False):
+def lora_hook(tokens: int, adapters: int, rank: int, pools, device, blocked: bool | None,
+              idle: bool = False):
     """The expert LoRA hook of a batch whose token t is on adapter t % adapters (rows
-    [a * rank, (a + 1) * rank)), as the worker's LoraContext.experts builds it; idle: no
+    [a * rank, (a + 1) * rank)), as the worker's LoraContext.experts builds it (blocked:
+    expert_lora's choice of kernels, None: by row count); idle: no
     token's adapter adapts the experts (a CUDA graph's hook on a step without expert
     adapters)."""
     import torch
@@ -113,7 +118,8 @@ def lora_hook(tokens: int, adapters: int, rank: int, pools, device, idle: bool =
 
     def hook(group, a, rows_per_a, topk_ids, y, out_scale=None):
         a_pool, b_pool = pools[group]
-        expert_lora(a, rows_per_a, topk_ids, a_pool, b_pool, rows, y, out_scale)
+        expert_lora(a, rows_per_a, topk_ids, a_pool, b_pool, rows, y, out_scale,
+                    blocked=blocked)
 
     return hook
 

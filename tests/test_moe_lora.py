@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,7 @@ from radixlora.errors import AdapterError, InvalidRequestError
 from radixlora.lora.layout import quantize_rows
 from radixlora.worker.sizing import with_lora_targets
 from radixlora_kernels.lora_ops import LoraBatchMeta
-from radixlora_kernels.moe import align_blocks
-from radixlora_kernels.moe_lora import expert_lora, expert_lora_ref, token_rows
+from radixlora_kernels.moe_lora import align_blocks, expert_lora, expert_lora_ref, token_rows
 from scripts.checkpoints import EXPERT_TARGETS as EXPERTS
 from scripts.checkpoints import build_hf_model, build_peft_adapter
 from tests.conftest import assert_all_free
@@ -219,6 +219,7 @@ def per_row(x, rows_per_a, topk_ids, a_pool, b_pool, lens, seg_rows, seg_scales,
 @pytest.mark.parametrize(("tokens", "top_k", "int8"), [(1, 2, False), (9, 2, False),
                                                       (23, 3, True), (60, 2, False)])
 def test_expert_kernels_equal_the_reference_and_a_per_row_loop(tokens, top_k, int8):
+    """Both kernel pairs: a program per row, and blocks of one (expert, adapter set)."""
     g = torch.Generator().manual_seed(7)
     experts, hidden, inter, rows = 5, 24, 20, 18
     x = torch.randn(tokens, hidden, generator=g)
@@ -236,7 +237,9 @@ def test_expert_kernels_equal_the_reference_and_a_per_row_loop(tokens, top_k, in
         meta, lens, seg_rows, seg_scales = random_meta(tokens, grouped, rows)
         want = per_row(x, top_k, ids, a_pool, b_pool, lens, seg_rows, seg_scales, y, out_scale,
                        qscales)
-        for run in (expert_lora_ref, expert_lora):
+        runs = (expert_lora_ref, partial(expert_lora, blocked=False),
+                partial(expert_lora, blocked=True))
+        for run in runs:
             got = y.clone()
             run(x, top_k, ids, a_pool, b_pool, token_rows(meta), got, out_scale, qscales)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -41,41 +41,28 @@ def moe_experts_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     return y.view(tokens, top_k, -1).sum(dim=1)
 
 
-def align_blocks(keys: torch.Tensor, block_m: int,
-                 max_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted_rows, num_padded) for rows keyed by keys [M] (< 0: the row is left out, and
-    at most max_keys distinct keys otherwise): the rows sorted by key, each key's run padded
-    to a multiple of block_m with the sentinel M, so every block holds rows of one key and
-    starts with a real row; num_padded [1] the rows in use. Tensor ops only, sized by M alone
-    (no host sync): at most one partial block per key."""
-    m, device = keys.numel(), keys.device
-    keys = torch.where(keys < 0, torch.iinfo(torch.int64).max, keys.to(torch.int64))
-    order = torch.argsort(keys, stable=True)
-    by_key = keys[order]
-    used = by_key != torch.iinfo(torch.int64).max
-    new_run = torch.ones(m, dtype=torch.bool, device=device)
-    new_run[1:] = by_key[1:] != by_key[:-1]
-    run = new_run.cumsum(0) - 1
-    counts = torch.zeros(m, dtype=torch.int64, device=device).index_add_(0, run, used.long())
-    rank = torch.arange(m, device=device) - (counts.cumsum(0) - counts)[run]
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    num_blocks = triton.cdiv(m + min(max_keys, m) * (block_m - 1), block_m)
-    dest = torch.where(used, (padded_end - padded)[run] + rank, num_blocks * block_m)
-    sorted_rows = torch.full((num_blocks * block_m + 1,), m, dtype=torch.int32, device=device)
-    sorted_rows[dest] = order.to(torch.int32)
-    return sorted_rows[:-1], padded_end[-1:]
-
-
 def moe_align(topk_ids: torch.Tensor, num_experts: int,
               block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_rows, block_expert, num_padded) for the M = T * k rows of topk_ids [T, k]: the rows
-    sorted by expert, each expert's run padded to whole blocks (align_blocks); block_expert[b]
-    the expert of block b (any expert past num_padded)."""
+    sorted by expert, each expert's run padded to a multiple of block_m with the sentinel M;
+    block_expert[b] the expert of block b; num_padded [1] the rows in use. Tensor ops only,
+    sized by M alone (no host sync): at most one partial block per expert in use."""
     flat = topk_ids.reshape(-1).to(torch.int64)
-    sorted_rows, num_padded = align_blocks(flat, block_m, num_experts)
-    first = sorted_rows.view(-1, block_m)[:, 0].long().clamp_(max=max(flat.numel() - 1, 0))
-    return sorted_rows, flat[first].to(torch.int32), num_padded
+    m, device = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    by_expert = flat[order]
+    rank = torch.arange(m, device=device) - (counts.cumsum(0) - counts)[by_expert]
+    dest = (padded_end - padded)[by_expert] + rank
+    num_blocks = triton.cdiv(m + min(num_experts, m) * (block_m - 1), block_m)
+    sorted_rows = torch.full((num_blocks * block_m,), m, dtype=torch.int32, device=device)
+    sorted_rows[dest] = order.to(torch.int32)
+    starts = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_rows, block_expert.to(torch.int32), padded_end[-1:]
 
 
 @triton.jit

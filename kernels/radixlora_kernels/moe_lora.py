@@ -6,11 +6,11 @@ that expert: with the pool row of rank row j holding every expert's A row j side
     v[m, j] = x[m // rows_per_a] . a_pool[row_j, e * in:(e + 1) * in] * scale_j
     y[m] += (sum_j v[m, j] * b_pool[row_j, e * out:(e + 1) * out]) * out_scale[m]
 
-The rows are grouped by (expert, adapter set) into blocks (align_blocks), and a block's rows
-are multiplied by its set's rank rows of its expert, read once per block: a step's LoRA cost
-follows the distinct (expert, set) pairs it reads, not its rows or the experts' count. A
-token's rows come from its adapter set (token_rows), the same rank rows and stacking weights
-every other module group reads."""
+A token's rows come from its adapter set (token_rows), the same rank rows and stacking weights
+every other module group reads. Two kernel pairs: for few rows (decode steps, CUDA graphs) a
+program per row, which reads its pair's rank rows itself; for many (prefill), the rows grouped
+by (expert, adapter set) into blocks (align_blocks) and each block multiplied by its pair's
+rank rows read once, so the cost follows the distinct (expert, set) pairs, not the rows."""
 
 from __future__ import annotations
 
@@ -19,13 +19,16 @@ from typing import NamedTuple
 import torch
 
 from .lora_ops import LoraBatchMeta
-from .moe import align_blocks
 from .sgmv_expand import expand_fp32_dot
-from .sgmv_shrink import fp32_dot
+from .sgmv_shrink import fp32_dot, sm_count
 from .triton_compat import tl, triton
 
 MAX_GATHER = 1 << 24  # elements of A or B gathered at once by the torch reference
-BLOCK_M = 16  # rows of one expert and adapter set per program (tl.dot's least)
+BLOCK_M = 16  # rows of one expert and adapter set per block (tl.dot's least)
+# Above this many rows a projection's rows are grouped by (expert, adapter set) first; below it
+# (decode steps, CUDA graphs) the grouping's sort costs more than re-reading a pair's rank rows
+# for each row (scripts/bench_moe.py, docs/PERF.md: mixture-of-experts bases).
+PER_ROW_MAX_ROWS = 8192
 
 
 class TokenRows(NamedTuple):
@@ -130,125 +133,242 @@ def expert_lora_ref(x: torch.Tensor, rows_per_a: int, topk_ids: torch.Tensor,
 
 
 @triton.jit
-def _block_entries(pid, sorted_rows_ptr, num_padded_ptr, experts_ptr, start_ptr, count_ptr,
-                   row_ids_ptr, num_rows, TOP_K: tl.constexpr, R: tl.constexpr,
-                   BLOCK_M: tl.constexpr):
-    """(live, rows, valid, start, rank, rank_ok, ids, expert) of block pid: its rows (one
-    expert, one adapter set: align_blocks) and their rank rows; live False past the blocks in
-    use."""
-    live = pid * BLOCK_M < tl.load(num_padded_ptr)
-    rows = tl.load(sorted_rows_ptr + pid * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = rows < num_rows
-    first = tl.load(sorted_rows_ptr + pid * BLOCK_M)
-    token = tl.minimum(first, num_rows - 1) // TOP_K
+def _row_entries(m, experts_ptr, start_ptr, count_ptr, row_ids_ptr, TOP_K: tl.constexpr,
+                 R: tl.constexpr):
+    """(count, start, rank, valid, ids, expert) of row m: its token's rank rows and its
+    expert."""
+    token = m // TOP_K
+    count = tl.load(count_ptr + token)
     start = tl.load(start_ptr + token)
     rank = tl.arange(0, R)
-    rank_ok = rank < tl.load(count_ptr + token)
-    ids = tl.load(row_ids_ptr + start + rank, mask=rank_ok, other=0).to(tl.int64)
-    expert = tl.load(experts_ptr + tl.minimum(first, num_rows - 1)).to(tl.int64)
-    return live, rows, valid, start, rank, rank_ok, ids, expert
+    valid = rank < count
+    ids = tl.load(row_ids_ptr + start + rank, mask=valid, other=0).to(tl.int64)
+    expert = tl.load(experts_ptr + m).to(tl.int64)
+    return count, start, rank, valid, ids, expert
 
 
 @triton.jit
-def _expert_shrink(
+def _row_shrink(
+    x_ptr, a_ptr, v_ptr, experts_ptr, start_ptr, count_ptr, row_ids_ptr, row_scales_ptr,
+    qscales_ptr, in_dim, stride_x, stride_a, TOP_K: tl.constexpr, ROWS_PER_A: tl.constexpr,
+    QUANT: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """v[m, :count] for one row m (nothing for a token with no rows here)."""
+    m = tl.program_id(0)
+    count, start, rank, valid, ids, expert = _row_entries(
+        m, experts_ptr, start_ptr, count_ptr, row_ids_ptr, TOP_K, R)
+    if count == 0:
+        return
+    x_row = (m // ROWS_PER_A).to(tl.int64)
+    acc = tl.zeros((R,), dtype=tl.float32)
+    for k0 in range(0, in_dim, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        inside = kk < in_dim
+        x = tl.load(x_ptr + x_row * stride_x + kk, mask=inside, other=0.0).to(tl.float32)
+        a = tl.load(a_ptr + ids[:, None] * stride_a + expert * in_dim + kk[None, :],
+                    mask=valid[:, None] & inside[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(a * x[None, :], axis=1)
+    weight = tl.load(row_scales_ptr + start + rank, mask=valid, other=0.0)
+    if QUANT:
+        weight *= tl.load(qscales_ptr + ids, mask=valid, other=0.0)
+    tl.store(v_ptr + m.to(tl.int64) * R + rank, acc * weight, mask=valid)
+
+
+@triton.jit
+def _row_expand(
+    v_ptr, b_ptr, y_ptr, experts_ptr, start_ptr, count_ptr, row_ids_ptr, out_scale_ptr,
+    out_dim, stride_b, stride_y, TOP_K: tl.constexpr, SCALE: tl.constexpr, R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """y[m, n-block] += the deltas of v[m] (times out_scale[m])."""
+    m = tl.program_id(0)
+    count, _, rank, valid, ids, expert = _row_entries(
+        m, experts_ptr, start_ptr, count_ptr, row_ids_ptr, TOP_K, R)
+    if count == 0:
+        return
+    v = tl.load(v_ptr + m.to(tl.int64) * R + rank, mask=valid, other=0.0)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = offs < out_dim
+    b = tl.load(b_ptr + ids[:, None] * stride_b + expert * out_dim + offs[None, :],
+                mask=valid[:, None] & inside[None, :], other=0.0).to(tl.float32)
+    delta = tl.sum(v[:, None] * b, axis=0)
+    if SCALE:
+        delta *= tl.load(out_scale_ptr + m)
+    y = y_ptr + m.to(tl.int64) * stride_y + offs
+    tl.store(y, (tl.load(y, mask=inside, other=0.0).to(tl.float32) + delta).to(
+        y_ptr.dtype.element_ty), mask=inside)
+
+
+def align_blocks(keys: torch.Tensor, block_m: int,
+                 max_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_rows, num_padded) for rows keyed by keys [M] (< 0: the row is left out, and
+    at most max_keys distinct keys otherwise): the rows sorted by key, each key's run padded
+    to a multiple of block_m with the sentinel M, so every block holds rows of one key and
+    starts with a real row; num_padded [1] the rows in use. Tensor ops only, sized by M alone
+    (no host sync): at most one partial block per key."""
+    m, device = keys.numel(), keys.device
+    keys = torch.where(keys < 0, torch.iinfo(torch.int64).max, keys.to(torch.int64))
+    order = torch.argsort(keys, stable=True)
+    by_key = keys[order]
+    used = by_key != torch.iinfo(torch.int64).max
+    new_run = torch.ones(m, dtype=torch.bool, device=device)
+    new_run[1:] = by_key[1:] != by_key[:-1]
+    run = new_run.cumsum(0) - 1
+    counts = torch.zeros(m, dtype=torch.int64, device=device).index_add_(0, run, used.long())
+    rank = torch.arange(m, device=device) - (counts.cumsum(0) - counts)[run]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    num_blocks = triton.cdiv(m + min(max_keys, m) * (block_m - 1), block_m)
+    dest = torch.where(used, (padded_end - padded)[run] + rank, num_blocks * block_m)
+    sorted_rows = torch.full((num_blocks * block_m + 1,), m, dtype=torch.int32, device=device)
+    sorted_rows[dest] = order.to(torch.int32)
+    return sorted_rows[:-1], padded_end[-1:]
+
+
+@triton.jit
+def _block_entries(block, sorted_rows_ptr, experts_ptr, start_ptr, count_ptr, row_ids_ptr,
+                   num_rows, TOP_K: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(rows, valid, start, rank, rank_ok, ids, expert) of a block in use: its rows (one
+    expert, one adapter set: align_blocks) and their rank rows."""
+    rows = tl.load(sorted_rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows < num_rows
+    first = tl.load(sorted_rows_ptr + block * BLOCK_M)
+    start = tl.load(start_ptr + first // TOP_K)
+    rank = tl.arange(0, R)
+    rank_ok = rank < tl.load(count_ptr + first // TOP_K)
+    ids = tl.load(row_ids_ptr + start + rank, mask=rank_ok, other=0).to(tl.int64)
+    expert = tl.load(experts_ptr + first).to(tl.int64)
+    return rows, valid, start, rank, rank_ok, ids, expert
+
+
+@triton.jit
+def _block_shrink(
     x_ptr, a_ptr, v_ptr, sorted_rows_ptr, num_padded_ptr, experts_ptr, start_ptr, count_ptr,
     row_ids_ptr, row_scales_ptr, qscales_ptr, num_rows, in_dim, stride_x, stride_a,
     TOP_K: tl.constexpr, ROWS_PER_A: tl.constexpr, QUANT: tl.constexpr, FP32_DOT: tl.constexpr,
     R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """v[rows, :count] = x[rows] @ A[rank rows of the block's set and expert].T, weighted."""
-    live, rows, valid, start, rank, rank_ok, ids, expert = _block_entries(
-        tl.program_id(0), sorted_rows_ptr, num_padded_ptr, experts_ptr, start_ptr, count_ptr,
-        row_ids_ptr, num_rows, TOP_K, R, BLOCK_M)
-    if not live:
-        return
-    x_rows = (rows // ROWS_PER_A).to(tl.int64)
-    acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-    for k0 in range(0, in_dim, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        inside = kk < in_dim
-        x = tl.load(x_ptr + x_rows[:, None] * stride_x + kk[None, :],
-                    mask=valid[:, None] & inside[None, :], other=0.0)
-        a = tl.load(a_ptr + ids[None, :] * stride_a + expert * in_dim + kk[:, None],
-                    mask=rank_ok[None, :] & inside[:, None], other=0.0)
-        if FP32_DOT:
-            acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(x, a.to(x.dtype))  # int8 values are exact in 16-bit floats
-    weight = tl.load(row_scales_ptr + start + rank, mask=rank_ok, other=0.0)
-    if QUANT:
-        weight *= tl.load(qscales_ptr + ids, mask=rank_ok, other=0.0)
-    tl.store(v_ptr + rows[:, None].to(tl.int64) * R + rank[None, :], acc * weight[None, :],
-             mask=valid[:, None] & rank_ok[None, :])
+    """v[rows, :count] = x[rows] @ A[rank rows of the block's set and expert].T, weighted, for
+    the blocks in use, taken in turn by the grid's programs."""
+    blocks = tl.load(num_padded_ptr) // BLOCK_M
+    for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
+        rows, valid, start, rank, rank_ok, ids, expert = _block_entries(
+            block, sorted_rows_ptr, experts_ptr, start_ptr, count_ptr, row_ids_ptr, num_rows,
+            TOP_K, R, BLOCK_M)
+        x_rows = (rows // ROWS_PER_A).to(tl.int64)
+        acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+        for k0 in range(0, in_dim, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            inside = kk < in_dim
+            x = tl.load(x_ptr + x_rows[:, None] * stride_x + kk[None, :],
+                        mask=valid[:, None] & inside[None, :], other=0.0)
+            a = tl.load(a_ptr + ids[None, :] * stride_a + expert * in_dim + kk[:, None],
+                        mask=rank_ok[None, :] & inside[:, None], other=0.0)
+            if FP32_DOT:
+                acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(x, a.to(x.dtype))  # int8 values are exact in 16-bit floats
+        weight = tl.load(row_scales_ptr + start + rank, mask=rank_ok, other=0.0)
+        if QUANT:
+            weight *= tl.load(qscales_ptr + ids, mask=rank_ok, other=0.0)
+        tl.store(v_ptr + rows[:, None].to(tl.int64) * R + rank[None, :],
+                 acc * weight[None, :], mask=valid[:, None] & rank_ok[None, :])
 
 
 @triton.jit
-def _expert_expand(
+def _block_expand(
     v_ptr, b_ptr, y_ptr, sorted_rows_ptr, num_padded_ptr, experts_ptr, start_ptr, count_ptr,
     row_ids_ptr, out_scale_ptr, num_rows, out_dim, stride_b, stride_y, TOP_K: tl.constexpr,
     SCALE: tl.constexpr, FP32_DOT: tl.constexpr, INT8_B: tl.constexpr, R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """y[rows, n-block] += v[rows] @ B[rank rows of the block's set and expert] (times
-    out_scale[rows])."""
-    live, rows, valid, _, rank, rank_ok, ids, expert = _block_entries(
-        tl.program_id(0), sorted_rows_ptr, num_padded_ptr, experts_ptr, start_ptr, count_ptr,
-        row_ids_ptr, num_rows, TOP_K, R, BLOCK_M)
-    if not live:
-        return
-    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    inside = offs < out_dim
-    v = tl.load(v_ptr + rows[:, None].to(tl.int64) * R + rank[None, :],
-                mask=valid[:, None] & rank_ok[None, :], other=0.0)
-    b = tl.load(b_ptr + ids[:, None] * stride_b + expert * out_dim + offs[None, :],
-                mask=rank_ok[:, None] & inside[None, :], other=0.0)
-    if FP32_DOT:
-        delta = tl.dot(v, b.to(tl.float32), input_precision="ieee")
-    elif INT8_B:  # int8 values are exact in bfloat16; v carries B's row scales
-        delta = tl.dot(v.to(tl.bfloat16), b.to(tl.bfloat16))
-    else:
-        delta = tl.dot(v.to(b.dtype), b)
-    if SCALE:
-        delta *= tl.load(out_scale_ptr + rows, mask=valid, other=0.0)[:, None]
-    y = y_ptr + rows[:, None].to(tl.int64) * stride_y + offs[None, :]
-    mask = valid[:, None] & inside[None, :]
-    tl.store(y, (tl.load(y, mask=mask, other=0.0).to(tl.float32) + delta).to(
-        y_ptr.dtype.element_ty), mask=mask)
+    out_scale[rows]) for each block in use and block of outputs, taken in turn."""
+    tiles = tl.cdiv(out_dim, BLOCK_N)
+    work = tl.load(num_padded_ptr) // BLOCK_M * tiles
+    for item in range(tl.program_id(0), work, tl.num_programs(0)):
+        rows, valid, _, rank, rank_ok, ids, expert = _block_entries(
+            item // tiles, sorted_rows_ptr, experts_ptr, start_ptr, count_ptr, row_ids_ptr,
+            num_rows, TOP_K, R, BLOCK_M)
+        offs = item % tiles * BLOCK_N + tl.arange(0, BLOCK_N)
+        inside = offs < out_dim
+        v = tl.load(v_ptr + rows[:, None].to(tl.int64) * R + rank[None, :],
+                    mask=valid[:, None] & rank_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + ids[:, None] * stride_b + expert * out_dim + offs[None, :],
+                    mask=rank_ok[:, None] & inside[None, :], other=0.0)
+        if FP32_DOT:
+            delta = tl.dot(v, b.to(tl.float32), input_precision="ieee")
+        elif INT8_B:  # int8 values are exact in bfloat16; v carries B's row scales
+            delta = tl.dot(v.to(tl.bfloat16), b.to(tl.bfloat16))
+        else:
+            delta = tl.dot(v.to(b.dtype), b)
+        if SCALE:
+            delta *= tl.load(out_scale_ptr + rows, mask=valid, other=0.0)[:, None]
+        y = y_ptr + rows[:, None].to(tl.int64) * stride_y + offs[None, :]
+        mask = valid[:, None] & inside[None, :]
+        tl.store(y, (tl.load(y, mask=mask, other=0.0).to(tl.float32) + delta).to(
+            y_ptr.dtype.element_ty), mask=mask)
 
 
 def expert_lora(x: torch.Tensor, rows_per_a: int, topk_ids: torch.Tensor,
                 a_pool: torch.Tensor, b_pool: torch.Tensor, rows: TokenRows, y: torch.Tensor,
-                out_scale: torch.Tensor | None = None,
-                qscales: torch.Tensor | None = None) -> None:
-    """expert_lora_ref in two Triton launches over the rows grouped by (expert, adapter set)
-    in blocks (align_blocks): the shrink and the expand multiply a block's rows by its set's
-    rank rows of its expert, read once per block. Static shapes: it runs inside CUDA
-    graphs."""
+                out_scale: torch.Tensor | None = None, qscales: torch.Tensor | None = None,
+                blocked: bool | None = None) -> None:
+    """expert_lora_ref in two Triton launches, a shrink and an expand. blocked (None: above
+    PER_ROW_MAX_ROWS rows): the rows grouped by (expert, adapter set) in blocks (align_blocks),
+    each block's rows multiplied by its pair's rank rows, read once per block; else a program
+    per row. Static shapes: it runs inside CUDA graphs."""
     experts = topk_ids.reshape(-1)
     total, top_k = experts.shape[0], topk_ids.shape[1]
     if total == 0:
         return
     num_experts = b_pool.shape[-1] // y.shape[1]
+    r = triton.next_power_of_2(max(rows.max_rows, 16))
+    v = torch.empty(total, r, dtype=torch.float32, device=x.device)
+    shapes = (a_pool.shape[-1] // num_experts, y.shape[1], r)
+    if total > PER_ROW_MAX_ROWS if blocked is None else blocked:
+        _blocked(x, rows_per_a, experts, top_k, a_pool, b_pool, rows, y, out_scale, qscales, v,
+                 shapes, num_experts)
+    else:
+        _per_row(x, rows_per_a, experts, top_k, a_pool, b_pool, rows, y, out_scale, qscales, v,
+                 shapes)
+
+
+def _per_row(x, rows_per_a, experts, top_k, a_pool, b_pool, rows, y, out_scale, qscales, v,
+             shapes) -> None:
+    in_dim, out_dim, r = shapes
+    total, quant, block_n = experts.shape[0], qscales is not None, 64
+    _row_shrink[(total,)](
+        x, a_pool, v, experts, rows.start, rows.count, rows.row_ids, rows.row_scales,
+        qscales if quant else rows.row_scales, in_dim, x.stride(0), a_pool.stride(-2),
+        TOP_K=top_k, ROWS_PER_A=rows_per_a, QUANT=quant, R=r, BLOCK_K=64,
+    )
+    _row_expand[(total, triton.cdiv(out_dim, block_n))](
+        v, b_pool, y, experts, rows.start, rows.count, rows.row_ids,
+        out_scale if out_scale is not None else rows.row_scales, out_dim, b_pool.stride(0),
+        y.stride(0), TOP_K=top_k, SCALE=out_scale is not None, R=r, BLOCK_N=block_n,
+    )
+
+
+def _blocked(x, rows_per_a, experts, top_k, a_pool, b_pool, rows, y, out_scale, qscales, v,
+             shapes, num_experts) -> None:
+    in_dim, out_dim, r = shapes
+    total, block_n = experts.shape[0], 64
     set_id = rows.set_id[torch.arange(total, device=x.device) // top_k]
     keys = torch.where(set_id < 0, -1, experts.long() * rows.num_sets + set_id)
-    block_m = BLOCK_M
-    sorted_rows, num_padded = align_blocks(keys, block_m, num_experts * rows.num_sets)
-    r = triton.next_power_of_2(max(rows.max_rows, 16))
-    in_dim = a_pool.shape[-1] // num_experts
-    out_dim = y.shape[1]
-    v = torch.empty(total, r, dtype=torch.float32, device=x.device)
-    grid_m = sorted_rows.numel() // block_m
+    sorted_rows, num_padded = align_blocks(keys, BLOCK_M, num_experts * rows.num_sets)
+    blocks = sorted_rows.numel() // BLOCK_M
+    programs = 4 * sm_count(x.device.index) if x.device.type == "cuda" else 8
     common = (sorted_rows, num_padded, experts, rows.start, rows.count, rows.row_ids)
-    _expert_shrink[(grid_m,)](
+    _block_shrink[(min(blocks, programs),)](
         x, a_pool, v, *common, rows.row_scales,
         qscales if qscales is not None else rows.row_scales, total, in_dim, x.stride(0),
         a_pool.stride(-2), TOP_K=top_k, ROWS_PER_A=rows_per_a, QUANT=qscales is not None,
-        FP32_DOT=fp32_dot(x.dtype, x.device), R=r, BLOCK_M=block_m, BLOCK_K=64,
+        FP32_DOT=fp32_dot(x.dtype, x.device), R=r, BLOCK_M=BLOCK_M, BLOCK_K=64,
     )
-    block_n = 64
-    _expert_expand[(grid_m, triton.cdiv(out_dim, block_n))](
+    _block_expand[(min(blocks * triton.cdiv(out_dim, block_n), programs),)](
         v, b_pool, y, *common, out_scale if out_scale is not None else rows.row_scales, total,
         out_dim, b_pool.stride(0), y.stride(0), TOP_K=top_k, SCALE=out_scale is not None,
         FP32_DOT=expand_fp32_dot(b_pool.dtype, x.dtype, x.device),
-        INT8_B=b_pool.dtype == torch.int8, R=r, BLOCK_M=block_m, BLOCK_N=block_n,
+        INT8_B=b_pool.dtype == torch.int8, R=r, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
     )
