@@ -103,6 +103,8 @@ def lora_hook(tokens: int, adapters: int, rank: int, pools, device, blocked: boo
     expert_lora's choice of kernels, None: by row count); idle: no
     token's adapter adapts the experts (a CUDA graph's hook on a step without expert
     adapters)."""
+    import dataclasses
+
     import torch
 
     from radixlora_kernels.lora_ops import LoraBatchMeta
@@ -113,8 +115,7 @@ def lora_hook(tokens: int, adapters: int, rank: int, pools, device, blocked: boo
     meta = LoraBatchMeta.from_segments([1] * tokens, seg_rows, [[1.0] * rank] * tokens, device)
     rows = token_rows(meta)
     if idle:
-        rows = rows._replace(count=torch.zeros_like(rows.count),
-                             set_id=torch.full_like(rows.set_id, -1))
+        rows = dataclasses.replace(rows, count=torch.zeros_like(rows.count))
 
     def hook(group, a, rows_per_a, topk_ids, y, out_scale=None):
         a_pool, b_pool = pools[group]

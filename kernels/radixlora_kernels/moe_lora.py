@@ -14,7 +14,8 @@ rank rows read once, so the cost follows the distinct (expert, set) pairs, not t
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -31,19 +32,31 @@ BLOCK_M = 16  # rows of one expert and adapter set per block (tl.dot's least)
 PER_ROW_MAX_ROWS = 8192
 
 
-class TokenRows(NamedTuple):
+@dataclass
+class TokenRows:
     """Each token's rank rows: row_ids[start[t]:start[t] + count[t]] with their stacking
-    weights in row_scales (count 0: no adapter here); max_rows >= any count. set_id[t]
-    (< num_sets) is equal for tokens with equal rows and weights that the batch lists side by
-    side (a request's tokens; a set's groups), -1 for count 0: a key that groups rows."""
+    weights in row_scales (count 0: no adapter here); max_rows >= any count. Token t's rows are
+    those of range token_range[t] of indptr (a segment or a group)."""
 
     start: torch.Tensor  # [T] int64
     count: torch.Tensor  # [T] int64
     row_ids: torch.Tensor  # [N] int32
     row_scales: torch.Tensor  # [N] float32
     max_rows: int
-    set_id: torch.Tensor  # [T] int64
-    num_sets: int
+    indptr: torch.Tensor  # [R + 1] int32, the ranges' rows
+    token_range: torch.Tensor  # [T] int64
+
+    @functools.cached_property
+    def set_id(self) -> torch.Tensor:
+        """[T] int64, < num_sets: equal for tokens with equal rows and weights whose ranges the
+        batch lists side by side (a request's tokens, a set's groups), -1 for count 0: a key
+        that groups rows (computed on first use, for the blocked kernels only)."""
+        sets = _range_sets(self.indptr, self.row_ids, self.row_scales, self.max_rows)
+        return torch.where(self.count > 0, sets[self.token_range], -1)
+
+    @property
+    def num_sets(self) -> int:
+        return self.indptr.shape[0] - 1
 
 
 def token_rows(meta: LoraBatchMeta) -> TokenRows:
@@ -52,11 +65,9 @@ def token_rows(meta: LoraBatchMeta) -> TokenRows:
     tokens = meta.token_seg.shape[0]
     if meta.groups is None:
         seg = meta.token_seg.long()
-        sets = _range_sets(meta.row_indptr, meta.row_ids, meta.row_scales, meta.max_rows)
         start = meta.row_indptr[seg].long()
-        count = meta.row_indptr[seg + 1].long() - start
-        return TokenRows(start, count, meta.row_ids, meta.row_scales, meta.max_rows,
-                         torch.where(count > 0, sets[seg], -1), sets.shape[0])
+        return TokenRows(start, meta.row_indptr[seg + 1].long() - start, meta.row_ids,
+                         meta.row_scales, meta.max_rows, meta.row_indptr, seg)
     g = meta.groups
     device = g.token_ids.device
     ends = g.group_indptr[1:].long()
@@ -67,16 +78,15 @@ def token_rows(meta: LoraBatchMeta) -> TokenRows:
     group = torch.searchsorted(ends, pos, right=True).clamp_(max=ends.shape[0] - 1)
     valid = pos < g.group_indptr[g.num_groups.long()].long()
     dest = torch.where(valid, g.token_ids.long(), tokens)
-    sets = _range_sets(g.row_indptr, g.row_ids, g.row_scales, meta.max_rows)
     start = torch.zeros(tokens + 1, dtype=torch.int64, device=device)
     count = torch.zeros(tokens + 1, dtype=torch.int64, device=device)
-    set_id = torch.full((tokens + 1,), -1, dtype=torch.int64, device=device)
+    token_range = torch.zeros(tokens + 1, dtype=torch.int64, device=device)
     first = g.row_indptr[group].long()
     start.scatter_(0, dest, first)
     count.scatter_(0, dest, g.row_indptr[group + 1].long() - first)
-    set_id.scatter_(0, dest, sets[group])
+    token_range.scatter_(0, dest, group)
     return TokenRows(start[:tokens], count[:tokens], g.row_ids, g.row_scales, meta.max_rows,
-                     set_id[:tokens], sets.shape[0])
+                     g.row_indptr, token_range[:tokens])
 
 
 def _range_sets(indptr: torch.Tensor, row_ids: torch.Tensor, row_scales: torch.Tensor,
