@@ -30,6 +30,9 @@ BLOCK_M = 16  # rows of one expert and adapter set per block (tl.dot's least)
 # (decode steps, CUDA graphs) the grouping's sort costs more than re-reading a pair's rank rows
 # for each row (scripts/bench_moe.py, docs/PERF.md: mixture-of-experts bases).
 PER_ROW_MAX_ROWS = 8192
+# The blocked kernels' grid: up to 16 programs of 4 warps a multiprocessor (2,048 threads, an
+# H100's most), taking the blocks in use in turn, so the unused blocks launch nothing.
+BLOCKED_PROGRAMS_PER_SM = 16
 
 
 @dataclass
@@ -368,7 +371,8 @@ def _blocked(x, rows_per_a, experts, top_k, a_pool, b_pool, rows, y, out_scale, 
     keys = torch.where(set_id < 0, -1, experts.long() * rows.num_sets + set_id)
     sorted_rows, num_padded = align_blocks(keys, BLOCK_M, num_experts * rows.num_sets)
     blocks = sorted_rows.numel() // BLOCK_M
-    programs = 4 * sm_count(x.device.index) if x.device.type == "cuda" else 8
+    programs = (BLOCKED_PROGRAMS_PER_SM * sm_count(x.device.index) if x.device.type == "cuda"
+                else 8)
     common = (sorted_rows, num_padded, experts, rows.start, rows.count, rows.row_ids)
     _block_shrink[(min(blocks, programs),)](
         x, a_pool, v, *common, rows.row_scales,
