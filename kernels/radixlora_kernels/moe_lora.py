@@ -21,6 +21,7 @@ import torch
 
 from .lora_ops import LoraBatchMeta
 from .sgmv_expand import expand_fp32_dot
+from .sgmv_grouped import dot_vb
 from .sgmv_shrink import fp32_dot, sm_count
 from .triton_compat import tl, triton
 
@@ -309,12 +310,7 @@ def _block_expand(
                     mask=valid[:, None] & rank_ok[None, :], other=0.0)
         b = tl.load(b_ptr + ids[:, None] * stride_b + expert * out_dim + offs[None, :],
                     mask=rank_ok[:, None] & inside[None, :], other=0.0)
-        if FP32_DOT:
-            delta = tl.dot(v, b.to(tl.float32), input_precision="ieee")
-        elif INT8_B:  # int8 values are exact in bfloat16; v carries B's row scales
-            delta = tl.dot(v.to(tl.bfloat16), b.to(tl.bfloat16))
-        else:
-            delta = tl.dot(v.to(b.dtype), b)
+        delta = dot_vb(v, b, FP32_DOT, INT8_B)
         if SCALE:
             delta *= tl.load(out_scale_ptr + rows, mask=valid, other=0.0)[:, None]
         y = y_ptr + rows[:, None].to(tl.int64) * stride_y + offs[None, :]

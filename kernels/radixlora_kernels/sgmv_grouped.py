@@ -311,7 +311,7 @@ def _grouped_expand_kernel(
                     offs_n = n + tl.arange(0, BLOCK_N)
                     n_mask = offs_n < n_hi
                     b = _load_b_tile(b_ptr, rows, j_mask, offs_n, n_mask, stride_br, stride_bn)
-                    acc = _dot_vb(v, b, FP32_DOT, INT8_B)
+                    acc = dot_vb(v, b, FP32_DOT, INT8_B)
                     _write_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn,
                              ACCUMULATE)
         else:
@@ -332,7 +332,7 @@ def _grouped_expand_kernel(
                                     PARTS_PER_STEP)
                         b = _load_b_tile(b_ptr, rows.to(tl.int64), j_mask, offs_n, n_mask,
                                          stride_br, stride_bn)
-                        acc += _dot_vb(v, b, FP32_DOT, INT8_B)
+                        acc += dot_vb(v, b, FP32_DOT, INT8_B)
                     _write_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn,
                              ACCUMULATE)
     _wait_for_previous_kernel(PDL)  # a program with no work item must wait too
@@ -381,7 +381,9 @@ def _load_b_tile(b_ptr, rows, j_mask, offs_n, n_mask, stride_br, stride_bn):
 
 
 @triton.jit
-def _dot_vb(v, b, FP32_DOT: tl.constexpr, INT8_B: tl.constexpr):
+def dot_vb(v, b, FP32_DOT: tl.constexpr, INT8_B: tl.constexpr):
+    """v @ b as an expand multiplies: fp32 (ieee) with FP32_DOT; int8 b in bfloat16, in which
+    its values are exact (v carries its row scales); else in b's dtype."""
     if FP32_DOT:
         out = tl.dot(v, b.to(tl.float32), input_precision="ieee")
     elif INT8_B:  # int8 values are exact in bfloat16; v carries B's row scales
