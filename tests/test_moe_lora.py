@@ -8,6 +8,7 @@ static buffers; the pool's expert rows (none unless targeted)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from functools import partial
@@ -22,7 +23,7 @@ from radixlora.config import EngineConfig, ModelConfig
 from radixlora.errors import AdapterError, InvalidRequestError
 from radixlora.lora.layout import quantize_rows
 from radixlora.worker.sizing import with_lora_targets
-from radixlora_kernels.lora_ops import LoraBatchMeta
+from radixlora_kernels.lora_ops import LoraBatchMeta, LoraGroups
 from radixlora_kernels.moe_lora import align_blocks, expert_lora, expert_lora_ref, token_rows
 from scripts.checkpoints import EXPERT_TARGETS as EXPERTS
 from scripts.checkpoints import build_hf_model, build_peft_adapter
@@ -275,6 +276,61 @@ def test_token_rows_key_equal_sets_alike():
             assert by_id.setdefault(i, c) == c
         if grouped:
             assert len({i for i in ids if i >= 0}) == len({c for c in content if c[0]})
+
+
+# (rows, scales) of adapter sets that differ only in a weight, a prefix of rows or a stack
+NEAR_SETS = [([], []), (list(range(4)), [1.0] * 4), (list(range(4)), [0.5] * 4),
+             (list(range(12)), [1.0] * 4 + [0.7] * 8), (list(range(12)), [1.0] * 4 + [0.3] * 8),
+             (list(range(3)), [1.0] * 3), (list(range(20, 36)) + list(range(4)), [0.9] * 20)]
+
+
+def stale_buffers(meta: LoraBatchMeta, pool_rows: int) -> LoraBatchMeta:
+    """The meta's groups as a CUDA graph's static buffers hold them: longer than the batch,
+    with earlier steps' entries (random here) past num_groups."""
+    g, tokens = meta.groups, meta.token_seg.shape[0]
+    gen = torch.Generator().manual_seed(tokens)
+    cap = tokens * 32 + 1
+
+    def pad(t, n, hi):
+        return torch.cat([t, torch.randint(0, hi, (n - t.numel(),), generator=gen).to(t.dtype)])
+
+    groups = LoraGroups(g.num_groups, pad(g.group_indptr, tokens + 1, tokens + 1),
+                        pad(g.token_ids, tokens, tokens), pad(g.row_indptr, tokens + 1, cap),
+                        pad(g.row_ids, cap, pool_rows),
+                        torch.cat([g.row_scales, torch.rand(cap - g.row_scales.numel(),
+                                                            generator=gen)]))
+    return dataclasses.replace(meta, groups=groups, max_rows=32)
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "rows_per_a"), [(33, 2, 2), (70, 1, 1)])
+def test_blocked_kernels_keep_near_sets_apart_in_graph_buffers(tokens, top_k, rows_per_a):
+    """Requests up to 40 tokens (groups split past GROUP_TOKENS) on sets that differ only in a
+    weight or a prefix, the blocked and per-row kernels on the eager meta and on stale graph
+    buffers, against the reference; then a grouped batch with no adapter at all."""
+    g = torch.Generator().manual_seed(tokens)
+    lens, left = [], tokens
+    while left:
+        lens.append(min(left, int(torch.randint(1, 40, (1,), generator=g))))
+        left -= lens[-1]
+    pick = [int(torch.randint(0, len(NEAR_SETS), (1,), generator=g)) for _ in lens]
+    seg_rows, seg_scales = [NEAR_SETS[k][0] for k in pick], [NEAR_SETS[k][1] for k in pick]
+    x = torch.randn(tokens * top_k // rows_per_a, 24, generator=g)
+    ids = torch.randint(0, 3, (tokens, top_k), generator=g)
+    a_pool = torch.randn(1, 40, 3 * 24, generator=g) * 0.3
+    b_pool = torch.randn(40, 3 * 20, generator=g) * 0.3
+    y = torch.randn(tokens * top_k, 20, generator=g)
+    meta = LoraBatchMeta.from_segments(lens, seg_rows, seg_scales, "cpu")
+    want = y.clone()
+    expert_lora_ref(x, rows_per_a, ids, a_pool, b_pool, token_rows(meta), want)
+    for m in (meta, stale_buffers(meta, 40)):
+        for blocked in (False, True):
+            got = y.clone()
+            expert_lora(x, rows_per_a, ids, a_pool, b_pool, token_rows(m), got, blocked=blocked)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    none = LoraBatchMeta.from_segments(lens, [[]] * len(lens), [[]] * len(lens), "cpu")
+    got = y.clone()
+    expert_lora(x, rows_per_a, ids, a_pool, b_pool, token_rows(none), got, blocked=True)
+    assert torch.equal(got, y)
 
 
 def test_alignment_blocks_hold_one_key_each():

@@ -27,9 +27,11 @@ from .triton_compat import tl, triton
 
 MAX_GATHER = 1 << 24  # elements of A or B gathered at once by the torch reference
 BLOCK_M = 16  # rows of one expert and adapter set per block (tl.dot's least)
-# Above this many rows a projection's rows are grouped by (expert, adapter set) first; below it
-# (decode steps, CUDA graphs) the grouping's sort costs more than re-reading a pair's rank rows
-# for each row (scripts/bench_moe.py, docs/PERF.md: mixture-of-experts bases).
+# Above this many rows a projection's rows are grouped by (expert, adapter set) first. An
+# earlier blocked version lost to the per-row kernels up to 256 tokens (its sort's torch ops)
+# and won from 1,024 (docs/PERF.md: mixture-of-experts bases); until both are measured side by
+# side the switch sits at the largest CUDA graph's rows at top-8 (1,024 tokens), so graphs
+# never sort.
 PER_ROW_MAX_ROWS = 8192
 # The blocked kernels' grid: up to 16 programs of 4 warps a multiprocessor (2,048 threads, an
 # H100's most), taking the blocks in use in turn, so the unused blocks launch nothing.
@@ -55,6 +57,8 @@ class TokenRows:
         """[T] int64, < num_sets: equal for tokens with equal rows and weights whose ranges the
         batch lists side by side (a request's tokens, a set's groups), -1 for count 0: a key
         that groups rows (computed on first use, for the blocked kernels only)."""
+        if self.num_sets == 0:  # no token has rows here
+            return torch.full_like(self.count, -1)
         sets = _range_sets(self.indptr, self.row_ids, self.row_scales, self.max_rows)
         return torch.where(self.count > 0, sets[self.token_range], -1)
 
@@ -100,12 +104,14 @@ def _range_sets(indptr: torch.Tensor, row_ids: torch.Tensor, row_scales: torch.T
     starts, ends = indptr[:-1].long(), indptr[1:].long()
     if row_ids.numel() == 0:
         return torch.zeros(starts.shape[0], dtype=torch.int64, device=indptr.device)
+    lengths = ends - starts
     rank = torch.arange(max(max_rows, 1), device=indptr.device)
-    inside = rank < (ends - starts)[:, None]
+    inside = rank < lengths[:, None]
     pos = (starts[:, None] + rank).clamp_(0, row_ids.numel() - 1)
     ids = torch.where(inside, row_ids[pos].long(), -1)
     scales = torch.where(inside, row_scales[pos], 0.0)
-    same = (ids[1:] == ids[:-1]).all(1) & (scales[1:] == scales[:-1]).all(1)
+    same = ((lengths[1:] == lengths[:-1]) & (ids[1:] == ids[:-1]).all(1)
+            & (scales[1:] == scales[:-1]).all(1))
     new = torch.ones(starts.shape[0], dtype=torch.int64, device=indptr.device)
     new[1:] = (~same).long()
     return new.cumsum(0) - 1
@@ -236,7 +242,7 @@ def align_blocks(keys: torch.Tensor, block_m: int,
     dest = torch.where(used, (padded_end - padded)[run] + rank, num_blocks * block_m)
     sorted_rows = torch.full((num_blocks * block_m + 1,), m, dtype=torch.int32, device=device)
     sorted_rows[dest] = order.to(torch.int32)
-    return sorted_rows[:-1], padded_end[-1:]
+    return sorted_rows[:-1], padded_end[-1:] if m else padded_end.new_zeros(1)
 
 
 @triton.jit
