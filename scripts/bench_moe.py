@@ -4,11 +4,11 @@ channels, hidden 2048, 8 per token, bf16), replayed in a CUDA graph, for 1 to 8,
 random routing. Each size is first checked against the torch expert loop (relative error of
 the largest output), then timed against two floors: the bytes of the experts its tokens touch
 (expected number under uniform routing) at --peak-bw, and its FLOPs at --peak-flops. Then the
-same with LoRA on the experts (radixlora_kernels.moe_lora): each token on one of --adapters
-rank-8 expert adapters, against the bytes of the distinct (expert, adapter) pairs its rows
-read (the pair's rank rows of A and B, both projections) at --peak-bw; and "idle", the hook on
-a batch with no token on an expert adapter (what a pool with expert rows adds to a CUDA graph's
-step without expert adapters).
+same with LoRA on the experts (radixlora_kernels.moe_lora, checked against the torch loop with
+the torch LoRA reference): each token on one of --adapters rank-8 expert adapters, against the
+bytes of the distinct (expert, adapter) pairs its rows read (the pair's rank rows of A and B,
+both projections) at --peak-bw; and "idle", the hook on a batch with no token on an expert
+adapter (what a pool with expert rows adds to a CUDA graph's step without expert adapters).
 
     python scripts/bench_moe.py                 # H100 floors (3.35 TB/s, 700 TFLOP/s)
     python scripts/bench_moe.py --peak-bw 4.24e12 --peak-flops 800e12   # H200
@@ -62,7 +62,8 @@ def main() -> None:
         flops = 2 * tokens * top_k * 3 * hidden * inter
         blocked = {"auto": None, "per-row": False, "blocked": True}[args.lora_kernels]
         hook = lora_hook(tokens, args.adapters, args.rank, pools, device, blocked)
-        ref = moe_experts_ref(x, ids, weights, gate_up, down, hook).float()
+        torch_hook = lora_hook(tokens, args.adapters, args.rank, pools, device, "torch")
+        ref = moe_experts_ref(x, ids, weights, gate_up, down, torch_hook).float()
         out = moe_experts(x, ids, weights, gate_up, down, hook).float()
         lora_err = ((out - ref).abs().max() / ref.abs().max()).item()
         lora_seconds = float("nan") if args.smoke else graph_seconds(
@@ -96,19 +97,19 @@ def expert_pools(rows: int, experts: int, hidden: int, inter: int, dtype, device
     return {"experts_gate_up": pool(hidden, 2 * inter), "experts_down": pool(inter, hidden)}
 
 
-def lora_hook(tokens: int, adapters: int, rank: int, pools, device, blocked: bool | None,
+def lora_hook(tokens: int, adapters: int, rank: int, pools, device, blocked,
               idle: bool = False):
     """The expert LoRA hook of a batch whose token t is on adapter t % adapters (rows
-    [a * rank, (a + 1) * rank)), as the worker's LoraContext.experts builds it (blocked:
-    expert_lora's choice of kernels, None: by row count); idle: no
-    token's adapter adapts the experts (a CUDA graph's hook on a step without expert
-    adapters)."""
+    [a * rank, (a + 1) * rank)), as the worker's LoraContext.experts builds it. blocked:
+    expert_lora's choice of kernels (None: by row count), or "torch" for the torch reference
+    (expert_lora_ref); idle: no token's adapter adapts the experts (a CUDA graph's hook on a
+    step without expert adapters)."""
     import dataclasses
 
     import torch
 
     from radixlora_kernels.lora_ops import LoraBatchMeta
-    from radixlora_kernels.moe_lora import expert_lora, token_rows
+    from radixlora_kernels.moe_lora import expert_lora, expert_lora_ref, token_rows
 
     seg_rows = [list(range(t % adapters * rank, (t % adapters + 1) * rank))
                 for t in range(tokens)]
@@ -119,8 +120,11 @@ def lora_hook(tokens: int, adapters: int, rank: int, pools, device, blocked: boo
 
     def hook(group, a, rows_per_a, topk_ids, y, out_scale=None):
         a_pool, b_pool = pools[group]
-        expert_lora(a, rows_per_a, topk_ids, a_pool, b_pool, rows, y, out_scale,
-                    blocked=blocked)
+        if blocked == "torch":
+            expert_lora_ref(a, rows_per_a, topk_ids, a_pool, b_pool, rows, y, out_scale)
+        else:
+            expert_lora(a, rows_per_a, topk_ids, a_pool, b_pool, rows, y, out_scale,
+                        blocked=blocked)
 
     return hook
 
