@@ -9,6 +9,8 @@ inside a CUDA graph."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -98,29 +100,50 @@ def _grouped_gemm(
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
 
-def _block_m(num_rows: int, num_experts: int) -> int:
-    """Rows per block: about the rows an expert gets (a decode step's few rows per expert
-    waste little of a small block; a prefill's many fill large ones)."""
+class GemmConfig(NamedTuple):
+    """One launch's tiles: rows per block (the alignment's block size), output columns and
+    reduction steps per program, and Triton's warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# (most rows an expert gets on average, config), first match; tuned on an H100 at
+# Qwen3-30B-A3B's and Mixtral's shapes (scripts/tune_moe.py)
+CONFIGS = (
+    (16, GemmConfig(16, 64, 32, 4, 3)),
+    (32, GemmConfig(32, 64, 32, 4, 3)),
+    (float("inf"), GemmConfig(64, 64, 32, 4, 3)),
+)
+
+
+def gemm_config(num_rows: int, num_experts: int) -> GemmConfig:
+    """The tiles for num_rows rows over num_experts experts: blocks of about the rows an expert
+    gets (a decode step's few rows per expert waste little of a small block; a prefill's many
+    fill large ones)."""
     per_expert = num_rows / min(num_experts, num_rows)
-    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+    return next(config for most, config in CONFIGS if per_expert <= most)
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, aligned, num_rows: int, rows_per_a: int,
-                 scale: torch.Tensor | None = None) -> torch.Tensor:
+                 config: GemmConfig, scale: torch.Tensor | None = None) -> torch.Tensor:
     """[num_rows, N]: row r is a[r // rows_per_a] @ w[expert of r].T (times scale[r]); w [E, N, K]
-    contiguous, aligned = moe_align(...) with this block size."""
+    contiguous, aligned = moe_align(...) with config.block_m."""
     sorted_rows, block_expert, num_padded = aligned
     experts, n, k = w.shape
     out = torch.empty(num_rows, n, dtype=a.dtype, device=a.device)
-    block_m, block_n = _block_m(num_rows, experts), 64
-    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    grid = (block_expert.numel(), triton.cdiv(n, config.block_n))
     _grouped_gemm[grid](
         a, w, out, sorted_rows, block_expert, num_padded,
         scale if scale is not None else out, num_rows, n, k,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         ROWS_PER_A=rows_per_a, SCALE=scale is not None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
@@ -134,14 +157,15 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     with a = x, experts_down with a = the activation and the routing weights as out_scale."""
     tokens, top_k = topk_ids.shape
     rows = tokens * top_k
-    aligned = moe_align(topk_ids, gate_up.shape[0], _block_m(rows, gate_up.shape[0]))
+    config = gemm_config(rows, gate_up.shape[0])
+    aligned = moe_align(topk_ids, gate_up.shape[0], config.block_m)
     x = x.contiguous()
-    h = grouped_gemm(x, gate_up, aligned, rows, top_k)
+    h = grouped_gemm(x, gate_up, aligned, rows, top_k, config)
     if lora is not None:
         lora("experts_gate_up", x, top_k, topk_ids, h)
     h = silu_and_mul(h)
     scale = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    y = grouped_gemm(h, down, aligned, rows, 1, scale)
+    y = grouped_gemm(h, down, aligned, rows, 1, config, scale)
     if lora is not None:
         lora("experts_down", h, 1, topk_ids, y, scale)
     return y.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
