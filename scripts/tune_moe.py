@@ -29,7 +29,7 @@ SHAPES = {  # experts, hidden, intermediate, top_k
     "smoke": (4, 32, 16, 2),
 }
 TOKENS = {"qwen3-30b-a3b": (1, 16, 64, 256, 1024, 4096, 8192),
-          "mixtral": (1, 16, 64, 256, 1024, 4096), "smoke": (2, 8)}
+          "mixtral": (1, 64, 1024, 4096), "smoke": (2, 8)}
 SHARED_MEMORY = 220 * 1024
 
 
