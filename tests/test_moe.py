@@ -20,7 +20,13 @@ from safetensors.torch import load_file, save_file
 from radixlora import Engine, SamplingParams
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, ModelLoadError
-from radixlora_kernels.moe import moe_align, moe_experts, moe_experts_ref
+from radixlora_kernels.moe import (
+    Fp8Experts,
+    fp8_block_k,
+    moe_align,
+    moe_experts,
+    moe_experts_ref,
+)
 from tests.conftest import assert_all_free
 from tests.oracle import peft_model
 from tests.test_families import (
@@ -173,6 +179,38 @@ def test_grouped_expert_gemm_equals_the_reference(tokens, experts, top_k):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("tokens", "scale_k"), [(3, 16), (70, 16), (40, 32), (9, 0)])
+def test_fp8_experts_equal_their_dequantized_weights(tokens, scale_k):
+    """FP8 expert weights with scales per row and block of scale_k columns (0: per row), in
+    the grouped GEMM (K steps narrowed to the blocks) and the torch loop, against the same
+    weights dequantized; blocks of 16 need a 16-column step where the config's is wider."""
+    g = torch.Generator().manual_seed(tokens)
+    experts, hidden, inter, top_k = 4, 64, 48, 2
+    x = torch.randn(tokens, hidden, generator=g)
+    weights, ids = torch.softmax(torch.randn(tokens, experts, generator=g), -1).topk(top_k, -1)
+
+    def fp8(n, k):
+        w8 = (torch.randn(experts, n, k, generator=g) * 100).to(torch.float8_e4m3fn)
+        step = scale_k or k
+        scale = torch.rand(experts, n, -(-k // step), generator=g) * 0.01 + 0.001
+        return Fp8Experts(w8, scale, step)
+
+    gate_up, down = fp8(2 * inter, hidden), fp8(hidden, inter)
+    dense = [torch.stack([w[e] for e in range(experts)]) for w in (gate_up, down)]
+    want = moe_experts_ref(x, ids, weights, *dense)
+    torch.testing.assert_close(moe_experts_ref(x, ids, weights, gate_up, down), want)
+    torch.testing.assert_close(moe_experts(x, ids, weights, gate_up, down), want,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_a_reduction_step_never_straddles_two_scale_blocks():
+    assert fp8_block_k(64, 128, 2048) == 64
+    assert fp8_block_k(256, 128, 2048) == 128
+    assert fp8_block_k(256, 2048, 2048) == 256  # one block per row: any step
+    with pytest.raises(ValueError, match="no reduction step"):
+        fp8_block_k(64, 24, 96)
+
+
 def test_the_reference_keeps_the_models_dtype():
     """The torch expert loop in bf16 (the routing weights are float32): bf16 out, near fp32."""
     g = torch.Generator().manual_seed(3)
@@ -190,14 +228,32 @@ def test_the_reference_keeps_the_models_dtype():
 def test_alignment_pads_each_expert_to_whole_blocks():
     ids = torch.tensor([[2, 0], [2, 1], [0, 2]])
     rows, block_expert, used = moe_align(ids, num_experts=4, block_m=4)
-    m = ids.numel()
     assert int(used) == 12  # experts 0, 1, 2: one block of 4 each; expert 3 none
-    blocks = rows[:12].view(3, 4)
-    for block, expert in zip(blocks, block_expert[:3].tolist(), strict=True):
+    _check_alignment(ids, 4, 4, rows, block_expert, used)
+
+
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "block_m"),
+                         [(1, 128, 8, 16), (700, 8, 2, 16), (300, 64, 4, 64)])
+def test_alignment_places_every_row_once(tokens, experts, top_k, block_m):
+    """More rows than the kernel's chunk of 1,024, experts left without rows, one token."""
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.randn(tokens, experts, generator=g).topk(top_k, -1).indices
+    _check_alignment(ids, experts, block_m, *moe_align(ids, experts, block_m))
+
+
+def _check_alignment(ids, experts, block_m, rows, block_expert, used):
+    """Each expert's rows fill whole blocks of that expert, real rows first, then the sentinel
+    M; every row exactly once; nothing in use past `used`."""
+    m, flat = ids.numel(), ids.view(-1)
+    counts = torch.bincount(flat, minlength=experts)
+    assert int(used) == int(((counts + block_m - 1) // block_m * block_m).sum())
+    blocks = rows[:int(used)].view(-1, block_m)
+    for block, expert in zip(blocks, block_expert[:blocks.shape[0]].tolist(), strict=True):
         real = [r for r in block.tolist() if r < m]
-        assert real and all(ids.view(-1)[r] == expert for r in real)
+        assert real and all(flat[r] == expert for r in real)
         assert all(r == m for r in block.tolist()[len(real):])
     assert sorted(r for r in rows.tolist() if r < m) == list(range(m))
+    assert (rows[int(used):] == m).all()
 
 
 def _expert_adapter(source, path, key: str):
@@ -227,9 +283,9 @@ def test_lora_on_a_dense_mlp_or_a_missing_expert_is_refused_by_name(key, match, 
 @pytest.mark.parametrize("strategy", ["channel", "block"])
 @pytest.mark.parametrize("arch", MOE)
 def test_an_fp8_checkpoint_equals_its_dequantized_twin(arch, strategy, moe_family, tmp_path):
-    """Every projection in FP8, the experts' too (dequantized at load into the stacked experts;
-    the attention projections stay FP8), against the twin saved with those weights dequantized,
-    attention adapters beside it."""
+    """Every projection in FP8, the experts' too (kept FP8 in the stacked experts with their
+    scales), against the twin saved with those weights dequantized, attention adapters beside
+    it; under tensor parallel each rank dequantizes its share of the experts."""
     from scripts.checkpoints import build_fp8_model
 
     model, adapters = moe_family(arch)
@@ -238,12 +294,17 @@ def test_an_fp8_checkpoint_equals_its_dequantized_twin(arch, strategy, moe_famil
     assert sum(".experts." in k and v.dtype == torch.float8_e4m3fn for k, v in stored.items())
     engine = Engine(path, adapters=adapters, **ENGINE)
     assert engine.model_cfg.quantization == "fp8"
+    experts = next(layer.mlp.experts for layer in engine.runner.model.layers
+                   if hasattr(layer.mlp, "experts"))
+    assert experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.float8_e4m3fn
+    assert experts.gate_up_scale.shape[2] == (
+        1 if strategy == "channel" else -(-experts.gate_up_proj.shape[2] // 16))
     runs = [mixed_batch(e) for e in (engine, Engine(ref, adapters=adapters, **ENGINE))]
     for (_, _, a), (_, _, b) in zip(*runs, strict=True):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
     assert_all_free(engine)
-    if arch == "qwen3_moe" and strategy == "block":  # each rank dequantizes its experts' share
+    if arch == "qwen3_moe" and strategy == "block":
         (tmp_path / "ranks").mkdir()
         check_two_ranks(path, adapters, ENGINE, tmp_path / "ranks")
 

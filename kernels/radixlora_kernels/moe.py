@@ -4,11 +4,15 @@ the blocks of every expert, each block reading its expert's weight (no per-exper
 routing weights scale the down projection's rows; the caller sums a token's top_k rows.
 
 Expert weights are stacked as transformers 5 keeps them: gate_up [E, 2I, H] ([gate | up] rows),
-down [E, H, I]. Every shape is static for a given token count, so a decode step's experts run
-inside a CUDA graph."""
+down [E, H, I], in the model's dtype or as Fp8Experts (e4m3 with float32 scales per row and block
+of columns, as FP8 checkpoints store them: the GEMM casts each tile exactly to the activations'
+dtype and scales its partial product). Every shape is static for a given token count, so a
+decode step's experts run inside a CUDA graph."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -18,11 +22,32 @@ from .activation import silu_and_mul
 from .triton_compat import tl, triton
 
 
+@dataclass(frozen=True)
+class Fp8Experts:
+    """Stacked expert weights in FP8: weight [E, N, K] float8_e4m3fn, scale [E, N,
+    cdiv(K, scale_k)] float32, one per row and block of scale_k columns (scale_k = K: per
+    row)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    scale_k: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def __getitem__(self, expert: int) -> torch.Tensor:
+        """One expert's weight dequantized, float32 [N, K]."""
+        w, s = self.weight[expert].float(), self.scale[expert]
+        return (s.repeat_interleave(self.scale_k, dim=1)[:, :w.shape[1]] * w)
+
+
 def moe_experts_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    gate_up: torch.Tensor, down: torch.Tensor, lora=None) -> torch.Tensor:
+                    gate_up, down, lora=None) -> torch.Tensor:
     """Pure-torch reference (the CPU path): transformers' expert loop over the tokens' rows
     (token * top_k + j, one per chosen expert). x [T, H], topk_ids and topk_weights [T, k]; the
-    routed sum [T, H] in x's dtype. lora: the layer's expert LoRA hook (moe_experts)."""
+    routed sum [T, H] in x's dtype. gate_up, down: tensors or Fp8Experts (dequantized per
+    expert); lora: the layer's expert LoRA hook (moe_experts)."""
     tokens, top_k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     scale = topk_weights.reshape(-1, 1)
@@ -30,14 +55,14 @@ def moe_experts_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     y = x.new_empty(flat.shape[0], down.shape[1])
     for expert in flat.unique().tolist():
         rows = torch.where(flat == expert)[0]
-        h[rows] = F.linear(x[rows // top_k], gate_up[expert])
+        h[rows] = F.linear(x[rows // top_k], gate_up[expert].to(x.dtype))
     if lora is not None:
         lora("experts_gate_up", x, top_k, topk_ids, h)
     g, u = h.chunk(2, dim=-1)
     h = F.silu(g) * u
     for expert in flat.unique().tolist():
         rows = torch.where(flat == expert)[0]
-        y[rows] = (F.linear(h[rows], down[expert]) * scale[rows]).to(y.dtype)
+        y[rows] = (F.linear(h[rows], down[expert].to(h.dtype)) * scale[rows]).to(y.dtype)
     if lora is not None:
         lora("experts_down", h, 1, topk_ids, y, scale.reshape(-1).float())
     return y.view(tokens, top_k, -1).sum(dim=1)
@@ -46,36 +71,82 @@ def moe_experts_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 def moe_align(topk_ids: torch.Tensor, num_experts: int,
               block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_rows, block_expert, num_padded) for the M = T * k rows of topk_ids [T, k]: the rows
-    sorted by expert, each expert's run padded to a multiple of block_m with the sentinel M;
-    block_expert[b] the expert of block b; num_padded [1] the rows in use. Tensor ops only,
-    sized by M alone (no host sync): at most one partial block per expert in use."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
+    grouped by expert, each expert's run padded to a multiple of block_m with the sentinel M;
+    block_expert[b] the expert of block b; num_padded [1] the rows in use. One launch of one
+    program, sized by M alone (no host sync): at most one partial block per expert in use.
+    Rows of one expert come in no fixed order (each row's product is its own)."""
+    flat = topk_ids.reshape(-1)
     m, device = flat.numel(), flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.index_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    order = torch.argsort(flat, stable=True)
-    by_expert = flat[order]
-    rank = torch.arange(m, device=device) - (counts.cumsum(0) - counts)[by_expert]
-    dest = (padded_end - padded)[by_expert] + rank
     num_blocks = triton.cdiv(m + min(num_experts, m) * (block_m - 1), block_m)
-    sorted_rows = torch.full((num_blocks * block_m,), m, dtype=torch.int32, device=device)
-    sorted_rows[dest] = order.to(torch.int32)
-    starts = torch.arange(num_blocks, device=device) * block_m
-    block_expert = torch.searchsorted(padded_end, starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_rows, block_expert.to(torch.int32), padded_end[-1:]
+    sorted_rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    scratch = torch.empty(3, num_experts, dtype=torch.int32, device=device)
+    _align[(1,)](flat, scratch, sorted_rows, block_expert, num_padded, m, num_experts,
+                 num_blocks, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts),
+                 SEARCH_STEPS=num_experts.bit_length(), CHUNK=1024, num_warps=8)
+    return sorted_rows, block_expert, num_padded
+
+
+@triton.jit
+def _align(ids_ptr, scratch_ptr, rows_ptr, block_expert_ptr, num_padded_ptr,
+           M, NUM_EXPERTS, NUM_BLOCKS, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+           SEARCH_STEPS: tl.constexpr, CHUNK: tl.constexpr):
+    """moe_align in one program: count the rows per expert (scratch row 0), pad, find each
+    block's expert by binary search of the padded ends (row 2), place each row at its expert's
+    next free slot (row 1, the cursors). Barriers order the phases' global writes."""
+    experts = tl.arange(0, BLOCK_E)
+    real_expert = experts < NUM_EXPERTS
+    chunk = tl.arange(0, CHUNK)
+    counts_ptr, cursor_ptr, end_ptr = (scratch_ptr, scratch_ptr + NUM_EXPERTS,
+                                       scratch_ptr + 2 * NUM_EXPERTS)
+    tl.store(counts_ptr + experts, 0, mask=real_expert)
+    for start in range(0, NUM_BLOCKS * BLOCK_M, CHUNK):
+        tl.store(rows_ptr + start + chunk, M, mask=start + chunk < NUM_BLOCKS * BLOCK_M)
+    tl.debug_barrier()
+    for start in range(0, M, CHUNK):
+        valid = start + chunk < M
+        ids = tl.load(ids_ptr + start + chunk, mask=valid, other=0)
+        tl.atomic_add(counts_ptr + ids, 1, mask=valid)
+    tl.debug_barrier()
+    counts = tl.load(counts_ptr + experts, mask=real_expert, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + experts, end - padded, mask=real_expert)
+    tl.store(end_ptr + experts, end, mask=real_expert)
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    tl.debug_barrier()
+    for start in range(0, NUM_BLOCKS, CHUNK):
+        blocks = start + chunk
+        first_row = blocks * BLOCK_M
+        lo = tl.zeros([CHUNK], dtype=tl.int32)
+        hi = tl.zeros([CHUNK], dtype=tl.int32) + NUM_EXPERTS
+        for _ in tl.static_range(SEARCH_STEPS):
+            open_ = lo < hi
+            mid = (lo + hi) // 2
+            past = tl.load(end_ptr + mid, mask=open_, other=0) <= first_row
+            lo = tl.where(open_ & past, mid + 1, lo)
+            hi = tl.where(open_ & ~past, mid, hi)
+        tl.store(block_expert_ptr + blocks, tl.minimum(lo, NUM_EXPERTS - 1),
+                 mask=blocks < NUM_BLOCKS)
+    for start in range(0, M, CHUNK):
+        valid = start + chunk < M
+        ids = tl.load(ids_ptr + start + chunk, mask=valid, other=0)
+        dest = tl.atomic_add(cursor_ptr + ids, 1, mask=valid)
+        tl.store(rows_ptr + dest, start + chunk, mask=valid)
 
 
 @triton.jit
 def _grouped_gemm(
-    a_ptr, w_ptr, c_ptr, rows_ptr, block_expert_ptr, num_padded_ptr, scale_ptr,
-    num_rows, N, K, stride_am, stride_we, stride_wn, stride_cm,
-    ROWS_PER_A: tl.constexpr, SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    a_ptr, w_ptr, c_ptr, rows_ptr, block_expert_ptr, num_padded_ptr, scale_ptr, ws_ptr,
+    num_rows, N, K, stride_am, stride_we, stride_wn, stride_cm, stride_wse, stride_wsn,
+    ROWS_PER_A: tl.constexpr, SCALE: tl.constexpr, W_SCALED: tl.constexpr,
+    SCALE_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """c[row] = a[row // ROWS_PER_A] @ w[expert].T (times scale[row] with SCALE) for the rows of
-    one block of one expert."""
+    one block of one expert. W_SCALED: w is FP8, each tile cast to a's dtype and its product
+    scaled by ws[expert, n, k0 // SCALE_K] (a step lies in one scale block: moe_experts)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -93,7 +164,12 @@ def _grouped_gemm(
                     mask=valid[:, None] & (kk[None, :] < K), other=0.0)
         w = tl.load(w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + kk[:, None],
                     mask=(offs_n[None, :] < N) & (kk[:, None] < K), other=0.0)
-        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
+        if W_SCALED:
+            ws = tl.load(ws_ptr + expert * stride_wse + offs_n * stride_wsn + k0 // SCALE_K,
+                         mask=offs_n < N, other=0.0)
+            acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PRECISION) * ws[None, :]
+        else:
+            acc += tl.dot(a, w, input_precision=DOT_PRECISION)
     if SCALE:
         acc *= tl.load(scale_ptr + rows, mask=valid, other=0.0)[:, None]
     c = c_ptr + rows[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
@@ -111,8 +187,8 @@ class GemmConfig(NamedTuple):
     num_stages: int
 
 
-# (most rows an expert gets on average, config), first match; tuned on an H100 at
-# Qwen3-30B-A3B's and Mixtral's shapes (scripts/tune_moe.py)
+# (most rows an expert gets on average, config), first match; scripts/tune_moe.py sweeps the
+# alternatives on a GPU
 CONFIGS = (
     (16, GemmConfig(16, 64, 32, 4, 3)),
     (32, GemmConfig(32, 64, 32, 4, 3)),
@@ -128,28 +204,45 @@ def gemm_config(num_rows: int, num_experts: int) -> GemmConfig:
     return next(config for most, config in CONFIGS if per_expert <= most)
 
 
-def grouped_gemm(a: torch.Tensor, w: torch.Tensor, aligned, num_rows: int, rows_per_a: int,
+def grouped_gemm(a: torch.Tensor, w, aligned, num_rows: int, rows_per_a: int,
                  config: GemmConfig, scale: torch.Tensor | None = None) -> torch.Tensor:
     """[num_rows, N]: row r is a[r // rows_per_a] @ w[expert of r].T (times scale[r]); w [E, N, K]
-    contiguous, aligned = moe_align(...) with config.block_m."""
+    contiguous or Fp8Experts, aligned = moe_align(...) with config.block_m."""
     sorted_rows, block_expert, num_padded = aligned
-    experts, n, k = w.shape
+    fp8 = isinstance(w, Fp8Experts)
+    weight = w.weight if fp8 else w
+    experts, n, k = weight.shape
+    block_k = fp8_block_k(config.block_k, w.scale_k, k) if fp8 else config.block_k
     out = torch.empty(num_rows, n, dtype=a.dtype, device=a.device)
     grid = (block_expert.numel(), triton.cdiv(n, config.block_n))
+    ws = w.scale if fp8 else out
     _grouped_gemm[grid](
-        a, w, out, sorted_rows, block_expert, num_padded,
-        scale if scale is not None else out, num_rows, n, k,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        ROWS_PER_A=rows_per_a, SCALE=scale is not None,
+        a, weight, out, sorted_rows, block_expert, num_padded,
+        scale if scale is not None else out, ws, num_rows, n, k,
+        a.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
+        ws.stride(0) if fp8 else 0, ws.stride(1) if fp8 else 0,
+        ROWS_PER_A=rows_per_a, SCALE=scale is not None, W_SCALED=fp8,
+        SCALE_K=w.scale_k if fp8 else 1,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
 
+def fp8_block_k(block_k: int, scale_k: int, k: int) -> int:
+    """A reduction step no wider than block_k that never straddles two scale blocks."""
+    if scale_k >= k or scale_k % block_k == 0:
+        return block_k
+    step = math.gcd(block_k, scale_k)
+    if step < 16:
+        raise ValueError(f"FP8 expert scales per {scale_k} columns: no reduction step of at "
+                         "least 16 columns fits their blocks")
+    return step
+
+
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                gate_up: torch.Tensor, down: torch.Tensor, lora=None) -> torch.Tensor:
+                gate_up, down, lora=None) -> torch.Tensor:
     """moe_experts_ref with two grouped GEMM launches: gate_up over the tokens' rows, the gated
     activation, down scaled by the routing weights; a token's rows summed. lora, if given, is
     called as lora(group, a, rows_per_a, topk_ids, y, out_scale=None) after each GEMM to add

@@ -19,6 +19,7 @@ from radixlora.config import ModelConfig
 from radixlora.model.forward_batch import ForwardBatch
 from radixlora.model.ops import add_delta, gated_act, rms_norm, sparse_moe
 from radixlora.model.rope import RotaryEmbedding
+from radixlora_kernels.moe import Fp8Experts
 
 
 class RMSNorm(nn.Module):
@@ -100,6 +101,20 @@ class Experts(nn.Module):
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        # FP8 experts (radixlora.model.quant_fp8.fp8_experts): columns per scale, 0 per row
+        self.fp8_block: int | None = None
+
+    @property
+    def num_rows(self) -> int:
+        """Weight rows of every expert, gate_up's and down's (what a checkpoint fills)."""
+        return self.gate_up_proj.shape[:2].numel() + self.down_proj.shape[:2].numel()
+
+    def weights(self) -> tuple:
+        """(gate_up, down) as moe_experts takes them: tensors, or Fp8Experts with the scales."""
+        if self.fp8_block is None:
+            return self.gate_up_proj, self.down_proj
+        return tuple(Fp8Experts(w, s, self.fp8_block or w.shape[2]) for w, s in (
+            (self.gate_up_proj, self.gate_up_scale), (self.down_proj, self.down_scale)))
 
 
 class SparseMoE(nn.Module):
@@ -121,8 +136,8 @@ class SparseMoE(nn.Module):
         logits, delta = fb.lora_project(self.gate, x, self.layer_id, "router")
         if delta is not None:
             logits = logits.float() + delta
-        y = sparse_moe(x, logits, self.experts.gate_up_proj, self.experts.down_proj,
-                       self.top_k, self.renormalize, fb.expert_lora(self.layer_id))
+        y = sparse_moe(x, logits, *self.experts.weights(), self.top_k, self.renormalize,
+                       fb.expert_lora(self.layer_id))
         return (y if self.tp is None else self.tp.all_reduce(y)), None
 
 

@@ -32,6 +32,8 @@ from radixlora.model.quant_fp8 import (
     attach_fp8_path,
     dequantize_fp8,
     fp8_block,
+    fp8_experts,
+    fp8_experts_supported,
     fp8_modules,
     fp8_projections,
     fp8_scheme,
@@ -75,7 +77,7 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
     shard = tp.shard if tp is not None else None
     stored = _stored_format(path, load_format)
     blocksize = _nf4_blocksize(path) if stored == "nf4" else None
-    _check_servable(path, cfg, stored, tp, blocksize or AT_LOAD_BLOCKSIZE)
+    _check_servable(path, cfg, stored, tp, blocksize or AT_LOAD_BLOCKSIZE, torch.device(device))
     if shard is not None:
         cfg = shard.local
     with torch.device("meta"):
@@ -84,6 +86,8 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
             model = nf4_modules(model, blocksize)
         if stored == "fp8":
             model = fp8_modules(model, _fp8_block(path))
+            if cfg.is_moe and tp is None and fp8_experts_supported(torch.device(device)):
+                model = fp8_experts(model, _fp8_block(path))
         if tp is not None:
             model = shard_model(model, tp)
     model = model.to_empty(device=device)
@@ -124,15 +128,16 @@ def _quantize_at_load(model: CausalLM, quantization: str,
 
 
 def _check_servable(path: Path, cfg: ModelConfig, stored: str | None,
-                     tp: TensorParallel | None, blocksize: int) -> None:
+                     tp: TensorParallel | None, blocksize: int, device) -> None:
     if cfg.is_moe and cfg.quantization is not None and stored != "fp8":
         raise ModelLoadError(f"a {cfg.quantization} base is not served on "
                              f"{cfg.family_spec.name} (mixture-of-experts) bases yet: serve it "
                              "in bf16 or fp16")
-    if cfg.is_moe and stored == "fp8":
+    if cfg.is_moe and stored == "fp8" and (tp is not None or not fp8_experts_supported(device)):
         log.warning("this FP8 checkpoint's experts are dequantized to the model's dtype at load "
-                    "(no FP8 expert GEMM yet), so in bf16 they take twice their checkpoint "
-                    "bytes; the attention projections stay FP8")
+                    "(FP8 experts need one device and FP8 conversions: compute capability 8.9 "
+                    "or more, or the CPU), so in bf16 they take twice their checkpoint bytes; "
+                    "the attention projections stay FP8")
     if cfg.quantization is None:
         return
     if cfg.quantization == "nf4" and tp is not None:
@@ -239,6 +244,8 @@ def _load_weights(model: CausalLM, cfg: ModelConfig, path: Path,
     missing = {n for n, p in params.items() if loaded.get(n, 0) != p.numel()}
     missing |= {n for n, m in model.named_modules()
                 if isinstance(m, (NF4Linear, Fp8Linear)) and loaded.get(n, 0) != m.out_features}
+    missing |= {n for n, m in model.named_modules() if getattr(m, "fp8_block", None) is not None
+                and loaded.get(n, 0) != m.num_rows}
     if cfg.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
@@ -274,12 +281,12 @@ def _load_quantized(model, cfg: ModelConfig, parts: dict, loaded: dict[str, int]
     params = dict(model.named_parameters())
     for name, tensors in parts.items():
         weight_name = name if name.endswith(".weight") else name + ".weight"
-        if _EXPERT.match(weight_name):  # FP8 experts: dequantized into the stacked experts
+        expert = _EXPERT.match(weight_name)
+        if expert is not None:
             try:
-                weight = dequantize_fp8(tensors["weight"], _fp8_scale(tensors), block)
+                _load_fp8_expert(cfg, modules, params, loaded, expert, tensors, block, shard)
             except (KeyError, ValueError) as e:
                 raise ModelLoadError(f"{name}: not an fp8 weight: {e}") from e
-            _load_tensor(cfg, params, loaded, weight_name, weight, shard)
             continue
         target, rows = _target(cfg, weight_name)
         module_name = target.removesuffix(".weight")
@@ -303,6 +310,39 @@ def _load_quantized(model, cfg: ModelConfig, parts: dict, loaded: dict[str, int]
         except (KeyError, ValueError) as e:
             raise ModelLoadError(f"{name}: not a {cfg.quantization} weight: {e}") from e
         loaded[module_name] = loaded.get(module_name, 0) + rows[1] - rows[0]
+
+
+def _load_fp8_expert(cfg: ModelConfig, modules, params, loaded, match: re.Match, tensors,
+                     block: tuple[int, int] | None, shard: Shard | None) -> None:
+    """One expert's FP8 gate, up or down weight into its rows of the layer's stacked FP8
+    experts with its scales (per row, or per row and block of columns: row_block_scales);
+    experts kept in the model's dtype (under tensor parallel) get it dequantized."""
+    weight, scale = tensors["weight"], _fp8_scale(tensors)
+    layer, expert, proj = int(match.group(1)), int(match.group(2)), match.group(3)
+    name = f"layers.{layer}.mlp.experts"
+    experts = modules.get(name)
+    if experts is None or experts.fp8_block is None:
+        _load_tensor(cfg, params, loaded, match.group(0), dequantize_fp8(weight, scale, block),
+                     shard)
+        return
+    if expert >= cfg.num_experts:
+        raise ModelLoadError(f"unexpected tensor {match.group(0)} in checkpoint")
+    rows, columns = weight.shape
+    if block is not None:
+        scale = row_block_scales(scale, rows, block, columns)
+    elif scale.numel() in (1, rows):
+        scale = scale.float().reshape(-1, 1).expand(rows, 1)
+    else:
+        raise ValueError(f"a weight scale per tensor or per row, got {scale.numel()} values")
+    start = {"gate": 0, "up": cfg.moe_intermediate_size, "down": 0}[proj]
+    stack = "down" if proj == "down" else "gate_up"
+    w_dst = getattr(experts, f"{stack}_proj")[expert, start:start + rows]
+    if tuple(w_dst.shape) != (rows, columns):
+        raise ModelLoadError(f"{match.group(0)}: shape {(rows, columns)}, expected "
+                             f"{tuple(w_dst.shape)}")
+    w_dst.copy_(weight)
+    getattr(experts, f"{stack}_scale")[expert, start:start + rows].copy_(scale)
+    loaded[name] = loaded.get(name, 0) + rows
 
 
 def _shard_nf4(shard: Shard, proj: str, w: NF4Weight) -> NF4Weight:

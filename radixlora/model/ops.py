@@ -82,12 +82,12 @@ def route(logits: torch.Tensor, top_k: int,
     return weights, experts
 
 
-def sparse_moe(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-               top_k: int, renormalize: bool, lora=None) -> torch.Tensor:
+def sparse_moe(x: torch.Tensor, logits: torch.Tensor, gate_up, down, top_k: int,
+               renormalize: bool, lora=None) -> torch.Tensor:
     """The mixture-of-experts MLP of x [T, H]: routing by the router's logits [T, E], then each
-    token's experts (SiLU-gated, stacked weights gate_up [E, 2I, H] and down [E, H, I]) summed
-    by their weights; lora: the batch's expert LoRA hook for this layer, or None
-    (radixlora_kernels.moe.moe_experts)."""
+    token's experts (SiLU-gated, stacked weights gate_up [E, 2I, H] and down [E, H, I], tensors
+    or Fp8Experts) summed by their weights; lora: the batch's expert LoRA hook for this layer,
+    or None (radixlora_kernels.moe.moe_experts)."""
     weights, experts = route(logits, top_k, renormalize)
     run = moe_experts if x.is_cuda else moe_experts_ref
     return run(x, experts, weights, gate_up, down, lora)

@@ -293,6 +293,31 @@ def fp8_modules(model: nn.Module, block: tuple[int, int] | None = None) -> nn.Mo
         linear.in_features, linear.out_features, linear.bias is not None, dtype, block))
 
 
+def fp8_experts_supported(device: torch.device) -> bool:
+    """Stacked experts kept in FP8 (fp8_experts): the grouped GEMM casts e4m3 tiles in Triton,
+    which needs compute capability 8.9 or more; the CPU's torch loop dequantizes per expert."""
+    return device.type == "cpu" or scaled_mm_supported(device)
+
+
+def fp8_experts(model: nn.Module, block: tuple[int, int] | None = None) -> nn.Module:
+    """Every MoE layer's stacked experts of `model` (on the meta device) as empty e4m3 weights
+    with float32 scales per row ([E, N, 1]), or with `block` per row and block of block[1]
+    columns ([E, N, cdiv(K, block[1])]): gate_up_scale and down_scale beside the weights."""
+    for layer in model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:
+            continue
+        for name in ("gate_up_proj", "down_proj"):
+            shape = getattr(experts, name).shape
+            delattr(experts, name)
+            experts.register_buffer(name, torch.empty(shape, dtype=FP8))
+            columns = 1 if block is None else -(-shape[2] // block[1])
+            experts.register_buffer(name.replace("proj", "scale"),
+                                    torch.empty(*shape[:2], columns, dtype=torch.float32))
+        experts.fp8_block = 0 if block is None else block[1]
+    return model
+
+
 def attach_fp8_path(model: nn.Module, device) -> None:
     """FP8 GEMMs where the device has them (a model in float32 keeps the reference)."""
     fast = scaled_mm_supported(torch.device(device)) and model.embed_tokens.weight.dtype in (
