@@ -21,6 +21,7 @@ against the torch path on its dequantized twin (differing sequences reported).
     python scripts/gpu_checks.py --families   # the families alone, bf16 (a few minutes)
     python scripts/gpu_checks.py --only-families=qwen3_moe,mixtral   # these, fp32 and bf16
     python scripts/gpu_checks.py --fp8-block  # every family as a block-wise FP8 checkpoint, bf16
+    python scripts/gpu_checks.py --fp8-block --only-families=qwen3_moe,mixtral   # FP8 experts
 """
 
 from __future__ import annotations
@@ -148,10 +149,11 @@ def main() -> int:
         families = family_checks(root, ("bfloat16",))
         print("families:", families)
         return 0
-    if "--fp8-block" in sys.argv:  # block-wise FP8 checkpoints of every family, bf16
-        print("families:", family_checks(root, ("bfloat16",), fp8_block=True))
-        return 0
     chosen = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--only-families=")]
+    if "--fp8-block" in sys.argv:  # block-wise FP8 checkpoints of every family (or those), bf16
+        picked = {"families": tuple(chosen[0].split(","))} if chosen else {}
+        print("families:", family_checks(root, ("bfloat16",), fp8_block=True, **picked))
+        return 0
     if chosen:  # some families alone, fp32 and bf16: --only-families=qwen3_moe,mixtral
         print("families:", family_checks(root, families=tuple(chosen[0].split(","))))
         return 0
