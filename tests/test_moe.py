@@ -233,12 +233,34 @@ def test_alignment_pads_each_expert_to_whole_blocks():
 
 
 @pytest.mark.parametrize(("tokens", "experts", "top_k", "block_m"),
-                         [(1, 128, 8, 16), (700, 8, 2, 16), (300, 64, 4, 64)])
+                         [(1, 128, 8, 16), (700, 8, 2, 16), (300, 64, 4, 64), (2100, 16, 8, 32)])
 def test_alignment_places_every_row_once(tokens, experts, top_k, block_m):
-    """More rows than the kernel's chunk of 1,024, experts left without rows, one token."""
+    """More rows than the kernel's chunk of 1,024, experts left without rows, one token; more
+    rows than ALIGN_ONE_PROGRAM_MAX_ROWS (torch's sort)."""
     g = torch.Generator().manual_seed(tokens)
     ids = torch.randn(tokens, experts, generator=g).topk(top_k, -1).indices
     _check_alignment(ids, experts, block_m, *moe_align(ids, experts, block_m))
+
+
+def test_experts_after_an_alignment_that_did_not_run_do_nothing(monkeypatch):
+    """The compile cache's dry run launches no kernel variant it has not loaded: with the
+    alignment kernel skipped, the grouped GEMMs that read its outputs must not read garbage
+    rows (num_padded starts at 0, so every block is past the end)."""
+    import radixlora_kernels.moe as moe
+
+    class Skipped:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(moe, "_align", Skipped())
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randn(6, 4, generator=g).topk(2, -1).indices
+    rows, block_expert, used = moe.moe_align(ids, 4, 16)
+    assert int(used) == 0
+    x = torch.randn(6, 32, generator=g)
+    out = moe.grouped_gemm(x, torch.randn(4, 24, 32, generator=g), (rows, block_expert, used),
+                           12, 2, moe.gemm_config(12, 4))
+    assert out.shape == (12, 24)
 
 
 def _check_alignment(ids, experts, block_m, rows, block_expert, used):

@@ -68,24 +68,52 @@ def moe_experts_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     return y.view(tokens, top_k, -1).sum(dim=1)
 
 
+# rows up to which moe_align runs one program; above, its atomics take longer than torch's sort
+# (an H200 at 128 experts: 53 against 126 us at 8,192 rows, 322 against 134 us at 65,536)
+ALIGN_ONE_PROGRAM_MAX_ROWS = 16384
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int,
               block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_rows, block_expert, num_padded) for the M = T * k rows of topk_ids [T, k]: the rows
     grouped by expert, each expert's run padded to a multiple of block_m with the sentinel M;
-    block_expert[b] the expert of block b; num_padded [1] the rows in use. One launch of one
-    program, sized by M alone (no host sync): at most one partial block per expert in use.
-    Rows of one expert come in no fixed order (each row's product is its own)."""
+    block_expert[b] the expert of block b; num_padded [1] the rows in use. No host sync, sized
+    by M alone: at most one partial block per expert in use. Up to ALIGN_ONE_PROGRAM_MAX_ROWS
+    rows one Triton program, whose rows of one expert come in no fixed order (each row's
+    product is its own); above, torch ops."""
     flat = topk_ids.reshape(-1)
     m, device = flat.numel(), flat.device
     num_blocks = triton.cdiv(m + min(num_experts, m) * (block_m - 1), block_m)
+    if m > ALIGN_ONE_PROGRAM_MAX_ROWS:
+        return _align_by_sort(flat.to(torch.int64), num_experts, block_m, num_blocks)
     sorted_rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    # zeroed: a GEMM after an alignment that did not run (the compile cache's dry run launches
+    # no variant it has not loaded) then does nothing
+    num_padded = torch.zeros(1, dtype=torch.int32, device=device)
     scratch = torch.empty(3, num_experts, dtype=torch.int32, device=device)
     _align[(1,)](flat, scratch, sorted_rows, block_expert, num_padded, m, num_experts,
                  num_blocks, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts),
                  SEARCH_STEPS=num_experts.bit_length(), CHUNK=1024, num_warps=8)
     return sorted_rows, block_expert, num_padded
+
+
+def _align_by_sort(flat: torch.Tensor, num_experts: int, block_m: int, num_blocks: int):
+    """moe_align in torch ops: a stable sort by expert, each row's rank within its expert."""
+    m, device = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    by_expert = flat[order]
+    rank = torch.arange(m, device=device) - (counts.cumsum(0) - counts)[by_expert]
+    dest = (padded_end - padded)[by_expert] + rank
+    sorted_rows = torch.full((num_blocks * block_m,), m, dtype=torch.int32, device=device)
+    sorted_rows[dest] = order.to(torch.int32)
+    starts = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_rows, block_expert.to(torch.int32), padded_end[-1:].to(torch.int32)
 
 
 @triton.jit
@@ -109,7 +137,8 @@ def _align(ids_ptr, scratch_ptr, rows_ptr, block_expert_ptr, num_padded_ptr,
         ids = tl.load(ids_ptr + start + chunk, mask=valid, other=0)
         tl.atomic_add(counts_ptr + ids, 1, mask=valid)
     tl.debug_barrier()
-    counts = tl.load(counts_ptr + experts, mask=real_expert, other=0)
+    # read through the atomics' own path: a plain load may hit a stale line of this SM's L1
+    counts = tl.where(real_expert, tl.atomic_add(counts_ptr + experts, 0, mask=real_expert), 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     end = tl.cumsum(padded, 0)
     tl.store(cursor_ptr + experts, end - padded, mask=real_expert)
@@ -187,12 +216,14 @@ class GemmConfig(NamedTuple):
     num_stages: int
 
 
-# (most rows an expert gets on average, config), first match; scripts/tune_moe.py sweeps the
-# alternatives on a GPU
+# (most rows an expert gets on average, config), first match; the best common configs of
+# scripts/tune_moe.py on an H200 at Qwen3-30B-A3B's shape (docs/perf-log.md, run 43)
 CONFIGS = (
-    (16, GemmConfig(16, 64, 32, 4, 3)),
-    (32, GemmConfig(32, 64, 32, 4, 3)),
-    (float("inf"), GemmConfig(64, 64, 32, 4, 3)),
+    (1, GemmConfig(16, 128, 256, 4, 3)),
+    (4, GemmConfig(16, 128, 128, 4, 2)),
+    (16, GemmConfig(32, 128, 128, 4, 3)),
+    (64, GemmConfig(64, 128, 64, 4, 3)),
+    (float("inf"), GemmConfig(128, 128, 64, 8, 3)),
 )
 
 
