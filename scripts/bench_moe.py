@@ -12,6 +12,7 @@ adapter (what a pool with expert rows adds to a CUDA graph's step without expert
 
     python scripts/bench_moe.py                 # H100 floors (3.35 TB/s, 700 TFLOP/s)
     python scripts/bench_moe.py --peak-bw 4.24e12 --peak-flops 800e12   # H200
+    python scripts/bench_moe.py --expert-weights fp8   # FP8 experts, 128 x 128 block scales
     python scripts/bench_moe.py --smoke         # tiny shapes on the CPU (interpreter)
 """
 
@@ -31,6 +32,9 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--lora-kernels", choices=("auto", "per-row", "blocked"), default="auto",
                    help="the expert LoRA kernels (auto: as the server picks them by row count)")
+    p.add_argument("--expert-weights", choices=("model", "fp8"), default="model",
+                   help="fp8: the experts in e4m3 with 128 x 128 block scales (Fp8Experts), "
+                        "checked against the same weights dequantized")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     if args.smoke:
@@ -44,6 +48,8 @@ def main() -> None:
     g = torch.Generator(device=device).manual_seed(0)
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g, device=device) * 0.02).to(dtype)
     down = (torch.randn(experts, hidden, inter, generator=g, device=device) * 0.02).to(dtype)
+    if args.expert_weights == "fp8":
+        gate_up, down = (fp8_experts(w, 16 if args.smoke else 128) for w in (gate_up, down))
     sizes = [4, 16] if args.smoke else [int(t) for t in args.tokens.split(",")]
     pools = expert_pools(args.adapters * args.rank, experts, hidden, inter, dtype, device, g)
     print(f"{'tokens':>7} {'us':>8} {'rel err':>8} {'bytes floor us':>15} {'flops floor us':>15}"
@@ -52,18 +58,19 @@ def main() -> None:
         x = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
         logits = torch.randn(tokens, experts, generator=g, device=device)
         weights, ids = torch.softmax(logits, -1).topk(top_k, -1)
-        ref = moe_experts_ref(x, ids, weights, gate_up, down).float()
+        ref = moe_experts_ref(x, ids, weights, *dense(gate_up, down, dtype)).float()
         out = moe_experts(x, ids, weights, gate_up, down).float()
         err = ((out - ref).abs().max() / ref.abs().max()).item()
         seconds = float("nan") if args.smoke else graph_seconds(
             moe_experts, x, ids, weights, gate_up, down)
         touched = experts * (1 - (1 - top_k / experts) ** tokens)
-        weight_bytes = touched * 3 * hidden * inter * torch.finfo(dtype).bits // 8
+        weight_bytes = touched * 3 * hidden * inter * (
+            1 if args.expert_weights == "fp8" else torch.finfo(dtype).bits // 8)
         flops = 2 * tokens * top_k * 3 * hidden * inter
         blocked = {"auto": None, "per-row": False, "blocked": True}[args.lora_kernels]
         hook = lora_hook(tokens, args.adapters, args.rank, pools, device, blocked)
         torch_hook = lora_hook(tokens, args.adapters, args.rank, pools, device, "torch")
-        ref = moe_experts_ref(x, ids, weights, gate_up, down, torch_hook).float()
+        ref = moe_experts_ref(x, ids, weights, *dense(gate_up, down, dtype), torch_hook).float()
         out = moe_experts(x, ids, weights, gate_up, down, hook).float()
         lora_err = ((out - ref).abs().max() / ref.abs().max()).item()
         lora_seconds = float("nan") if args.smoke else graph_seconds(
@@ -82,6 +89,31 @@ def main() -> None:
               f" {lora_seconds * 1e6:>8.0f} {lora_err:>8.3g} "
               f"{(weight_bytes + lora_bytes) / args.peak_bw * 1e6:>20.0f}"
               f" {idle_seconds * 1e6:>8.0f}")
+
+
+def fp8_experts(w, block: int):
+    """w [E, N, K] as Fp8Experts: e4m3 with a scale per block x block (absmax / 448), repeated
+    over each block's rows as the loader keeps them."""
+    import torch
+
+    from radixlora_kernels.moe import Fp8Experts
+
+    e, n, k = w.shape
+    tiles = w.float().view(e, n // block, block, k // block, block)
+    scale = tiles.abs().amax(dim=(2, 4), keepdim=True).clamp(min=1e-12) / 448
+    w8 = (tiles / scale).to(torch.float8_e4m3fn).view(e, n, k)
+    rows = scale.view(e, n // block, 1, k // block).expand(e, n // block, block, k // block)
+    return Fp8Experts(w8, rows.reshape(e, n, k // block).contiguous(), block)
+
+
+def dense(gate_up, down, dtype):
+    """The experts as the torch loop's reference takes them: FP8 ones dequantized to dtype."""
+    import torch
+
+    from radixlora_kernels.moe import Fp8Experts
+
+    return tuple(torch.stack([w[e] for e in range(w.shape[0])]).to(dtype)
+                 if isinstance(w, Fp8Experts) else w for w in (gate_up, down))
 
 
 def expert_pools(rows: int, experts: int, hidden: int, inter: int, dtype, device, g):
