@@ -24,7 +24,8 @@ from radixlora.errors import AdapterError, InvalidRequestError
 from radixlora.lora.layout import quantize_rows
 from radixlora.worker.sizing import with_lora_targets
 from radixlora_kernels.lora_ops import LoraBatchMeta, LoraGroups
-from radixlora_kernels.moe_lora import align_blocks, expert_lora, expert_lora_ref, token_rows
+from radixlora_kernels.moe import align_blocks
+from radixlora_kernels.moe_lora import expert_lora, expert_lora_ref, token_rows
 from scripts.checkpoints import EXPERT_TARGETS as EXPERTS
 from scripts.checkpoints import build_hf_model, build_peft_adapter
 from tests.conftest import assert_all_free

@@ -85,7 +85,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
     m, device = flat.numel(), flat.device
     num_blocks = triton.cdiv(m + min(num_experts, m) * (block_m - 1), block_m)
     if m > ALIGN_ONE_PROGRAM_MAX_ROWS:
-        return _align_by_sort(flat.to(torch.int64), num_experts, block_m, num_blocks)
+        return _align_by_sort(flat, num_experts, block_m)
     sorted_rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     # zeroed: a GEMM after an alignment that did not run (the compile cache's dry run launches
@@ -98,22 +98,38 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
     return sorted_rows, block_expert, num_padded
 
 
-def _align_by_sort(flat: torch.Tensor, num_experts: int, block_m: int, num_blocks: int):
-    """moe_align in torch ops: a stable sort by expert, each row's rank within its expert."""
-    m, device = flat.numel(), flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.index_add_(0, flat, torch.ones_like(flat))
+def _align_by_sort(flat: torch.Tensor, num_experts: int, block_m: int):
+    """moe_align in torch ops (align_blocks keyed by expert); each block's expert is its first
+    row's."""
+    sorted_rows, num_padded = align_blocks(flat, block_m, num_experts)
+    first = sorted_rows[::block_m].clamp(max=flat.numel() - 1)
+    return sorted_rows, flat[first].to(torch.int32), num_padded.to(torch.int32)
+
+
+def align_blocks(keys: torch.Tensor, block_m: int,
+                 max_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_rows, num_padded) for rows keyed by keys [M] (< 0: the row is left out, and
+    at most max_keys distinct keys otherwise): the rows sorted by key, each key's run padded
+    to a multiple of block_m with the sentinel M, so every block holds rows of one key and
+    starts with a real row; num_padded [1] the rows in use. Tensor ops only, sized by M alone
+    (no host sync): at most one partial block per key."""
+    m, device = keys.numel(), keys.device
+    keys = torch.where(keys < 0, torch.iinfo(torch.int64).max, keys.to(torch.int64))
+    order = torch.argsort(keys, stable=True)
+    by_key = keys[order]
+    used = by_key != torch.iinfo(torch.int64).max
+    new_run = torch.ones(m, dtype=torch.bool, device=device)
+    new_run[1:] = by_key[1:] != by_key[:-1]
+    run = new_run.cumsum(0) - 1
+    counts = torch.zeros(m, dtype=torch.int64, device=device).index_add_(0, run, used.long())
+    rank = torch.arange(m, device=device) - (counts.cumsum(0) - counts)[run]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
-    order = torch.argsort(flat, stable=True)
-    by_expert = flat[order]
-    rank = torch.arange(m, device=device) - (counts.cumsum(0) - counts)[by_expert]
-    dest = (padded_end - padded)[by_expert] + rank
-    sorted_rows = torch.full((num_blocks * block_m,), m, dtype=torch.int32, device=device)
+    num_blocks = triton.cdiv(m + min(max_keys, m) * (block_m - 1), block_m)
+    dest = torch.where(used, (padded_end - padded)[run] + rank, num_blocks * block_m)
+    sorted_rows = torch.full((num_blocks * block_m + 1,), m, dtype=torch.int32, device=device)
     sorted_rows[dest] = order.to(torch.int32)
-    starts = torch.arange(num_blocks, device=device) * block_m
-    block_expert = torch.searchsorted(padded_end, starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_rows, block_expert.to(torch.int32), padded_end[-1:].to(torch.int32)
+    return sorted_rows[:-1], padded_end[-1:] if m else padded_end.new_zeros(1)
 
 
 @triton.jit

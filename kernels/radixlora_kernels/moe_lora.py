@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .lora_ops import LoraBatchMeta
+from .moe import align_blocks
 from .sgmv_expand import expand_fp32_dot
 from .sgmv_grouped import dot_vb
 from .sgmv_shrink import fp32_dot, sm_count
@@ -217,32 +218,6 @@ def _row_expand(
     y = y_ptr + m.to(tl.int64) * stride_y + offs
     tl.store(y, (tl.load(y, mask=inside, other=0.0).to(tl.float32) + delta).to(
         y_ptr.dtype.element_ty), mask=inside)
-
-
-def align_blocks(keys: torch.Tensor, block_m: int,
-                 max_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted_rows, num_padded) for rows keyed by keys [M] (< 0: the row is left out, and
-    at most max_keys distinct keys otherwise): the rows sorted by key, each key's run padded
-    to a multiple of block_m with the sentinel M, so every block holds rows of one key and
-    starts with a real row; num_padded [1] the rows in use. Tensor ops only, sized by M alone
-    (no host sync): at most one partial block per key."""
-    m, device = keys.numel(), keys.device
-    keys = torch.where(keys < 0, torch.iinfo(torch.int64).max, keys.to(torch.int64))
-    order = torch.argsort(keys, stable=True)
-    by_key = keys[order]
-    used = by_key != torch.iinfo(torch.int64).max
-    new_run = torch.ones(m, dtype=torch.bool, device=device)
-    new_run[1:] = by_key[1:] != by_key[:-1]
-    run = new_run.cumsum(0) - 1
-    counts = torch.zeros(m, dtype=torch.int64, device=device).index_add_(0, run, used.long())
-    rank = torch.arange(m, device=device) - (counts.cumsum(0) - counts)[run]
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    num_blocks = triton.cdiv(m + min(max_keys, m) * (block_m - 1), block_m)
-    dest = torch.where(used, (padded_end - padded)[run] + rank, num_blocks * block_m)
-    sorted_rows = torch.full((num_blocks * block_m + 1,), m, dtype=torch.int32, device=device)
-    sorted_rows[dest] = order.to(torch.int32)
-    return sorted_rows[:-1], padded_end[-1:] if m else padded_end.new_zeros(1)
 
 
 @triton.jit
