@@ -352,12 +352,14 @@ def test_graph_buffers_serve_expert_adapters_as_the_eager_path(expert_family):
     left stale past the batch's own."""
     from radixlora.worker.cuda_graph import StaticInputs
 
-    replays = []
+    replays, expert_launches = [], []
 
     class EagerStaticInputs(StaticInputs):
         def forward(self, key, *args, **kw):
-            replays.append(key)
-            return self.static_forward(key, *args, **kw)
+            launched = len(expert_launches)
+            out = self.static_forward(key, *args, **kw)
+            replays.append((key, len(expert_launches) > launched))
+            return out
 
     model, adapters = expert_family("qwen3_moe")
     ref = oracles(model, adapters)
@@ -367,14 +369,20 @@ def test_graph_buffers_serve_expert_adapters_as_the_eager_path(expert_family):
                                                  "experts_down")
     engine.runner.graphs = EagerStaticInputs(engine.runner, max_batch=8, max_context=512,
                                              max_rows=32)
-    specs = [None, "experts", [("attn", 1.0), ("experts", 1.0)], "all"]
-    prompts = [prompt(60 + i, 9 + 3 * i) for i in range(len(specs))]
+    backend = engine.runner.lora_backend
+    launch = backend.expert_lora
+    backend.expert_lora = lambda *a, **kw: (expert_launches.append(1), launch(*a, **kw))[1]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
-    outs = engine.generate(prompts, params, adapters=specs)
-    runs = [(p, ["attn", "experts"] if isinstance(s, list) else s, o.outputs[0])
-            for p, s, o in zip(prompts, specs, outs, strict=True)]
-    check_oracle(ref, runs)
-    assert sum(key.rows > 0 for key in replays) >= 3  # decode steps with adapters went there
+    for specs in ([None, "experts", [("attn", 1.0), ("experts", 1.0)], "all"], [None, "attn"]):
+        prompts = [prompt(60 + i, 9 + 3 * i) for i in range(len(specs))]
+        outs = engine.generate(prompts, params, adapters=specs)
+        runs = [(p, ["attn", "experts"] if isinstance(s, list) else s, o.outputs[0])
+                for p, s, o in zip(prompts, specs, outs, strict=True)]
+        check_oracle(ref, runs)
+    # decode steps with expert adapters replay graphs that launch the expert LoRA; those with
+    # attention adapters only, graphs that do not
+    assert {(key.experts, launched) for key, launched in replays if key.rows} == {
+        (True, True), (False, False)}
     assert_all_free(engine)
 
 

@@ -210,6 +210,8 @@ def test_graph_keys_cover_every_key_a_batch_can_get(checkpoints):
     static = StaticInputs(engine.runner, max_batch=256, max_context=16, max_rows=512)
     keys = set(graph_keys(256, 512))
     assert len(keys) == len(graph_keys(256, 512))
+    twins = set(graph_keys(256, 512, experts=True)) - keys  # a pool with expert rows
+    assert twins == {dataclasses.replace(k, experts=True) for k in keys if k.rows}
     seen = set()
     for batch, extra, rows, lora in itertools.product(
             (1, 2, 3, 5, 9, 16, 17, 100, 256), (0, 1, 15, 40, 300, 600), (0, 1, 33, 512),

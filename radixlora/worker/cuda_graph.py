@@ -31,12 +31,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from radixlora.config import EXPERT_GROUPS
 from radixlora.model.forward_batch import ForwardBatch
 from radixlora.sampling_params import GREEDY
 from radixlora.worker.attention import TritonAttentionMeta
 from radixlora.worker.lora_context import LoraContext, LoraSegments, high_priority_stream
-
-# Decode batches above 256 replay graphs too: at 1,024 running requests on an H200 a graph step
 from radixlora.worker.sampler import ROW_DTYPES, ROW_FIELDS, SamplingBatch, draw
 from radixlora_kernels.lora_ops import HostGroups, LoraBatchMeta, LoraGroups
 from radixlora_kernels.scatter_words import scatter_words
@@ -84,6 +83,9 @@ class GraphKey:
     # some request has a DoRA adapter: the graph also scales the projections (LoraContext);
     # such graphs are captured on first use, so LoRA-only serving never waits for them
     dora: bool = False
+    # some request adapts an MoE base's experts: only these graphs launch the expert LoRA
+    # kernels, so a pool with expert rows costs the other batches nothing (graph_keys)
+    experts: bool = False
 
     @property
     def decode(self) -> bool:
@@ -98,20 +100,25 @@ def row_buckets(max_rows: int) -> list[int]:
     return sorted({r for r in ROW_BUCKETS if r < max_rows} | {max_rows})
 
 
-def graph_keys(max_batch: int, max_rows: int) -> list[GraphKey]:
+def graph_keys(max_batch: int, max_rows: int, experts: bool = False) -> list[GraphKey]:
     """Every graph serving can replay (what key_for can return): each decode bucket, and each
-    extend batch bucket with each token bucket above it, for each LoRA row bucket."""
+    extend batch bucket with each token bucket above it, for each LoRA row bucket; with
+    `experts` (the pool holds expert rows), each LoRA graph's twin for batches that adapt the
+    experts."""
     buckets = batch_buckets(max_batch)
     keys = [GraphKey(b, b, r) for b in buckets for r in row_buckets(max_rows)]
-    return keys + [GraphKey(b, t, r) for b in buckets if b <= MAX_EXTEND_BATCH
-                   for t in EXTEND_TOKEN_BUCKETS if t > b for r in row_buckets(max_rows)]
+    keys += [GraphKey(b, t, r) for b in buckets if b <= MAX_EXTEND_BATCH
+             for t in EXTEND_TOKEN_BUCKETS if t > b for r in row_buckets(max_rows)]
+    return keys + [GraphKey(k.batch, k.tokens, k.rows, experts=True)
+                   for k in keys if experts and k.rows]
 
 
 def graph_reserve(config, model_cfg, dtype: torch.dtype, decode_activation: int) -> int:
     """Bytes the graphs will hold, estimated before they are captured: every graph keeps its
     outputs (logits and sampler values of each request row) in the shared pool, beside the
     activations of the largest one (those of the largest decode step)."""
-    keys = graph_keys(config.max_running, config.max_rank * config.max_stacked)
+    experts = any(g in EXPERT_GROUPS and config.holds(g) for g in model_cfg.lora_groups)
+    keys = graph_keys(config.max_running, config.max_rank * config.max_stacked, experts)
     row_bytes = model_cfg.vocab_size * dtype.itemsize + 32
     return sum(k.batch for k in keys) * row_bytes + decode_activation
 
@@ -125,6 +132,7 @@ class StaticInputs:
             raise ValueError("cuda_graph needs lora_backend triton (or auto on CUDA)")
         self.runner = runner
         self.groups = groups = runner.adapter_pool.groups  # the module groups the pool holds
+        self.experts = any(g in EXPERT_GROUPS for g in groups)
         # CudaGraphRunner: the side stream of the LoRA work, by whether the bucket defers
         self.lora_streams: dict[bool, torch.cuda.Stream] = {}
         self.max_batch, self.max_rows = max_batch, max_rows
@@ -173,9 +181,9 @@ class StaticInputs:
         self.no_rows = torch.zeros(0, dtype=i32, device=dev)
 
     def key_for(self, qo_lens: list[int], max_rows: int, has_lora: bool,
-                dora: bool = False) -> GraphKey | None:
+                dora: bool = False, experts: bool = False) -> GraphKey | None:
         """The graph a batch replays into, or None when it needs the eager path (dora: some
-        request has a DoRA adapter)."""
+        request has a DoRA adapter; experts: some request adapts the experts)."""
         batch, tokens = len(qo_lens), sum(qo_lens)
         if batch > self.buckets[-1] or max_rows > self.row_buckets[-1]:
             return None
@@ -186,7 +194,7 @@ class StaticInputs:
         )
         bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
         if tokens == batch:
-            return GraphKey(bucket, bucket, rows, dora)
+            return GraphKey(bucket, bucket, rows, dora, experts)
         if batch > self.extend_buckets[-1]:
             return None
         bucket = self.extend_buckets[bisect.bisect_left(self.extend_buckets, batch)]
@@ -194,7 +202,16 @@ class StaticInputs:
         if need > EXTEND_TOKEN_BUCKETS[-1]:
             return None
         token_bucket = EXTEND_TOKEN_BUCKETS[bisect.bisect_left(EXTEND_TOKEN_BUCKETS, need)]
-        return GraphKey(bucket, max(token_bucket, bucket + 1), rows, dora)
+        return GraphKey(bucket, max(token_bucket, bucket + 1), rows, dora, experts)
+
+    def key_groups(self, key: GraphKey) -> tuple[str, ...]:
+        """The pool's module groups whose LoRA key's graph runs: the expert groups only in the
+        graphs of batches that adapt the experts."""
+        return tuple(g for g in self.groups if key.experts or g not in EXPERT_GROUPS)
+
+    def keys(self) -> list[GraphKey]:
+        """graph_keys of this runner's buckets and pool."""
+        return graph_keys(self.max_batch, self.max_rows, self.experts)
 
     def static_forward(self, key: GraphKey, host: dict, lora_segments, sampling: SamplingBatch,
                        resolve=None) -> GraphOutputs:
@@ -227,9 +244,10 @@ class StaticInputs:
             "kv_indices": _pad(host["kv_indices"], pad_reqs),
         }
         if lora_segments is not None and key.rows:
-            parts.update(_group_parts(qo_lens, lora_segments, self.groups))
+            parts.update(_group_parts(qo_lens, lora_segments, self.key_groups(key)))
         if key.dora:
-            parts.update(_magnitude_parts(qo_lens, lora_segments, key.tokens, self.groups))
+            parts.update(_magnitude_parts(qo_lens, lora_segments, key.tokens,
+                                          self.key_groups(key)))
         parts.update(_sampling_parts(sampling, key.batch))
         self.inputs.send(parts)
         if resolve is not None:
@@ -263,7 +281,7 @@ class StaticInputs:
                     ),
                     self.magnitude_rows[g][:t] if key.dora else None,
                 )
-                for g in self.groups
+                for g in self.key_groups(key)
             }
             defer = t <= LORA_DEFER_MAX_TOKENS
             lora = LoraContext(
@@ -334,21 +352,21 @@ class CudaGraphRunner(StaticInputs):
 
     def capture_decode(self) -> None:
         """Capture every decode graph now (extend graphs are captured on first use)."""
-        self.capture([k for k in graph_keys(self.max_batch, self.max_rows) if k.decode])
+        self.capture([k for k in self.keys() if k.decode])
 
     def capture_all(self) -> None:
         """Capture every graph serving can replay, largest first (smaller ones reuse the
         pool's memory)."""
-        self.capture(graph_keys(self.max_batch, self.max_rows))
+        self.capture(self.keys())
 
     def startup_keys(self) -> list[GraphKey]:
         """The graphs to capture before serving when the rest may wait (capture_next): every
         decode bucket, and the extends of one request (a lone prompt's prefill)."""
-        return [k for k in graph_keys(self.max_batch, self.max_rows) if k.decode or k.batch == 1]
+        return [k for k in self.keys() if k.decode or k.batch == 1]
 
     def pending(self) -> list[GraphKey]:
         """The graphs serving can replay that are not captured yet, smallest first."""
-        keys = [k for k in graph_keys(self.max_batch, self.max_rows) if k not in self.graphs]
+        keys = [k for k in self.keys() if k not in self.graphs]
         return sorted(keys, key=lambda k: (k.batch, k.tokens, k.rows))
 
     def capture_next(self) -> bool:
@@ -372,7 +390,7 @@ class CudaGraphRunner(StaticInputs):
     def dry_run(self) -> None:
         """Run the forward of every graph capture_all would capture, once each, eagerly (under
         KernelCache.dry_run, to find the kernel variants they launch)."""
-        for key in graph_keys(self.max_batch, self.max_rows):
+        for key in self.keys():
             self._reset_inputs(key)
             with blas_library("cublaslt" if key.tokens <= CUBLASLT_MAX_TOKENS else None):
                 self._run(key)

@@ -15,7 +15,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from radixlora.config import DENSE_GROUPS, MODULE_GROUPS, EngineConfig, ModelConfig
+from radixlora.config import (
+    DENSE_GROUPS,
+    EXPERT_GROUPS,
+    MODULE_GROUPS,
+    EngineConfig,
+    ModelConfig,
+)
 from radixlora.distributed import TensorParallel
 from radixlora.lora.host_cache import PackedAdapter
 from radixlora.lora.layout import group_row_bytes
@@ -489,9 +495,11 @@ class ModelRunner:
     def _graph_key(self, host: dict, segments):
         if self.graphs is None:
             return None
-        rows = max((len(r) for rows, _ in (segments or {}).values() for r in rows), default=0)
+        per_group = segments or {}
+        rows = max((len(r) for rows, _ in per_group.values() for r in rows), default=0)
+        experts = any(any(per_group[g][0]) for g in EXPERT_GROUPS if g in per_group)
         return self.graphs.key_for(host["qo_lens"], rows, segments is not None,
-                                   bool(segments and segments.magnitudes))
+                                   bool(segments and segments.magnitudes), experts)
 
     def _forward_batch(self, host: dict, segments, resolve=None) -> ForwardBatch:
         names = ("input_ids", "positions", "out_cache_loc", "kv_indices", "logits_indices")
