@@ -267,6 +267,20 @@ def test_warm_up_covers_the_lora_tile_sizes_and_both_samplers():
     assert 0.0 in temperatures and len(temperatures) == 2
 
 
+def test_warm_up_and_graphs_reach_every_moe_tile_of_the_one_program_alignment():
+    """Each expert GEMM tile (moe.CONFIGS, by rows an expert gets) that a step aligned by the
+    one-program kernel can pick, for Qwen3-MoE's top 8 of 128 experts: warmed up, eagerly or in
+    a graph, so none compiles while serving (256 running: Qwen3-30B-A3B on an H100)."""
+    from radixlora_kernels.moe import ALIGN_ONE_PROGRAM_MAX_ROWS, CONFIGS, gemm_config
+
+    config = dataclasses.replace(EngineConfig(), max_batch_tokens=8192, max_running=256)
+    steps = {sum(i.extend_len for i in plan.items)
+             for plan in warm_up_plans(config, max_context=8192, num_slots=10**6)}
+    steps |= {key.tokens for key in graph_keys(config.max_running, 0)}
+    tiles = {gemm_config(8 * t, 128) for t in steps if 8 * t <= ALIGN_ONE_PROGRAM_MAX_ROWS}
+    assert tiles == {c for _, c in CONFIGS}
+
+
 def test_the_engine_and_runner_share_one_sized_config(checkpoints):
     engine = Engine(checkpoints["llama"], max_running=5)
     assert engine.config is engine.runner.config and engine.config.sized

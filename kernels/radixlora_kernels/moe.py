@@ -133,7 +133,9 @@ def align_blocks(keys: torch.Tensor, block_m: int,
     return sorted_rows[:-1], padded_end[-1:] if m else padded_end.new_zeros(1)
 
 
-@triton.jit
+# the row and block counts follow each step's tokens: unspecialized, so a step of an odd count
+# compiles no variant the warm-up did not (Triton specializes integers on 1 and 16 | n)
+@triton.jit(do_not_specialize=["M", "NUM_BLOCKS"])
 def _align(ids_ptr, scratch_ptr, rows_ptr, block_expert_ptr, num_padded_ptr,
            M, NUM_EXPERTS, NUM_BLOCKS, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
            SEARCH_STEPS: tl.constexpr, CHUNK: tl.constexpr):
@@ -182,7 +184,7 @@ def _align(ids_ptr, scratch_ptr, rows_ptr, block_expert_ptr, num_padded_ptr,
         tl.store(rows_ptr + dest, start + chunk, mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # a step's rows: see _align
 def _grouped_gemm(
     a_ptr, w_ptr, c_ptr, rows_ptr, block_expert_ptr, num_padded_ptr, scale_ptr, ws_ptr,
     num_rows, N, K, stride_am, stride_we, stride_wn, stride_cm, stride_wse, stride_wsn,

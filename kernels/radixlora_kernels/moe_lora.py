@@ -236,7 +236,7 @@ def _block_entries(block, sorted_rows_ptr, experts_ptr, start_ptr, count_ptr, ro
     return rows, valid, start, rank, rank_ok, ids, expert
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # a step's rows (moe._align)
 def _block_shrink(
     x_ptr, a_ptr, v_ptr, sorted_rows_ptr, num_padded_ptr, experts_ptr, start_ptr, count_ptr,
     row_ids_ptr, row_scales_ptr, qscales_ptr, num_rows, in_dim, stride_x, stride_a,
@@ -270,7 +270,7 @@ def _block_shrink(
                  acc * weight[None, :], mask=valid[:, None] & rank_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # a step's rows (moe._align)
 def _block_expand(
     v_ptr, b_ptr, y_ptr, sorted_rows_ptr, num_padded_ptr, experts_ptr, start_ptr, count_ptr,
     row_ids_ptr, out_scale_ptr, num_rows, out_dim, stride_b, stride_y, TOP_K: tl.constexpr,

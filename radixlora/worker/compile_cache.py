@@ -261,7 +261,7 @@ class KernelCache:
 
 
 def _late_compile(*, repr, **_) -> None:
-    log.warning("a kernel variant compiled after warm-up: %s", repr)
+    log.warning("a kernel variant compiled after warm-up: %s", " ".join(str(repr).split()))
 
 
 def _cache_entries(path: Path) -> int:

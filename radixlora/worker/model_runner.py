@@ -575,9 +575,12 @@ def warm_up_plans(config: EngineConfig, max_context: int, num_slots: int,
     on one of rank 32 and on one of the largest rank."""
     tokens, running, rank = config.max_batch_tokens, config.max_running, config.max_rank
     wide = min(running, 16)
+    # 1,536 tokens: an MoE base's one-program alignment with its largest tile (Qwen3-MoE's
+    # top 8 of 128 experts: 96 rows an expert), which the other steps reach only when about
+    # 1,024 requests may run
     base = [(tokens, wide, 0, PROFILE_PARAMS), (tokens - 1, 3, 0, PROFILE_PARAMS),
-            (1000, 1, 0, GREEDY_PARAMS), (777, 5, 123, PROFILE_PARAMS),
-            (running + 37, running, 0, PROFILE_PARAMS)]
+            (1536, 4, 0, PROFILE_PARAMS), (1000, 1, 0, GREEDY_PARAMS),
+            (777, 5, 123, PROFILE_PARAMS), (running + 37, running, 0, PROFILE_PARAMS)]
     segments = [(tokens, wide), (24 * wide, wide), (running + 37, running)]
     loras: dict[int, int] = {}  # rank -> adapter sets
     for r, sets in ((16, 8), (32, 1), (rank, 1)) if rank else ():
