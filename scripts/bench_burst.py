@@ -3,19 +3,25 @@
     python scripts/bench_burst.py                          # H200: 2,000 ShareGPT-like requests
     python scripts/bench_burst.py --adapters 0,100 --max-running 256,1024
     python scripts/bench_burst.py --parts steps,gemm       # only the synthetic parts
+    python scripts/bench_burst.py --model-shape qwen3-30b-a3b --parts steps
     python scripts/bench_burst.py --smoke                  # tiny shapes on the CPU
 
-Setup: bench_engine's Llama-3-8B-shaped model with random bf16 weights (load_format="dummy"),
+Setup: bench_engine's Llama-3-8B-shaped model (or --model-shape, bench_e2e's shapes) with
+random bf16 weights (load_format="dummy"),
 default engine config (pools sized from GPU memory, graphs captured at start), and for
 `--adapters N` N random rank-8 adapters on q, k, v, o that start in the host tier.
 
 Parts (--parts):
   steps  Synthetic steps of the shapes the burst runs, each timed alone (CUDA events around the
          launch, median of 5 after a warm-up) and profiled once (kernel time by kind):
-         "mixed 254": 240 decodes at 400 tokens of context beside 14 prefill chunks of 541
-         tokens in all; "mixed 944": 900 decodes beside 2,361 prefill tokens; "prefill 8192";
-         each with the mixed-batch attention split (decodes to the decode kernel, extends over
-         their tiles) and without it (every request through the extend kernel's grid).
+         "decode N": N decodes at 400 tokens of context (N = 64, 256, 512, 1,024; a CUDA graph
+         where one fits), against their bytes floor (the weights they touch, of an MoE only the
+         experts their tokens are routed to under uniform routing, and their KV, at
+         --peak-bw); "mixed 254": 240 decodes at 400 tokens of context beside 14 prefill
+         chunks of 541 tokens in all; "mixed 944": 900 decodes beside 2,361 prefill tokens;
+         "prefill 8192"; the mixed ones with the mixed-batch attention split (decodes to the
+         decode kernel, extends over their tiles) and without it (every request through the
+         extend kernel's grid). Steps whose KV does not fit the pool are left out.
   gemm   torch.matmul TFLOP/s of the four projections of a layer at the token counts above.
   burst  --requests requests with ShareGPT-like lengths (bench_serving.sharegpt_lengths:
          lognormal, about 270 prompt / 210 output tokens on average, capped at 2,048 / 1,024),
@@ -47,8 +53,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_e2e import Planned, Shape, floor  # noqa: E402
-from bench_engine import LLAMA3_8B, QKVO, SMOKE, model_dir, random_adapter  # noqa: E402
+from bench_e2e import H200_BYTES_PER_S, MODEL_SHAPES, Planned, Shape, floor  # noqa: E402
+from bench_engine import QKVO, SMOKE, model_dir, random_adapter  # noqa: E402
 from bench_serving import sharegpt_lengths  # noqa: E402
 
 from radixlora import Engine, SamplingParams  # noqa: E402
@@ -57,6 +63,7 @@ from radixlora.worker import cuda_graph  # noqa: E402
 from radixlora.worker.model_runner import PROFILE_PARAMS  # noqa: E402
 
 KERNEL_KINDS = (  # (kind, substrings of the kernel's name), first match wins
+    ("moe", ("_grouped_gemm", "_align", "topk", "_row_shrink", "_row_expand", "_block_")),
     ("attention", ("_extend_kernel", "_decode_split", "_decode_merge")),
     ("lora", ("sgmv", "grouped", "shrink", "expand")),
     ("sampling", ("sampl", "_draw", "argmax", "softmax", "gumbel", "lse")),
@@ -224,13 +231,10 @@ def run_burst(engine: Engine, reqs: list[Request], max_running: int | None) -> d
             if max_running is None else max_running, "steps": summarize_steps(log, wall)}
 
 
-def burst_floor(engine: Engine, reqs: list[Request], rank: int) -> dict:
-    cfg = engine.model_cfg
-    shape = Shape(cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads,
-                  cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
+def burst_floor(shape: Shape, reqs: list[Request], rank: int, peak_bw: float) -> dict:
     planned = [Planned(len(r.prompt), r.max_tokens, r.adapter, rank if r.adapter else 0)
                for r in reqs]
-    return floor(shape, planned)
+    return floor(shape, planned, peak_bytes_per_s=peak_bw)
 
 
 # ---- synthetic steps -------------------------------------------------------------------------
@@ -254,6 +258,7 @@ def split_prefill(tokens: int, chunks: int) -> list[int]:
 
 
 SYNTHETIC = {  # name: (decodes, their context, prefill chunks)
+    **{f"decode {n}": (n, 400, []) for n in (64, 256, 512, 1024)},
     "mixed 254": (240, 400, split_prefill(541, 14)),
     "mixed 944": (900, 400, split_prefill(2361, 44)),
     "prefill 8192": (0, 0, split_prefill(8192, 16)),
@@ -317,14 +322,24 @@ def fill_kv(runner, slots: int) -> None:
         cache[:slots].normal_(generator=gen)
 
 
-def synthetic_steps(engine: Engine) -> dict:
+def decode_floor_ms(shape: Shape, decodes: int, context: int, peak_bw: float) -> float:
+    """The bytes a decode-only step must read (weights touched, KV) at peak_bw, in ms."""
+    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * 2 * decodes * (context + 1)
+    return 1e3 * (shape.decode_weight_bytes(decodes) + kv) / peak_bw
+
+
+def synthetic_steps(engine: Engine, shape: Shape, peak_bw: float) -> dict:
     runner, backend = engine.runner, engine.runner.attn_backend
     split = getattr(backend, "_split", None)  # the Triton backend's
-    variants = (("split", split), ("extend only", lambda *a: None)) if split else (("", None),)
+    slots = engine.config.kv_pages * engine.config.page_size
     plans = {name: synthetic_plan(*spec) for name, spec in SYNTHETIC.items()}
+    plans = {name: p for name, p in plans.items() if len(p.kv_slots) // 4 < slots}
     fill_kv(runner, max(len(p.kv_slots) // 4 for p in plans.values()) + 1)
     out = {}
     for name, plan in plans.items():
+        decodes, context, prefills = SYNTHETIC[name]
+        mixed = split is not None and bool(prefills)
+        variants = (("split", split), ("extend only", lambda *a: None)) if mixed else (("", None),)
         for variant, fn in variants:
             if fn is not None:
                 backend._split = fn
@@ -334,8 +349,10 @@ def synthetic_steps(engine: Engine) -> dict:
             finally:
                 if fn is not None:
                     backend._split = split
+            floor_ms = None if prefills else decode_floor_ms(shape, decodes, context, peak_bw)
             out[f"{name}, {variant}" if variant else name] = {**timing, **prof,
-                                         "tokens": sum(i.extend_len for i in plan.items)}
+                                         "tokens": sum(i.extend_len for i in plan.items),
+                                         "floor_ms": floor_ms}
     return out
 
 
@@ -368,6 +385,10 @@ def main() -> None:
     p.add_argument("--adapters", default="0", help="comma-separated adapter counts")
     p.add_argument("--max-running", default="default", help="comma-separated: default or N")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="llama3-8b",
+                   help="the random checkpoint's shape and family (bench_e2e's)")
+    p.add_argument("--peak-bw", type=float, default=H200_BYTES_PER_S,
+                   help="memory bytes/s of the floors (H200: 4.24e12)")
     p.add_argument("--graph-buckets", default="", metavar="B,...",
                    help="experiment: decode batch buckets added to cuda_graph.BATCH_BUCKETS "
                         "(captured up to the engine's max_running)")
@@ -376,11 +397,13 @@ def main() -> None:
         extra = {int(b) for b in args.graph_buckets.split(",")}
         cuda_graph.BATCH_BUCKETS = tuple(sorted(set(cuda_graph.BATCH_BUCKETS) | extra))
     parts = set(args.parts.split(","))
-    shape, kw = (SMOKE, {"device": "cpu", "dtype": "float32"}) if args.smoke else (LLAMA3_8B, {})
+    config = MODEL_SHAPES[args.model_shape]
+    shape, kw = (SMOKE, {"device": "cpu", "dtype": "float32"}) if args.smoke else (config, {})
     if args.smoke:
         args.requests = min(args.requests, 24)
         SYNTHETIC.update({name: (min(d, 8), min(c, 40), p[:2]) for name, (d, c, p)
                           in SYNTHETIC.items()})
+    dims = Shape.from_config(shape)
     results: dict = {"argv": sys.argv, "commit": os.popen("git rev-parse --short HEAD").read()
                      .strip()}
     out_dir = Path(os.environ.get("OUT", "."))
@@ -396,7 +419,7 @@ def main() -> None:
         (out_dir / "bench_burst.json").write_text(json.dumps(results, indent=1, default=str))
 
     if "steps" in parts:
-        results["steps"] = synthetic_steps(engine)
+        results["steps"] = synthetic_steps(engine, dims, args.peak_bw)
         save()
         print_steps(results["steps"])
     if "gemm" in parts and engine.runner.device.type == "cuda":
@@ -410,7 +433,7 @@ def main() -> None:
             names = add_adapters(engine, count)
             reqs = burst_requests(args.requests, engine.model_cfg.vocab_size, names, args.seed,
                                   scale=0.05 if args.smoke else 1.0)
-            fl = burst_floor(engine, reqs, rank=8)
+            fl = burst_floor(dims, reqs, 8, args.peak_bw)
             for mr in args.max_running.split(","):
                 key = f"adapters {count}, max_running {mr}"
                 r = run_burst(engine, reqs, None if mr == "default" else int(mr))
@@ -439,8 +462,11 @@ def print_steps(steps: dict) -> None:
     for name, r in steps.items():
         kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r.get("by_kind_ms", {}).items(),
                                                           key=lambda kv: -kv[1]))
+        floor = (f"  floor {r['floor_ms']:.2f} ms = {r['device_ms'] / r['floor_ms']:.2f}x"
+                 if r.get("floor_ms") and r["device_ms"] else "")
         print(f"  step {name:28s} {r['tokens']:5d} tok  wall {_f(r['wall_ms'])} ms  device "
-              f"{_f(r['device_ms'])} ms  launch {_f(r['launch_ms'])} ms  [{kinds}]", flush=True)
+              f"{_f(r['device_ms'])} ms  launch {_f(r['launch_ms'])} ms{floor}  [{kinds}]",
+              flush=True)
         for kname, ms in r.get("top", []):
             print(f"      {ms:8.2f} ms  {kname}")
 
