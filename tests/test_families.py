@@ -235,3 +235,34 @@ def check_int8_pool(model, adapters, config: dict) -> None:
             if top2[0] - top2[1] > 2 * INT8_TOL:
                 assert token == int(row.argmax()), (spec, step)
     assert_all_free(engine)
+
+
+def test_graphs_share_one_logits_buffer_and_keep_the_final_softcap(family):
+    """Every graph's logits go to StaticInputs' one buffer (the graphs' static path run eagerly,
+    the Triton kernels under the interpreter), soft-capped in place as Gemma 2's head does:
+    greedy tokens and logprobs equal PEFT's; the head's logits into a buffer equal the head's
+    own, also through a head that is not one Linear (a tensor-parallel one)."""
+    from radixlora.worker.cuda_graph import StaticInputs
+
+    buffers = set()
+
+    class EagerStaticInputs(StaticInputs):
+        def forward(self, key, *args, **kw):
+            out = self.static_forward(key, *args, **kw)
+            buffers.add(out.logits.untyped_storage().data_ptr())
+            return out
+
+    model, adapters = family("gemma2")
+    engine = Engine(model, adapters=adapters, attention_backend="triton", lora_backend="triton",
+                    **ENGINE)
+    graphs = engine.runner.graphs = EagerStaticInputs(engine.runner, max_batch=8,
+                                                      max_context=512, max_rows=32)
+    check_oracle(peft_model(model, adapters), mixed_batch(engine))
+    assert buffers == {graphs.logits.untyped_storage().data_ptr()}
+    lm = engine.runner.model
+    h = torch.randn(3, lm.cfg.hidden_size)
+    want = lm.logits(h)
+    assert lm.cfg.final_softcap and torch.equal(lm.logits(h, torch.empty_like(want)), want)
+    lm.lm_head = torch.nn.Sequential(lm.lm_head)
+    assert torch.equal(lm.logits(h, torch.empty_like(want)), want)
+    assert_all_free(engine)

@@ -190,16 +190,24 @@ class CausalLM(nn.Module):
         return [self.rotary, *([self.local_rotary] if hasattr(self, "local_rotary") else [])]
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (in the model's dtype, as lm_head rounds them) of the tokens at
-        fb.logits_indices: [num_logits, vocab]."""
-        return self.logits(self.hidden(fb))
+        fb.logits_indices: [num_logits, vocab], written into `out` when given."""
+        return self.logits(self.hidden(fb), out)
 
     @torch.inference_mode()
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(h)
+    def logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """lm_head(h), final soft-capping applied, in a new tensor or in `out` (the CUDA
+        graphs' one logits buffer)."""
         cap = self.cfg.final_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        if out is None:
+            logits = self.lm_head(h)
+            return logits if cap is None else torch.tanh(logits / cap) * cap
+        if isinstance(self.lm_head, nn.Linear):
+            torch.mm(h, self.lm_head.weight.t(), out=out)
+        else:  # a tensor-parallel head gathers its ranks' logits into a new tensor
+            out.copy_(self.lm_head(h))
+        return out if cap is None else out.div_(cap).tanh_().mul_(cap)
 
     @torch.inference_mode()
     def hidden(self, fb: ForwardBatch) -> torch.Tensor:

@@ -53,6 +53,7 @@ LORA_DEFER_MAX_TOKENS = 32
 # Graphs of at most this many tokens capture their GEMMs through cublasLt, whose heuristics pick
 # faster kernels at those sizes on the H200; larger graphs keep torch's default, cuBLAS.
 CUBLASLT_MAX_TOKENS = 32
+SAMPLER_ROW_BYTES = 32  # a graph's sampled token, its logprob and log-sum-exp, per request row
 
 
 @dataclass
@@ -114,13 +115,14 @@ def graph_keys(max_batch: int, max_rows: int, experts: bool = False) -> list[Gra
 
 
 def graph_reserve(config, model_cfg, dtype: torch.dtype, decode_activation: int) -> int:
-    """Bytes the graphs will hold, estimated before they are captured: every graph keeps its
-    outputs (logits and sampler values of each request row) in the shared pool, beside the
-    activations of the largest one (those of the largest decode step)."""
+    """Bytes the graphs will hold, estimated before they are captured: one logits buffer that
+    every graph writes (StaticInputs.logits), the sampler's values of each graph's request rows
+    in the shared pool, and the activations of the largest graph (those of the largest decode
+    step)."""
     experts = any(g in EXPERT_GROUPS and config.holds(g) for g in model_cfg.lora_groups)
     keys = graph_keys(config.max_running, config.max_rank * config.max_stacked, experts)
-    row_bytes = model_cfg.vocab_size * dtype.itemsize + 32
-    return sum(k.batch for k in keys) * row_bytes + decode_activation
+    logits = batch_buckets(config.max_running)[-1] * model_cfg.vocab_size * dtype.itemsize
+    return logits + sum(k.batch for k in keys) * SAMPLER_ROW_BYTES + decode_activation
 
 
 class StaticInputs:
@@ -179,6 +181,10 @@ class StaticInputs:
         self.token_seg = torch.zeros(t, dtype=i32, device=dev)
         self.no_seg_rows = torch.zeros(n + 1, dtype=i32, device=dev)
         self.no_rows = torch.zeros(0, dtype=i32, device=dev)
+        # every graph's logits: graphs replay one at a time and each step reads its logits (in
+        # stream order) before the next replay, so one buffer serves them all, where one per
+        # graph cost 9 GB at Gemma 3's vocabulary
+        self.logits = torch.empty(n, runner.cfg.vocab_size, dtype=runner.dtype, device=dev)
 
     def key_for(self, qo_lens: list[int], max_rows: int, has_lora: bool,
                 dora: bool = False, experts: bool = False) -> GraphKey | None:
@@ -221,7 +227,7 @@ class StaticInputs:
 
     def _run(self, key: GraphKey) -> GraphOutputs:
         """The forward and the sampler over the static buffers (what a graph captures)."""
-        logits = self.runner.model(self._static_batch(key))
+        logits = self.runner.model(self._static_batch(key), self.logits[: key.batch])
         rows = {name: buffer[: key.batch] for name, buffer in self.sampling.items()}
         return GraphOutputs(logits, *draw(logits, rows))
 
@@ -338,8 +344,9 @@ class CudaGraphRunner(StaticInputs):
 
     def forward(self, key: GraphKey, host: dict, lora_segments, sampling: SamplingBatch,
                 resolve=None) -> GraphOutputs:
-        """Replays key's graph. Its outputs stay valid until the graph is replayed again: read
-        them in stream order before that (copies and kernels queued behind the replay)."""
+        """Replays key's graph. Its outputs stay valid until the next replay of any graph (the
+        logits buffer is shared): read them in stream order before that (copies and kernels
+        queued behind the replay)."""
         entry = self.graphs.get(key) or self._capture(key)  # capture resets the buffers
         self._fill(key, host, lora_segments, sampling, resolve)
         entry.graph.replay()
