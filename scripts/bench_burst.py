@@ -53,7 +53,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_e2e import H200_BYTES_PER_S, MODEL_SHAPES, Planned, Shape, floor  # noqa: E402
+from bench_e2e import (  # noqa: E402
+    H200_BYTES_PER_S,
+    H200_FLOPS,
+    MODEL_SHAPES,
+    Planned,
+    Shape,
+    floor,
+)
 from bench_engine import QKVO, SMOKE, model_dir, random_adapter  # noqa: E402
 from bench_serving import sharegpt_lengths  # noqa: E402
 
@@ -322,13 +329,19 @@ def fill_kv(runner, slots: int) -> None:
         cache[:slots].normal_(generator=gen)
 
 
-def decode_floor_ms(shape: Shape, decodes: int, context: int, peak_bw: float) -> float:
-    """The bytes a decode-only step must read (weights touched, KV) at peak_bw, in ms."""
+def decode_floors_ms(shape: Shape, decodes: int, context: int, peak_bw: float,
+                     peak_flops: float) -> tuple[float, float]:
+    """(bytes, FLOPs) floors of a decode-only step in ms: the weights it touches and its KV at
+    peak_bw; its projections' and attention's FLOPs at peak_flops (past about 200 tokens a
+    dense 8B model's decode step is bound by the FLOPs on an H100)."""
     kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * 2 * decodes * (context + 1)
-    return 1e3 * (shape.decode_weight_bytes(decodes) + kv) / peak_bw
+    attention = 4 * shape.layers * shape.heads * shape.head_dim * (context + 1) * decodes
+    flops = 2 * shape.params() * decodes + attention
+    return (1e3 * (shape.decode_weight_bytes(decodes) + kv) / peak_bw,
+            1e3 * flops / peak_flops)
 
 
-def synthetic_steps(engine: Engine, shape: Shape, peak_bw: float) -> dict:
+def synthetic_steps(engine: Engine, shape: Shape, peak_bw: float, peak_flops: float) -> dict:
     runner, backend = engine.runner, engine.runner.attn_backend
     split = getattr(backend, "_split", None)  # the Triton backend's
     slots = engine.config.kv_pages * engine.config.page_size
@@ -349,10 +362,11 @@ def synthetic_steps(engine: Engine, shape: Shape, peak_bw: float) -> dict:
             finally:
                 if fn is not None:
                     backend._split = split
-            floor_ms = None if prefills else decode_floor_ms(shape, decodes, context, peak_bw)
+            floors = ((None, None) if prefills else
+                      decode_floors_ms(shape, decodes, context, peak_bw, peak_flops))
             out[f"{name}, {variant}" if variant else name] = {**timing, **prof,
                                          "tokens": sum(i.extend_len for i in plan.items),
-                                         "floor_ms": floor_ms}
+                                         "floor_ms": floors[0], "flops_floor_ms": floors[1]}
     return out
 
 
@@ -389,6 +403,8 @@ def main() -> None:
                    help="the random checkpoint's shape and family (bench_e2e's)")
     p.add_argument("--peak-bw", type=float, default=H200_BYTES_PER_S,
                    help="memory bytes/s of the floors (H200: 4.24e12)")
+    p.add_argument("--peak-flops", type=float, default=H200_FLOPS,
+                   help="dense bf16 FLOP/s of the decode steps' FLOPs floor (H200: 800e12)")
     p.add_argument("--graph-buckets", default="", metavar="B,...",
                    help="experiment: decode batch buckets added to cuda_graph.BATCH_BUCKETS "
                         "(captured up to the engine's max_running)")
@@ -419,7 +435,7 @@ def main() -> None:
         (out_dir / "bench_burst.json").write_text(json.dumps(results, indent=1, default=str))
 
     if "steps" in parts:
-        results["steps"] = synthetic_steps(engine, dims, args.peak_bw)
+        results["steps"] = synthetic_steps(engine, dims, args.peak_bw, args.peak_flops)
         save()
         print_steps(results["steps"])
     if "gemm" in parts and engine.runner.device.type == "cuda":
@@ -462,7 +478,8 @@ def print_steps(steps: dict) -> None:
     for name, r in steps.items():
         kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r.get("by_kind_ms", {}).items(),
                                                           key=lambda kv: -kv[1]))
-        floor = (f"  floor {r['floor_ms']:.2f} ms = {r['device_ms'] / r['floor_ms']:.2f}x"
+        floor = (f"  floors: bytes {r['floor_ms']:.2f} ms = {r['device_ms'] / r['floor_ms']:.2f}x,"
+                 f" FLOPs {r['flops_floor_ms']:.2f} ms"
                  if r.get("floor_ms") and r["device_ms"] else "")
         print(f"  step {name:28s} {r['tokens']:5d} tok  wall {_f(r['wall_ms'])} ms  device "
               f"{_f(r['device_ms'])} ms  launch {_f(r['launch_ms'])} ms{floor}  [{kinds}]",
