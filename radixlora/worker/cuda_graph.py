@@ -182,8 +182,8 @@ class StaticInputs:
         self.no_seg_rows = torch.zeros(n + 1, dtype=i32, device=dev)
         self.no_rows = torch.zeros(0, dtype=i32, device=dev)
         # every graph's logits: graphs replay one at a time and each step reads its logits (in
-        # stream order) before the next replay, so one buffer serves them all, where one per
-        # graph cost 9 GB at Gemma 3's vocabulary
+        # stream order) before the next replay, so one buffer serves them all (one per graph
+        # would keep batch x vocabulary values for each of some 200 graphs)
         self.logits = torch.empty(n, runner.cfg.vocab_size, dtype=runner.dtype, device=dev)
 
     def key_for(self, qo_lens: list[int], max_rows: int, has_lora: bool,
@@ -211,8 +211,8 @@ class StaticInputs:
         return GraphKey(bucket, max(token_bucket, bucket + 1), rows, dora, experts)
 
     def key_groups(self, key: GraphKey) -> tuple[str, ...]:
-        """The pool's module groups whose LoRA key's graph runs: the expert groups only in the
-        graphs of batches that adapt the experts."""
+        """The pool's module groups whose LoRA the graph of `key` runs: the expert groups only
+        in the graphs of batches that adapt the experts."""
         return tuple(g for g in self.groups if key.experts or g not in EXPERT_GROUPS)
 
     def keys(self) -> list[GraphKey]:
