@@ -262,8 +262,10 @@ def test_warm_up_covers_the_lora_tile_sizes_and_both_samplers():
         groups = list(plan.adapter_sets[0].values())
         rank = len(groups[0].rows) if groups else 0
         buckets.add((16 if longest <= 16 else 32 if longest <= 32 else 64, rank))
-    assert {(t, r) for t in (16, 32, 64) for r in (16, 32, 64)} <= buckets
+    assert {(t, r) for t in (16, 32, 64) for r in (8, 16, 32, 64)} <= buckets
     assert {(16, 0), (64, 0)} <= buckets
+    # the grouped kernels' tiles for many adapter sets: a step with more than 100 groups
+    assert any(len({i.adapter_set for i in p.items}) > 100 for p in plans)
     temperatures = {i.params.temperature for p in plans for i in p.items}
     assert 0.0 in temperatures and len(temperatures) == 2
 

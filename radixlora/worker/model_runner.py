@@ -572,7 +572,8 @@ def warm_up_plans(config: EngineConfig, max_context: int, num_slots: int,
     prompt (greedy: the sampler's unfiltered variant), cached prefixes, many requests of a
     token or two (decodes beside a prefill). With adapters, for the LoRA kernels' tile sizes:
     segments of more than 32, of 17-32 and of at most 16 tokens, each on 8 rank-16 adapters,
-    on one of rank 32 and on one of the largest rank."""
+    on 128 rank-8 ones (the grouped kernels tile many adapter sets, and rank rows that 16 does
+    not divide, otherwise), on one of rank 32 and on one of the largest rank."""
     tokens, running, rank = config.max_batch_tokens, config.max_running, config.max_rank
     wide = min(running, 16)
     # 1,536 tokens: an MoE base's one-program alignment with its largest tile (Qwen3-MoE's
@@ -583,7 +584,7 @@ def warm_up_plans(config: EngineConfig, max_context: int, num_slots: int,
             (777, 5, 123, PROFILE_PARAMS), (running + 37, running, 0, PROFILE_PARAMS)]
     segments = [(tokens, wide), (24 * wide, wide), (running + 37, running)]
     loras: dict[int, int] = {}  # rank -> adapter sets
-    for r, sets in ((16, 8), (32, 1), (rank, 1)) if rank else ():
+    for r, sets in ((16, 8), (8, 128), (32, 1), (rank, 1)) if rank else ():
         loras.setdefault(min(r, rank), sets)
     plans = [profile_plan(n, r, 0, start, params=params) for n, r, start, params in base
              if fits(n, r, start, config, max_context, num_slots)]
