@@ -26,6 +26,7 @@ against the torch path on its dequantized twin (differing sequences reported).
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 import time
@@ -143,19 +144,32 @@ def parting_gap(ref, fast) -> float:
     return top[0] - top[1]
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--families", action="store_true",
+                   help="the families alone, in bf16 (the dtype they serve in)")
+    p.add_argument("--only-families", type=lambda v: tuple(v.split(",")), default=None,
+                   metavar="F,...", help=f"these families alone, fp32 and bf16 (of {FAMILIES})")
+    p.add_argument("--fp8-block", action="store_true",
+                   help="each family (or those of --only-families) as a block-wise FP8 "
+                        "checkpoint, bf16")
+    args = p.parse_args(argv)
+    unknown = set(args.only_families or ()) - set(FAMILIES)
+    if unknown:
+        p.error(f"unknown families {sorted(unknown)}; choose from {', '.join(FAMILIES)}")
+    return args
+
+
 def main() -> int:
+    args = parse_args()
     root = Path(tempfile.mkdtemp(prefix="gpu-checks-"))
-    if "--families" in sys.argv:  # the families alone, in the model dtype they serve in
-        families = family_checks(root, ("bfloat16",))
-        print("families:", families)
-        return 0
-    chosen = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--only-families=")]
-    if "--fp8-block" in sys.argv:  # block-wise FP8 checkpoints of every family (or those), bf16
-        picked = {"families": tuple(chosen[0].split(","))} if chosen else {}
+    picked = {"families": args.only_families} if args.only_families else {}
+    if args.fp8_block:
         print("families:", family_checks(root, ("bfloat16",), fp8_block=True, **picked))
         return 0
-    if chosen:  # some families alone, fp32 and bf16: --only-families=qwen3_moe,mixtral
-        print("families:", family_checks(root, families=tuple(chosen[0].split(","))))
+    if args.families or picked:
+        dtypes = ("bfloat16",) if args.families else ("float32", "bfloat16")
+        print("families:", family_checks(root, dtypes, **picked))
         return 0
     model = build_tiny_model(root / "model")
     adapters = {f"ad{i}": build_tiny_adapter(model, root / f"ad{i}", rank=r, seed=i)
