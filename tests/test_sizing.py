@@ -53,8 +53,9 @@ def size_8b(config: EngineConfig, total: int = H200, in_use: int = WEIGHTS_8B + 
     )
 
 
-def test_llama_8b_on_an_h200_holds_500k_kv_tokens_beside_32_rank_64_adapters():
+def test_llama_8b_on_an_h200_holds_500k_kv_tokens_beside_32_rank_64_adapters(caplog):
     config, sizing = size_8b(EngineConfig())
+    assert "the KV pool holds" not in caplog.text  # 1,024 requests of 512 tokens fit
     assert KVPool.bytes_per_slot(32, 8, 128, torch.bfloat16) == 128 * 1024
     assert bytes_per_row(LLAMA_8B, torch.bfloat16) == 32 * 2 * (
         4096 * 5 + 4096 + 14336 + 4096 + 1024 * 2 + 4096 + 14336 * 2 + 4096)
@@ -120,6 +121,8 @@ def test_a_base_that_fills_the_device_gets_a_smaller_adapter_pool_not_an_error(c
     assert sizing.kv_bytes >= room // 2 - 128 * 1024
     assert 65 <= config.adapter_rows < 32 * 64
     assert "--adapter-rows" in caplog.text
+    assert f"the KV pool holds {sizing.kv_tokens:,} tokens" in caplog.text  # 70 requests at most
+    assert "--kv-cache-dtype fp8" in caplog.text
     with pytest.raises(SizingError, match="no room for a KV pool"):  # explicit rows win
         size_8b(EngineConfig(adapter_rows=32 * 64), total=h100, in_use=weights,
                 activations=GIB // 2, graphs=5 * GIB)

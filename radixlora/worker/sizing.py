@@ -54,6 +54,9 @@ MIN_KV_TOKENS = 4096
 # share, so a base that fills most of the device still starts with a KV pool
 ADAPTER_SHARE_MAX = 0.5
 INFER_ADAPTERS = 1000  # start-up adapters whose modules with_lora_targets reads
+# a sized KV pool that cannot hold max_running requests of this many tokens is reported (a
+# ShareGPT-like request holds about 460 at its end): the batch will stop at the KV pool
+KV_HINT_TOKENS = 512
 # chunked-prefill tokens per step by device memory (GiB): an H100/H200 class device gets 8192
 PREFILL_BUDGETS = ((160, 16384), (60, 8192), (30, 4096), (0, 2048))
 
@@ -265,6 +268,13 @@ def size_pools(config: EngineConfig, memory: DeviceMemory, *, weights_bytes: int
     tokens = (int(pages) - 1) * config.page_size  # page 0 is the padding target
     sized = dataclasses.replace(config, kv_pages=int(pages), adapter_rows=rows,
                                 max_running=config.max_running or running_limit(tokens))
+    if config.kv_pages is None and tokens < sized.max_running * KV_HINT_TOKENS:
+        log.warning("the KV pool holds %s tokens: %d requests of %d tokens at a time, of the %d "
+                    "that may run, so batches will stop short (the adapter pool took %s: "
+                    "--max-loras, --max-lora-rank or --adapter-rows give the KV pool some of "
+                    "it; --kv-cache-dtype fp8 holds twice the tokens)", f"{tokens:,}",
+                    tokens // KV_HINT_TOKENS, KV_HINT_TOKENS, sized.max_running,
+                    _gib(adapter_bytes))
     return sized, PoolSizing(
         device_bytes=memory.total,
         utilization=config.gpu_memory_utilization,
