@@ -350,7 +350,7 @@ def test_graph_buffers_serve_expert_adapters_as_the_eager_path(expert_family):
     """The static buffers CUDA graphs replay (run eagerly here, the Triton kernels under the
     interpreter): each token's expert rows come from the groups in buffers that earlier steps
     left stale past the batch's own."""
-    from radixlora.worker.cuda_graph import StaticInputs
+    from radixlora.worker.cuda_graph import CudaGraphRunner, StaticInputs
 
     replays, expert_launches = [], []
 
@@ -383,6 +383,10 @@ def test_graph_buffers_serve_expert_adapters_as_the_eager_path(expert_family):
     # attention adapters only, graphs that do not
     assert {(key.experts, launched) for key, launched in replays if key.rows} == {
         (True, True), (False, False)}
+    # the twins are captured after ready (or on first use), so start-up captures no more
+    startup = CudaGraphRunner.startup_keys(engine.runner.graphs)
+    assert startup and not any(k.experts for k in startup)
+    assert any(k.experts for k in engine.runner.graphs.all_keys())
     assert_all_free(engine)
 
 

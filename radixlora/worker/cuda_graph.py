@@ -215,7 +215,7 @@ class StaticInputs:
         in the graphs of batches that adapt the experts."""
         return tuple(g for g in self.groups if key.experts or g not in EXPERT_GROUPS)
 
-    def keys(self) -> list[GraphKey]:
+    def all_keys(self) -> list[GraphKey]:
         """graph_keys of this runner's buckets and pool."""
         return graph_keys(self.max_batch, self.max_rows, self.experts)
 
@@ -359,21 +359,22 @@ class CudaGraphRunner(StaticInputs):
 
     def capture_decode(self) -> None:
         """Capture every decode graph now (extend graphs are captured on first use)."""
-        self.capture([k for k in self.keys() if k.decode])
+        self.capture([k for k in self.all_keys() if k.decode])
 
     def capture_all(self) -> None:
         """Capture every graph serving can replay, largest first (smaller ones reuse the
         pool's memory)."""
-        self.capture(self.keys())
+        self.capture(self.all_keys())
 
     def startup_keys(self) -> list[GraphKey]:
         """The graphs to capture before serving when the rest may wait (capture_next): every
-        decode bucket, and the extends of one request (a lone prompt's prefill)."""
-        return [k for k in self.keys() if k.decode or k.batch == 1]
+        decode bucket, and the extends of one request (a lone prompt's prefill); not the
+        expert-adapter twins, which would double them."""
+        return [k for k in self.all_keys() if (k.decode or k.batch == 1) and not k.experts]
 
     def pending(self) -> list[GraphKey]:
         """The graphs serving can replay that are not captured yet, smallest first."""
-        keys = [k for k in self.keys() if k not in self.graphs]
+        keys = [k for k in self.all_keys() if k not in self.graphs]
         return sorted(keys, key=lambda k: (k.batch, k.tokens, k.rows))
 
     def capture_next(self) -> bool:
@@ -397,7 +398,7 @@ class CudaGraphRunner(StaticInputs):
     def dry_run(self) -> None:
         """Run the forward of every graph capture_all would capture, once each, eagerly (under
         KernelCache.dry_run, to find the kernel variants they launch)."""
-        for key in self.keys():
+        for key in self.all_keys():
             self._reset_inputs(key)
             with blas_library("cublaslt" if key.tokens <= CUBLASLT_MAX_TOKENS else None):
                 self._run(key)
