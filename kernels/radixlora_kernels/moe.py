@@ -84,9 +84,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
     product is its own); above, torch ops."""
     flat = topk_ids.reshape(-1)
     m, device = flat.numel(), flat.device
-    num_blocks = triton.cdiv(m + min(num_experts, m) * (block_m - 1), block_m)
     if m > ALIGN_ONE_PROGRAM_MAX_ROWS:
         return _align_by_sort(flat, num_experts, block_m)
+    num_blocks = triton.cdiv(m + min(num_experts, m) * (block_m - 1), block_m)
     sorted_rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     # zeroed: a GEMM after an alignment that did not run (the compile cache's dry run launches
