@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import logging
 import os
 import subprocess
@@ -182,7 +183,14 @@ def test_a_compile_after_warm_up_is_logged(tmp_path, preloaded, caplog):
     cache.stop_recording(warn_late=True)
     with caplog.at_level(logging.WARNING, logger="radixlora.worker.compile_cache"):
         assert knobs.runtime.jit_cache_hook(**hook_args("late", "{}")) is None
-    assert "compiled after warm-up: late[...]" in caplog.text
+        data = json.dumps({"signature": {"x_ptr": "*bf16", "n": "i32", "BLOCK": "constexpr"},
+                           "constant_keys": [[2]], "constant_vals": [64],
+                           "attrs_keys": [[0], [1]],
+                           "attrs_vals": [[["tt.divisibility", 16]], [["tt.divisibility", 16]]]})
+        assert knobs.runtime.jit_cache_hook(**hook_args("later", data)) is None
+    assert "compiled after warm-up: late({})" in caplog.text
+    assert ("compiled after warm-up: later(constants {'BLOCK': 64}; specialized "
+            "{'x_ptr': [['tt.divisibility', 16]], 'n': [['tt.divisibility', 16]]})") in caplog.text
 
 
 def test_a_damaged_manifest_is_ignored(tmp_path):

@@ -21,11 +21,13 @@ from radixlora import Engine, SamplingParams
 from radixlora.config import ModelConfig
 from radixlora.errors import AdapterError, ModelLoadError
 from radixlora_kernels.moe import (
+    CONFIGS,
     Fp8Experts,
     fp8_block_k,
     moe_align,
     moe_experts,
     moe_experts_ref,
+    smem_block_k,
 )
 from tests.conftest import assert_all_free
 from tests.oracle import peft_model
@@ -209,6 +211,22 @@ def test_a_reduction_step_never_straddles_two_scale_blocks():
     assert fp8_block_k(256, 2048, 2048) == 256  # one block per row: any step
     with pytest.raises(ValueError, match="no reduction step"):
         fp8_block_k(64, 24, 96)
+
+
+def test_fp32_tiles_fit_the_shared_memory_that_bf16_ones_do():
+    """Hopper's 227 KiB per program: the decode tile of CONFIGS (16 x 128, K step 256, three
+    stages) needs 288 KiB of buffers in fp32 (the launch failed with OutOfResources on an H100),
+    so its step halves there and stays whole in bf16 and with FP8 weights; no limit, no change."""
+    hopper = 232_448
+    decode = CONFIGS[0][1]
+    assert smem_block_k(decode.block_k, decode, 2, 2, hopper) == decode.block_k
+    assert smem_block_k(decode.block_k, decode, 2, 1, hopper) == decode.block_k
+    assert smem_block_k(decode.block_k, decode, 4, 4, hopper) == decode.block_k // 2
+    assert smem_block_k(decode.block_k, decode, 4, 4, None) == decode.block_k
+    for _, config in CONFIGS:
+        step = smem_block_k(config.block_k, config, 4, 4, hopper)
+        tiles = (config.block_m + config.block_n) * step * 4 * (config.num_stages - 1)
+        assert tiles <= hopper and step >= 16
 
 
 def test_the_reference_keeps_the_models_dtype():

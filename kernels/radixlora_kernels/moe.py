@@ -11,6 +11,7 @@ decode step's experts run inside a CUDA graph."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -263,6 +264,8 @@ def grouped_gemm(a: torch.Tensor, w, aligned, num_rows: int, rows_per_a: int,
     weight = w.weight if fp8 else w
     experts, n, k = weight.shape
     block_k = fp8_block_k(config.block_k, w.scale_k, k) if fp8 else config.block_k
+    block_k = smem_block_k(block_k, config, a.element_size(), weight.element_size(),
+                           shared_memory_limit(a.device))
     out = torch.empty(num_rows, n, dtype=a.dtype, device=a.device)
     grid = (block_expert.numel(), triton.cdiv(n, config.block_n))
     ws = w.scale if fp8 else out
@@ -278,6 +281,26 @@ def grouped_gemm(a: torch.Tensor, w, aligned, num_rows: int, rows_per_a: int,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+def smem_block_k(block_k: int, config: GemmConfig, a_bytes: int, w_bytes: int,
+                 limit: int | None) -> int:
+    """The widest reduction step up to block_k whose pipelined tiles fit `limit` bytes of shared
+    memory: num_stages - 1 buffers of A's block_m x block_k and W's block_k x block_n. The tuned
+    tiles fit 2-byte inputs; fp32 ones need half the step."""
+    per_k = (config.block_m * a_bytes + config.block_n * w_bytes) * max(config.num_stages - 1, 1)
+    while limit is not None and block_k > 16 and block_k * per_k > limit:
+        block_k //= 2
+    return block_k
+
+
+@functools.cache
+def shared_memory_limit(device: torch.device) -> int | None:
+    """Bytes of shared memory one program may use on device; None off CUDA (no limit)."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
 
 
 def fp8_block_k(block_k: int, scale_k: int, k: int) -> int:

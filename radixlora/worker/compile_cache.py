@@ -260,8 +260,23 @@ class KernelCache:
         self.known, self.configs = entries, configs
 
 
-def _late_compile(*, repr, **_) -> None:
-    log.warning("a kernel variant compiled after warm-up: %s", " ".join(str(repr).split()))
+def _late_compile(*, fn, compile, **_) -> None:
+    log.warning("a kernel variant compiled after warm-up: %s(%s)", fn.name,
+                _variant_args(compile["specialization_data"]))
+
+
+def _variant_args(data: str) -> str:
+    """What sets a variant apart, by argument name: its constants and the specializations Triton
+    made (divisibility by 16, a value of 1), from the JSON of triton's
+    serialize_specialization_data; the JSON itself where it has another form."""
+    try:
+        spec = json.loads(data)
+        names = list(spec["signature"])
+        constants = {names[k[0]]: v for k, v in zip(spec["constant_keys"], spec["constant_vals"])}
+        attrs = {names[k[0]]: v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"])}
+    except (ValueError, KeyError, IndexError, TypeError):
+        return " ".join(data.split())
+    return f"constants {constants}; specialized {attrs}"
 
 
 def _cache_entries(path: Path) -> int:
