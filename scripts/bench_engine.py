@@ -217,7 +217,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     path = model_dir(shape)
     results: dict = {}
-    kw = dict(kv_pages=20_000 if args.smoke else 200_000, max_running=256 // scale,
+    # b and e decode at most 32 requests: a small KV pool leaves an 80 GB card room for the
+    # two engines bench_small_batches builds beside this one
+    kv_pages = 20_000 if args.smoke or args.only_be else 200_000
+    kw = dict(kv_pages=kv_pages, max_running=256 // scale,
               max_batch_tokens=8192, adapter_rows=2048 if not args.smoke else 1024, max_rank=64,
               max_adapter_sets_per_batch=128, lora_side_stream=args.lora_side_stream)
     engine = make_engine(path, args, **kw)
