@@ -408,8 +408,12 @@ class EngineConfig:
     # the modules whose groups get the adapter pool's `adapter_rows` rows (SGLang's
     # --lora-target-modules); the other groups get `max_rank + 1` rows, one adapter of any rank
     # at a time (group_rows). None: every module (once sized: inferred from the adapters given
-    # at start, radixlora.worker.sizing.with_lora_targets)
+    # at start, radixlora.worker.sizing.with_start_adapters)
     lora_target_modules: tuple[str, ...] | None = None
+    # rank rows (DoRA magnitude rows included) that every adapter given at start takes at once;
+    # a default-sized pool of fewer target modules grows past max_loras x max_rank rows only
+    # this far (radixlora.worker.sizing.adapter_rows_for). None: no adapter given at start
+    start_adapter_rows: int | None = None
     lora_backend: str = "auto"
     lora_dtype: str = "auto"  # adapter pool storage: "auto" (the model's dtype) or "int8"
     # KV cache storage: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (e4m3, scale 1: K and V
@@ -462,7 +466,8 @@ class EngineConfig:
             target_groups(self.lora_target_modules)
         for name in ("kv_pages", "adapter_rows", "max_running", "max_batch_tokens",
                      "context_length", "max_loras", "max_rank", "max_stacked", "page_size",
-                     "max_adapter_sets_per_batch", "grammar_compile_memory_mb"):
+                     "max_adapter_sets_per_batch", "grammar_compile_memory_mb",
+                     "start_adapter_rows"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

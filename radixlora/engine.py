@@ -35,7 +35,7 @@ from radixlora.text.detokenize import StopStream
 from radixlora.text.tokenizer import Tokenizer
 from radixlora.worker.executor import StepExecutor
 from radixlora.worker.model_runner import ModelRunner
-from radixlora.worker.sizing import with_lora_targets
+from radixlora.worker.sizing import with_start_adapters
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class Engine:
         self.model_cfg = ModelConfig.from_dir(self.model_path).served(self.config)
         self.base_version = base_version(self.model_path, self.config.load_format)
         self.tokenizer = Tokenizer.from_dir(self.model_path)
-        self.config = with_lora_targets(self.config, (adapters or {}).values(), self.model_cfg)
+        self.config = with_start_adapters(self.config, (adapters or {}).values(), self.model_cfg)
         self.runner = ModelRunner(self.model_path, self.model_cfg, self.config)
         self.runner.warm_up()
         self.config = self.runner.config  # pools and batch limits sized

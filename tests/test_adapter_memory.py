@@ -17,7 +17,8 @@ from radixlora.config import DENSE_GROUPS, LINEAR_GROUPS, EngineConfig, ModelCon
 from radixlora.lora.adapter import LoraAdapter
 from radixlora.lora.layout import group_row_bytes
 from radixlora.sched.residency import AdapterResidency, RowAllocator
-from radixlora.worker.sizing import GIB, DeviceMemory, size_pools, with_lora_targets
+from radixlora.worker import sizing
+from radixlora.worker.sizing import GIB, DeviceMemory, size_pools, with_start_adapters
 from scripts.checkpoints import build_peft_adapter
 from tests.conftest import assert_all_free
 from tests.oracle import logprobs, peft_model
@@ -154,16 +155,42 @@ def fleet(tmp_path_factory, checkpoints, adapters):
     return attn, {"a": adapters["llama"]["a"], "c": adapters["llama"]["c"]}
 
 
-def test_start_adapters_decide_the_target_modules(checkpoints, fleet):
+def test_start_adapters_decide_the_target_modules_and_rows(checkpoints, fleet, monkeypatch):
     attn, full = fleet
     cfg = ModelConfig.from_dir(checkpoints["llama"])
     config = EngineConfig(max_rank=16)
-    assert with_lora_targets(config, attn.values(), cfg).lora_target_modules == QKVO
-    assert with_lora_targets(config, [*attn.values(), full["a"]], cfg).lora_target_modules is None
-    assert with_lora_targets(config, [], cfg).lora_target_modules is None
-    assert with_lora_targets(config, ["/nonexistent"], cfg).lora_target_modules is None
-    given = dataclasses.replace(config, lora_target_modules=("down_proj",))
-    assert with_lora_targets(given, attn.values(), cfg) is given
+    inferred = with_start_adapters(config, attn.values(), cfg)
+    assert inferred.lora_target_modules == QKVO and inferred.start_adapter_rows == 4 + 8 + 8
+    both = with_start_adapters(config, [*attn.values(), full["a"]], cfg)
+    assert both.lora_target_modules is None and both.start_adapter_rows == 20 + 8
+    for nothing in ([], ["/nonexistent"]):
+        none = with_start_adapters(config, nothing, cfg)
+        assert none.lora_target_modules is none.start_adapter_rows is None
+    given = dataclasses.replace(config, lora_target_modules=("down_proj",), start_adapter_rows=5)
+    assert with_start_adapters(given, attn.values(), cfg) is given
+    monkeypatch.setattr(sizing, "INFER_ADAPTERS", 2)  # 6 paths, 2 read: rows scaled by 3
+    assert with_start_adapters(config, [*attn.values()] * 2, cfg).start_adapter_rows == 36
+
+
+def test_the_pool_grows_past_max_loras_only_as_far_as_the_start_adapters_need():
+    """A q/k/v/o pool of default size on Llama-3-8B: with no adapter given at start, the bytes
+    of 32 rank-64 adapters on every module buy 6,166 rows (770 rank-8 adapters). 100 rank-8
+    adapters given at start need 800: the pool keeps max_loras x max_rank = 2,048 rows, 35% of
+    those bytes, and the KV pool takes the rest (373,028 tokens, not 319,494); 300 get their
+    2,400; 1,000 want more than the bytes buy and get the same 6,166. --adapter-rows wins."""
+    base = EngineConfig(max_running=256, max_batch_tokens=8192, host_adapter_bytes=0,
+                        lora_target_modules=QKVO)
+    _, unknown = sized_8b(base)
+    sized = {n: sized_8b(dataclasses.replace(base, start_adapter_rows=8 * n))[1]
+             for n in (100, 300, 1000)}
+    assert unknown.adapters_of_rank(8) == 770
+    assert sized[100].adapter_rows == 2048 and sized[300].adapter_rows == 2400
+    assert sized[1000].adapter_rows == unknown.adapter_rows
+    assert sized[100].adapter_bytes < 0.35 * unknown.adapter_bytes
+    gained = unknown.adapter_bytes - sized[100].adapter_bytes
+    assert sized[100].kv_tokens - unknown.kv_tokens == gained // 131072
+    explicit = dataclasses.replace(base, start_adapter_rows=800, adapter_rows=5000)
+    assert sized_8b(explicit)[1].adapter_rows == 5000
 
 
 def test_adapters_on_other_modules_take_turns_in_the_low_rows_and_match_peft(checkpoints, fleet):

@@ -22,7 +22,7 @@ from radixlora import Engine, SamplingParams
 from radixlora.config import EngineConfig, ModelConfig
 from radixlora.errors import AdapterError, InvalidRequestError
 from radixlora.lora.layout import quantize_rows
-from radixlora.worker.sizing import with_lora_targets
+from radixlora.worker.sizing import with_start_adapters
 from radixlora_kernels.lora_ops import LoraBatchMeta, LoraGroups
 from radixlora_kernels.moe import align_blocks
 from radixlora_kernels.moe_lora import expert_lora, expert_lora_ref, token_rows
@@ -116,15 +116,15 @@ def test_the_pool_holds_expert_rows_only_when_targeted(expert_family):
     sized = EngineConfig(adapter_rows=40, max_rank=8)
     assert sized.group_rows(cfg.lora_groups) == {"qkv": 40, "o": 40, "router": 40,
                                                  "experts_gate_up": 0, "experts_down": 0}
-    inferred = with_lora_targets(EngineConfig(), [adapters["experts"]], cfg)
+    inferred = with_start_adapters(EngineConfig(), [adapters["experts"]], cfg)
     assert inferred.lora_target_modules == ("experts.gate_up_proj", "experts.down_proj")
-    inferred = with_lora_targets(EngineConfig(), [adapters["attn"], adapters["experts"]], cfg)
+    inferred = with_start_adapters(EngineConfig(), [adapters["attn"], adapters["experts"]], cfg)
     assert inferred.lora_target_modules == ("q_proj", "k_proj", "v_proj",
                                             "experts.gate_up_proj", "experts.down_proj")
-    assert with_lora_targets(EngineConfig(), [adapters["attn"]], cfg).lora_target_modules == (
+    assert with_start_adapters(EngineConfig(), [adapters["attn"]], cfg).lora_target_modules == (
         "q_proj", "k_proj", "v_proj")
     # the experts only when an adapter asks
-    assert with_lora_targets(EngineConfig(), [], cfg).lora_target_modules is None
+    assert with_start_adapters(EngineConfig(), [], cfg).lora_target_modules is None
     # sized for attention only: an expert adapter is refused by request, naming the flag
     engine = expert_engine(model, {"attn": adapters["attn"], "experts": adapters["experts"]},
                            lora_target_modules=["q_proj", "v_proj"])

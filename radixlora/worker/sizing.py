@@ -17,7 +17,6 @@ growing without end. Batches above the largest CUDA-graph bucket run eagerly.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -33,6 +32,7 @@ from radixlora.config import (
     target_groups,
 )
 from radixlora.errors import AdapterError, SizingError
+from radixlora.lora.adapter import LoraAdapter
 from radixlora.lora.header import adapter_from_header
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ MIN_KV_TOKENS = 4096
 # a default-sized adapter pool takes at most this share of the room the KV and adapter pools
 # share, so a base that fills most of the device still starts with a KV pool
 ADAPTER_SHARE_MAX = 0.5
-INFER_ADAPTERS = 1000  # start-up adapters whose modules with_lora_targets reads
+INFER_ADAPTERS = 1000  # start-up adapters whose headers with_start_adapters reads
 # a sized KV pool that cannot hold max_running requests of this many tokens is reported (a
 # ShareGPT-like request holds about 460 at its end): the batch will stop at the KV pool
 KV_HINT_TOKENS = 512
@@ -135,22 +135,36 @@ def with_host_tier(config: EngineConfig, available: int, workers: int = 1) -> En
     return dataclasses.replace(config, host_adapter_bytes=share)
 
 
-def with_lora_targets(config: EngineConfig, adapter_paths: Iterable[str | Path],
-                      model: ModelConfig) -> EngineConfig:
-    """lora_target_modules, unless set: the modules of the adapters given at start (the first
-    INFER_ADAPTERS, from their configs and safetensors headers; one that does not read is left
-    to the registry, which refuses it with the reason), or, without any, every linear module
-    the base serves LoRA on (None; an MoE base's experts only when an adapter given at start
-    adapts them or --lora-target-modules names them)."""
-    if config.lora_target_modules is not None:
-        return config
-    groups: set[str] = set()
-    for path in itertools.islice(adapter_paths, INFER_ADAPTERS):
+def with_start_adapters(config: EngineConfig, adapter_paths: Iterable[str | Path],
+                        model: ModelConfig) -> EngineConfig:
+    """What the adapters given at start decide of a default-sized adapter pool, read from the
+    configs and safetensors headers of the first INFER_ADAPTERS (one that does not read is left
+    to the registry, which refuses it with the reason): the modules it is sized for
+    (with_lora_targets) and start_adapter_rows, the rows they take together (scaled to every
+    path given, when there are more than were read)."""
+    paths = list(adapter_paths)
+    headers = []
+    for path in paths[:INFER_ADAPTERS]:
         try:
-            header = adapter_from_header(Path(path).name, path, model, config.max_rank, "")
+            headers.append(adapter_from_header(Path(path).name, path, model, config.max_rank, ""))
         except (AdapterError, OSError):
             continue
-        groups.update(header.group_ranks)
+    if headers and config.start_adapter_rows is None:
+        rows = sum(h.pool_rows for h in headers)
+        if len(paths) > INFER_ADAPTERS:
+            rows = -(-rows * len(paths) // len(headers))
+        config = dataclasses.replace(config, start_adapter_rows=rows)
+    return with_lora_targets(config, headers, model)
+
+
+def with_lora_targets(config: EngineConfig, headers: Iterable[LoraAdapter],
+                      model: ModelConfig) -> EngineConfig:
+    """lora_target_modules, unless set: the modules the adapters given at start adapt, or,
+    without any, every linear module the base serves LoRA on (None; an MoE base's experts only
+    when an adapter given at start adapts them or --lora-target-modules names them)."""
+    if config.lora_target_modules is not None:
+        return config
+    groups = {g for header in headers for g in header.group_ranks}
     servable = set(target_groups(model.lora_modules))  # an MoE base: attention, experts
     groups = (groups & servable) or servable - set(EXPERT_GROUPS)
     if groups == set(LINEAR_GROUPS) & servable:  # what None means on this base
@@ -197,10 +211,12 @@ def running_limit(kv_tokens: int) -> int:
 
 
 def adapter_rows_for(config: EngineConfig, group_row_bytes: Mapping[str, int]) -> int:
-    """The target groups' rows (EngineConfig.group_rows) that the memory of `max_loras`
-    adapters of rank `max_rank` on every linear module group buys, after the other groups' few
-    rows: with adapters on fewer modules, more of them fit in the same bytes; with the experts
-    targeted too, fewer."""
+    """The target groups' rows (EngineConfig.group_rows) of a default-sized pool: `max_loras`
+    adapters of rank `max_rank`. With adapters on fewer modules than every linear one, the
+    memory those rows would take on every module buys more rows of the target groups, after
+    the other groups' few: the pool takes them as far as the adapters given at start need
+    (start_adapter_rows: every one resident at once), or all of them when none was given
+    (adapters will come through the API)."""
     if config.adapter_rows is not None:
         return config.adapter_rows
     rows = config.max_loras * config.max_rank
@@ -210,7 +226,8 @@ def adapter_rows_for(config: EngineConfig, group_row_bytes: Mapping[str, int]) -
         return rows
     others = sum(b for g, b in linear.items() if g not in targets)
     budget = rows * sum(linear.values()) - min(rows, config.max_rank + 1) * others
-    return max(rows, budget // sum(group_row_bytes[g] for g in targets))
+    fit = budget // sum(group_row_bytes[g] for g in targets)
+    return max(rows, min(fit, config.start_adapter_rows or fit))
 
 
 def _targets(config: EngineConfig, group_row_bytes: Mapping[str, int]) -> list[str]:

@@ -41,7 +41,7 @@ from radixlora.worker.sizing import (
     adapter_dir_paths,
     available_host_bytes,
     with_host_tier,
-    with_lora_targets,
+    with_start_adapters,
 )
 
 log = logging.getLogger(__spec__.name)  # the module's name also when run with -m
@@ -57,7 +57,7 @@ def make_executor(args: ServerArgs, rank: int = 0) -> StepExecutor:
     if workers > 1:  # every worker of the host measures the same free memory at start
         config = with_host_tier(config, available_host_bytes(), workers)
     model_cfg = args.served_model(config, confined=True)
-    config = with_lora_targets(config, [*args.adapters.values(),
+    config = with_start_adapters(config, [*args.adapters.values(),
                                         *adapter_dir_paths(args.adapter_dir)], model_cfg)
     tp, device = join_group(args, model_cfg, rank)
     runner = ModelRunner(Path(args.model), model_cfg, config, tp, device)
