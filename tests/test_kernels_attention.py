@@ -19,6 +19,7 @@ from radixlora_kernels.attention_extend import (  # noqa: E402
     extend_attention_ref,
     extend_tiles,
 )
+from radixlora_kernels.device import int32_parts_to_device  # noqa: E402
 
 # The interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584), so the
 # half-precision cases here use fp16; scripts/bench_attention.py checks bf16 on the GPU.
@@ -247,7 +248,18 @@ def test_backend_splits_a_mixed_batch_between_the_kernels(window: int | None) ->
     kv_lens = (case.kv_indptr[1:] - case.kv_indptr[:-1]).tolist()
     meta = backend.build_metadata(AttentionInputs(MIXED_QO, kv_lens, case.kv_indices.long()))
     assert meta.split.decodes.tolist() == [0, 2, 4]
+    # three decodes before the tiles: each view still starts 16-byte aligned, as Triton's
+    # specialization of pointers needs for one kernel variant whatever the batch's mix
+    for part in (meta.split.decodes, meta.split.tile_req, meta.split.tile_m):
+        assert part.data_ptr() % 16 == 0
     assert_close(backend._attend(case.q, 0, meta), oracle(case, window), torch.float32)
+
+
+def test_int32_parts_reach_the_device_aligned_and_whole() -> None:
+    parts = [np.arange(n, dtype=np.int32) + 10 * n for n in (3, 0, 5, 4, 1)]
+    views = int32_parts_to_device(parts, torch.device("cpu"))
+    assert [v.tolist() for v in views] == [p.tolist() for p in parts]
+    assert all(v.dtype == torch.int32 and v.data_ptr() % 16 == 0 for v in views)
 
 
 # --- decode kernel --------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from radixlora.config import ModelConfig
 from radixlora.model.ops import add_delta_ref, full_rotary, rotary
 from radixlora.worker.kv_pool import KVPool
-from radixlora_kernels.device import to_device
+from radixlora_kernels.device import int32_parts_to_device, to_device
 
 
 @dataclass
@@ -172,9 +172,7 @@ class TritonAttentionBackend(AttentionBackend):
         block_m = extend_block_m(self.head_dim, self.kv_pool.compute_dtype)
         tile_req, tile_m = extend_tiles(np.where(lens > 1, lens, 0), block_m)
         decodes = np.flatnonzero(lens == 1).astype(np.int32)
-        packed = to_device(np.concatenate([decodes, tile_req, tile_m]), torch.int32, device)
-        d, n = len(decodes), len(tile_req)
-        return MixedSplit(packed[:d], packed[d : d + n], packed[d + n :])
+        return MixedSplit(*int32_parts_to_device([decodes, tile_req, tile_m], device))
 
     def forward(self, q, k, v, layer_id, out_cache_loc, meta: TritonAttentionMeta):
         self.kv_pool.store(layer_id, out_cache_loc, k, v)
