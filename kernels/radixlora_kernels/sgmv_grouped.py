@@ -143,7 +143,9 @@ def grouped_expand_ref(
             y[tokens, off[i] : off[i + 1]] = delta.to(y.dtype)
 
 
-@triton.jit
+# the work-item counts follow a step's groups and rows: were they specialized (Triton does on 1
+# and on divisibility by 16), a step with a new group count could compile a variant of its own
+@triton.jit(do_not_specialize=["items_per_group", "num_row_tiles", "split_k"])
 def _grouped_shrink_kernel(
     x_ptr,
     a_ptr,
@@ -243,7 +245,7 @@ def _grouped_shrink_kernel(
     _wait_for_previous_kernel(PDL)  # a program with no work item must wait too
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_col_chunks", "items_per_group", "num_parts"])  # see shrink
 def _grouped_expand_kernel(
     v_ptr,
     b_ptr,
