@@ -95,6 +95,17 @@ def test_the_cpu_demo_runs_without_triton():
     assert "Triton is not installed" in launch.stdout
 
 
+def test_the_host_launch_arithmetic_is_tritons():
+    import triton
+
+    from radixlora_kernels.triton_compat import cdiv, next_power_of_2
+
+    for n in range(0, 300):
+        assert next_power_of_2(n) == triton.next_power_of_2(n)
+        for d in (1, 3, 16, 64):
+            assert cdiv(n, d) == triton.cdiv(n, d)
+
+
 def test_the_repository_root_shadows_no_installed_package():
     """From the repository root (sys.path[0] under `python -c`, and under pytest), transformers
     imports Hugging Face's `kernels`, not the kernels/ folder, and no top-level folder but the

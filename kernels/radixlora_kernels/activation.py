@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from .attention_extend import _interpreting
 from .rmsnorm import add_delta_ref, check_delta, load_with_delta
-from .triton_compat import tl, triton
+from .triton_compat import cdiv, next_power_of_2, tl, triton
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_BLOCK = 1024
@@ -103,10 +103,10 @@ def silu_and_mul(
     num_tokens, inter = out.shape
     if num_tokens == 0 or inter == 0:
         return out
-    block = triton.next_power_of_2(inter)
+    block = next_power_of_2(inter)
     if not _interpreting():  # the interpreter's cost is per program: one per row there
         block = min(block, _MAX_BLOCK)
-    grid = (num_tokens, triton.cdiv(inter, block))
+    grid = (num_tokens, cdiv(inter, block))
     _silu_and_mul_kernel[grid](
         gate_up, out, gate_up if delta is None else delta, inter, gate_up.stride(0), out.stride(0),
         0 if delta is None else delta.stride(0), BLOCK=block, HAS_DELTA=delta is not None,

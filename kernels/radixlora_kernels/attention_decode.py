@@ -25,7 +25,7 @@ from .attention_extend import (
     _interpreting,
     check_q_and_pool,
 )
-from .triton_compat import tl, triton
+from .triton_compat import cdiv, next_power_of_2, tl, triton
 
 MAX_SPLITS = 32
 
@@ -175,7 +175,7 @@ def _num_sms(device: torch.device) -> int:
 def default_num_splits(batch: int, n_kv_heads: int, device: torch.device) -> int:
     """About 2 programs per SM; depends on (batch, heads) only, so a CUDA graph can fix it."""
     target = 2 * _num_sms(device)
-    return max(1, min(MAX_SPLITS, triton.cdiv(target, batch * n_kv_heads)))
+    return max(1, min(MAX_SPLITS, cdiv(target, batch * n_kv_heads)))
 
 
 def _check_decode_args(q, k_cache, v_cache, o, kv_indptr, kv_indices, num_splits,
@@ -272,7 +272,7 @@ def decode_attention(
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        BLOCK_H=max(16, next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=32 if _interpreting() else tuning.block_n, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=tuning.num_warps,
         num_stages=tuning.num_stages, INDIRECT=rows is not None, SOFTCAP=softcap is not None,
@@ -282,7 +282,7 @@ def decode_attention(
     _decode_merge_kernel[(batch, n_q_heads)](
         mid_o, mid_lse, o, req_index, qo_indptr, o.stride(0), o.stride(1),
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+        BLOCK_S=next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
         INDIRECT=rows is not None,
     )
     return o

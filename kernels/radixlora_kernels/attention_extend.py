@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .triton_compat import tl, triton
+from .triton_compat import cdiv, next_power_of_2, tl, triton
 
 LOG2E = 1.4426950408889634
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -220,7 +220,7 @@ def _extend_config(head_dim: int, dtype: torch.dtype) -> _ExtendConfig:
 
 def _block_d(head_dim: int) -> int:
     # tl.dot needs every block dimension >= 16.
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -343,7 +343,7 @@ def extend_attention(
     else:
         if max_qo_len is None:
             max_qo_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item())
-        grid = (batch, q.shape[1], triton.cdiv(max_qo_len, cfg.block_m))
+        grid = (batch, q.shape[1], cdiv(max_qo_len, cfg.block_m))
     tile_req, tile_m = tiles if tiles is not None else (None, None)
     _extend_kernel[grid](
         q, k_cache, v_cache, o, qo_indptr, kv_indptr, kv_indices,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .triton_compat import tl, triton
+from .triton_compat import cdiv, tl, triton
 
 BLOCK = 1024
 
@@ -79,7 +79,7 @@ def dora_scale(y: torch.Tensor, b_pool: torch.Tensor, out_offsets: Sequence[int]
     if len(out_offsets) > 4 or (qscales is not None) != (b_pool.dtype == torch.int8):
         raise ValueError("dora_scale takes at most 3 slices, and qscales exactly for int8")
     off = [*out_offsets[1:-1], n_cols, n_cols][:2]
-    _dora_scale_kernel[(n_tokens, triton.cdiv(n_cols, BLOCK))](
+    _dora_scale_kernel[(n_tokens, cdiv(n_cols, BLOCK))](
         y, y if delta is None else delta, y if bias is None else bias, b_pool,
         b_pool if qscales is None else qscales, rows, n_cols, off[0], off[1],
         y.stride(0), 0 if delta is None else delta.stride(0), b_pool.stride(0),

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .activation import silu_and_mul
-from .triton_compat import tl, triton
+from .triton_compat import cdiv, next_power_of_2, tl, triton
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
     m, device = flat.numel(), flat.device
     if m > ALIGN_ONE_PROGRAM_MAX_ROWS:
         return _align_by_sort(flat, num_experts, block_m)
-    num_blocks = triton.cdiv(m + min(num_experts, m) * (block_m - 1), block_m)
+    num_blocks = cdiv(m + min(num_experts, m) * (block_m - 1), block_m)
     sorted_rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     # zeroed: a GEMM after an alignment that did not run (the compile cache's dry run launches
@@ -95,7 +95,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
     num_padded = torch.zeros(1, dtype=torch.int32, device=device)
     scratch = torch.empty(3, num_experts, dtype=torch.int32, device=device)
     _align[(1,)](flat, scratch, sorted_rows, block_expert, num_padded, m, num_experts,
-                 num_blocks, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts),
+                 num_blocks, BLOCK_M=block_m, BLOCK_E=next_power_of_2(num_experts),
                  SEARCH_STEPS=num_experts.bit_length(), CHUNK=1024, num_warps=8)
     return sorted_rows, block_expert, num_padded
 
@@ -127,7 +127,7 @@ def align_blocks(keys: torch.Tensor, block_m: int,
     rank = torch.arange(m, device=device) - (counts.cumsum(0) - counts)[run]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
-    num_blocks = triton.cdiv(m + min(max_keys, m) * (block_m - 1), block_m)
+    num_blocks = cdiv(m + min(max_keys, m) * (block_m - 1), block_m)
     dest = torch.where(used, (padded_end - padded)[run] + rank, num_blocks * block_m)
     sorted_rows = torch.full((num_blocks * block_m + 1,), m, dtype=torch.int32, device=device)
     sorted_rows[dest] = order.to(torch.int32)
@@ -267,7 +267,7 @@ def grouped_gemm(a: torch.Tensor, w, aligned, num_rows: int, rows_per_a: int,
     block_k = smem_block_k(block_k, config, a.element_size(), weight.element_size(),
                            shared_memory_limit(a.device))
     out = torch.empty(num_rows, n, dtype=a.dtype, device=a.device)
-    grid = (block_expert.numel(), triton.cdiv(n, config.block_n))
+    grid = (block_expert.numel(), cdiv(n, config.block_n))
     ws = w.scale if fp8 else out
     _grouped_gemm[grid](
         a, weight, out, sorted_rows, block_expert, num_padded,

@@ -24,7 +24,7 @@ from .moe import align_blocks
 from .sgmv_expand import expand_fp32_dot
 from .sgmv_grouped import dot_vb
 from .sgmv_shrink import fp32_dot, sm_count
-from .triton_compat import tl, triton
+from .triton_compat import cdiv, next_power_of_2, tl, triton
 
 MAX_GATHER = 1 << 24  # elements of A or B gathered at once by the torch reference
 BLOCK_M = 16  # rows of one expert and adapter set per block (tl.dot's least)
@@ -313,7 +313,7 @@ def expert_lora(x: torch.Tensor, rows_per_a: int, topk_ids: torch.Tensor,
     if total == 0:
         return
     num_experts = b_pool.shape[-1] // y.shape[1]
-    r = triton.next_power_of_2(max(rows.max_rows, 16))
+    r = next_power_of_2(max(rows.max_rows, 16))
     v = torch.empty(total, r, dtype=torch.float32, device=x.device)
     shapes = (a_pool.shape[-1] // num_experts, y.shape[1], r)
     if total > PER_ROW_MAX_ROWS if blocked is None else blocked:
@@ -333,7 +333,7 @@ def _per_row(x, rows_per_a, experts, top_k, a_pool, b_pool, rows, y, out_scale, 
         qscales if quant else rows.row_scales, in_dim, x.stride(0), a_pool.stride(-2),
         TOP_K=top_k, ROWS_PER_A=rows_per_a, QUANT=quant, R=r, BLOCK_K=64,
     )
-    _row_expand[(total, triton.cdiv(out_dim, block_n))](
+    _row_expand[(total, cdiv(out_dim, block_n))](
         v, b_pool, y, experts, rows.start, rows.count, rows.row_ids,
         out_scale if out_scale is not None else rows.row_scales, out_dim, b_pool.stride(0),
         y.stride(0), TOP_K=top_k, SCALE=out_scale is not None, R=r, BLOCK_N=block_n,
@@ -357,7 +357,7 @@ def _blocked(x, rows_per_a, experts, top_k, a_pool, b_pool, rows, y, out_scale, 
         a_pool.stride(-2), TOP_K=top_k, ROWS_PER_A=rows_per_a, QUANT=qscales is not None,
         FP32_DOT=fp32_dot(x.dtype, x.device), R=r, BLOCK_M=BLOCK_M, BLOCK_K=64,
     )
-    _block_expand[(min(blocks * triton.cdiv(out_dim, block_n), programs),)](
+    _block_expand[(min(blocks * cdiv(out_dim, block_n), programs),)](
         v, b_pool, y, *common, out_scale if out_scale is not None else rows.row_scales, total,
         out_dim, b_pool.stride(0), y.stride(0), TOP_K=top_k, SCALE=out_scale is not None,
         FP32_DOT=expand_fp32_dot(b_pool.dtype, x.dtype, x.device),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_compat import tl, triton
+from .triton_compat import cdiv, tl, triton
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_BYTES = 1024  # packed bytes per program (at least one block's): 2048 weights
@@ -74,7 +74,7 @@ def nf4_dequant(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, 
     num_blocks = absmax.numel()
     rows = max(1, BLOCK_BYTES // half)
     words = out.view(-1).view(torch.int64 if out.dtype == torch.float32 else torch.int32)
-    _nf4_dequant_kernel[(triton.cdiv(num_blocks, rows),)](
+    _nf4_dequant_kernel[(cdiv(num_blocks, rows),)](
         packed, absmax, code, words, num_blocks, HALF_BLOCK=half, ROWS=rows,
         OUT_DTYPE=str(out.dtype).removeprefix("torch."), HALF_BITS=8 * out.element_size(),
     )

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .triton_compat import tl, triton
+from .triton_compat import cdiv, next_power_of_2, tl, triton
 
 FP8_MAX_M = 16  # rows of x up to which fp8_gemv is used; above, W8A8 through torch._scaled_mm
 NF4_MAX_M = 1  # rows of x up to which nf4_gemv is used; above, dequantize + cuBLAS
@@ -209,8 +209,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         if not fp8_block_supported(scale_k):
             raise ValueError(f"scale blocks of a power of two of at least 16 columns, got "
                              f"{scale_k}")
-        if tuple(scale.shape) != (n, triton.cdiv(k, scale_k)) or scale.stride(1) != 1:
-            raise ValueError(f"a scale per row and block: [{n}, {triton.cdiv(k, scale_k)}], "
+        if tuple(scale.shape) != (n, cdiv(k, scale_k)) or scale.stride(1) != 1:
+            raise ValueError(f"a scale per row and block: [{n}, {cdiv(k, scale_k)}], "
                              f"got {tuple(scale.shape)}")
         block_k = min(block_k, scale_k)
     elif scale.numel() != n:
@@ -243,11 +243,11 @@ def _check_x(x: torch.Tensor) -> tuple[int, int]:
 def _block_m(m: int) -> int:
     """Rows of x per program: 1 for a single row (the VECTOR kernels), else tl.dot's minimum
     of 16 up to 64, m rounded up to a power of two."""
-    return 1 if m == 1 else min(64, max(16, triton.next_power_of_2(m)))
+    return 1 if m == 1 else min(64, max(16, next_power_of_2(m)))
 
 
 def _grid(m: int, n: int, block_m: int, tile: Tile) -> tuple[int, int]:
-    return triton.cdiv(n, tile.block_n), triton.cdiv(m, block_m)
+    return cdiv(n, tile.block_n), cdiv(m, block_m)
 
 
 def _dot_args(x: torch.Tensor) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_compat import tl, triton
+from .triton_compat import next_power_of_2, tl, triton
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HIDDEN = 16384  # one row is one block held in registers
@@ -139,7 +139,7 @@ def _output(out: torch.Tensor | None, x: torch.Tensor, dtype: torch.dtype) -> to
 
 
 def _launch_config(hidden: int) -> dict[str, int]:
-    block = triton.next_power_of_2(hidden)
+    block = next_power_of_2(hidden)
     # about 8 elements (16 bytes of bf16) per thread
     return {"BLOCK": block, "num_warps": max(1, min(16, block // 256))}
 

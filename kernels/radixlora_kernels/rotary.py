@@ -10,7 +10,7 @@ import torch
 
 from .attention_extend import _interpreting
 from .rmsnorm import load_with_delta
-from .triton_compat import tl, triton
+from .triton_compat import cdiv, next_power_of_2, tl, triton
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -146,16 +146,16 @@ def _check_rotary_args(
 def rotary_blocks(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:
     """(HALF, BLOCK_HALF, BLOCK_H, q head blocks, k head blocks) of a rotary launch."""
     half = q.shape[2] // 2
-    block_half = triton.next_power_of_2(half)
+    block_half = next_power_of_2(half)
     block_h = _heads_per_program(block_half, max(q.shape[1], k.shape[1]))
-    q_blocks, k_blocks = triton.cdiv(q.shape[1], block_h), triton.cdiv(k.shape[1], block_h)
+    q_blocks, k_blocks = cdiv(q.shape[1], block_h), cdiv(k.shape[1], block_h)
     return half, block_half, block_h, q_blocks, k_blocks
 
 
 def _heads_per_program(block_half: int, max_heads: int) -> int:
     if _interpreting():  # fewest programs: the interpreter's cost is per program
-        return triton.next_power_of_2(max_heads)
-    return max(1, min(triton.next_power_of_2(max_heads), _TILE_ELEMS // block_half))
+        return next_power_of_2(max_heads)
+    return max(1, min(next_power_of_2(max_heads), _TILE_ELEMS // block_half))
 
 
 def apply_rotary_(

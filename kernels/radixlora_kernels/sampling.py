@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .sgmv_shrink import sm_count
-from .triton_compat import tl, triton
+from .triton_compat import cdiv, next_power_of_2, tl, triton
 
 _M32 = 0xFFFFFFFF
 MIN_TEMPERATURE = 1e-6  # temperatures are clamped up to this before their reciprocal
@@ -283,7 +283,7 @@ def default_num_splits(rows: int, vocab: int, device: torch.device, block: int =
     """Splits per row so that the grid has PROGRAMS_PER_SM programs per SM, each at least one
     block of the vocabulary."""
     sms = sm_count(device.index) if device.type == "cuda" else _CPU_SMS
-    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, max(rows, 1)), triton.cdiv(vocab, block)))
+    return max(1, min(cdiv(PROGRAMS_PER_SM * sms, max(rows, 1)), cdiv(vocab, block)))
 
 
 def _check(logits, temperature, seeds, steps, filters) -> None:
@@ -345,8 +345,8 @@ def sample_tokens(
     _check(logits, temperature, seeds, steps, filters)
     rows, vocab = logits.shape
     splits = num_splits or default_num_splits(rows, vocab, logits.device, block)
-    chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
-    splits = triton.cdiv(vocab, chunk)
+    chunk = cdiv(cdiv(vocab, splits), block) * block
+    splits = cdiv(vocab, chunk)
     filtered = filters is not None
     parts = torch.empty(4, rows, splits, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
@@ -363,7 +363,7 @@ def sample_tokens(
             logits, parts, part_idx, tokens, out,
             temperature, seeds, steps, *filter_ptrs,
             vocab, splits, logits.stride(0), parts.stride(0), rows, MIN_TEMPERATURE,
-            SPLITS=triton.next_power_of_2(triton.cdiv(vocab, block)),  # >= splits, any batch
+            SPLITS=next_power_of_2(cdiv(vocab, block)),  # >= splits, any batch
             BLOCK=filter_block, FILTER=filtered,
             num_warps=FILTER_WARPS if filtered else 1,
         )

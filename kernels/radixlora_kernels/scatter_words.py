@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_compat import tl, triton
+from .triton_compat import cdiv, tl, triton
 
 _BLOCK = 1024
 _MAX_PROGRAMS = 64  # per part; a program strides over the part's blocks
@@ -56,5 +56,5 @@ def scatter_words(packed: torch.Tensor, words: torch.Tensor, num_parts: int, max
         raise ValueError(f"num_parts {num_parts} does not fit packed [{packed.numel()}]")
     if num_parts == 0:
         return
-    programs = min(_MAX_PROGRAMS, max(1, triton.cdiv(max_part, _BLOCK)))
+    programs = min(_MAX_PROGRAMS, max(1, cdiv(max_part, _BLOCK)))
     _scatter_words_kernel[(num_parts, programs)](packed, words, BLOCK=_BLOCK)

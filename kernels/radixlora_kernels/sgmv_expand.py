@@ -9,7 +9,7 @@ from itertools import pairwise
 import torch
 
 from .sgmv_shrink import check_batch_meta, fp32_dot, pow2_block
-from .triton_compat import tl, triton
+from .triton_compat import cdiv, tl, triton
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _B_DTYPES = (*_FLOAT_DTYPES, torch.int8)
@@ -215,8 +215,8 @@ def sgmv_expand(
     block_r = pow2_block(max_rows, 16, 32)
     widest = max(b - a for a, b in pairwise(off))
     block_n = block_n or pow2_block(widest, 16, 128)
-    num_col_tiles = triton.cdiv(max(widest, 1), block_n)
-    tiles = triton.cdiv(max(seg_len, 1), block_t) * n_slices * num_col_tiles
+    num_col_tiles = cdiv(max(widest, 1), block_n)
+    tiles = cdiv(max(seg_len, 1), block_t) * n_slices * num_col_tiles
     off += [off[-1]] * (MAX_SLICES + 1 - len(off))
 
     _sgmv_expand_kernel[(tiles, num_segments)](

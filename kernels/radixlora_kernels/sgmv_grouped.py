@@ -38,7 +38,7 @@ from .sgmv_shrink import (
     qscale_strides,
     sm_count,
 )
-from .triton_compat import gdc_launch_dependents, gdc_wait, tl, triton
+from .triton_compat import cdiv, gdc_launch_dependents, gdc_wait, next_power_of_2, tl, triton
 
 _CPU_PROGRAMS = 3  # the interpreter runs programs one by one: a few exercise the striding
 MIN_BLOCK_N = 64  # expand tiles are never narrower than this (small buckets narrow them)
@@ -436,7 +436,7 @@ def _wanted_splits(items: int, device: torch.device, tuning: GroupedTuning) -> i
     """How many times finer a launch of `items` work items should split them to reach
     tuning.min_items_per_sm per SM (1: enough items already)."""
     sms = sm_count(device.index) if device.type == "cuda" else _CPU_PROGRAMS
-    return max(1, triton.cdiv(tuning.min_items_per_sm * sms, max(items, 1)))
+    return max(1, cdiv(tuning.min_items_per_sm * sms, max(items, 1)))
 
 
 def _use_pdl(device: torch.device, tuning: GroupedTuning) -> bool:
@@ -517,15 +517,15 @@ def grouped_shrink(
     max_groups = group_indptr.numel() - 1
     block_k = pow2_block(min(tuning.block_k, in_dim), 16, 256)
     block_r = pow2_block(max_rows, 16, 64)
-    num_row_tiles = triton.cdiv(max_rows, block_r)
-    slice_tile = triton.next_power_of_2(n_slices)
+    num_row_tiles = cdiv(max_rows, block_r)
+    slice_tile = next_power_of_2(n_slices)
     merge = tuning.merge_slices and n_slices > 1 and slice_tile * block_r <= MAX_MERGED_ROWS
     slices_per_item, slice_tile = (n_slices, slice_tile) if merge else (1, 1)
-    num_slice_tiles = triton.cdiv(n_slices, slices_per_item)
+    num_slice_tiles = cdiv(n_slices, slices_per_item)
     wanted = _wanted_splits(max_groups * num_slice_tiles * num_row_tiles, x.device, tuning)
-    k_chunk = min(tuning.k_chunk, in_dim, triton.cdiv(in_dim, wanted))
-    k_per_split = triton.cdiv(k_chunk, block_k) * block_k
-    split_k = triton.cdiv(in_dim, k_per_split)
+    k_chunk = min(tuning.k_chunk, in_dim, cdiv(in_dim, wanted))
+    k_per_split = cdiv(k_chunk, block_k) * block_k
+    split_k = cdiv(in_dim, k_per_split)
     v = torch.empty(split_k, n_slices, num_tokens, max_rows, dtype=torch.float32, device=x.device)
     if max_groups == 0 or num_tokens == 0 or max_rows == 0 or row_ids.numel() == 0:
         return v
@@ -603,11 +603,11 @@ def grouped_expand(
     while chunk * 2 <= tuning.col_chunk and chunk < widest:
         chunk *= 2
     while chunk > MIN_BLOCK_N and _wanted_splits(
-        max_groups * n_slices * triton.cdiv(max(widest, 1), chunk), v.device, tuning
+        max_groups * n_slices * cdiv(max(widest, 1), chunk), v.device, tuning
     ) > 1:
         chunk //= 2
         block_n = min(block_n, chunk)
-    num_col_chunks = triton.cdiv(max(widest, 1), chunk)
+    num_col_chunks = cdiv(max(widest, 1), chunk)
     items_per_group = n_slices * num_col_chunks
     programs = _num_programs(max_groups * items_per_group, v.device, tuning)
     off += [off[-1]] * (MAX_SLICES + 1 - len(off))
@@ -618,7 +618,7 @@ def grouped_expand(
         b_pool.stride(0), b_pool.stride(1),
         y.stride(0), y.stride(1),
         BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_N=block_n, ONE_ROW_TILE=max_rows <= block_r,
-        PARTS_PER_STEP=min(MAX_PARTS_PER_STEP, triton.next_power_of_2(parts.shape[0])),
+        PARTS_PER_STEP=min(MAX_PARTS_PER_STEP, next_power_of_2(parts.shape[0])),
         FP32_DOT=expand_fp32_dot(b_pool.dtype, act_dtype or y.dtype, b_pool.device),
         INT8_B=b_pool.dtype == torch.int8, ACCUMULATE=accumulate,
         NUM_STAGES=tuning.expand_stages, PDL=_use_pdl(v.device, tuning),

@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from .triton_compat import tl, triton
+from .triton_compat import cdiv, next_power_of_2, tl, triton
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_BLOCK_K = 128
@@ -216,7 +216,7 @@ def check_qscales(a_pool: torch.Tensor, qscales: torch.Tensor | None) -> None:
 
 def pow2_block(n: int, lo: int, hi: int) -> int:
     """Smallest power of two >= n, clamped to [lo, hi] (tl.dot needs every dim >= 16)."""
-    return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
+    return max(lo, min(hi, next_power_of_2(max(n, 1))))
 
 
 def fp32_dot(dtype: torch.dtype, device: torch.device) -> bool:
@@ -233,16 +233,16 @@ def sm_count(device_index: int | None) -> int:
 def _default_split_k(base_programs: int, in_dim: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 1
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device.index), max(base_programs, 1))
-    return max(1, min(wanted, triton.cdiv(in_dim, 2 * _MAX_BLOCK_K)))
+    wanted = cdiv(_PROGRAMS_PER_SM * sm_count(device.index), max(base_programs, 1))
+    return max(1, min(wanted, cdiv(in_dim, 2 * _MAX_BLOCK_K)))
 
 
 def _k_partition(in_dim: int, split_k: int) -> tuple[int, int, int]:
     """(split_k, k_per_split, block_k): k_per_split is a multiple of block_k, so a split's
     BLOCK_K steps never cross into the next split; split_k shrinks if splits would be empty."""
-    block_k = pow2_block(triton.cdiv(in_dim, split_k), 16, _MAX_BLOCK_K)
-    k_per_split = triton.cdiv(triton.cdiv(in_dim, split_k), block_k) * block_k
-    return triton.cdiv(in_dim, k_per_split), k_per_split, block_k
+    block_k = pow2_block(cdiv(in_dim, split_k), 16, _MAX_BLOCK_K)
+    k_per_split = cdiv(cdiv(in_dim, split_k), block_k) * block_k
+    return cdiv(in_dim, k_per_split), k_per_split, block_k
 
 
 def sgmv_shrink(
@@ -305,8 +305,8 @@ def sgmv_shrink(
     seg_len = num_tokens if max_seg_len is None else min(max_seg_len, num_tokens)
     block_t = pow2_block(seg_len, 16, 64)
     block_r = pow2_block(max_rows, 16, 64)
-    num_row_tiles = triton.cdiv(max_rows, block_r)
-    tiles = triton.cdiv(max(seg_len, 1), block_t) * num_row_tiles
+    num_row_tiles = cdiv(max_rows, block_r)
+    tiles = cdiv(max(seg_len, 1), block_t) * num_row_tiles
     if split_k is None:
         split_k = _default_split_k(tiles * num_segments * n_slices, in_dim, x.device)
     split_k, k_per_split, block_k = _k_partition(in_dim, split_k)

@@ -1,7 +1,7 @@
 """`triton` and `triton.language`, or, where Triton is not installed (it ships for Linux only),
 a stand-in that lets the kernel modules import so that their torch references, the CPU path,
-work: its `jit` kernels raise ImportError when launched, and `cdiv` / `next_power_of_2` are the
-same integer arithmetic as Triton's."""
+work: its `jit` kernels raise ImportError when launched. `cdiv` and `next_power_of_2` are the
+host's launch arithmetic either way."""
 
 from __future__ import annotations
 
@@ -17,6 +17,17 @@ else:
     HAVE_TRITON = True
 
 MISSING = "Triton is not installed (it ships for Linux only): this kernel needs it"
+
+
+# Launch arithmetic for the host: Triton's cdiv and next_power_of_2, as plain integer functions
+# (newer Triton makes them constexpr functions, whose calls from Python cost microseconds each,
+# a dozen of them per LoRA projection of an eager step).
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
 
 if not HAVE_TRITON:
 
@@ -36,15 +47,10 @@ if not HAVE_TRITON:
     def _jit(fn=None, **options):
         return _Unavailable(fn) if fn is not None else _Unavailable
 
-    def _cdiv(a: int, b: int) -> int:
-        return (a + b - 1) // b
-
-    def _next_power_of_2(n: int) -> int:
-        return 1 << max(int(n) - 1, 0).bit_length()
-
     tl = types.SimpleNamespace(constexpr=int)
-    triton = types.SimpleNamespace(jit=_jit, cdiv=_cdiv, next_power_of_2=_next_power_of_2,
+    triton = types.SimpleNamespace(jit=_jit, cdiv=cdiv, next_power_of_2=next_power_of_2,
                                    language=tl)
     gdc_launch_dependents = gdc_wait = _Unavailable(None)
 
-__all__ = ["HAVE_TRITON", "gdc_launch_dependents", "gdc_wait", "tl", "triton"]
+__all__ = ["HAVE_TRITON", "cdiv", "gdc_launch_dependents", "gdc_wait", "next_power_of_2", "tl",
+           "triton"]

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlora_kernels.quant_gemv import FP8_MAX_M, fp8_block_supported, fp8_gemv
-from radixlora_kernels.triton_compat import tl, triton
+from radixlora_kernels.triton_compat import next_power_of_2, tl, triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -133,7 +133,7 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
     if x.shape[0] == 0:
         return x8, scale
-    block = min(MAX_QUANT_BLOCK, triton.next_power_of_2(max(x.shape[1], 16)))
+    block = min(MAX_QUANT_BLOCK, next_power_of_2(max(x.shape[1], 16)))
     _quantize_per_token_kernel[(x.shape[0],)](x, x8, scale, x.shape[1], x.stride(0),
                                               x8.stride(0), BLOCK=block)
     return x8, scale
