@@ -19,15 +19,15 @@ else:
 MISSING = "Triton is not installed (it ships for Linux only): this kernel needs it"
 
 
-# Launch arithmetic for the host: Triton's cdiv and next_power_of_2, as plain integer functions
-# (newer Triton makes them constexpr functions, whose calls from Python cost microseconds each,
-# a dozen of them per LoRA projection of an eager step).
+# The host's launch arithmetic: Triton's cdiv and next_power_of_2 as plain integer functions
+# (Triton's own are constexpr functions in newer releases, microseconds a call from Python)
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 def next_power_of_2(n: int) -> int:
     return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
+
 
 if not HAVE_TRITON:
 
@@ -48,8 +48,7 @@ if not HAVE_TRITON:
         return _Unavailable(fn) if fn is not None else _Unavailable
 
     tl = types.SimpleNamespace(constexpr=int)
-    triton = types.SimpleNamespace(jit=_jit, cdiv=cdiv, next_power_of_2=next_power_of_2,
-                                   language=tl)
+    triton = types.SimpleNamespace(jit=_jit, language=tl)
     gdc_launch_dependents = gdc_wait = _Unavailable(None)
 
 __all__ = ["HAVE_TRITON", "cdiv", "gdc_launch_dependents", "gdc_wait", "next_power_of_2", "tl",
