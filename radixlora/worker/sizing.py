@@ -250,8 +250,9 @@ def _rows_within(config: EngineConfig, rows: int, group_row_bytes: Mapping[str, 
     per_row = sum(group_row_bytes[g] for g in _targets(config, group_row_bytes))
     spare = cap - _pool_bytes(config, least, group_row_bytes)
     fewer = min(rows, max(least, least + spare // per_row))
-    log.warning("the adapter pool holds %d rows, not the %d that --max-loras %d x "
-                "--max-lora-rank %d ask for: at most %.0f%% of the %s left for the KV and "
+    log.warning("the adapter pool holds %d rows, not the %d its default size asks for "
+                "(--max-loras %d x --max-lora-rank %d, in rows of the target modules the "
+                "adapters given at start need): at most %.0f%% of the %s left for the KV and "
                 "adapter pools (--adapter-rows sets it)", fewer, rows, config.max_loras,
                 config.max_rank, ADAPTER_SHARE_MAX * 100, _gib(int(cap / ADAPTER_SHARE_MAX)))
     return fewer
