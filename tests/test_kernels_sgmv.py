@@ -278,16 +278,17 @@ def test_from_segments_derives_indices():
 
 
 @pytest.mark.parametrize(
-    "segs",
+    ("segs", "match"),
     [
-        ([1, 2], [[0]], [[1.0]]),
-        ([1], [[0, 1]], [[1.0]]),
-        ([-1], [[0]], [[1.0]]),
-        ([1], [[-3]], [[1.0]]),
+        (([1, 2], [[0]], [[1.0]]), "differ in length"),
+        (([1, 1], [[0], [0, 1]], [[1.0], [1.0]]), "segment 1: .* rows \\(2\\) need one scale"),
+        (([1, -1], [[0], [0]], [[1.0], [1.0]]), "segment 1: length -1 must be >= 0"),
+        (([1, 0, 1], [[4], [], [2, -3]], [[1.0], [], [1.0, 1.0]]),
+         "segment 2: negative pool row in \\[2, -3\\]"),
     ],
 )
-def test_from_segments_rejects_inconsistent_lists(segs):
-    with pytest.raises(ValueError):
+def test_from_segments_rejects_inconsistent_lists(segs, match):
+    with pytest.raises(ValueError, match=match):
         LoraBatchMeta.from_segments(*segs, device="cpu")
 
 

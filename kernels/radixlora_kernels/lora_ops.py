@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -158,16 +159,15 @@ class LoraBatchMeta:
         grouped: build `groups`, which the Triton backend runs every batch with (decodes,
         prefill chunks and steps mixing both; False: the per-segment kernels, a baseline);
         seg_magnitudes: the DoRA magnitude row of each segment (-1: none)."""
-        _check_segments(seg_lens, seg_rows, seg_scales)
-        row_counts = [len(rows) for rows in seg_rows]
+        lens, counts, row_ids, row_scales = _flat_segments(seg_lens, seg_rows, seg_scales)
         # a multiple of 16: the strides of the kernels' rank-space buffers then never depend
         # on the token count's parity, so no step compiles a kernel variant of its own
-        max_rows = -(-max(row_counts, default=0) // 16) * 16
+        max_rows = -(-int(counts.max(initial=0)) // 16) * 16
         groups = None
         if grouped:
             if seg_sets is None:
                 seg_sets = sets_of_segments(seg_rows, seg_scales)
-            groups = HostGroups.build(seg_lens, seg_sets).to_device(seg_rows, seg_scales, device)
+            groups = HostGroups.build(lens, seg_sets).to_device(seg_rows, seg_scales, device)
 
         device = torch.device(device)
 
@@ -175,18 +175,17 @@ class LoraBatchMeta:
             return to_device(values, dtype, device)
 
         return cls(
-            seg_indptr=to_dev(_indptr(seg_lens), torch.int32),
-            row_indptr=to_dev(_indptr(row_counts), torch.int32),
-            row_ids=to_dev([r for rows in seg_rows for r in rows], torch.int32),
-            row_scales=to_dev([w for ws in seg_scales for w in ws], torch.float32),
-            token_seg=to_dev(_segment_of_each(seg_lens), torch.int32),
-            row_seg=to_dev(_segment_of_each(row_counts), torch.int32),
+            seg_indptr=to_dev(_indptr(lens), torch.int32),
+            row_indptr=to_dev(_indptr(counts), torch.int32),
+            row_ids=to_dev(row_ids, torch.int32),
+            row_scales=to_dev(row_scales, torch.float32),
+            token_seg=to_dev(_segment_of_each(lens), torch.int32),
+            row_seg=to_dev(_segment_of_each(counts), torch.int32),
             max_rows=max_rows,
-            max_seg_len=max(seg_lens, default=0),
+            max_seg_len=int(lens.max(initial=0)),
             groups=groups,
             magnitude_rows=None if seg_magnitudes is None else to_dev(
-                np.repeat(np.asarray(seg_magnitudes, np.int32), np.asarray(seg_lens, np.int64)),
-                torch.int32),
+                np.repeat(np.asarray(seg_magnitudes, np.int32), lens), torch.int32),
         )
 
     @property
@@ -202,35 +201,41 @@ class LoraBatchMeta:
         return self.row_ids.numel()
 
 
-def _indptr(counts: Sequence[int]) -> list[int]:
-    out = [0]
-    for c in counts:
-        out.append(out[-1] + c)
-    return out
+def _indptr(counts: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(counts)])
 
 
-def _segment_of_each(counts: Sequence[int]) -> np.ndarray:
-    return np.repeat(np.arange(len(counts), dtype=np.int32), np.asarray(counts, np.int64))
+def _segment_of_each(counts: np.ndarray) -> np.ndarray:
+    return np.repeat(np.arange(len(counts), dtype=np.int32), counts)
 
 
-def _check_segments(
+def _flat_segments(
     seg_lens: Sequence[int],
     seg_rows: Sequence[Sequence[int]],
     seg_scales: Sequence[Sequence[float]],
-) -> None:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens of each segment, rows of each segment, every segment's rows and scales in
+    order) as arrays, with no Python work per row; ValueError naming the first bad segment."""
     if not len(seg_lens) == len(seg_rows) == len(seg_scales):
         raise ValueError(
             f"seg_lens, seg_rows, seg_scales differ in length: "
             f"{len(seg_lens)}, {len(seg_rows)}, {len(seg_scales)}"
         )
-    for s, (n, rows, scales) in enumerate(zip(seg_lens, seg_rows, seg_scales, strict=True)):
-        if n < 0 or len(rows) != len(scales):
-            raise ValueError(
-                f"segment {s}: length {n} must be >= 0 and rows ({len(rows)}) "
-                f"need one scale each ({len(scales)})"
-            )
-        if any(r < 0 for r in rows):
-            raise ValueError(f"segment {s}: negative pool row in {list(rows)}")
+    lens = np.asarray(seg_lens, np.int64).reshape(len(seg_lens))
+    counts = np.fromiter(map(len, seg_rows), np.int64, len(seg_rows))
+    scale_counts = np.fromiter(map(len, seg_scales), np.int64, len(seg_scales))
+    bad = (lens < 0) | (counts != scale_counts)
+    if bad.any():
+        s = int(np.argmax(bad))
+        raise ValueError(f"segment {s}: length {lens[s]} must be >= 0 and rows ({counts[s]}) "
+                         f"need one scale each ({scale_counts[s]})")
+    total = int(counts.sum())
+    row_ids = np.fromiter(itertools.chain.from_iterable(seg_rows), np.int64, total)
+    if (row_ids < 0).any():
+        s = int(np.searchsorted(np.cumsum(counts), np.argmax(row_ids < 0), side="right"))
+        raise ValueError(f"segment {s}: negative pool row in {list(seg_rows[s])}")
+    row_scales = np.fromiter(itertools.chain.from_iterable(seg_scales), np.float32, total)
+    return lens, counts, row_ids, row_scales
 
 
 class LoraBackend(ABC):
