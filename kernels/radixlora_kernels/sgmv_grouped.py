@@ -25,6 +25,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import NamedTuple
 
 import torch
 
@@ -461,6 +462,69 @@ def _num_programs(max_items: int, device: torch.device, tuning: GroupedTuning) -
     return max(1, min(max_items, tuning.programs_per_sm * sm_count(device.index)))
 
 
+class _ShrinkPlan(NamedTuple):
+    block_k: int
+    block_r: int
+    num_row_tiles: int
+    slices_per_item: int
+    slice_tile: int
+    k_per_split: int
+    split_k: int
+    items_per_group: int
+    programs: int
+
+
+@functools.lru_cache(maxsize=4096)
+def _shrink_plan(n_slices: int, in_dim: int, max_rows: int, max_groups: int,
+                 device: torch.device, tuning: GroupedTuning) -> _ShrinkPlan:
+    """grouped_shrink's tiles, splits and programs, by its shapes (worked out once each: the
+    Python a projection's launch costs)."""
+    block_k = pow2_block(min(tuning.block_k, in_dim), 16, 256)
+    block_r = pow2_block(max_rows, 16, 64)
+    num_row_tiles = cdiv(max_rows, block_r)
+    slice_tile = next_power_of_2(n_slices)
+    merge = tuning.merge_slices and n_slices > 1 and slice_tile * block_r <= MAX_MERGED_ROWS
+    slices_per_item, slice_tile = (n_slices, slice_tile) if merge else (1, 1)
+    num_slice_tiles = cdiv(n_slices, slices_per_item)
+    wanted = _wanted_splits(max_groups * num_slice_tiles * num_row_tiles, device, tuning)
+    k_chunk = min(tuning.k_chunk, in_dim, cdiv(in_dim, wanted))
+    k_per_split = cdiv(k_chunk, block_k) * block_k
+    split_k = cdiv(in_dim, k_per_split)
+    items_per_group = num_slice_tiles * split_k * num_row_tiles
+    programs = _num_programs(max_groups * items_per_group, device, tuning)
+    return _ShrinkPlan(block_k, block_r, num_row_tiles, slices_per_item, slice_tile,
+                       k_per_split, split_k, items_per_group, programs)
+
+
+class _ExpandPlan(NamedTuple):
+    block_r: int
+    block_n: int
+    chunk: int
+    num_col_chunks: int
+    items_per_group: int
+    programs: int
+
+
+@functools.lru_cache(maxsize=4096)
+def _expand_plan(n_slices: int, widest: int, max_rows: int, max_groups: int,
+                 device: torch.device, tuning: GroupedTuning) -> _ExpandPlan:
+    """grouped_expand's tiles, column chunks and programs, by its shapes (as _shrink_plan)."""
+    block_r = pow2_block(max_rows, 16, 32)
+    block_n = pow2_block(min(widest, tuning.block_n), 16, 512)
+    chunk = block_n  # columns per work item: block_n times a power of 2
+    while chunk * 2 <= tuning.col_chunk and chunk < widest:
+        chunk *= 2
+    while chunk > MIN_BLOCK_N and _wanted_splits(
+        max_groups * n_slices * cdiv(max(widest, 1), chunk), device, tuning
+    ) > 1:
+        chunk //= 2
+        block_n = min(block_n, chunk)
+    num_col_chunks = cdiv(max(widest, 1), chunk)
+    items_per_group = n_slices * num_col_chunks
+    programs = _num_programs(max_groups * items_per_group, device, tuning)
+    return _ExpandPlan(block_r, block_n, chunk, num_col_chunks, items_per_group, programs)
+
+
 def grouped_shrink(
     x: torch.Tensor,
     a_pool: torch.Tensor,
@@ -515,32 +579,22 @@ def grouped_shrink(
     check_groups(num_groups, group_indptr, token_ids, row_indptr, row_ids, x.device, row_scales)
     n_slices, num_tokens, in_dim = a_pool.shape[0], x.shape[0], x.shape[1]
     max_groups = group_indptr.numel() - 1
-    block_k = pow2_block(min(tuning.block_k, in_dim), 16, 256)
-    block_r = pow2_block(max_rows, 16, 64)
-    num_row_tiles = cdiv(max_rows, block_r)
-    slice_tile = next_power_of_2(n_slices)
-    merge = tuning.merge_slices and n_slices > 1 and slice_tile * block_r <= MAX_MERGED_ROWS
-    slices_per_item, slice_tile = (n_slices, slice_tile) if merge else (1, 1)
-    num_slice_tiles = cdiv(n_slices, slices_per_item)
-    wanted = _wanted_splits(max_groups * num_slice_tiles * num_row_tiles, x.device, tuning)
-    k_chunk = min(tuning.k_chunk, in_dim, cdiv(in_dim, wanted))
-    k_per_split = cdiv(k_chunk, block_k) * block_k
-    split_k = cdiv(in_dim, k_per_split)
-    v = torch.empty(split_k, n_slices, num_tokens, max_rows, dtype=torch.float32, device=x.device)
+    plan = _shrink_plan(n_slices, in_dim, max_rows, max_groups, x.device, tuning)
+    v = torch.empty(plan.split_k, n_slices, num_tokens, max_rows, dtype=torch.float32,
+                    device=x.device)
     if max_groups == 0 or num_tokens == 0 or max_rows == 0 or row_ids.numel() == 0:
         return v
-    items_per_group = num_slice_tiles * split_k * num_row_tiles
-    programs = _num_programs(max_groups * items_per_group, x.device, tuning)
-    _grouped_shrink_kernel[(programs,)](
+    _grouped_shrink_kernel[(plan.programs,)](
         x, a_pool, v, num_groups, group_indptr, token_ids, row_indptr, row_ids, row_scales,
         row_scales if qscales is None else qscales,
-        in_dim, max_rows, n_slices, slices_per_item, k_per_split, items_per_group,
-        num_row_tiles, split_k,
+        in_dim, max_rows, n_slices, plan.slices_per_item, plan.k_per_split,
+        plan.items_per_group, plan.num_row_tiles, plan.split_k,
         x.stride(0), x.stride(1),
         a_pool.stride(0), a_pool.stride(1), a_pool.stride(2),
         *qscale_strides(qscales),
         v.stride(0), v.stride(1), v.stride(2), v.stride(3),
-        BLOCK_M=tuning.block_m, BLOCK_R=block_r, SLICE_TILE=slice_tile, BLOCK_K=block_k,
+        BLOCK_M=tuning.block_m, BLOCK_R=plan.block_r, SLICE_TILE=plan.slice_tile,
+        BLOCK_K=plan.block_k,
         FP32_DOT=fp32_dot(x.dtype, x.device), DEQUANT=qscales is not None,
         PDL=_use_pdl(x.device, tuning),
         num_warps=tuning.shrink_warps, num_stages=tuning.shrink_stages,
@@ -596,28 +650,17 @@ def grouped_expand(
     max_groups = group_indptr.numel() - 1
     if max_groups == 0 or num_tokens == 0 or max_rows == 0 or row_ids.numel() == 0:
         return
-    block_r = pow2_block(max_rows, 16, 32)
     widest = max(b - a for a, b in pairwise(off))
-    block_n = pow2_block(min(widest, tuning.block_n), 16, 512)
-    chunk = block_n  # columns per work item: block_n times a power of 2
-    while chunk * 2 <= tuning.col_chunk and chunk < widest:
-        chunk *= 2
-    while chunk > MIN_BLOCK_N and _wanted_splits(
-        max_groups * n_slices * cdiv(max(widest, 1), chunk), v.device, tuning
-    ) > 1:
-        chunk //= 2
-        block_n = min(block_n, chunk)
-    num_col_chunks = cdiv(max(widest, 1), chunk)
-    items_per_group = n_slices * num_col_chunks
-    programs = _num_programs(max_groups * items_per_group, v.device, tuning)
+    plan = _expand_plan(n_slices, widest, max_rows, max_groups, v.device, tuning)
     off += [off[-1]] * (MAX_SLICES + 1 - len(off))
-    _grouped_expand_kernel[(programs,)](
+    _grouped_expand_kernel[(plan.programs,)](
         parts, b_pool, y, num_groups, group_indptr, token_ids, row_indptr, row_ids,
-        max_rows, off[1], off[2], off[3], chunk, num_col_chunks, items_per_group,
+        max_rows, off[1], off[2], off[3], plan.chunk, plan.num_col_chunks, plan.items_per_group,
         parts.shape[0], parts.stride(0), parts.stride(1), parts.stride(2), parts.stride(3),
         b_pool.stride(0), b_pool.stride(1),
         y.stride(0), y.stride(1),
-        BLOCK_M=tuning.block_m, BLOCK_R=block_r, BLOCK_N=block_n, ONE_ROW_TILE=max_rows <= block_r,
+        BLOCK_M=tuning.block_m, BLOCK_R=plan.block_r, BLOCK_N=plan.block_n,
+        ONE_ROW_TILE=max_rows <= plan.block_r,
         PARTS_PER_STEP=min(MAX_PARTS_PER_STEP, next_power_of_2(parts.shape[0])),
         FP32_DOT=expand_fp32_dot(b_pool.dtype, act_dtype or y.dtype, b_pool.device),
         INT8_B=b_pool.dtype == torch.int8, ACCUMULATE=accumulate,
