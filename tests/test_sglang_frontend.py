@@ -81,7 +81,8 @@ def test_sglang_frontend_runs_unmodified(server):
     first, _, rest = out["fork"].partition(" all: ")
     assert first.startswith("first: ") and WORDS[0].startswith(first[len("first: "):].strip())
     assert rest == WORDS[0]
-    # the stream's chunks are the server's outputs: several, or one where the detokenizer
-    # caught up with every step at once (a loaded machine); their text is the answer either way
+    # how many chunks the frontend yields follows the pace of the server and of the frontend's
+    # reader thread: several, or one when the whole answer was in before it looked (a loaded
+    # machine); their text is the answer either way
     assert out["stream"] and "".join(out["stream"]) == WORDS[1]
     assert out["batch"] == WORDS
