@@ -69,7 +69,7 @@ class HostGroups:
         per_group = np.bincount(group_of_token, minlength=int(groups_per_set.sum()))
         set_of_group = np.repeat(np.arange(len(labels)), groups_per_set)
         return cls(
-            group_indptr=np.concatenate([[0], np.cumsum(per_group)]).astype(np.int64),
+            group_indptr=indptr(per_group).astype(np.int64),
             token_ids=tokens[order],
             first_seg=used[first][set_of_group],
         )
@@ -86,7 +86,7 @@ class HostGroups:
         counts = np.array([len(r) for r in rows], np.int64)
         row_ids = np.array([r for rs in rows for r in rs], np.int64)
         scales = np.array([w for s in self.first_seg for w in seg_scales[s]], np.float32)
-        return np.concatenate([[0], np.cumsum(counts)]), row_ids, scales
+        return indptr(counts), row_ids, scales
 
     def to_device(
         self,
@@ -175,8 +175,8 @@ class LoraBatchMeta:
             return to_device(values, dtype, device)
 
         return cls(
-            seg_indptr=to_dev(_indptr(lens), torch.int32),
-            row_indptr=to_dev(_indptr(counts), torch.int32),
+            seg_indptr=to_dev(indptr(lens), torch.int32),
+            row_indptr=to_dev(indptr(counts), torch.int32),
             row_ids=to_dev(row_ids, torch.int32),
             row_scales=to_dev(row_scales, torch.float32),
             token_seg=to_dev(_segment_of_each(lens), torch.int32),
@@ -201,7 +201,8 @@ class LoraBatchMeta:
         return self.row_ids.numel()
 
 
-def _indptr(counts: np.ndarray) -> np.ndarray:
+def indptr(counts) -> np.ndarray:
+    """Offsets of consecutive runs of these lengths: [0, c0, c0 + c1, ...]."""
     return np.concatenate([[0], np.cumsum(counts)])
 
 

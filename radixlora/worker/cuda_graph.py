@@ -37,7 +37,8 @@ from radixlora.sampling_params import GREEDY
 from radixlora.worker.attention import TritonAttentionMeta
 from radixlora.worker.lora_context import LoraContext, LoraSegments, high_priority_stream
 from radixlora.worker.sampler import ROW_DTYPES, ROW_FIELDS, SamplingBatch, draw
-from radixlora_kernels.lora_ops import HostGroups, LoraBatchMeta, LoraGroups
+from radixlora_kernels.device import ALIGN_WORDS
+from radixlora_kernels.lora_ops import HostGroups, LoraBatchMeta, LoraGroups, indptr
 from radixlora_kernels.scatter_words import scatter_words
 
 # Decode batches above 256 replay graphs too: at 1,024 running requests on an H200 a graph step
@@ -244,8 +245,8 @@ class StaticInputs:
             "input_ids": _pad(host["input_ids"], pad_reqs + pad_tokens),
             "positions": _pad(host["positions"], pad_reqs + pad_tokens),
             "out_cache_loc": _pad(host["out_cache_loc"], pad_reqs + pad_tokens),
-            "qo_indptr": _indptr(qo),
-            "kv_indptr": _indptr(kv),
+            "qo_indptr": indptr(qo),
+            "kv_indptr": indptr(kv),
             "logits_indices": np.cumsum(qo) - 1,
             "kv_indices": _pad(host["kv_indices"], pad_reqs),
         }
@@ -458,7 +459,7 @@ class PackedInputs:
     device in one host-to-device copy (packed with a table of where each part goes) and one
     scatter kernel, not one copy per buffer."""
 
-    ALIGN = 4  # words: every view starts 16-byte aligned, whatever its dtype
+    ALIGN = ALIGN_WORDS  # every view starts 16-byte aligned, whatever its dtype
 
     def __init__(self, parts: dict[str, tuple[int, torch.dtype]], device) -> None:
         self.offsets: dict[str, int] = {}
@@ -543,6 +544,3 @@ def _sampling_parts(sampling: SamplingBatch, batch: int) -> dict[str, np.ndarray
 def _pad(values: np.ndarray, n: int) -> np.ndarray:
     return np.concatenate([np.asarray(values), np.zeros(n, np.int64)])
 
-
-def _indptr(counts: np.ndarray) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(counts)])
