@@ -14,14 +14,17 @@ default engine config (pools sized from GPU memory, graphs captured at start), a
 Parts (--parts):
   steps  Synthetic steps of the shapes the burst runs, each timed alone (CUDA events around the
          launch, median of 5 after a warm-up) and profiled once (kernel time by kind):
-         "decode N": N decodes at 400 tokens of context (N = 64, 256, 512, 1,024; a CUDA graph
-         where one fits), against their bytes floor (the weights they touch, of an MoE only the
-         experts their tokens are routed to under uniform routing, and their KV, at
+         "decode N": N decodes at 400 tokens of context (N = 64, 176, 256, 512, 1,024; a CUDA
+         graph where one fits), against their bytes floor (the weights they touch, of an MoE
+         only the experts their tokens are routed to under uniform routing, and their KV, at
          --peak-bw); "mixed 254": 240 decodes at 400 tokens of context beside 14 prefill
          chunks of 541 tokens in all; "mixed 944": 900 decodes beside 2,361 prefill tokens;
-         "prefill 8192"; the mixed ones with the mixed-batch attention split (decodes to the
-         decode kernel, extends over their tiles) and without it (every request through the
-         extend kernel's grid). Steps whose KV does not fit the pool are left out.
+         "prefill 8192". "..., N adapters": request k on rank-8 q/k/v/o adapter set k % N, each
+         set on pool rows of its own (a many-adapter burst's steps; a decode floor adds the
+         distinct rows' bytes). Mixed steps run with the mixed-batch attention split (decodes
+         to the decode kernel, extends over their tiles) and without it (every request through
+         the extend kernel's grid). Steps whose KV or adapter rows do not fit the pools are
+         left out.
   gemm   torch.matmul TFLOP/s of the four projections of a layer at the token counts above.
   burst  --requests requests with ShareGPT-like lengths (bench_serving.sharegpt_lengths:
          lognormal, about 270 prompt / 210 output tokens on average, capped at 2,048 / 1,024),
@@ -65,7 +68,7 @@ from bench_engine import QKVO, SMOKE, model_dir, random_adapter  # noqa: E402
 from bench_serving import sharegpt_lengths  # noqa: E402
 
 from radixlora import Engine, SamplingParams  # noqa: E402
-from radixlora.step_plan import PlanItem, StepPlan, ids_to_bytes  # noqa: E402
+from radixlora.step_plan import GroupRows, PlanItem, StepPlan, ids_to_bytes  # noqa: E402
 from radixlora.worker import cuda_graph  # noqa: E402
 from radixlora.worker.model_runner import PROFILE_PARAMS  # noqa: E402
 
@@ -246,15 +249,21 @@ def burst_floor(shape: Shape, reqs: list[Request], rank: int, peak_bw: float) ->
 
 # ---- synthetic steps -------------------------------------------------------------------------
 
-def synthetic_plan(decodes: int, context: int, prefills: list[int]) -> StepPlan:
-    """`decodes` one-token requests over `context` cached tokens beside fresh prefill chunks."""
-    items = [PlanItem(1, context, True, PROFILE_PARAMS, k, 0, 0) for k in range(decodes)]
-    items += [PlanItem(n, 0, True, PROFILE_PARAMS, decodes + k, 0, 0)
-              for k, n in enumerate(prefills)]
+def synthetic_plan(decodes: int, context: int, prefills: list[int], sets: int = 0,
+                   rank: int = 8, groups: tuple[str, ...] = ("qkv", "o")) -> StepPlan:
+    """`decodes` one-token requests over `context` cached tokens beside fresh prefill chunks;
+    with `sets`, request k on adapter set k % sets, set s on its own `rank` pool rows
+    (s * rank, ...) in each of `groups` (distinct rows: the step reads every set's bytes)."""
+    lens = [(1, context)] * decodes + [(n, 0) for n in prefills]
+    items = [PlanItem(n, start, True, PROFILE_PARAMS, k, 0, 1 + k % sets if sets else 0)
+             for k, (n, start) in enumerate(lens)]
+    adapter_sets = [{}] + [
+        {g: GroupRows(list(range(s * rank, (s + 1) * rank)), [1.0] * rank) for g in groups}
+        for s in range(sets)]
     tokens = sum(i.extend_len for i in items)
     slots = 1 + np.arange(sum(i.start + i.extend_len for i in items))
     return StepPlan(step=0, items=items, input_ids=ids_to_bytes(np.full(tokens, 7)),
-                    kv_slots=ids_to_bytes(slots), adapter_sets=[{}])
+                    kv_slots=ids_to_bytes(slots), adapter_sets=adapter_sets)
 
 
 def split_prefill(tokens: int, chunks: int) -> list[int]:
@@ -264,11 +273,15 @@ def split_prefill(tokens: int, chunks: int) -> list[int]:
     return base
 
 
-SYNTHETIC = {  # name: (decodes, their context, prefill chunks)
-    **{f"decode {n}": (n, 400, []) for n in (64, 256, 512, 1024)},
-    "mixed 254": (240, 400, split_prefill(541, 14)),
-    "mixed 944": (900, 400, split_prefill(2361, 44)),
-    "prefill 8192": (0, 0, split_prefill(8192, 16)),
+SYNTHETIC = {  # name: (decodes, their context, prefill chunks, rank-8 q/k/v/o adapter sets)
+    **{f"decode {n}": (n, 400, [], 0) for n in (64, 176, 256, 512, 1024)},
+    # a many-adapter burst's decode steps: 176 requests over 100 adapters (or each its own)
+    "decode 176, 100 adapters": (176, 400, [], 100),
+    "decode 176, 176 adapters": (176, 400, [], 176),
+    "mixed 254": (240, 400, split_prefill(541, 14), 0),
+    "mixed 944": (900, 400, split_prefill(2361, 44), 0),
+    "mixed 944, 100 adapters": (900, 400, split_prefill(2361, 44), 100),
+    "prefill 8192": (0, 0, split_prefill(8192, 16), 0),
 }
 
 
@@ -281,7 +294,7 @@ def kernel_kind(name: str) -> str:
 
 
 def profile_step(runner, plan: StepPlan) -> dict:
-    """Kernel time by kind (ms) of one launch of `plan`, and the 8 longest kernels."""
+    """Kernel time by kind (ms) of one launch of `plan`, and the 12 longest kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -293,7 +306,7 @@ def profile_step(runner, plan: StepPlan) -> dict:
         if us and e.key not in ("", None):
             by_kind[kernel_kind(e.key)] += us / 1e3
             by_name[e.key] += us / 1e3
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     return {"by_kind_ms": dict(by_kind), "total_ms": sum(by_kind.values()),
             "top": [(name[:80], ms) for name, ms in top]}
 
@@ -341,16 +354,34 @@ def decode_floors_ms(shape: Shape, decodes: int, context: int, peak_bw: float,
             1e3 * flops / peak_flops)
 
 
+def adapter_rows_fit(pool, plan: StepPlan) -> bool:
+    """Every row of the plan's adapter sets exists in the pool's group."""
+    return all(g in pool.group_rows and max(r.rows) < pool.group_rows[g]
+               for aset in plan.adapter_sets for g, r in aset.items())
+
+
+def adapter_bytes(pool, plan: StepPlan) -> int:
+    """Bytes of the distinct pool rows the plan's adapter sets read (A and B, every layer)."""
+    total = 0
+    for g in pool.groups:
+        rows = {r for aset in plan.adapter_sets if g in aset for r in aset[g].rows}
+        a, b = pool.a_all[g], pool.b_all[g]
+        per_row = (a[:, :, 0].numel() + b[:, 0].numel()) * a.element_size()
+        total += len(rows) * per_row
+    return total
+
+
 def synthetic_steps(engine: Engine, shape: Shape, peak_bw: float, peak_flops: float) -> dict:
     runner, backend = engine.runner, engine.runner.attn_backend
     split = getattr(backend, "_split", None)  # the Triton backend's
     slots = engine.config.kv_pages * engine.config.page_size
     plans = {name: synthetic_plan(*spec) for name, spec in SYNTHETIC.items()}
-    plans = {name: p for name, p in plans.items() if len(p.kv_slots) // 4 < slots}
+    plans = {name: p for name, p in plans.items() if len(p.kv_slots) // 4 < slots
+             and adapter_rows_fit(runner.adapter_pool, p)}
     fill_kv(runner, max(len(p.kv_slots) // 4 for p in plans.values()) + 1)
     out = {}
     for name, plan in plans.items():
-        decodes, context, prefills = SYNTHETIC[name]
+        decodes, context, prefills, _ = SYNTHETIC[name]
         mixed = split is not None and bool(prefills)
         variants = (("split", split), ("extend only", lambda *a: None)) if mixed else (("", None),)
         for variant, fn in variants:
@@ -364,6 +395,9 @@ def synthetic_steps(engine: Engine, shape: Shape, peak_bw: float, peak_flops: fl
                     backend._split = split
             floors = ((None, None) if prefills else
                       decode_floors_ms(shape, decodes, context, peak_bw, peak_flops))
+            if floors[0] is not None:
+                floors = (floors[0] + 1e3 * adapter_bytes(runner.adapter_pool, plan) / peak_bw,
+                          floors[1])
             out[f"{name}, {variant}" if variant else name] = {**timing, **prof,
                                          "tokens": sum(i.extend_len for i in plan.items),
                                          "floor_ms": floors[0], "flops_floor_ms": floors[1]}
@@ -417,8 +451,8 @@ def main() -> None:
     shape, kw = (SMOKE, {"device": "cpu", "dtype": "float32"}) if args.smoke else (config, {})
     if args.smoke:
         args.requests = min(args.requests, 24)
-        SYNTHETIC.update({name: (min(d, 8), min(c, 40), p[:2]) for name, (d, c, p)
-                          in SYNTHETIC.items()})
+        SYNTHETIC.update({name: (min(d, 8), min(c, 40), p[:2], min(a, 4))
+                          for name, (d, c, p, a) in SYNTHETIC.items()})
     dims = Shape.from_config(shape)
     results: dict = {"argv": sys.argv, "commit": os.popen("git rev-parse --short HEAD").read()
                      .strip()}
