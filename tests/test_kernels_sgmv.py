@@ -761,3 +761,15 @@ def test_int8_pool_needs_its_qscales_and_only_it_has_them():
         sgmv_shrink(x, pool.a, *seg_args, qscales=qscales)
     with pytest.raises(ValueError, match=rf"qscales must be float32 \(1, {pool.a.shape[1]}\)"):
         sgmv_shrink(x, quant.a, *seg_args, qscales=qscales[:, :-1])
+
+
+@pytest.mark.parametrize("n_slices", [1, 2, 3])
+@pytest.mark.parametrize("name", GROUPED_SCENARIOS)
+def test_fused_grouped_lora_matches_loop_reference(name, n_slices):
+    pool, x, y0, segs = build_grouped_case(name, n_slices, in_dim=48 if n_slices != 2 else 80)
+    y = y0.clone()
+    tuning = GroupedTuning(block_k=16, block_n=16, col_chunk=32, fuse=True)
+    TritonLoraBackend(tuning=tuning).apply(
+        x, y, pool.a, pool.b, pool.out_offsets, grouped_meta(segs)
+    )
+    torch.testing.assert_close(y, expected(pool, x, y0, segs), rtol=1e-4, atol=1e-4)

@@ -399,6 +399,15 @@ class TritonLoraBackend(LoraBackend):
         self._grouped = sgmv_grouped
         self.tuning, self.side_tuning = tuning, side_tuning
 
+    def apply(self, x, y, a_pool, b_pool, out_offsets, meta, qscales=None) -> None:
+        g, tuning = meta.groups, self._tuning(meta)
+        if g is None or not self._grouped.fusable(a_pool, meta.max_rows, tuning):
+            super().apply(x, y, a_pool, b_pool, out_offsets, meta, qscales)
+            return
+        _check_tokens(meta, x, y)
+        self._grouped.grouped_lora(x, a_pool, b_pool, out_offsets, *_group_index(g),
+                                   g.row_scales, meta.max_rows, y, tuning=tuning)
+
     def shrink(self, x, a_pool, meta, qscales=None) -> torch.Tensor | None:
         _check_tokens(meta, x)
         if (g := meta.groups) is not None:
