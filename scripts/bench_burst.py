@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import replace_fields  # noqa: E402
 from bench_e2e import (  # noqa: E402
     H200_BYTES_PER_S,
     H200_FLOPS,
@@ -71,6 +72,7 @@ from radixlora import Engine, SamplingParams  # noqa: E402
 from radixlora.step_plan import GroupRows, PlanItem, StepPlan, ids_to_bytes  # noqa: E402
 from radixlora.worker import cuda_graph  # noqa: E402
 from radixlora.worker.model_runner import PROFILE_PARAMS  # noqa: E402
+from radixlora_kernels import sgmv_grouped  # noqa: E402
 
 KERNEL_KINDS = (  # (kind, substrings of the kernel's name), first match wins
     ("moe", ("_grouped_gemm", "_align", "topk", "_row_shrink", "_row_expand", "_block_")),
@@ -442,7 +444,14 @@ def main() -> None:
     p.add_argument("--graph-buckets", default="", metavar="B,...",
                    help="experiment: decode batch buckets added to cuda_graph.BATCH_BUCKETS "
                         "(captured up to the engine's max_running)")
+    p.add_argument("--grouped-tuning", default="", metavar="FIELD=N,...",
+                   help="experiment: GroupedTuning fields of the grouped LoRA kernels (e.g. "
+                        "fuse=1), set before the engine captures its graphs")
     args = p.parse_args()
+    if args.grouped_tuning:
+        for name in ("DEFAULT_TUNING", "WIDE_ROWS_TUNING"):
+            setattr(sgmv_grouped, name, replace_fields(getattr(sgmv_grouped, name),
+                                                       args.grouped_tuning))
     if args.graph_buckets:
         extra = {int(b) for b in args.graph_buckets.split(",")}
         cuda_graph.BATCH_BUCKETS = tuple(sorted(set(cuda_graph.BATCH_BUCKETS) | extra))

@@ -773,3 +773,20 @@ def test_fused_grouped_lora_matches_loop_reference(name, n_slices):
         x, y, pool.a, pool.b, pool.out_offsets, grouped_meta(segs)
     )
     torch.testing.assert_close(y, expected(pool, x, y0, segs), rtol=1e-4, atol=1e-4)
+
+
+def test_lora_context_fused_projection_adds_the_deltas_after_the_gemm():
+    """A backend that fuses a projection's shrink and expand runs them after the GEMM, in one
+    launch, and gives linear(x) plus the deltas."""
+    pool, x, y0, segs = build_grouped_case("distinct_mixed_ranks", 3)
+    meta = grouped_meta(segs)
+    backend = TritonLoraBackend(tuning=GroupedTuning(block_k=16, block_n=16, fuse=True))
+    assert backend.fuses(pool.a, meta)
+    weight = torch.randn(pool.out_offsets[-1], x.shape[1], generator=torch.Generator()
+                         .manual_seed(5))
+    layers = SimpleNamespace(a=[{"qkv": pool.a}], b=[{"qkv": pool.b}], qscales=[{}],
+                             out_offsets={"qkv": pool.out_offsets})
+    linear = functools.partial(torch.matmul, other=weight.T)
+    y, delta = LoraContext(layers, backend, {"qkv": meta}).project(linear, x, 0, "qkv")
+    assert delta is None
+    torch.testing.assert_close(y, expected(pool, x, linear(x), segs), rtol=1e-4, atol=1e-4)

@@ -286,6 +286,10 @@ class LoraBackend(ABC):
         if v is not None:
             self.expand(v, b_pool, out_offsets, meta, y)
 
+    def fuses(self, a_pool: torch.Tensor, meta: LoraBatchMeta) -> bool:
+        """Whether `apply` runs as one launch (then there is no shrink to run apart)."""
+        return False
+
     @abstractmethod
     def shrink(
         self,
@@ -399,14 +403,18 @@ class TritonLoraBackend(LoraBackend):
         self._grouped = sgmv_grouped
         self.tuning, self.side_tuning = tuning, side_tuning
 
+    def fuses(self, a_pool, meta) -> bool:
+        return meta.groups is not None and self._grouped.fusable(a_pool, meta.max_rows,
+                                                                 self._tuning(meta))
+
     def apply(self, x, y, a_pool, b_pool, out_offsets, meta, qscales=None) -> None:
-        g, tuning = meta.groups, self._tuning(meta)
-        if g is None or not self._grouped.fusable(a_pool, meta.max_rows, tuning):
+        if not self.fuses(a_pool, meta):
             super().apply(x, y, a_pool, b_pool, out_offsets, meta, qscales)
             return
         _check_tokens(meta, x, y)
+        g = meta.groups
         self._grouped.grouped_lora(x, a_pool, b_pool, out_offsets, *_group_index(g),
-                                   g.row_scales, meta.max_rows, y, tuning=tuning)
+                                   g.row_scales, meta.max_rows, y, tuning=self._tuning(meta))
 
     def shrink(self, x, a_pool, meta, qscales=None) -> torch.Tensor | None:
         _check_tokens(meta, x)
