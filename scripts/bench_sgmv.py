@@ -11,7 +11,9 @@ beside it on a side stream.
     python scripts/bench_sgmv.py --scenarios "distinct r16" --sweep expand_stages=2 --repeat 3
         # only target a's layer: the defaults and a GroupedTuning variant, each timed 3 times
 
-Each variant is checked against TorchLoraBackend (fp32 math) before it is timed. Writes
+Where a CUDA graph's LoRA row bucket (cuda_graph.ROW_BUCKETS) pads a scenario's rows (rank 8 runs
+at 32 rows in the engine's graphs), the grouped variants are timed padded too ("rows 32"). Each
+variant is checked against TorchLoraBackend (fp32 math) before it is timed. Writes
 $OUT/bench_sgmv.json when OUT is set; prints a table last.
 """
 
@@ -39,6 +41,7 @@ import triton  # noqa: E402
 from bench_common import replace_fields, time_us  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # radixlora without installing
+from radixlora.worker.cuda_graph import ROW_BUCKETS  # noqa: E402
 from radixlora.worker.lora_context import LoraContext, high_priority_stream  # noqa: E402
 from radixlora_kernels.lora_ops import (  # noqa: E402
     GROUP_TOKENS,
@@ -259,6 +262,11 @@ def build_meta(
     return dataclasses.replace(meta, groups=padded)
 
 
+def graph_row_bucket(max_rows: int) -> int:
+    """The LoRA row bucket of the decode graph a batch with these rows replays."""
+    return min((r for r in ROW_BUCKETS if r >= max_rows), default=max_rows)
+
+
 def meta_variants(sc, adapter_rows, device, group_tokens) -> dict[int | None, LoraBatchMeta]:
     return {n: build_meta(sc, adapter_rows, device, n) for n in (None, GROUP_TOKENS, *group_tokens)}
 
@@ -336,6 +344,11 @@ def bench_scenario(cfg: BenchConfig, sc: Scenario, sweep: list[GroupedTuning],
         ("sgmv per-request", TritonLoraBackend(), per_request),
     ]
     variants += [(tuning_label(t), TritonLoraBackend(tuning=t), grouped) for t in sweep]
+    graph_rows = graph_row_bucket(grouped.max_rows)
+    if graph_rows != grouped.max_rows:  # as a CUDA graph's row bucket pads the rows
+        padded = dataclasses.replace(grouped, max_rows=graph_rows)
+        variants += [(f"{label}, rows {graph_rows}", TritonLoraBackend(tuning=t), padded)
+                     for label, t in [("grouped", None)] + [(tuning_label(t), t) for t in sweep]]
     variants += [(f"grouped group_tokens={n}", TritonLoraBackend(), metas[n])
                  for n in group_tokens]
     if baselines:
