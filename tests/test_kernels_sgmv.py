@@ -763,15 +763,21 @@ def test_int8_pool_needs_its_qscales_and_only_it_has_them():
         sgmv_shrink(x, quant.a, *seg_args, qscales=qscales[:, :-1])
 
 
+@pytest.mark.parametrize("graph_buffers", [False, True], ids=["exact", "padded"])
 @pytest.mark.parametrize("n_slices", [1, 2, 3])
 @pytest.mark.parametrize("name", GROUPED_SCENARIOS)
-def test_fused_grouped_lora_matches_loop_reference(name, n_slices):
+def test_fused_grouped_lora_matches_loop_reference(name, n_slices, graph_buffers):
+    """One launch per projection; padded: as a graph's static buffers hold the groups (room
+    for more, garbage past num_groups) and its row bucket pads max_rows."""
     pool, x, y0, segs = build_grouped_case(name, n_slices, in_dim=48 if n_slices != 2 else 80)
+    meta = grouped_meta(segs)
+    if graph_buffers:
+        meta = dataclasses.replace(_pad_groups(meta, extra=5), max_rows=max(meta.max_rows, 64))
     y = y0.clone()
-    tuning = GroupedTuning(block_k=16, block_n=16, col_chunk=32, fuse=True)
-    TritonLoraBackend(tuning=tuning).apply(
-        x, y, pool.a, pool.b, pool.out_offsets, grouped_meta(segs)
-    )
+    backend = TritonLoraBackend(tuning=GroupedTuning(block_k=16, block_n=16, col_chunk=32,
+                                                     fuse=True))
+    backend.apply(x, y, pool.a, pool.b, pool.out_offsets, meta)
+    assert backend.fuses(pool.a, meta) == (meta.max_rows <= 64)
     torch.testing.assert_close(y, expected(pool, x, y0, segs), rtol=1e-4, atol=1e-4)
 
 
