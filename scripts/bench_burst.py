@@ -446,7 +446,7 @@ def main() -> None:
                         "(captured up to the engine's max_running)")
     p.add_argument("--grouped-tuning", default="", metavar="FIELD=N,...",
                    help="experiment: GroupedTuning fields of the grouped LoRA kernels (e.g. "
-                        "fuse=1), set before the engine captures its graphs")
+                        "col_chunk=1024), set before the engine captures its graphs")
     args = p.parse_args()
     if args.grouped_tuning:
         for name in ("DEFAULT_TUNING", "WIDE_ROWS_TUNING"):

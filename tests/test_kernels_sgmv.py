@@ -761,38 +761,3 @@ def test_int8_pool_needs_its_qscales_and_only_it_has_them():
         sgmv_shrink(x, pool.a, *seg_args, qscales=qscales)
     with pytest.raises(ValueError, match=rf"qscales must be float32 \(1, {pool.a.shape[1]}\)"):
         sgmv_shrink(x, quant.a, *seg_args, qscales=qscales[:, :-1])
-
-
-@pytest.mark.parametrize("graph_buffers", [False, True], ids=["exact", "padded"])
-@pytest.mark.parametrize("n_slices", [1, 2, 3])
-@pytest.mark.parametrize("name", GROUPED_SCENARIOS)
-def test_fused_grouped_lora_matches_loop_reference(name, n_slices, graph_buffers):
-    """One launch per projection; padded: as a graph's static buffers hold the groups (room
-    for more, garbage past num_groups) and its row bucket pads max_rows."""
-    pool, x, y0, segs = build_grouped_case(name, n_slices, in_dim=48 if n_slices != 2 else 80)
-    meta = grouped_meta(segs)
-    if graph_buffers:
-        meta = dataclasses.replace(_pad_groups(meta, extra=5), max_rows=max(meta.max_rows, 64))
-    y = y0.clone()
-    backend = TritonLoraBackend(tuning=GroupedTuning(block_k=16, block_n=16, col_chunk=32,
-                                                     fuse=True))
-    backend.apply(x, y, pool.a, pool.b, pool.out_offsets, meta)
-    assert backend.fuses(pool.a, meta) == (meta.max_rows <= 64)
-    torch.testing.assert_close(y, expected(pool, x, y0, segs), rtol=1e-4, atol=1e-4)
-
-
-def test_lora_context_fused_projection_adds_the_deltas_after_the_gemm():
-    """A backend that fuses a projection's shrink and expand runs them after the GEMM, in one
-    launch, and gives linear(x) plus the deltas."""
-    pool, x, y0, segs = build_grouped_case("distinct_mixed_ranks", 3)
-    meta = grouped_meta(segs)
-    backend = TritonLoraBackend(tuning=GroupedTuning(block_k=16, block_n=16, fuse=True))
-    assert backend.fuses(pool.a, meta)
-    weight = torch.randn(pool.out_offsets[-1], x.shape[1], generator=torch.Generator()
-                         .manual_seed(5))
-    layers = SimpleNamespace(a=[{"qkv": pool.a}], b=[{"qkv": pool.b}], qscales=[{}],
-                             out_offsets={"qkv": pool.out_offsets})
-    linear = functools.partial(torch.matmul, other=weight.T)
-    y, delta = LoraContext(layers, backend, {"qkv": meta}).project(linear, x, 0, "qkv")
-    assert delta is None
-    torch.testing.assert_close(y, expected(pool, x, linear(x), segs), rtol=1e-4, atol=1e-4)

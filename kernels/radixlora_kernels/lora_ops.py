@@ -286,10 +286,6 @@ class LoraBackend(ABC):
         if v is not None:
             self.expand(v, b_pool, out_offsets, meta, y)
 
-    def fuses(self, a_pool: torch.Tensor, meta: LoraBatchMeta) -> bool:
-        """Whether `apply` runs as one launch (then there is no shrink to run apart)."""
-        return False
-
     @abstractmethod
     def shrink(
         self,
@@ -402,19 +398,6 @@ class TritonLoraBackend(LoraBackend):
         self._shrink, self._expand, self.split_k = sgmv_shrink, sgmv_expand, split_k
         self._grouped = sgmv_grouped
         self.tuning, self.side_tuning = tuning, side_tuning
-
-    def fuses(self, a_pool, meta) -> bool:
-        return meta.groups is not None and self._grouped.fusable(a_pool, meta.max_rows,
-                                                                 self._tuning(meta))
-
-    def apply(self, x, y, a_pool, b_pool, out_offsets, meta, qscales=None) -> None:
-        if not self.fuses(a_pool, meta):
-            super().apply(x, y, a_pool, b_pool, out_offsets, meta, qscales)
-            return
-        _check_tokens(meta, x, y)
-        g = meta.groups
-        self._grouped.grouped_lora(x, a_pool, b_pool, out_offsets, *_group_index(g),
-                                   g.row_scales, meta.max_rows, y, tuning=self._tuning(meta))
 
     def shrink(self, x, a_pool, meta, qscales=None) -> torch.Tensor | None:
         _check_tokens(meta, x)

@@ -45,7 +45,6 @@ _CPU_PROGRAMS = 3  # the interpreter runs programs one by one: a few exercise th
 MIN_BLOCK_N = 64  # expand tiles are never narrower than this (small buckets narrow them)
 MAX_PARTS_PER_STEP = 8  # the expand's loads of the shrink's partial sums in flight at once
 MAX_MERGED_ROWS = 64  # merge_slices: columns of a merged shrink tile (slices x row tile)
-FUSED_MAX_ROWS = 64  # grouped_lora keeps a group's rank-space activations in one tile
 
 
 @dataclass(frozen=True)
@@ -74,10 +73,6 @@ class GroupedTuning:
     # tile of up to MAX_MERGED_ROWS columns, so a program has n_slices times the bytes in
     # flight
     merge_slices: bool = True
-    # apply(): one launch per projection (grouped_lora: each work item computes its group's
-    # rank-space activations over all of in_dim, then adds their product with its columns of B)
-    # where the rows fit one tile of at most FUSED_MAX_ROWS and the pool is 16-bit or fp32
-    fuse: bool = False
 
 
 DEFAULT_TUNING = GroupedTuning()
@@ -343,93 +338,6 @@ def _grouped_expand_kernel(
                         acc += dot_vb(v, b, FP32_DOT, INT8_B)
                     _write_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn,
                              ACCUMULATE)
-    _wait_for_previous_kernel(PDL)  # a program with no work item must wait too
-
-
-@triton.jit(do_not_specialize=["num_col_chunks", "items_per_group"])  # see shrink
-def _grouped_lora_kernel(
-    x_ptr,
-    a_ptr,
-    b_ptr,
-    y_ptr,
-    num_groups_ptr,
-    group_indptr_ptr,
-    token_ids_ptr,
-    row_indptr_ptr,
-    row_ids_ptr,
-    row_scales_ptr,
-    in_dim,
-    max_rows,
-    off1,
-    off2,
-    off3,
-    col_chunk,
-    num_col_chunks,
-    items_per_group,
-    stride_xt,
-    stride_xk,
-    stride_as,
-    stride_ar,
-    stride_ak,
-    stride_br,
-    stride_bn,
-    stride_yt,
-    stride_yn,
-    BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    FP32_DOT: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-    K_STAGES: tl.constexpr,
-    N_STAGES: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    _launch_next_kernel(PDL)
-    num_items = tl.load(num_groups_ptr) * items_per_group
-    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        group = item // items_per_group
-        rest = item % items_per_group
-        slice_id = rest // num_col_chunks
-        col_lo = tl.where(slice_id == 0, 0, tl.where(slice_id == 1, off1, off2))
-        col_hi = tl.where(slice_id == 0, off1, tl.where(slice_id == 1, off2, off3))
-        n_lo = col_lo + (rest % num_col_chunks) * col_chunk
-        n_hi = tl.minimum(n_lo + col_chunk, col_hi)
-        m0 = tl.load(group_indptr_ptr + group)
-        m1 = tl.load(group_indptr_ptr + group + 1)
-        r0 = tl.load(row_indptr_ptr + group)
-        num_rows = tl.minimum(tl.load(row_indptr_ptr + group + 1) - r0, max_rows)
-        m_end = tl.where((num_rows > 0) & (n_lo < n_hi), m1, m0)
-        offs_j = tl.arange(0, BLOCK_R)
-        j_mask = offs_j < num_rows
-        rows = tl.load(row_ids_ptr + r0 + offs_j, mask=j_mask, other=0).to(tl.int64)
-        scales = tl.load(row_scales_ptr + r0 + offs_j, mask=j_mask, other=0.0)
-        a_base = a_ptr + slice_id.to(tl.int64) * stride_as + rows[None, :] * stride_ar
-        offs_k = tl.arange(0, BLOCK_K)
-        _wait_for_previous_kernel(PDL)  # x (and y) come from earlier kernels
-        for m in range(m0, m_end, BLOCK_M):
-            offs_m = m + tl.arange(0, BLOCK_M)
-            m_mask = offs_m < m1
-            tokens = tl.load(token_ids_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-            v = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k in tl.range(0, in_dim, BLOCK_K, num_stages=K_STAGES):
-                k_mask = (k + offs_k) < in_dim
-                x = tl.load(x_ptr + tokens[:, None] * stride_xt + (k + offs_k)[None, :] * stride_xk,
-                            mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                a = tl.load(a_base + (k + offs_k)[:, None] * stride_ak,
-                            mask=k_mask[:, None] & j_mask[None, :], other=0.0)
-                if FP32_DOT:
-                    v += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-                else:
-                    v += tl.dot(x, a)
-            v = v * scales[None, :]
-            for n in tl.range(n_lo, n_hi, BLOCK_N, num_stages=N_STAGES):
-                offs_n = n + tl.arange(0, BLOCK_N)
-                n_mask = offs_n < n_hi
-                b = _load_b_tile(b_ptr, rows, j_mask, offs_n, n_mask, stride_br, stride_bn)
-                acc = dot_vb(v, b, FP32_DOT, False)
-                _write_y(y_ptr, tokens, m_mask, offs_n, n_mask, acc, stride_yt, stride_yn,
-                         ACCUMULATE)
     _wait_for_previous_kernel(PDL)  # a program with no work item must wait too
 
 
@@ -758,63 +666,4 @@ def grouped_expand(
         INT8_B=b_pool.dtype == torch.int8, ACCUMULATE=accumulate,
         NUM_STAGES=tuning.expand_stages, PDL=_use_pdl(v.device, tuning),
         num_warps=tuning.expand_warps, **_launch_options(v.device, tuning),
-    )
-
-
-def fusable(a_pool: torch.Tensor, max_rows: int, tuning: GroupedTuning) -> bool:
-    """grouped_lora serves the projection (GroupedTuning.fuse)."""
-    return tuning.fuse and a_pool.dtype != torch.int8 and max_rows <= FUSED_MAX_ROWS
-
-
-def grouped_lora(
-    x: torch.Tensor,
-    a_pool: torch.Tensor,
-    b_pool: torch.Tensor,
-    out_offsets: Sequence[int],
-    num_groups: torch.Tensor,
-    group_indptr: torch.Tensor,
-    token_ids: torch.Tensor,
-    row_indptr: torch.Tensor,
-    row_ids: torch.Tensor,
-    row_scales: torch.Tensor,
-    max_rows: int,
-    y: torch.Tensor,
-    *,
-    tuning: GroupedTuning = DEFAULT_TUNING,
-    accumulate: bool = True,
-) -> None:
-    """grouped_shrink then grouped_expand in one launch, for max_rows <= FUSED_MAX_ROWS and a
-    16-bit or fp32 pool: each (group, slice, column chunk) work item computes its tokens'
-    x @ A.T * scales over all of in_dim in registers, then adds its product with the chunk's
-    columns of B to y (or stores it, accumulate=False). A slice's chunks recompute the same
-    shrink (its A rows come from L2 after the first). Same semantics and arguments as the two
-    kernels."""
-    check_shrink_args(x, a_pool, max_rows, None, None)
-    if b_pool.dtype != a_pool.dtype or y.shape != (x.shape[0], b_pool.shape[1]):
-        raise ValueError(f"b_pool {tuple(b_pool.shape)} {b_pool.dtype} and y {tuple(y.shape)} "
-                         f"must match a_pool's {a_pool.dtype} and [T={x.shape[0]}, out_total]")
-    check_groups(num_groups, group_indptr, token_ids, row_indptr, row_ids, x.device, row_scales)
-    n_slices, num_tokens, in_dim = a_pool.shape[0], x.shape[0], x.shape[1]
-    if max_rows > FUSED_MAX_ROWS or a_pool.dtype == torch.int8:
-        raise ValueError(f"grouped_lora takes at most {FUSED_MAX_ROWS} rows of a 16-bit or fp32 "
-                         f"pool, got {max_rows} rows of {a_pool.dtype}")
-    off = check_offsets(out_offsets, n_slices, b_pool.shape[1])
-    max_groups = group_indptr.numel() - 1
-    if max_groups == 0 or num_tokens == 0 or max_rows == 0 or row_ids.numel() == 0:
-        return
-    widest = max(b - a for a, b in pairwise(off))
-    plan = _expand_plan(n_slices, widest, max_rows, max_groups, x.device, tuning)
-    off += [off[-1]] * (MAX_SLICES + 1 - len(off))
-    _grouped_lora_kernel[(plan.programs,)](
-        x, a_pool, b_pool, y, num_groups, group_indptr, token_ids, row_indptr, row_ids,
-        row_scales, in_dim, max_rows, off[1], off[2], off[3], plan.chunk, plan.num_col_chunks,
-        plan.items_per_group,
-        x.stride(0), x.stride(1), a_pool.stride(0), a_pool.stride(1), a_pool.stride(2),
-        b_pool.stride(0), b_pool.stride(1), y.stride(0), y.stride(1),
-        BLOCK_M=tuning.block_m, BLOCK_R=pow2_block(max_rows, 16, FUSED_MAX_ROWS),
-        BLOCK_K=pow2_block(min(tuning.block_k, in_dim), 16, 256), BLOCK_N=plan.block_n,
-        FP32_DOT=fp32_dot(x.dtype, x.device), ACCUMULATE=accumulate,
-        K_STAGES=tuning.shrink_stages, N_STAGES=tuning.expand_stages,
-        PDL=_use_pdl(x.device, tuning),
-        num_warps=tuning.expand_warps, **_launch_options(x.device, tuning),
     )

@@ -110,10 +110,7 @@ class LoraContext:
             self._scale_dora(linear, y, b, out_offsets, meta, qs, delta)
             return y, delta
         plain = isinstance(linear, torch.nn.Linear) and linear.bias is None
-        if self.backend.fuses(a, meta):
-            y = linear(x)
-            self.backend.apply(x, y, a, b, out_offsets, meta, qs)
-        elif self.side_stream is None and meta.groups is None and plain:
+        if self.side_stream is None and meta.groups is None and plain:
             y = self._delta_then_gemm(linear, x, a, b, out_offsets, meta, qs)
         else:
             y, v = self._beside_gemm(linear, x, lambda: self.backend.shrink(x, a, meta, qs))
