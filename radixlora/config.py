@@ -414,6 +414,10 @@ class EngineConfig:
     # a default-sized pool of fewer target modules grows past max_loras x max_rank rows only
     # this far (radixlora.worker.sizing.adapter_rows_for). None: no adapter given at start
     start_adapter_rows: int | None = None
+    # the largest rank of the adapters given at start: the CUDA graphs of LoRA row buckets up
+    # to its bucket are captured before ready, larger ones after (CudaGraphRunner.startup_keys).
+    # None: no adapter given at start
+    start_adapter_rank: int | None = None
     lora_backend: str = "auto"
     lora_dtype: str = "auto"  # adapter pool storage: "auto" (the model's dtype) or "int8"
     # KV cache storage: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (e4m3, scale 1: K and V
@@ -467,7 +471,7 @@ class EngineConfig:
         for name in ("kv_pages", "adapter_rows", "max_running", "max_batch_tokens",
                      "context_length", "max_loras", "max_rank", "max_stacked", "page_size",
                      "max_adapter_sets_per_batch", "grammar_compile_memory_mb",
-                     "start_adapter_rows"):
+                     "start_adapter_rows", "start_adapter_rank"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

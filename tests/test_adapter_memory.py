@@ -166,7 +166,11 @@ def test_start_adapters_decide_the_target_modules_and_rows(checkpoints, fleet, m
     for nothing in ([], ["/nonexistent"]):
         none = with_start_adapters(config, nothing, cfg)
         assert none.lora_target_modules is none.start_adapter_rows is None
-    given = dataclasses.replace(config, lora_target_modules=("down_proj",), start_adapter_rows=5)
+    assert inferred.start_adapter_rank == both.start_adapter_rank == 8
+    assert with_start_adapters(config, [*attn.values(), full["c"]], cfg).start_adapter_rank == 16
+    assert none.start_adapter_rank is None
+    given = dataclasses.replace(config, lora_target_modules=("down_proj",), start_adapter_rows=5,
+                                start_adapter_rank=4)
     assert with_start_adapters(given, attn.values(), cfg) is given
     monkeypatch.setattr(sizing, "INFER_ADAPTERS", 2)  # 6 paths, 2 read: rows scaled by 3
     assert with_start_adapters(config, [*attn.values()] * 2, cfg).start_adapter_rows == 36

@@ -74,7 +74,8 @@ def test_config_key_is_the_same_for_serve_warmup_and_the_engine():
     server_cfg = dataclasses.replace(engine_cfg, base_roots=(str(DEMO_MODEL_DIR),))
     server_config = dataclasses.replace(config, host_adapter_bytes=1 << 30,
                                         compile_cache_dir="/elsewhere", seed=7,
-                                        lora_target_modules=("q_proj",), start_adapter_rows=800)
+                                        lora_target_modules=("q_proj",), start_adapter_rows=800,
+                                        start_adapter_rank=16)
     key = config_key(engine_cfg, config, "NVIDIA H200")
     assert config_key(server_cfg, server_config, "NVIDIA H200") == key
     assert config_key(engine_cfg, EngineConfig(max_rank=64), "NVIDIA H200") != key

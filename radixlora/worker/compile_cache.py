@@ -111,11 +111,11 @@ def manifest_key(model_cfg, config, device_name: str) -> str:
 def config_key(model_cfg, config, device_name: str) -> str:
     """A digest of the whole configuration (the same for `radixlora warmup`, `radixlora serve`
     and the Engine given the same flags): whether a dry run has found its variants yet."""
-    # the target modules and start rows (inferred from the start-up adapters, which `radixlora
-    # warmup` is not given) only set pool row counts
+    # the target modules, start rows and start rank (inferred from the start-up adapters, which
+    # `radixlora warmup` is not given) only set pool row counts and which graphs wait for ready
     config = dataclasses.replace(config, host_adapter_bytes=None, compile_cache_dir=None, seed=0,
                                  qlora_mismatch="refuse", lora_target_modules=None,
-                                 start_adapter_rows=None)
+                                 start_adapter_rows=None, start_adapter_rank=None)
     return _digest((_model_key(model_cfg), config, device_name))
 
 

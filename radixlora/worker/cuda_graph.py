@@ -369,9 +369,15 @@ class CudaGraphRunner(StaticInputs):
 
     def startup_keys(self) -> list[GraphKey]:
         """The graphs to capture before serving when the rest may wait (capture_next): every
-        decode bucket, and the extends of one request (a lone prompt's prefill); not the
-        expert-adapter twins, which would double them."""
-        return [k for k in self.all_keys() if (k.decode or k.batch == 1) and not k.experts]
+        decode bucket, and the extends of one request (a lone prompt's prefill), with no
+        adapter and with adapters up to the row bucket of the largest rank given at start (the
+        first LoRA bucket when none was given); not the larger row buckets, which high ranks
+        and stacks need, nor the expert-adapter twins, which would double them."""
+        rank = self.runner.config.start_adapter_rank or 1
+        rows = self.row_buckets[bisect.bisect_left(self.row_buckets,
+                                                   min(rank, self.row_buckets[-1]))]
+        return [k for k in self.all_keys()
+                if (k.decode or k.batch == 1) and not k.experts and k.rows <= rows]
 
     def pending(self) -> list[GraphKey]:
         """The graphs serving can replay that are not captured yet, smallest first."""

@@ -140,8 +140,9 @@ def with_start_adapters(config: EngineConfig, adapter_paths: Iterable[str | Path
     """What the adapters given at start decide of a default-sized adapter pool, read from the
     configs and safetensors headers of the first INFER_ADAPTERS (one that does not read is left
     to the registry, which refuses it with the reason): the modules it is sized for
-    (with_lora_targets) and start_adapter_rows, the rows they take together (scaled to every
-    path given, when there are more than were read)."""
+    (with_lora_targets), start_adapter_rows, the rows they take together (scaled to every
+    path given, when there are more than were read), and start_adapter_rank, the largest rank
+    of those read (which graphs are captured before ready)."""
     paths = list(adapter_paths)
     headers = []
     for path in paths[:INFER_ADAPTERS]:
@@ -154,6 +155,8 @@ def with_start_adapters(config: EngineConfig, adapter_paths: Iterable[str | Path
         if len(paths) > INFER_ADAPTERS:
             rows = -(-rows * len(paths) // len(headers))
         config = dataclasses.replace(config, start_adapter_rows=rows)
+    if headers and config.start_adapter_rank is None:
+        config = dataclasses.replace(config, start_adapter_rank=max(h.rank for h in headers))
     return with_lora_targets(config, headers, model)
 
 
