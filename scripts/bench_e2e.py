@@ -983,9 +983,10 @@ def step_totals(url: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def wait_validated(url: str, timeout_s: float = 1800.0) -> None:
+def wait_validated(url: str, timeout_s: float = 1800.0) -> int:
     """Until /v1/models lists no adapter still `validating` (--adapter-dir validates what it
-    listed at start in the background): the bursts measure serving, not first validation."""
+    listed at start in the background): the bursts measure serving, not first validation.
+    Returns the adapters listed."""
     started = time.perf_counter()
     while time.perf_counter() - started < timeout_s:
         cards = httpx.get(url + "/v1/models", timeout=60).json()["data"]
@@ -993,9 +994,32 @@ def wait_validated(url: str, timeout_s: float = 1800.0) -> None:
         if not waiting:
             log(f"s: {len(cards) - 1} adapters validated "
                 f"({time.perf_counter() - started:.0f} s waited)")
-            return
+            return len(cards) - 1
         time.sleep(2.0)
     raise RuntimeError(f"adapters still validating after {timeout_s:.0f} s")
+
+
+def wait_host_tier(url: str, adapters: int, poke: bench_serving.RequestSpec, settle_s: float = 10.0,
+                   timeout_s: float = 600.0) -> None:
+    """Until the worker's host tier holds `adapters` adapters, or holds no more after settle_s
+    (it is full): the worker reads registered adapters into it in the background, and a burst
+    that ran meanwhile would share the host with those reads. The tier's size reaches /metrics
+    with each step's result, so `poke` (a one-token request) runs a step every poll."""
+    started = last_change = time.perf_counter()
+    held = -1.0
+    while time.perf_counter() - started < timeout_s:
+        drive(url, [0.0], [poke])
+        text = httpx.get(url + "/metrics", timeout=30).text
+        found = re.search(r"^radixlora_host_adapters (\S+)$", text, re.M)
+        now = float(found.group(1)) if found else 0.0
+        if now != held:
+            held, last_change = now, time.perf_counter()
+        if held >= adapters or time.perf_counter() - last_change > settle_s:
+            log(f"s: {held:.0f} adapters in the host tier "
+                f"({time.perf_counter() - started:.0f} s waited)")
+            return
+        time.sleep(1.0)
+    raise RuntimeError(f"host tier still filling after {timeout_s:.0f} s")
 
 
 POOL_SERIES = {"resident": "radixlora_resident_adapters",
@@ -1170,7 +1194,7 @@ def workload_s(ctx, counts: list[int]) -> dict:
     drive(ctx.url, [0.0] * len(warm), warm)
     out = {}
     runs = [("base", [])] + [(f"{n} adapters", [f"q{i}" for i in range(n)]) for n in counts]
-    wait_validated(ctx.url)
+    wait_host_tier(ctx.url, wait_validated(ctx.url), dataclasses.replace(warm[0], max_tokens=1))
     for name, adapters in runs:
         specs = sharegpt_specs(ctx, adapters, seed=401)
         log(f"s: {len(specs)} requests at once, {name}")
