@@ -108,7 +108,8 @@ def main() -> None:
         names = [a.name for a in adapters]
         decode_step_ms(engine, batch, names, 32, 8, rng)  # loads, compiles, captures
         results[f"{kind}_decode_step_ms"] = decode_step_ms(engine, batch, names, PROMPT, new, rng)
-        rows = engine.runner.graphs.row_buckets[1] if engine.runner.graphs else 0
+        rows = (next(r for r in engine.runner.graphs.row_buckets if r >= RANK)
+                if engine.runner.graphs else 0)
         results[f"{kind}_graph_replay_ms"] = graph_replay_ms(engine, rows, batch,
                                                              dora=kind == "dora")
     for kind, adapters in (("lora", lora), ("dora", dora)):

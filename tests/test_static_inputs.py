@@ -70,20 +70,20 @@ def test_sampling_rows_in_static_buffers_match_eager(checkpoints, adapters):
     assert_all_free(eng)
 
 
-@pytest.mark.parametrize("given,rows", [((), 32), ("ab", 32), ("ac", 32), ("ad", 128)])
+@pytest.mark.parametrize("given,rows", [((), 16), ("ab", 16), ("ac", 16), ("ad", 128)])
 def test_startup_graphs_stop_at_the_row_bucket_of_the_largest_start_rank(checkpoints,
                                                                         adapters, given, rows):
     """Graphs captured before ready: every decode bucket and the one-request extends, without
     adapters and up to the row bucket the adapters given at start need (the first LoRA bucket
-    when none was given: a and c are rank 8 and 16, d 64); the rest wait for idle turns."""
+    when none was given: b, a and c are rank 4, 8 and 16, d 64); the rest wait for idle turns."""
     eng = Engine(checkpoints["llama"], adapters={k: adapters["llama"][k] for k in given},
                  lora_backend="triton", max_rank=64, kv_pages=16)
     graphs = StaticInputs(eng.runner, max_batch=8, max_context=64, max_rows=512)
     startup = cuda_graph.CudaGraphRunner.startup_keys(graphs)
-    assert {k.rows for k in startup} == {r for r in (0, 32, 128) if r <= rows}
+    assert {k.rows for k in startup} == {r for r in (0, 16, 32, 128) if r <= rows}
     assert {k for k in graphs.all_keys() if (k.decode or k.batch == 1) and k.rows <= rows} \
         == set(startup)
-    assert {k.rows for k in graphs.all_keys()} == {0, 32, 128, 512}
+    assert {k.rows for k in graphs.all_keys()} == {0, 16, 32, 128, 512}
 
 
 def test_static_buffers_need_the_triton_lora_backend(checkpoints):

@@ -47,7 +47,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 38
                  1024)
 EXTEND_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512)
 MAX_EXTEND_BATCH = 16
-ROW_BUCKETS = (0, 32, 128, 512)
+ROW_BUCKETS = (0, 16, 32, 128, 512)
 # Deferred deltas take the expand off the critical path but cost a float32 write and read of
 # every projection output: a win where launches dominate, a loss where bytes do.
 LORA_DEFER_MAX_TOKENS = 32
