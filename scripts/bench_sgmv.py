@@ -11,8 +11,8 @@ beside it on a side stream.
     python scripts/bench_sgmv.py --scenarios "distinct r16" --sweep expand_stages=2 --repeat 3
         # only target a's layer: the defaults and a GroupedTuning variant, each timed 3 times
 
-Where a CUDA graph's LoRA row bucket (cuda_graph.ROW_BUCKETS) pads a scenario's rows (rank 8 runs
-at 32 rows in the engine's graphs), the grouped variants are timed padded too ("rows 32"). Each
+Where a CUDA graph's LoRA row bucket (cuda_graph.ROW_BUCKETS) pads a scenario's rows (rank 64 runs
+at 128 rows in the engine's graphs), the grouped variants are timed padded too ("rows 128"). Each
 variant is checked against TorchLoraBackend (fp32 math) before it is timed. Writes
 $OUT/bench_sgmv.json when OUT is set; prints a table last.
 """
