@@ -11,18 +11,27 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 from triton import knobs
 
+import radixlora
+import radixlora_kernels
 from radixlora.config import EngineConfig, ModelConfig
 from radixlora.demo import DEMO_MODEL_DIR
 from radixlora.startup import phase_line
 from radixlora.worker import compile_cache
-from radixlora.worker.compile_cache import KernelCache, config_key, manifest_key
+from radixlora.worker.compile_cache import (
+    SCHEDULER_FIELDS,
+    KernelCache,
+    config_key,
+    manifest_key,
+)
 from radixlora.worker.model_runner import ModelRunner
 
 
@@ -83,14 +92,14 @@ def test_config_key_is_the_same_for_serve_warmup_and_the_engine():
 
 
 def test_flags_that_only_choose_among_variants_share_one_manifest():
-    """A cache switch, a running limit, a memory share, a rank limit: one manifest (and a
-    config key each); a dtype, a KV cache dtype, a backend or another device: another."""
+    """A running limit, a memory share, a rank limit: one manifest (and a config key each); a
+    dtype, a KV cache dtype, a backend or another device: another."""
     model = ModelConfig.from_dir(DEMO_MODEL_DIR)
     base = EngineConfig()
     key = manifest_key(model, base, "NVIDIA H100")
     same = [dataclasses.replace(base, **change) for change in (
-        {"enable_radix_cache": False}, {"max_running": 64}, {"gpu_memory_utilization": 0.5},
-        {"max_rank": 16}, {"cuda_graph": False}, {"max_batch_tokens": 2048})]
+        {"max_running": 64}, {"gpu_memory_utilization": 0.5}, {"max_rank": 16},
+        {"cuda_graph": False}, {"max_batch_tokens": 2048})]
     assert {manifest_key(model, c, "NVIDIA H100") for c in same} == {key}
     assert len({config_key(model, c, "NVIDIA H100") for c in [base, *same]}) == len(same) + 1
     other = [dataclasses.replace(base, **change) for change in (
@@ -98,6 +107,27 @@ def test_flags_that_only_choose_among_variants_share_one_manifest():
         {"attention_backend": "torch"})]
     assert key not in {manifest_key(model, c, "NVIDIA H100") for c in other}
     assert manifest_key(model, base, "NVIDIA H200") != key
+
+
+def test_flags_the_scheduler_alone_reads_keep_the_config_key():
+    """A cache switch, an inter-token target, a cap on adapter sets per batch, grammar limits:
+    the worker runs the same kernels, so a launch changing only these needs no dry run; and
+    no code outside the scheduler (and the config that defines them) reads them."""
+    model = ModelConfig.from_dir(DEMO_MODEL_DIR)
+    base = EngineConfig()
+    changed = dataclasses.replace(base, enable_radix_cache=False, itl_target_ms=50.0,
+                                  max_adapter_sets_per_batch=4, grammar_compile_timeout=3.0,
+                                  grammar_compile_memory_mb=256)
+    assert config_key(model, changed, "NVIDIA H100") == config_key(model, base, "NVIDIA H100")
+    assert {f: getattr(changed, f) != getattr(base, f) for f in SCHEDULER_FIELDS} \
+        == dict.fromkeys(SCHEDULER_FIELDS, True)
+    root = Path(radixlora.__file__).parent
+    sources = [*root.rglob("*.py"), *Path(radixlora_kernels.__file__).parent.rglob("*.py")]
+    readers = {f: sorted(str(p.relative_to(root.parent)) for p in sources
+                         if re.search(rf"\.{f}\b", p.read_text())) for f in SCHEDULER_FIELDS}
+    allowed = ("radixlora/sched/", "radixlora/config.py")
+    assert {f: [p for p in paths if not p.startswith(allowed)] for f, paths in readers.items()} \
+        == {f: [] for f in SCHEDULER_FIELDS}
 
 
 def test_a_changed_flag_reuses_the_manifest_and_compiles_only_what_it_adds(tmp_path,

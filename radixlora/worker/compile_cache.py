@@ -4,13 +4,13 @@ Kernels compile into a directory that outlives the process (EngineConfig.compile
 `--compile-cache-dir`; Triton's own cache format under triton/). Beside it, a manifest per
 model and kernel-relevant fields (manifest_key: dtypes, backends, device, versions) lists
 every kernel variant (Triton's specialization data) the configurations of that kind launched,
-and which configurations (config_key: every flag) it covers. A start has the manifest's
-variants compiled, or read back from the cache, by several processes while the weights load,
-then loads them into this process before the first forward. A start whose configuration the
-manifest does not cover runs every CUDA graph's forward once dry (variants not loaded are
-recorded, not launched), has those compiled the same way, and adds them and its configuration
-to the manifest when it is ready. Either way no variant is compiled twice, and none is
-compiled on the thread that launches steps after warm-up.
+and which configurations (config_key: every flag the worker reads) it covers. A start has the
+manifest's variants compiled, or read back from the cache, by several processes while the
+weights load, then loads them into this process before the first forward. A start whose
+configuration the manifest does not cover runs every CUDA graph's forward once dry (variants not
+loaded are recorded, not launched), has those compiled the same way, and adds them and its
+configuration to the manifest when it is ready. Either way no variant is compiled twice, and
+none is compiled on the thread that launches steps after warm-up.
 
 The compile processes are `python -m radixlora.worker.compile_cache`, one JSON line per variant on
 stdin; nothing is unpickled."""
@@ -99,6 +99,10 @@ def write_bytecode(root: Path, modules=None) -> int:
 # fields and one device shares one manifest, the union of the variants each one launched
 KERNEL_FIELDS = ("dtype", "lora_dtype", "kv_cache_dtype", "quantization", "lora_backend",
                  "attention_backend")
+# read by the scheduler alone (no worker, model or kernel code reads them): a launch that
+# changes only these launches the same variants, so it needs no dry run
+SCHEDULER_FIELDS = ("enable_radix_cache", "itl_target_ms", "max_adapter_sets_per_batch",
+                    "grammar_compile_timeout", "grammar_compile_memory_mb")
 
 
 def manifest_key(model_cfg, config, device_name: str) -> str:
@@ -109,13 +113,16 @@ def manifest_key(model_cfg, config, device_name: str) -> str:
 
 
 def config_key(model_cfg, config, device_name: str) -> str:
-    """A digest of the whole configuration (the same for `radixlora warmup`, `radixlora serve`
-    and the Engine given the same flags): whether a dry run has found its variants yet."""
+    """A digest of the configuration the worker runs (the same for `radixlora warmup`,
+    `radixlora serve` and the Engine given the same flags; the SCHEDULER_FIELDS left out):
+    whether a dry run has found its variants yet."""
     # the target modules, start rows and start rank (inferred from the start-up adapters, which
     # `radixlora warmup` is not given) only set pool row counts and which graphs wait for ready
     config = dataclasses.replace(config, host_adapter_bytes=None, compile_cache_dir=None, seed=0,
                                  qlora_mismatch="refuse", lora_target_modules=None,
-                                 start_adapter_rows=None, start_adapter_rank=None)
+                                 start_adapter_rows=None, start_adapter_rank=None,
+                                 **{f.name: f.default for f in dataclasses.fields(config)
+                                    if f.name in SCHEDULER_FIELDS})
     return _digest((_model_key(model_cfg), config, device_name))
 
 
