@@ -41,7 +41,7 @@ import triton  # noqa: E402
 from bench_common import replace_fields, time_us  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # radixlora without installing
-from radixlora.worker.cuda_graph import ROW_BUCKETS  # noqa: E402
+from radixlora.worker.cuda_graph import ROW_BUCKETS, row_bucket  # noqa: E402
 from radixlora.worker.lora_context import LoraContext, high_priority_stream  # noqa: E402
 from radixlora_kernels.lora_ops import (  # noqa: E402
     GROUP_TOKENS,
@@ -262,11 +262,6 @@ def build_meta(
     return dataclasses.replace(meta, groups=padded)
 
 
-def graph_row_bucket(max_rows: int) -> int:
-    """The LoRA row bucket of the decode graph a batch with these rows replays."""
-    return min((r for r in ROW_BUCKETS if r >= max_rows), default=max_rows)
-
-
 def meta_variants(sc, adapter_rows, device, group_tokens) -> dict[int | None, LoraBatchMeta]:
     return {n: build_meta(sc, adapter_rows, device, n) for n in (None, GROUP_TOKENS, *group_tokens)}
 
@@ -344,7 +339,7 @@ def bench_scenario(cfg: BenchConfig, sc: Scenario, sweep: list[GroupedTuning],
         ("sgmv per-request", TritonLoraBackend(), per_request),
     ]
     variants += [(tuning_label(t), TritonLoraBackend(tuning=t), grouped) for t in sweep]
-    graph_rows = graph_row_bucket(grouped.max_rows)
+    graph_rows = row_bucket(ROW_BUCKETS, grouped.max_rows)
     if graph_rows != grouped.max_rows:  # as a CUDA graph's row bucket pads the rows
         padded = dataclasses.replace(grouped, max_rows=graph_rows)
         variants += [(f"{label}, rows {graph_rows}", TritonLoraBackend(tuning=t), padded)

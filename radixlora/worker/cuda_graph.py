@@ -102,6 +102,12 @@ def row_buckets(max_rows: int) -> list[int]:
     return sorted({r for r in ROW_BUCKETS if r < max_rows} | {max_rows})
 
 
+def row_bucket(buckets: Sequence[int], rows: int) -> int:
+    """The smallest of the sorted `buckets` that holds `rows` rank rows (at least 1), or the
+    largest when none does."""
+    return buckets[min(bisect.bisect_left(buckets, max(rows, 1)), len(buckets) - 1)]
+
+
 def graph_keys(max_batch: int, max_rows: int, experts: bool = False) -> list[GraphKey]:
     """Every graph serving can replay (what key_for can return): each decode bucket, and each
     extend batch bucket with each token bucket above it, for each LoRA row bucket; with
@@ -194,11 +200,7 @@ class StaticInputs:
         batch, tokens = len(qo_lens), sum(qo_lens)
         if batch > self.buckets[-1] or max_rows > self.row_buckets[-1]:
             return None
-        rows = (
-            self.row_buckets[bisect.bisect_left(self.row_buckets, max(max_rows, 1))]
-            if (has_lora)
-            else 0
-        )
+        rows = row_bucket(self.row_buckets, max_rows) if has_lora else 0
         bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
         if tokens == batch:
             return GraphKey(bucket, bucket, rows, dora, experts)
@@ -373,9 +375,7 @@ class CudaGraphRunner(StaticInputs):
         adapter and with adapters up to the row bucket of the largest rank given at start (the
         first LoRA bucket when none was given); not the larger row buckets, which high ranks
         and stacks need, nor the expert-adapter twins, which would double them."""
-        rank = self.runner.config.start_adapter_rank or 1
-        rows = self.row_buckets[bisect.bisect_left(self.row_buckets,
-                                                   min(rank, self.row_buckets[-1]))]
+        rows = row_bucket(self.row_buckets, self.runner.config.start_adapter_rank or 1)
         return [k for k in self.all_keys()
                 if (k.decode or k.batch == 1) and not k.experts and k.rows <= rows]
 
