@@ -61,6 +61,10 @@ its max_tokens; a fresh prompt set per run, so runs do not hit each other's pref
      matched against the server's recent steps (/get_server_info) and counted under its cause:
      one long step, steps the stream sat out, or no step at all (a host stall).
 
+  o  open streams: 256 requests (512 in, 128 out) on the base model, all started at once from
+     the client processes: TTFT and ITL P50 / P90 / P99, the server's decode-only and mixed
+     steps in the run (radixlora_step_*), and ITL P50 over the mean decode-only step.
+
 The floor printed beside every run is the time an H200 would need at its peak rates:
   floor_s = prefill FLOPs / peak FLOP/s + decode bytes / peak bytes/s       (800e12, 4.24e12)
   prefill FLOPs = 2 x P x sum(prompt_len)                         P: non-embedding parameters
@@ -150,7 +154,7 @@ MARKER = "bench_e2e_complete.json"
 SHARD_BYTES = 5 * 10**9
 H200_FLOPS = 800e12
 H200_BYTES_PER_S = 4.24e12
-ALL_WORKLOADS = ("b", "c", "d", "e", "s", "g")
+ALL_WORKLOADS = ("b", "c", "d", "e", "s", "g", "o")
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,9 @@ class Scale:
     g_rates: tuple[float, ...] = (8.0, 16.0, 24.0, 32.0, 40.0)  # requests per second
     g_seconds: float = 40.0  # of arrivals per rate
     g_adapters: int = 100
+    o_streams: int = 256
+    o_in: int = 512
+    o_out: int = 128
 
 
 FULL = Scale(b_in=256, b_out=64, b_repeats=5, c_requests=32, c_adapters=8, c_rank=16, c_in=256,
@@ -189,7 +196,8 @@ FULL = Scale(b_in=256, b_out=64, b_repeats=5, c_requests=32, c_adapters=8, c_ran
 TINY = Scale(b_in=16, b_out=8, b_repeats=5, c_requests=8, c_adapters=4, c_rank=8, c_in=16,
              c_out=8, c_runs=3, d_requests=16, d_adapters=4, d_in=16, d_out=8, d_warmup=4,
              e_seconds=5.0, e_max_requests=16, e_closed_in=16, e_closed_out=16, s_requests=16,
-             s_scale=0.05, g_rates=(1.0, 2.0), g_seconds=4.0, g_adapters=4)
+             s_scale=0.05, g_rates=(1.0, 2.0), g_seconds=4.0, g_adapters=4,
+             o_streams=8, o_in=16, o_out=8)
 D_RANKS = (8, 16, 32, 64)
 S_RANK, S_MODULES = 8, ("q_proj", "k_proj", "v_proj", "o_proj")
 S_DISTINCT_WEIGHTS = 1000  # q adapters beyond this share weights (weight_twin)
@@ -1187,6 +1195,23 @@ def workload_g(ctx) -> dict:
             "goodput": goodput(runs, ctx.g_slo)}
 
 
+def workload_o(ctx) -> dict:
+    """o_streams base-model requests started at once: their TTFT and ITL, the run's steps, and
+    ITL P50 over the mean decode-only step."""
+    s = ctx.scale
+    _, specs = plan(s.o_streams, s.o_in, s.o_out, [ctx.base_name], "uniform", ctx.vocab,
+                    seed=800)
+    _, warm = plan(1, s.o_in, s.o_out, [ctx.base_name], "uniform", ctx.vocab, seed=799)
+    drive(ctx.url, [0.0], warm)
+    before = step_totals(ctx.url)
+    run = drive_processes(ctx.url, specs, ctx.client_processes, ctx.work)
+    run["steps"] = step_breakdown(before, step_totals(ctx.url))
+    decode_ms = (run["steps"].get("decode") or {}).get("mean_ms")
+    run["itl_p50_over_decode_step"] = (run["itl_ms"]["p50"] / decode_ms
+                                       if decode_ms and run["itl_ms"]["p50"] else None)
+    return run
+
+
 def workload_s(ctx, counts: list[int]) -> dict:
     """The burst on the base model, then over the first N q adapters for each N of `counts`;
     after each, the step breakdown and the adapter pool's residents, loads and evictions."""
@@ -1284,6 +1309,19 @@ def rows(results: dict) -> list[tuple[str, str]]:
                     for cause, c in causes.items()]
         slo = ", ".join(f"{k} <= {v:g} ms" for k, v in g["slo"].items())
         out.append((f"g: goodput, req/s ({slo})", fmt(g["goodput"])))
+    o = results.get("o")
+    if o:
+        out += [(f"o: {o['requests']} streams at once: TTFT P50 / P90 / P99 ms", "/".join(
+                    fmt(o["ttft_ms"][p]) for p in ("p50", "p90", "p99"))),
+                ("o: ITL P50 / P90 / P99 ms", "/".join(
+                    fmt(o["itl_ms"][p]) for p in ("p50", "p90", "p99"))),
+                ("o: output tok/s; failed", f"{fmt(o['output_token_throughput'])}; "
+                                            f"{o['failed']}"),
+                ("o: ITL P50 / mean decode-only step", fmt(o["itl_p50_over_decode_step"]))]
+        out += [(f"o: {kind} steps (mean ms, plan ms, requests, tokens)",
+                 f"{k['steps']} ({fmt(k['mean_ms'])}, {fmt(k['mean_plan_ms'])}, "
+                 f"{fmt(k['mean_requests'])}, {fmt(k['mean_tokens'])})")
+                for kind, k in o["steps"].items()]
     for name, r in (results.get("s") or {}).items():
         out += run_rows(f"s {name}", r)
         out += [(f"s {name}: failed requests", f"{r['failed']} {r['errors'] or ''}")]
@@ -1386,7 +1424,7 @@ counts, rates = positive_list(int), positive_list(float)
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workloads", default=",".join(ALL_WORKLOADS),
-                   help="comma-separated subset of b,c,d,e,s")
+                   help="comma-separated subset of b,c,d,e,s,g,o")
     add_server_args(p, "tiny checkpoint and adapters, scaled-down workloads, on the CPU")
     p.add_argument("--ready-timeout", type=float, default=1800.0)
     p.add_argument("--peak-flops", type=float, default=H200_FLOPS,
@@ -1419,7 +1457,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.workload_set = set(args.workloads.split(","))
     unknown = args.workload_set - set(ALL_WORKLOADS)
     if unknown:
-        p.error(f"unknown workloads {sorted(unknown)}; choose from b,c,d,e,s,g")
+        p.error(f"unknown workloads {sorted(unknown)}; choose from b,c,d,e,s,g,o")
     return args
 
 
@@ -1501,6 +1539,9 @@ def run_http_workloads(args, ctx, results: dict) -> None:
     if "g" in chosen:
         log("g: goodput over Poisson rates")
         results["g"] = workload_g(ctx)
+    if "o" in chosen:
+        log("o: streams started at once")
+        results["o"] = workload_o(ctx)
     if "e" in chosen:
         if args.e_rate:
             d_rate = None
