@@ -6,8 +6,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# in the order they happen; `adapters` is the worker's read of start-up adapters
-PHASES = ("weights", "compile", "sizing", "graphs", "warm-up", "adapters")
+# in the order they happen. A server's: `launch` the launcher's own start until it spawns the
+# worker, `imports` the worker's start until it begins loading, the worker's phases (`adapters`
+# its read of start-up adapters), `processes` the wait for the other processes after the
+# worker, `pipeline` the warm-up request through every process.
+PHASES = ("launch", "imports", "weights", "compile", "sizing", "graphs", "warm-up", "adapters",
+          "processes", "pipeline")
 
 
 def process_age_s() -> float | None:
@@ -22,7 +26,7 @@ def process_age_s() -> float | None:
 
 
 def phase_line(total_s: float, phases: dict[str, float]) -> str:
-    """`ready in T s: weights a s, ..., other r s` (other: process starts, imports, the rest)."""
+    """`ready in T s: weights a s, ..., other r s` (other: what no phase names)."""
     parts = [f"{name} {phases[name]:.1f} s" for name in PHASES if name in phases]
     other = total_s - sum(phases.get(name, 0.0) for name in PHASES)
     return f"ready in {total_s:.1f} s: {', '.join([*parts, f'other {max(other, 0.0):.1f} s'])}"

@@ -260,6 +260,21 @@ def test_phase_line_splits_the_time_to_ready():
                     "adapters 1.0 s, other 15.3 s")
 
 
+def test_a_servers_phases_name_its_process_starts_and_the_wait_for_the_others():
+    from radixlora.server.procs.launcher import launch_phases
+
+    children = types.SimpleNamespace(workers=("worker",),
+                               ready_at={"worker": 20.0, "scheduler": 21.5, "tokenizer": 19.0})
+    phases = {**launch_phases(0.7, children), "imports": 2.1, "weights": 4.0, "graphs": 3.0,
+              "pipeline": 0.4}
+    assert phases["processes"] == 1.5  # the scheduler came 1.5 s after the worker
+    assert phase_line(12.0, phases) == (
+        "ready in 12.0 s: launch 0.7 s, imports 2.1 s, weights 4.0 s, graphs 3.0 s, "
+        "processes 1.5 s, pipeline 0.4 s, other 0.3 s")
+    early = types.SimpleNamespace(workers=("worker",), ready_at={"worker": 20.0, "scheduler": 18.0})
+    assert launch_phases(None, early) == {"processes": 0.0}
+
+
 def test_nested_phases_are_not_counted_twice(monkeypatch):
     clock = iter([0.0, 1.0, 3.0, 10.0, 10.0, 11.0])
     monkeypatch.setattr("radixlora.worker.model_runner.time.perf_counter", lambda: next(clock))

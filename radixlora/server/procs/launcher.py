@@ -96,6 +96,7 @@ class Launcher:
                               else f"file://{os.path.join(self.workdir, TP_RENDEZVOUS)}"),
         )
         self.exit_code = 0
+        self.phases: dict[str, float] = {}  # start-up phase -> seconds (startup.phase_line)
         self.server: DrainingServer | None = None
         self.runtime: ProcessBridge | None = None
         self.restart_at: dict[str, float] = {}  # dead optional child -> when to restart it
@@ -112,6 +113,7 @@ class Launcher:
             # (which serves only once every process is ready) to publish what it validated
             if self.args.adapter_dir and self.head:
                 self.registry_events = subscribe(ctx, self.args.endpoints.registry)
+            launch = process_age_s()
             children = self.start_children()
             started = time.monotonic()
             seen: dict[type, dict] = {Sized: {}, Ready: {}}
@@ -121,6 +123,7 @@ class Launcher:
                              Ready, seen)
             children.starting.clear()
             log.info("every process ready in %.1f s", time.monotonic() - started)
+            self.phases = launch_phases(launch, children)
             if not self.head:
                 return self.follow_head(children, previous)
             signal.signal(signal.SIGTERM, previous)
@@ -205,7 +208,7 @@ class Launcher:
         if "registry" in ready:
             runtime.listed.update(ready["registry"].info.get("listed", ()))
         worker = ready[children.workers[0]].info
-        self.phases = worker.get("phases") or {}
+        self.phases.update(worker.get("phases") or {})
         api = Api(args, runtime, metrics, vocab_size, children.pids, worker.get("sizing"))
         gateway = ClientGateway(runtime, args.endpoints.client, vocab_size,
                                 key=args.zmq_client_key or args.api_key or None)
@@ -251,7 +254,8 @@ class Launcher:
                                    self.args.ready_timeout_s)
         except (ReqFailed, asyncio.TimeoutError) as e:
             raise StartupError(f"the warm-up request failed: {e}") from e
-        log.info("pipeline warm-up in %.2f s", time.monotonic() - started)
+        self.phases["pipeline"] = time.monotonic() - started
+        log.info("pipeline warm-up in %.2f s", self.phases["pipeline"])
 
     async def announce(self) -> None:
         while not self.server.started:
@@ -315,6 +319,16 @@ class Launcher:
         if self.runtime.generations:
             await self.runtime.expire()
         self.server.should_exit = True
+
+
+def launch_phases(launch: float | None, children: Children) -> dict[str, float]:
+    """The launcher's start-up phases: `launch` (its own start until it spawned the children)
+    and `processes` (the wait for the last process after the first worker was ready)."""
+    phases = {"launch": launch} if launch is not None else {}
+    worker = children.ready_at.get(children.workers[0]) if children.workers else None
+    if worker is not None:
+        phases["processes"] = max(0.0, max(children.ready_at.values()) - worker)
+    return phases
 
 
 def stop_starting(*_) -> None:

@@ -120,6 +120,7 @@ class Children:
         self.procs: dict[str, subprocess.Popen] = {}
         self.pids: dict[str, int] = {}  # kept up to date (the api shows it)
         self.started: dict[str, float] = {}
+        self.ready_at: dict[str, float] = {}  # child -> when its Ready came (monotonic)
         self.restart_delay: dict[str, float] = {}
         self.deadline: dict[str, float] = {}  # no heartbeat by then: the child is dead
         self.progress: dict[str, int] = {}
@@ -391,6 +392,7 @@ def wait_for(inbox: Inbox, children: Children, timeout_s: float, names: tuple[st
                 if isinstance(msg, (Ready, Sized)) and name is not None:
                     seen[type(msg)][name] = msg
                 if isinstance(msg, Ready) and name is not None:
+                    children.ready_at[name] = time.monotonic()
                     log.info("%s process ready (pid %d)", name, msg.pid)
     return seen[kind]
 

@@ -31,6 +31,7 @@ from radixlora.server.ipc import (
 )
 from radixlora.server.messages import InvalidMessage, Sized, WorkerInbox
 from radixlora.server.procs.adapter_store import snapshot_roots
+from radixlora.startup import process_age_s
 from radixlora.step_plan import AdapterLoad, StepMasks, StepPlan, StepResult
 from radixlora.topology import rank_from_env, worker_rank_name
 from radixlora.worker.adapter_reader import WARM_READERS
@@ -96,8 +97,11 @@ def join_group(args: ServerArgs, model_cfg: ModelConfig,
 
 def run(args: ServerArgs, ctx: zmq.Context) -> None:
     rank = rank_from_env()
+    imports = process_age_s()
     executor = make_executor(args, rank)
     runner = executor.runner
+    if imports is not None:
+        runner.phases["imports"] = imports
     if rank > 0:
         follow(executor, args, ctx, rank)
         return
