@@ -63,7 +63,8 @@ its max_tokens; a fresh prompt set per run, so runs do not hit each other's pref
 
   o  open streams: 256 requests (512 in, 128 out) on the base model, all started at once from
      the client processes: TTFT and ITL P50 / P90 / P99, the server's decode-only and mixed
-     steps in the run (radixlora_step_*), and ITL P50 over the mean decode-only step.
+     steps in the run (radixlora_step_*), ITL P50 over the mean decode-only step, and the long
+     gaps' causes as in g.
 
 The floor printed beside every run is the time an H200 would need at its peak rates:
   floor_s = prefill FLOPs / peak FLOP/s + decode bytes / peak bytes/s       (800e12, 4.24e12)
@@ -1204,8 +1205,10 @@ def workload_o(ctx) -> dict:
     _, warm = plan(1, s.o_in, s.o_out, [ctx.base_name], "uniform", ctx.vocab, seed=799)
     drive(ctx.url, [0.0], warm)
     before = step_totals(ctx.url)
-    run = drive_processes(ctx.url, specs, ctx.client_processes, ctx.work)
+    run = drive_processes(ctx.url, specs, ctx.client_processes, ctx.work, keep_gaps=True)
     run["steps"] = step_breakdown(before, step_totals(ctx.url))
+    steps = ctx.server.admin("GET", "/get_server_info").json()["scheduler"]["recent_steps"]
+    run["gap_causes"] = gap_causes(run.pop("long_gaps"), steps)
     decode_ms = (run["steps"].get("decode") or {}).get("mean_ms")
     run["itl_p50_over_decode_step"] = (run["itl_ms"]["p50"] / decode_ms
                                        if decode_ms and run["itl_ms"]["p50"] else None)
@@ -1259,6 +1262,13 @@ def run_rows(name: str, r: dict) -> list[tuple[str, str]]:
     ]
 
 
+def gap_rows(name: str, causes: dict) -> list[tuple[str, str]]:
+    return [(f"{name}: gaps >= {1e3 * bench_serving.LONG_GAP_S:g} ms from {cause}: count, "
+             "share of their time, mean step tokens",
+             f"{c['gaps']}, {fmt(c['time_share'])}, {fmt(c['mean_step_tokens'])}")
+            for cause, c in causes.items()]
+
+
 def rows(results: dict) -> list[tuple[str, str]]:
     out = [("time to ready s", fmt(results.get("time_to_ready_s"))),
            ("server's start-up line", results.get("startup_phases") or "-")]
@@ -1302,11 +1312,7 @@ def rows(results: dict) -> list[tuple[str, str]]:
                     (f"g {rate}/s: output tok/s; failed", f"{fmt(r['output_token_throughput'])}; "
                                                           f"{r['failed']}"),
                     (f"g {rate}/s: meets the SLO", str(meets(r, g["slo"])))]
-            causes = r.get("gap_causes") or {}
-            out += [(f"g {rate}/s: gaps >= {1e3 * bench_serving.LONG_GAP_S:g} ms from {cause}: "
-                     "count, share of their time, mean step tokens",
-                     f"{c['gaps']}, {fmt(c['time_share'])}, {fmt(c['mean_step_tokens'])}")
-                    for cause, c in causes.items()]
+            out += gap_rows(f"g {rate}/s", r.get("gap_causes") or {})
         slo = ", ".join(f"{k} <= {v:g} ms" for k, v in g["slo"].items())
         out.append((f"g: goodput, req/s ({slo})", fmt(g["goodput"])))
     o = results.get("o")
@@ -1318,6 +1324,7 @@ def rows(results: dict) -> list[tuple[str, str]]:
                 ("o: output tok/s; failed", f"{fmt(o['output_token_throughput'])}; "
                                             f"{o['failed']}"),
                 ("o: ITL P50 / mean decode-only step", fmt(o["itl_p50_over_decode_step"]))]
+        out += gap_rows("o", o["gap_causes"])
         out += [(f"o: {kind} steps (mean ms, plan ms, requests, tokens)",
                  f"{k['steps']} ({fmt(k['mean_ms'])}, {fmt(k['mean_plan_ms'])}, "
                  f"{fmt(k['mean_requests'])}, {fmt(k['mean_tokens'])})")
