@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -50,6 +51,10 @@ class FakeCompiler:
 
     def __init__(self):
         self.pending = 0
+        self.input_open = True
+        self.exited = threading.Event()  # set: the process has exited
+        self.exited.set()
+        self.proc = types.SimpleNamespace(wait=self.exited.wait)
 
     def send(self, entry) -> None:
         FakeCompiler.sent.append(entry)
@@ -57,8 +62,8 @@ class FakeCompiler:
     def wait(self) -> None:
         pass
 
-    def close(self) -> None:
-        pass
+    def end_input(self) -> None:
+        self.input_open = False
 
 
 @pytest.fixture
@@ -208,6 +213,25 @@ def test_dry_run_sends_each_new_variant_once_and_skips_its_launch(tmp_path, prel
     assert len(KernelCache(tmp_path, "k", 1).known) == 3
 
 
+def test_warm_up_ends_without_waiting_for_the_compile_processes_to_exit(tmp_path, preloaded):
+    cache = KernelCache(tmp_path, "k", processes=3)
+    cache.start()  # no manifest: the compile processes start
+    compilers = list(cache.compilers)
+    assert len(compilers) == 3
+    for compiler in compilers:
+        compiler.exited.clear()
+    cache.finish()
+    before = set(threading.enumerate())
+    cache.stop_recording(warn_late=False)  # returns while none of them has exited
+    assert cache.compilers == [] and not any(c.input_open for c in compilers)
+    (reaper,) = [t for t in set(threading.enumerate()) - before if t.name == "compile-exits"]
+    assert reaper.is_alive()
+    for compiler in compilers:
+        compiler.exited.set()
+    reaper.join(5)
+    assert not reaper.is_alive()
+
+
 def test_a_compile_after_warm_up_is_logged(tmp_path, preloaded, caplog):
     cache = KernelCache(tmp_path, "k", processes=1)
     cache.start_recording()
@@ -239,8 +263,8 @@ def test_compile_process_answers_every_variant_even_one_it_cannot_compile(tmp_pa
     compiler.send(("radixlora_kernels.rmsnorm", "no_such_kernel", "{}"))
     compiler.wait()
     assert compiler.pending == 0
-    compiler.close()
-    assert compiler.proc.returncode == 0
+    compiler.end_input()
+    assert compiler.proc.wait() == 0
 
 
 def test_cache_dir_flag_points_triton_there(tmp_path, monkeypatch):

@@ -221,14 +221,18 @@ class KernelCache:
         knobs.runtime.jit_cache_hook = self._hook
 
     def stop_recording(self, warn_late: bool) -> None:
-        """Stop recording and the compile processes; with warn_late, each variant compiled from
-        now on is logged as a warning (warm-up should have compiled them all)."""
+        """Stop recording and the compile processes (without waiting for them to exit); with
+        warn_late, each variant compiled from now on is logged as a warning (warm-up should
+        have compiled them all)."""
         from triton import knobs
 
         knobs.runtime.jit_cache_hook = _late_compile if warn_late else None
-        for compiler in self.compilers:
-            compiler.close()
-        self.compilers = []
+        compilers, self.compilers = self.compilers, []
+        for compiler in compilers:
+            compiler.end_input()
+        if compilers:  # each takes about half a second to exit; nothing here needs that
+            threading.Thread(target=_wait_exits, args=(compilers,), name="compile-exits",
+                             daemon=True).start()
 
     @contextlib.contextmanager
     def dry_run(self):
@@ -342,9 +346,14 @@ class _Compiler:
             self.pending -= 1
         self.pending = 0
 
-    def close(self) -> None:
+    def end_input(self) -> None:
+        """No more variants: the process exits once it has answered those sent."""
         self.proc.stdin.close()
-        self.proc.wait()
+
+
+def _wait_exits(compilers: list[_Compiler]) -> None:
+    for compiler in compilers:
+        compiler.proc.wait()
 
 
 def compile_lines(lines) -> tuple[int, int]:
