@@ -36,7 +36,9 @@ from bench_engine import (
 
 from radixlora.config import MODULE_GROUPS
 from radixlora.lora.adapter import LoraAdapter
+from radixlora.lora.header import dora_groups
 from radixlora.lora.layout import group_dims
+from radixlora.worker.cuda_graph import row_bucket
 from radixlora.worker.dora import DoraBase
 
 BATCH, RANK, PROMPT, NEW = 64, 16, 128, 64
@@ -45,7 +47,8 @@ BATCH, RANK, PROMPT, NEW = 64, 16, 128, 64
 def base_norms(base: DoraBase, cfg) -> dict[tuple[int, str], torch.Tensor]:
     """(layer, module) -> the norms of the base weight's rows."""
     norms = {}
-    for group, modules in MODULE_GROUPS.items():
+    for group in cfg.lora_groups:
+        modules = MODULE_GROUPS[group]
         rows = base.row_squares(group).sqrt().cpu()  # [layers, out_total]
         offsets = group_dims(cfg, group)[1]
         for i, module in enumerate(modules):
@@ -62,7 +65,7 @@ def dora_twin(adapter: LoraAdapter, norms: dict, seed: int) -> LoraAdapter:
                   for key in adapter.weights}
     return dataclasses.replace(adapter, name=adapter.name + "-dora",
                                content_hash=adapter.content_hash + "-dora",
-                               dora_groups=tuple(MODULE_GROUPS), magnitudes=magnitudes)
+                               dora_groups=dora_groups(magnitudes), magnitudes=magnitudes)
 
 
 def write_ms(engine, adapters: list[LoraAdapter]) -> float:
@@ -108,8 +111,7 @@ def main() -> None:
         names = [a.name for a in adapters]
         decode_step_ms(engine, batch, names, 32, 8, rng)  # loads, compiles, captures
         results[f"{kind}_decode_step_ms"] = decode_step_ms(engine, batch, names, PROMPT, new, rng)
-        rows = (next(r for r in engine.runner.graphs.row_buckets if r >= RANK)
-                if engine.runner.graphs else 0)
+        rows = row_bucket(engine.runner.graphs.row_buckets, RANK) if engine.runner.graphs else 0
         results[f"{kind}_graph_replay_ms"] = graph_replay_ms(engine, rows, batch,
                                                              dora=kind == "dora")
     for kind, adapters in (("lora", lora), ("dora", dora)):
