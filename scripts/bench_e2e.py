@@ -1149,6 +1149,12 @@ def gap_cause(end: float, gap: float, steps: list[list[float]]) -> tuple[str, fl
     return (GAP_CAUSES[1] if covered >= gap / 2 else GAP_CAUSES[2]), step_tokens
 
 
+def write_gap_trace(ctx, name: str, gaps: list[list[float]], steps: list[list[float]]) -> None:
+    """The raw long gaps and the server's recent steps of a run, in the work directory as
+    <name>_gaps.json, for reading a tail's causes step by step."""
+    (ctx.work / f"{name}_gaps.json").write_text(json.dumps({"gaps": gaps, "steps": steps}))
+
+
 def gap_causes(gaps: list[list[float]], steps: list[list[float]]) -> dict:
     """Per cause (gap_cause) of the long stream gaps: how many, their share of all long-gap
     time, and for long steps their mean tokens (a mixed step's prompt tokens and decodes)."""
@@ -1188,6 +1194,7 @@ def workload_g(ctx) -> dict:
                               keep_gaps=True)
         run["steps"] = step_breakdown(before, step_totals(ctx.url))
         steps = ctx.server.admin("GET", "/get_server_info").json()["scheduler"]["recent_steps"]
+        write_gap_trace(ctx, f"g{rate:g}", run["long_gaps"], steps)
         run["gap_causes"] = gap_causes(run.pop("long_gaps"), steps)
         runs[rate] = run
         if not meets(run, ctx.g_slo) and k + 1 < len(ctx.g_rates):
@@ -1196,18 +1203,24 @@ def workload_g(ctx) -> dict:
             "goodput": goodput(runs, ctx.g_slo)}
 
 
-def workload_o(ctx) -> dict:
+def workload_o(ctx, round_index: int = 0) -> dict:
     """o_streams base-model requests started at once: their TTFT and ITL, the run's steps, and
-    ITL P50 over the mean decode-only step."""
+    ITL P50 over the mean decode-only step. Each round its own prompts (no cache hits), of
+    the same lengths."""
     s = ctx.scale
     _, specs = plan(s.o_streams, s.o_in, s.o_out, [ctx.base_name], "uniform", ctx.vocab,
                     seed=800)
+    if round_index:
+        rng = random.Random(810 + round_index)
+        specs = [dataclasses.replace(sp, prompt=[rng.randrange(3, ctx.vocab) for _ in sp.prompt])
+                 for sp in specs]
     _, warm = plan(1, s.o_in, s.o_out, [ctx.base_name], "uniform", ctx.vocab, seed=799)
     drive(ctx.url, [0.0], warm)
     before = step_totals(ctx.url)
     run = drive_processes(ctx.url, specs, ctx.client_processes, ctx.work, keep_gaps=True)
     run["steps"] = step_breakdown(before, step_totals(ctx.url))
     steps = ctx.server.admin("GET", "/get_server_info").json()["scheduler"]["recent_steps"]
+    write_gap_trace(ctx, f"o{round_index + 1}", run["long_gaps"], steps)
     run["gap_causes"] = gap_causes(run.pop("long_gaps"), steps)
     decode_ms = (run["steps"].get("decode") or {}).get("mean_ms")
     run["itl_p50_over_decode_step"] = (run["itl_ms"]["p50"] / decode_ms
@@ -1269,6 +1282,21 @@ def gap_rows(name: str, causes: dict) -> list[tuple[str, str]]:
             for cause, c in causes.items()]
 
 
+def o_rows(name: str, o: dict) -> list[tuple[str, str]]:
+    return [(f"{name}: {o['requests']} streams at once: TTFT P50 / P90 / P99 ms", "/".join(
+                fmt(o["ttft_ms"][p]) for p in ("p50", "p90", "p99"))),
+            (f"{name}: ITL P50 / P90 / P99 ms", "/".join(
+                fmt(o["itl_ms"][p]) for p in ("p50", "p90", "p99"))),
+            (f"{name}: output tok/s; failed", f"{fmt(o['output_token_throughput'])}; "
+                                              f"{o['failed']}"),
+            (f"{name}: ITL P50 / mean decode-only step", fmt(o["itl_p50_over_decode_step"]))
+            ] + gap_rows(name, o["gap_causes"]) + [
+            (f"{name}: {kind} steps (mean ms, plan ms, requests, tokens)",
+             f"{k['steps']} ({fmt(k['mean_ms'])}, {fmt(k['mean_plan_ms'])}, "
+             f"{fmt(k['mean_requests'])}, {fmt(k['mean_tokens'])})")
+            for kind, k in o["steps"].items()]
+
+
 def rows(results: dict) -> list[tuple[str, str]]:
     out = [("time to ready s", fmt(results.get("time_to_ready_s"))),
            ("server's start-up line", results.get("startup_phases") or "-")]
@@ -1315,20 +1343,8 @@ def rows(results: dict) -> list[tuple[str, str]]:
             out += gap_rows(f"g {rate}/s", r.get("gap_causes") or {})
         slo = ", ".join(f"{k} <= {v:g} ms" for k, v in g["slo"].items())
         out.append((f"g: goodput, req/s ({slo})", fmt(g["goodput"])))
-    o = results.get("o")
-    if o:
-        out += [(f"o: {o['requests']} streams at once: TTFT P50 / P90 / P99 ms", "/".join(
-                    fmt(o["ttft_ms"][p]) for p in ("p50", "p90", "p99"))),
-                ("o: ITL P50 / P90 / P99 ms", "/".join(
-                    fmt(o["itl_ms"][p]) for p in ("p50", "p90", "p99"))),
-                ("o: output tok/s; failed", f"{fmt(o['output_token_throughput'])}; "
-                                            f"{o['failed']}"),
-                ("o: ITL P50 / mean decode-only step", fmt(o["itl_p50_over_decode_step"]))]
-        out += gap_rows("o", o["gap_causes"])
-        out += [(f"o: {kind} steps (mean ms, plan ms, requests, tokens)",
-                 f"{k['steps']} ({fmt(k['mean_ms'])}, {fmt(k['mean_plan_ms'])}, "
-                 f"{fmt(k['mean_requests'])}, {fmt(k['mean_tokens'])})")
-                for kind, k in o["steps"].items()]
+    for name in sorted(k for k in results if re.fullmatch(r"o\d*", k)):
+        out += o_rows(name, results[name])
     for name, r in (results.get("s") or {}).items():
         out += run_rows(f"s {name}", r)
         out += [(f"s {name}: failed requests", f"{r['failed']} {r['errors'] or ''}")]
@@ -1447,6 +1463,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the base run (default 100; --tiny 4), e.g. 100,1000,5000")
     p.add_argument("--g-rates", type=rates, default=None, metavar="R[,R...]",
                    help="g: Poisson request rates per second (default 8,16,24,32,40; --tiny 1,2)")
+    p.add_argument("--o-rounds", type=int, default=1,
+                   help="o's rounds on one launch, each reported: the first pays whatever a "
+                        "server does on first use, a later one shows the steady state")
     p.add_argument("--g-slo", type=parse_slo, default=parse_slo("ttft_p99=300,itl_p99=100"),
                    metavar="SLO", help="g: the service level a rate must meet, in ms (default "
                                        "ttft_p99=300,itl_p99=100)")
@@ -1497,7 +1516,7 @@ def main(argv=None) -> None:
                           peak_flops=args.peak_flops, peak_bw=args.peak_bw,
                           client_processes=args.client_processes, work=work,
                           d_json=args.d_json, g_rates=args.g_rates or list(scale.g_rates),
-                          g_slo=args.g_slo)
+                          g_slo=args.g_slo, o_rounds=args.o_rounds)
     if "b" in args.workload_set:
         results["restarts"] = restart_launches(model, adapters, args.port, extra, work,
                                                args.ready_timeout)
@@ -1546,9 +1565,9 @@ def run_http_workloads(args, ctx, results: dict) -> None:
     if "g" in chosen:
         log("g: goodput over Poisson rates")
         results["g"] = workload_g(ctx)
-    if "o" in chosen:
-        log("o: streams started at once")
-        results["o"] = workload_o(ctx)
+    for k in range(ctx.o_rounds if "o" in chosen else 0):
+        log(f"o: streams started at once, round {k + 1} of {ctx.o_rounds}")
+        results["o" if k == 0 else f"o{k + 1}"] = workload_o(ctx, k)
     if "e" in chosen:
         if args.e_rate:
             d_rate = None
