@@ -1343,7 +1343,8 @@ def rows(results: dict) -> list[tuple[str, str]]:
             out += gap_rows(f"g {rate}/s", r.get("gap_causes") or {})
         slo = ", ".join(f"{k} <= {v:g} ms" for k, v in g["slo"].items())
         out.append((f"g: goodput, req/s ({slo})", fmt(g["goodput"])))
-    for name in sorted(k for k in results if re.fullmatch(r"o\d*", k)):
+    rounds = [k for k in results if re.fullmatch(r"o\d*", k)]
+    for name in sorted(rounds, key=lambda k: int(k[1:] or 1)):
         out += o_rows(name, results[name])
     for name, r in (results.get("s") or {}).items():
         out += run_rows(f"s {name}", r)
