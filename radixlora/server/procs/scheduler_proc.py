@@ -69,6 +69,9 @@ WARM_SCAN_S = 0.5  # how often plans look for registered adapters to read ahead
 WARM_PER_PLAN = 256
 IDLE_POLL_MS = 100
 COMPILE_POLL_MS = 2  # while grammars compile: how soon one that finished is seen
+# A turn's work (after its poll) this long held up every result waiting behind it: the
+# streams of those steps got their tokens that much later
+SLOW_TURN_S = 0.1
 MAX_QUEUED_ADMIN = 8  # admin calls waiting for earlier ones (a load's read) before a 429
 HOLD_TIMEOUT_S = 60.0  # a request for a listed adapter waits this long for its validation
 EXPIRY_CHECK_S = 0.1
@@ -529,11 +532,13 @@ class SchedulerLoop:
         busy = self.service.loop.can_plan() and not self.stalled
         idle_ms = COMPILE_POLL_MS if self.service.compiling else IDLE_POLL_MS
         ready = dict(self.poller.poll(0 if busy else idle_ms))
+        started, received = time.perf_counter(), 0
         if self.events is not None and self.events in ready:
             self.take_events()
         if self.inbox.sock in ready:
             for msg in self.inbox.recv_nowait():
                 self.handle(msg)
+                received += 1
         if self.admin_queue:
             self.apply_admin()
         if self.service.held or self.service.wanted:
@@ -541,12 +546,18 @@ class SchedulerLoop:
         if self.service.compiling:
             for error in self.service.take_compiled():
                 self.to_tokenizer.send(error)
+        planning = time.perf_counter()
         plan = self.service.next_plan()
         if plan is not None:
             self.to_worker.send(plan)
         self.stalled = plan is None
         self.maybe_send_stats()
         self.check_worker_alive()
+        ended = time.perf_counter()
+        if ended - started >= SLOW_TURN_S:
+            log.warning("a scheduler turn took %.0f ms (%d messages taken in %.0f ms, the "
+                        "next step planned in %.0f ms)", (ended - started) * 1e3, received,
+                        (planning - started) * 1e3, (ended - planning) * 1e3)
         return self.service.loop.num_steps
 
     def check_worker_alive(self) -> None:

@@ -48,6 +48,9 @@ from radixlora.worker.sizing import (
 log = logging.getLogger(__spec__.name)  # the module's name also when run with -m
 
 BEAT_POLL_MS = 250  # an idle worker's loop comes round this often to beat
+# A launch this long on CUDA blocked the thread that also answers steps: the step before it,
+# done on the device meanwhile, was answered that much later (its streams waited two steps)
+SLOW_LAUNCH_S = 0.1
 PREFETCH_S = 10.0  # start-up adapters read into the host tier before Ready, at most this long
 
 
@@ -260,7 +263,28 @@ def submit(executor: StepExecutor, plan: StepPlan) -> None:
         error = StepResult(step=plan.step, error=f"{type(e).__name__}: {e}")
         executor.in_flight.append(executor.unrun(error))
         return
+    started = time.perf_counter()
     executor.submit(plan)
+    seconds = time.perf_counter() - started
+    device = executor.runner.device
+    if device.type == "cuda" and seconds >= SLOW_LAUNCH_S:
+        log.warning("step %d (%d tokens, %d requests) took %.0f ms to launch, and the step "
+                    "before it was answered that late; since start: %s", plan.step,
+                    len(plan.input_ids) // 4, len(plan.items), seconds * 1e3,
+                    allocator_counts(device))
+
+
+def allocator_counts(device) -> str:
+    """What in torch's allocators blocks a launching thread, counted since start: device
+    memory allocations (cudaMalloc) and the retries that free the cache first (a device
+    synchronization), pinned host allocations (cudaHostAlloc) and the longest of them."""
+    dev = torch.cuda.memory_stats(device)
+    host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    longest = host.get("host_alloc_time.max")
+    return (f"{dev.get('segment.all.allocated', 0)} device allocations, "
+            f"{dev.get('num_alloc_retries', 0)} allocator retries, "
+            f"{host.get('num_host_alloc', '?')} pinned host allocations (longest "
+            f"{'?' if longest is None else f'{longest / 1e3:.1f}'} ms)")
 
 
 def check_ranges(plan: StepPlan, runner: ModelRunner) -> None:

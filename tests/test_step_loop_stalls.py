@@ -1,0 +1,86 @@
+"""The warnings for a stalled step loop: a worker launch that blocked its thread (and so the
+answer to the step before it), named on CUDA past SLOW_LAUNCH_S with the allocators' counts,
+never on the CPU, whose launches run the step to the end; a scheduler turn past SLOW_TURN_S."""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from radixlora.sampling_params import SamplingParams
+from radixlora.server.procs import scheduler_proc, worker_proc
+from radixlora.step_plan import PlanItem, StepPlan, ids_to_bytes
+
+
+class StubExecutor:
+    """Takes `seconds` to launch each plan."""
+
+    def __init__(self, device: str, seconds: float):
+        self.runner = SimpleNamespace(device=torch.device(device),
+                                      cfg=SimpleNamespace(vocab_size=100),
+                                      kv_pool=SimpleNamespace(k_cache=[torch.zeros(16, 1, 1)]))
+        self.seconds = seconds
+        self.in_flight: list[StepPlan] = []
+
+    def submit(self, plan: StepPlan) -> None:
+        time.sleep(self.seconds)
+        self.in_flight.append(plan)
+
+
+def plan(step: int) -> StepPlan:
+    item = PlanItem(extend_len=3, start=0, sample=True, params=SamplingParams(max_tokens=2),
+                    seed=0, out_index=0, adapter_set=0)
+    return StepPlan(step=step, items=[item], input_ids=ids_to_bytes([3, 4, 5]),
+                    kv_slots=ids_to_bytes([1, 2, 3]))
+
+
+@pytest.mark.parametrize(("device", "seconds", "warned"), [
+    ("cuda", worker_proc.SLOW_LAUNCH_S + 0.02, True),
+    ("cuda", 0.0, False),
+    ("cpu", worker_proc.SLOW_LAUNCH_S + 0.02, False),
+])
+def test_slow_launch_warned_on_cuda_only(monkeypatch, caplog, device, seconds, warned):
+    monkeypatch.setattr(worker_proc, "allocator_counts", lambda _: "COUNTS")
+    executor = StubExecutor(device, seconds)
+    with caplog.at_level(logging.WARNING, logger=worker_proc.log.name):
+        worker_proc.submit(executor, plan(7))
+    assert len(executor.in_flight) == 1
+    lines = [r.getMessage() for r in caplog.records]
+    assert bool(lines) is warned
+    if warned:
+        assert "step 7 (3 tokens, 1 requests)" in lines[0] and lines[0].endswith("COUNTS")
+
+
+class StubService:
+    """A scheduler service whose planning takes `seconds`."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.compiling = False
+        self.held, self.wanted = {}, []
+        self.loop = SimpleNamespace(can_plan=lambda: True, num_steps=3)
+
+    def next_plan(self):
+        time.sleep(self.seconds)
+        return None
+
+
+@pytest.mark.parametrize(("seconds", "warned"), [(scheduler_proc.SLOW_TURN_S + 0.02, True),
+                                                 (0.0, False)])
+def test_slow_scheduler_turn_warned(caplog, seconds, warned):
+    loop = scheduler_proc.SchedulerLoop.__new__(scheduler_proc.SchedulerLoop)
+    loop.service, loop.stalled, loop.events = StubService(seconds), False, None
+    loop.poller = SimpleNamespace(poll=lambda timeout: {})
+    loop.inbox = SimpleNamespace(sock=object())
+    loop.admin_queue = []
+    loop.maybe_send_stats = loop.check_worker_alive = lambda: None
+    with caplog.at_level(logging.WARNING, logger=scheduler_proc.log.name):
+        assert loop.turn() == 3
+    lines = [r.getMessage() for r in caplog.records]
+    assert bool(lines) is warned
+    if warned:
+        assert lines[0].startswith("a scheduler turn took") and "0 messages" in lines[0]
