@@ -46,13 +46,15 @@ def plan(step: int) -> StepPlan:
 def test_slow_launch_warned_on_cuda_only(monkeypatch, caplog, device, seconds, warned):
     monkeypatch.setattr(worker_proc, "allocator_counts", lambda _: "COUNTS")
     executor = StubExecutor(device, seconds)
+    executor.in_flight.append(plan(6))  # launched before, not answered yet
     with caplog.at_level(logging.WARNING, logger=worker_proc.log.name):
         worker_proc.submit(executor, plan(7))
-    assert len(executor.in_flight) == 1
+    assert [p.step for p in executor.in_flight] == [6, 7]
     lines = [r.getMessage() for r in caplog.records]
     assert bool(lines) is warned
     if warned:
-        assert "step 7 (3 tokens, 1 requests)" in lines[0] and lines[0].endswith("COUNTS")
+        assert "step 7 (3 tokens, 1 requests)" in lines[0] and "1 earlier steps" in lines[0]
+        assert lines[0].endswith("COUNTS")
 
 
 class StubService:

@@ -48,8 +48,8 @@ from radixlora.worker.sizing import (
 log = logging.getLogger(__spec__.name)  # the module's name also when run with -m
 
 BEAT_POLL_MS = 250  # an idle worker's loop comes round this often to beat
-# A launch this long on CUDA blocked the thread that also answers steps: the step before it,
-# done on the device meanwhile, was answered that much later (its streams waited two steps)
+# A launch this long on CUDA blocked the thread that also answers steps: the steps before it,
+# done on the device meanwhile, were answered that much later (their streams waited)
 SLOW_LAUNCH_S = 0.1
 PREFETCH_S = 10.0  # start-up adapters read into the host tier before Ready, at most this long
 
@@ -263,14 +263,14 @@ def submit(executor: StepExecutor, plan: StepPlan) -> None:
         error = StepResult(step=plan.step, error=f"{type(e).__name__}: {e}")
         executor.in_flight.append(executor.unrun(error))
         return
-    started = time.perf_counter()
+    unanswered, started = len(executor.in_flight), time.perf_counter()
     executor.submit(plan)
     seconds = time.perf_counter() - started
     device = executor.runner.device
     if device.type == "cuda" and seconds >= SLOW_LAUNCH_S:
-        log.warning("step %d (%d tokens, %d requests) took %.0f ms to launch, and the step "
-                    "before it was answered that late; since start: %s", plan.step,
-                    len(plan.input_ids) // 4, len(plan.items), seconds * 1e3,
+        log.warning("step %d (%d tokens, %d requests) took %.0f ms to launch, and %d earlier "
+                    "steps waited as long to be answered; since start: %s", plan.step,
+                    len(plan.input_ids) // 4, len(plan.items), seconds * 1e3, unanswered,
                     allocator_counts(device))
 
 
