@@ -15,7 +15,8 @@ PEFT adapters (LoRA, rsLoRA, DoRA, a stack), prompts longer than their sliding w
 fast path against the torch path in fp32 (no sequence may differ) and in bf16 (sequences that
 differ are counted and reported). Exits non-zero on any fp32 mismatch. With --fp8-block, each
 family's checkpoint in FP8 with 128 x 128 block scales (Qwen's FP8 form) in bf16, the fast path
-against the torch path on its dequantized twin (differing sequences reported).
+against the torch path on its dequantized twin (differing sequences reported). Transfers staged
+in small rings while the device is busy must arrive intact (radixlora_kernels.device).
 
     python scripts/gpu_checks.py
     python scripts/gpu_checks.py --families   # the families alone, bf16 (a few minutes)
@@ -32,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
 from checkpoints import (
     FAMILY_TARGETS,
     LANGUAGE_ONLY,
@@ -43,6 +46,7 @@ from checkpoints import (
 )
 
 from radixlora import Engine, SamplingParams
+from radixlora_kernels.device import StagingRing, to_device, to_host
 from radixlora_kernels.sampling import sample_tokens_ref
 
 
@@ -144,6 +148,34 @@ def parting_gap(ref, fast) -> float:
     return top[0] - top[1]
 
 
+def staging_check(rounds: int = 20, per_round: int = 50) -> dict[str, int]:
+    """Transfers staged in small rings while the device is kept busy (a sleep kernel before
+    each round), so the rings fill, hand out tensors of their own, and wrap only as the device
+    catches up (to the device) or the host has read a region (back): every transfer must
+    arrive intact both ways."""
+    rng, cuda = np.random.default_rng(0), torch.device("cuda")
+    inputs, outputs = StagingRing(1 << 16), StagingRing(1 << 18)
+    sent, arrived, returned, staged_back = [], [], [], 0
+    for _ in range(rounds):
+        torch.cuda._sleep(5_000_000)
+        batch = [rng.integers(-(2**40), 2**40, int(rng.integers(1, 2000)))
+                 for _ in range(per_round)]
+        on_device = [to_device(values, torch.int64, cuda, inputs) for values in batch]
+        backs = [to_host([t], outputs) for t in on_device]
+        torch.cuda.synchronize()
+        for (copies, read) in backs:
+            returned.append(copies[0].clone())
+            if read is not None:
+                staged_back += 1
+                read.read = True
+        sent += batch
+        arrived += on_device
+    return {"transfers": len(sent), "staged back in the ring": staged_back,
+            "corrupted": sum(not np.array_equal(v, t.cpu().numpy()) or
+                             not np.array_equal(v, h.numpy())
+                             for v, t, h in zip(sent, arrived, returned))}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--families", action="store_true",
@@ -226,11 +258,14 @@ def main() -> int:
     evictions = swapping.scheduler.residency.num_evictions
     print(f"graphs captured: {graphs}; sequences with different tokens: {mismatches}/{len(fast)}; "
           f"max |logprob diff| {worst:.2e}; evictions in the small pool: {evictions}")
+    staging = staging_check()
+    print(f"staged transfers while the device is busy: {staging}")
     families = family_checks(root)
     families_ok = all(r["differ"] == 0 and r["max_logprob"] < 1e-3
                       for k, r in families.items() if k.endswith("float32"))
     ok = (mismatches == 0 and worst < 1e-3 and graphs > 0 and evictions > 0
-          and counts["mismatches"] == 0 and counts["hot rows"] > 0 and families_ok)
+          and counts["mismatches"] == 0 and counts["hot rows"] > 0 and families_ok
+          and staging["corrupted"] == 0 and staging["staged back in the ring"] > 0)
     print("gpu checks:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -41,6 +41,7 @@ from radixlora.worker.dora import (
     squared_norms,
     vanishing_norms,
 )
+from radixlora_kernels.device import to_device
 
 
 class AdapterPool:
@@ -170,10 +171,7 @@ class AdapterPool:
     def _scatter(self, adapter: PackedAdapter, packed: torch.Tensor, rows: np.ndarray) -> None:
         """`packed` (adapter.data, on the device) into `rows`."""
         group_ranks, dora_groups = adapter.group_ranks, adapter.dora_groups
-        idx = torch.as_tensor(rows, dtype=torch.long)
-        if self.device.type == "cuda":  # pinned: a pageable source would wait for earlier copies
-            idx = idx.pin_memory()
-        idx = idx.to(self.device, non_blocking=True)
+        idx = to_device(rows, torch.long, self.device)
         for row in rows:  # what waited for the rows' previous adapter is void
             self._dora_pending.pop(int(row), None)
             self._dora_checks.pop(int(row), None)

@@ -37,7 +37,7 @@ from radixlora.sampling_params import GREEDY
 from radixlora.worker.attention import TritonAttentionMeta
 from radixlora.worker.lora_context import LoraContext, LoraSegments, high_priority_stream
 from radixlora.worker.sampler import ROW_DTYPES, ROW_FIELDS, SamplingBatch, draw
-from radixlora_kernels.device import ALIGN_WORDS
+from radixlora_kernels.device import ALIGN_WORDS, staged, staging_ring
 from radixlora_kernels.lora_ops import HostGroups, LoraBatchMeta, LoraGroups, indptr
 from radixlora_kernels.scatter_words import scatter_words
 
@@ -499,10 +499,10 @@ class PackedInputs:
                 )
             table[row] = src, self.offsets[name], len(words)
             src += len(words)
-        packed = torch.empty(src, dtype=torch.int32, pin_memory=self.words.is_cuda)
         # pinned, so the copy is queued behind the step in flight, not waited on
-        np.concatenate([table.reshape(-1), *payload], out=packed.numpy())
-        self.inbox[:src].copy_(packed, non_blocking=True)
+        with staged(src, torch.int32, staging_ring() if self.words.is_cuda else None) as packed:
+            np.concatenate([table.reshape(-1), *payload], out=packed.numpy())
+            self.inbox[:src].copy_(packed, non_blocking=True)
         scatter_words(self.inbox, self.words, len(values), max(map(len, payload), default=0))
 
 

@@ -61,7 +61,7 @@ from radixlora.worker.sizing import (
     size_pools,
     with_host_tier,
 )
-from radixlora_kernels.device import to_device
+from radixlora_kernels.device import HostRead, StagingRing, to_device, to_host
 from radixlora_kernels.lora_ops import LoraBatchMeta, make_lora_backend
 
 log = logging.getLogger(__name__)
@@ -91,10 +91,17 @@ class LaunchedStep:
     input_top_logprobs: torch.Tensor | None = None
     input_top_k: list[int] | None = None  # per plan item
     done: torch.cuda.Event | None = None
+    read: HostRead | None = None  # the fence of the outputs' region of host_outputs
     awaiting: LateSample | None = None  # its sampling waits for late masks (sample_late)
 
     def ready(self) -> bool:
         return self.awaiting is None and (self.done is None or self.done.query())
+
+
+# a step's outputs, copied to the host as it is launched (LaunchedStep)
+OUTPUT_NAMES = ("token_ids", "logprobs", "top_ids", "top_logprobs", "input_logprobs",
+                "input_top_ids", "input_top_logprobs")
+OUTPUT_STAGING_BYTES = 16 << 20
 
 
 @dataclass
@@ -126,6 +133,8 @@ class ModelRunner:
         self.attention_name = config.attention_backend
         cuda = self.device.type == "cuda"
         self.phases: dict[str, float] = {}  # start-up phase -> seconds (phase_line)
+        # the host side of every step's outputs (LaunchedStep.read frees a step's region)
+        self.host_outputs = StagingRing(OUTPUT_STAGING_BYTES) if cuda else None
         self.kernels = self._open_kernel_cache(config) if cuda else None
         with self.phase("weights"):
             self.model = load_model(model_path, model_cfg, self.dtype, self.device,
@@ -456,6 +465,13 @@ class ModelRunner:
 
     def finish(self, step: LaunchedStep) -> StepOutput:
         """Wait for a launched step and read its outputs."""
+        try:
+            return self._read(step)
+        finally:
+            if step.read is not None:  # its host copies are read: their region is free
+                step.read.read = True
+
+    def _read(self, step: LaunchedStep) -> StepOutput:
         if step.done is not None:
             step.done.synchronize()
         input_logprobs = input_top = None
@@ -476,11 +492,10 @@ class ModelRunner:
     def _copy_to_host(self, step: LaunchedStep) -> LaunchedStep:
         if self.device.type != "cuda":
             return step
-        for name in ("token_ids", "logprobs", "top_ids", "top_logprobs", "input_logprobs",
-                     "input_top_ids", "input_top_logprobs"):
-            value = getattr(step, name)
-            if value is not None:
-                setattr(step, name, value.to("cpu", non_blocking=True))
+        names = [name for name in OUTPUT_NAMES if getattr(step, name) is not None]
+        copies, step.read = to_host([getattr(step, name) for name in names], self.host_outputs)
+        for name, copy in zip(names, copies):
+            setattr(step, name, copy)
         step.done = torch.cuda.Event()
         step.done.record()
         return step
