@@ -68,7 +68,11 @@ def adapters(tmp_path_factory, checkpoints) -> dict[str, dict[str, Path]]:
 
 def assert_all_free(engine) -> None:
     """Every KV slot and adapter row is back: nothing running, no tree locks, and once the tree
-    and the adapter pool are flushed, every page and row is on its free list."""
+    and the adapter pool are flushed, every page and row is on its free list; every region of
+    the runner's output staging ring (when it has one) has been read."""
+    outputs = engine.runner.host_outputs
+    if outputs is not None:
+        assert all(fence.query() for _, _, fence in outputs.regions)
     sched = engine.scheduler
     assert not sched.running and not sched.waiting
     tree = sched.tree

@@ -13,6 +13,7 @@ import torch
 
 from radixlora import Engine, SamplingParams
 from radixlora.step_plan import bytes_to_ids
+from radixlora_kernels.device import StagingRing
 from tests.conftest import assert_all_free
 
 SPECS = ["a", None, "b", [("a", 1.0), ("c", -0.5)], "c", None, "a", "b"]
@@ -83,6 +84,34 @@ def test_overlap_equals_no_overlap(checkpoints, adapters, kw):
         assert engine.scheduler.num_retractions > 0
     stopped = [o.finish_reason for r in got for o in r.outputs]
     assert "stop" in stopped and "length" in stopped
+    assert_all_free(engine)
+
+
+def test_outputs_staged_in_a_ring(checkpoints, adapters):
+    """The outputs' host copies in a staging ring (as on CUDA) small enough to wrap many times
+    and to refuse the larger outputs (those with top logprobs): the same results, and every
+    region read."""
+    prompts, params = workload(seed=30)
+    want = make(checkpoints, adapters, overlap=True).generate(prompts, params, SPECS)
+    engine = make(checkpoints, adapters, overlap=True)
+    engine.runner.host_outputs = StagingRing(1024, pin=False)
+    taken = []
+    take = engine.runner.host_outputs.take
+
+    def counting_take(nbytes):
+        view = take(nbytes)
+        taken.append(view is not None)
+        return view
+
+    engine.runner.host_outputs.take = counting_take
+    got = engine.generate(prompts, params, SPECS)
+    ids = tokens(9, 14)
+    scores = engine.score([ids, ids[:9]], [2, 4], adapters="b")
+    assert outputs(got) == outputs(want)
+    assert_close_logprobs(want, got)
+    assert scores == make(checkpoints, adapters, overlap=True).score([ids, ids[:9]], [2, 4],
+                                                                     adapters="b")
+    assert sum(taken) > 16 and not all(taken)  # regions of 128 bytes or more: twice round
     assert_all_free(engine)
 
 

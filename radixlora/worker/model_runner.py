@@ -490,14 +490,17 @@ class ModelRunner:
                           input_top)
 
     def _copy_to_host(self, step: LaunchedStep) -> LaunchedStep:
-        if self.device.type != "cuda":
-            return step
-        names = [name for name in OUTPUT_NAMES if getattr(step, name) is not None]
-        copies, step.read = to_host([getattr(step, name) for name in names], self.host_outputs)
-        for name, copy in zip(names, copies):
-            setattr(step, name, copy)
-        step.done = torch.cuda.Event()
-        step.done.record()
+        """Queue the copies of the step's outputs into host_outputs (none on the CPU, unless a
+        test gives it one), then on CUDA the event `finish` waits for."""
+        if self.host_outputs is not None:
+            names = [name for name in OUTPUT_NAMES if getattr(step, name) is not None]
+            copies, step.read = to_host([getattr(step, name) for name in names],
+                                        self.host_outputs)
+            for name, copy in zip(names, copies):
+                setattr(step, name, copy)
+        if self.device.type == "cuda":
+            step.done = torch.cuda.Event()
+            step.done.record()
         return step
 
     def _resolve_placeholders(self, input_ids: torch.Tensor) -> None:
