@@ -59,7 +59,9 @@ its max_tokens; a fresh prompt set per run, so runs do not hit each other's pref
      goodput: the highest rate up to which every rate meets --g-slo (default TTFT P99 <= 300
      ms and ITL P99 <= 100 ms, with no failed request). Each stream gap of 50 ms or more is
      matched against the server's recent steps (/get_server_info) and counted under its cause:
-     one long step, steps the stream sat out, or no step at all (a host stall).
+     one long step, steps the stream sat out, or no step at all (a host stall). Steps answered
+     late are counted too: when the scheduler takes two steps in less than 2 ms apart, the
+     first came back a step late, when the second finished.
 
   o  open streams: 256 requests (512 in, 128 out) on the base model, all started at once from
      the client processes: TTFT and ITL P50 / P90 / P99, the server's decode-only and mixed
@@ -1172,6 +1174,20 @@ def gap_causes(gaps: list[list[float]], steps: list[list[float]]) -> dict:
     return out
 
 
+TOGETHER_S = 0.002  # a step taken in this soon after the one before came back with it
+
+
+def answered_together(steps: list[list[float]], run: dict) -> dict:
+    """Of the run's steps (the last of the server's recent steps, as many as run["steps"]
+    counts): those taken in within TOGETHER_S of the step before. That step was answered late,
+    about when this one finished on the device, so each of its streams waited about one step
+    more. Their count and the mean ms of the steps answered late (one replica's steps)."""
+    n = sum(kind["steps"] for kind in run["steps"].values())
+    mine = sorted(steps)[-n:] if n else []
+    late = [prev[1] for prev, step in zip(mine, mine[1:]) if step[0] - prev[0] < TOGETHER_S]
+    return {"count": len(late), "mean_late_ms": 1e3 * statistics.fmean(late) if late else None}
+
+
 def workload_g(ctx) -> dict:
     """Goodput: for each rate, Poisson arrivals for g_seconds of ShareGPT-like requests, half
     on the base model and half over g_adapters rank-8 q/k/v/o adapters, streamed from the
@@ -1196,6 +1212,7 @@ def workload_g(ctx) -> dict:
         steps = ctx.server.admin("GET", "/get_server_info").json()["scheduler"]["recent_steps"]
         write_gap_trace(ctx, f"g{rate:g}", run["long_gaps"], steps)
         run["gap_causes"] = gap_causes(run.pop("long_gaps"), steps)
+        run["answered_together"] = answered_together(steps, run)
         runs[rate] = run
         if not meets(run, ctx.g_slo) and k + 1 < len(ctx.g_rates):
             log(f"g: {rate:g}/s misses the SLO; higher rates are still measured")
@@ -1222,6 +1239,7 @@ def workload_o(ctx, round_index: int = 0) -> dict:
     steps = ctx.server.admin("GET", "/get_server_info").json()["scheduler"]["recent_steps"]
     write_gap_trace(ctx, f"o{round_index + 1}", run["long_gaps"], steps)
     run["gap_causes"] = gap_causes(run.pop("long_gaps"), steps)
+    run["answered_together"] = answered_together(steps, run)
     decode_ms = (run["steps"].get("decode") or {}).get("mean_ms")
     run["itl_p50_over_decode_step"] = (run["itl_ms"]["p50"] / decode_ms
                                        if decode_ms and run["itl_ms"]["p50"] else None)
@@ -1275,11 +1293,15 @@ def run_rows(name: str, r: dict) -> list[tuple[str, str]]:
     ]
 
 
-def gap_rows(name: str, causes: dict) -> list[tuple[str, str]]:
-    return [(f"{name}: gaps >= {1e3 * bench_serving.LONG_GAP_S:g} ms from {cause}: count, "
+def gap_rows(name: str, causes: dict, together: dict | None) -> list[tuple[str, str]]:
+    rows = [(f"{name}: gaps >= {1e3 * bench_serving.LONG_GAP_S:g} ms from {cause}: count, "
              "share of their time, mean step tokens",
              f"{c['gaps']}, {fmt(c['time_share'])}, {fmt(c['mean_step_tokens'])}")
             for cause, c in causes.items()]
+    if together is not None:
+        rows.append((f"{name}: steps answered late, with the next (count, mean ms)",
+                     f"{together['count']}, {fmt(together['mean_late_ms'])}"))
+    return rows
 
 
 def o_rows(name: str, o: dict) -> list[tuple[str, str]]:
@@ -1290,7 +1312,7 @@ def o_rows(name: str, o: dict) -> list[tuple[str, str]]:
             (f"{name}: output tok/s; failed", f"{fmt(o['output_token_throughput'])}; "
                                               f"{o['failed']}"),
             (f"{name}: ITL P50 / mean decode-only step", fmt(o["itl_p50_over_decode_step"]))
-            ] + gap_rows(name, o["gap_causes"]) + [
+            ] + gap_rows(name, o["gap_causes"], o.get("answered_together")) + [
             (f"{name}: {kind} steps (mean ms, plan ms, requests, tokens)",
              f"{k['steps']} ({fmt(k['mean_ms'])}, {fmt(k['mean_plan_ms'])}, "
              f"{fmt(k['mean_requests'])}, {fmt(k['mean_tokens'])})")
@@ -1340,7 +1362,8 @@ def rows(results: dict) -> list[tuple[str, str]]:
                     (f"g {rate}/s: output tok/s; failed", f"{fmt(r['output_token_throughput'])}; "
                                                           f"{r['failed']}"),
                     (f"g {rate}/s: meets the SLO", str(meets(r, g["slo"])))]
-            out += gap_rows(f"g {rate}/s", r.get("gap_causes") or {})
+            out += gap_rows(f"g {rate}/s", r.get("gap_causes") or {},
+                            r.get("answered_together"))
         slo = ", ".join(f"{k} <= {v:g} ms" for k, v in g["slo"].items())
         out.append((f"g: goodput, req/s ({slo})", fmt(g["goodput"])))
     rounds = [k for k in results if re.fullmatch(r"o\d*", k)]

@@ -172,6 +172,18 @@ def test_b_uses_its_own_compile_cache_unless_the_flags_name_one(tmp_path):
     assert bench_e2e.with_b_cache(mine, tmp_path) == mine
 
 
+def test_steps_taken_in_with_the_next_are_counted_as_answered_late():
+    # run 49's pattern: mixed steps about 200 ms apart, one answered at 400 ms, the next 1 ms
+    # after it; the first step is an earlier run's and not counted
+    steps = [[0.5, 0.2, 1, 1], [5.0, 0.2, 20, 8192], [5.2, 0.2, 36, 8192],
+             [5.6, 0.4, 52, 8192], [5.601, 0.001, 68, 8192], [5.8, 0.2, 84, 8192]]
+    run = {"steps": {"decode": {"steps": 2}, "mixed": {"steps": 3}}}
+    together = bench_e2e.answered_together(steps, run)
+    assert together == {"count": 1, "mean_late_ms": pytest.approx(400.0)}
+    none = bench_e2e.answered_together(steps, {"steps": {"mixed": {"steps": 0}}})
+    assert none == {"count": 0, "mean_late_ms": None}
+
+
 def test_each_long_gap_is_put_down_to_a_long_step_steps_it_sat_out_or_a_stall():
     """Steps as /get_server_info's recent_steps give them: [fold time, seconds, requests,
     tokens], each running over [fold - seconds, fold]."""
