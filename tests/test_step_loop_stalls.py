@@ -1,11 +1,13 @@
 """The warnings for a stalled step loop: a worker launch that blocked its thread (and so the
 answer to the step before it), named on CUDA past SLOW_LAUNCH_S with the allocators' counts,
-never on the CPU, whose launches run the step to the end; a scheduler turn past SLOW_TURN_S."""
+never on the CPU, whose launches run the step to the end; a scheduler turn past SLOW_TURN_S.
+And a step the worker has run is answered before the next plan of the same turn runs."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +15,8 @@ import torch
 
 from radixlora.sampling_params import SamplingParams
 from radixlora.server.procs import scheduler_proc, worker_proc
-from radixlora.step_plan import PlanItem, StepPlan, ids_to_bytes
+from radixlora.step_plan import PlanItem, StepPlan, StepResult, ids_to_bytes
+from radixlora.worker.executor import InFlight, StepExecutor
 
 
 class StubExecutor:
@@ -86,3 +89,27 @@ def test_slow_scheduler_turn_warned(caplog, seconds, warned):
     assert bool(lines) is warned
     if warned:
         assert lines[0].startswith("a scheduler turn took") and "0 messages" in lines[0]
+
+
+def test_a_step_run_is_answered_before_the_next_plan_of_the_turn_runs():
+    """Two plans taken in one turn (the scheduler plans two at once after taking two results
+    in): on the CPU a launch runs its step, and the first step's answer must not wait for the
+    second step to run."""
+    events = []
+    executor = StepExecutor.__new__(StepExecutor)
+    executor.runner = SimpleNamespace(device=torch.device("cpu"), graphs=None,
+                                      config=SimpleNamespace(warm_up=False),
+                                      cfg=SimpleNamespace(vocab_size=100),
+                                      kv_pool=SimpleNamespace(k_cache=[torch.zeros(16, 1, 1)]))
+    executor.in_flight = deque()
+
+    def launch(p: StepPlan) -> InFlight:
+        events.append(f"ran {p.step}")
+        return InFlight(p.step, result=StepResult(step=p.step))
+
+    executor.launch = launch
+    inbox = SimpleNamespace(recv_within=lambda ms: [plan(1), plan(2)], recv_nowait=lambda: [])
+    outbox = SimpleNamespace(send=lambda result: events.append(f"answered {result.step}"))
+    loop = worker_proc.WorkerLoop(executor, inbox, outbox)
+    assert loop.turn() == 2
+    assert events == ["ran 1", "answered 1", "ran 2", "answered 2"]

@@ -213,10 +213,18 @@ class WorkerLoop:
             self.sent_at = time.monotonic()
         for msg in plans:
             run_message(executor, msg)
-        for result in executor.collect(keep=1, done_too=True):
+            # the steps done already (on the CPU, the one just launched) go now, not after
+            # the turn's next plan has run
+            self.answer(keep=len(executor.in_flight))
+        self.answer(keep=1)
+        return self.answered
+
+    def answer(self, keep: int) -> None:
+        """Send the results of the steps done and of all but the newest `keep` (waiting for
+        them), oldest first."""
+        for result in self.executor.collect(keep=keep, done_too=True):
             self.to_scheduler.send(result)
             self.answered += 1
-        return self.answered
 
 
 class IdleCapture:
