@@ -116,6 +116,8 @@ def run(args: ServerArgs, ctx: zmq.Context) -> None:
     to_scheduler = Outbox(ctx, args.endpoints.scheduler)
     heart = Heartbeats(ctx, args, "worker")
     send_ready(ctx, args, "worker", ready_info(runner))
+    if runner.device.type == "cuda":  # what a slow launch's counts are compared with
+        log.info("allocators when ready: %s", allocator_counts(runner.device))
     serve_forever(heart, WorkerLoop(executor, inbox, to_scheduler, runner.tp).turn)
 
 
