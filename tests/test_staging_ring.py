@@ -26,7 +26,7 @@ class Copy:
         self.recorded = False
         self.passed = False
 
-    def record(self) -> None:
+    def record(self, stream=None) -> None:
         self.recorded = True
 
     def query(self) -> bool:
@@ -119,7 +119,7 @@ def test_staged_fills_a_region_and_fences_it_with_a_recorded_event():
         events.append(Copy())
         return events[-1]
 
-    with staged(3, torch.int64, ring, new_event) as host:
+    with staged(3, torch.int64, ring, None, new_event) as host:
         host.copy_(torch.tensor([7, 8, 9]))
         copied = host.clone()  # what a device copy would read
     assert copied.tolist() == [7, 8, 9]
@@ -129,7 +129,7 @@ def test_staged_fills_a_region_and_fences_it_with_a_recorded_event():
 
 def test_staged_fences_the_region_when_the_block_raises():
     ring = StagingRing(1024, pin=False)
-    with pytest.raises(RuntimeError), staged(4, torch.int32, ring, Copy):
+    with pytest.raises(RuntimeError), staged(4, torch.int32, ring, None, Copy):
         raise RuntimeError("after the copy was queued")
     assert len(ring.regions) == 1
 
@@ -138,7 +138,7 @@ def test_staged_without_room_or_ring_gives_a_tensor_of_its_own():
     with staged(5, torch.float32, None) as host:
         assert host.shape == (5,) and host.dtype == torch.float32
     ring = StagingRing(1024, pin=False)
-    with staged(1000, torch.int64, ring, Copy) as host:  # 8,000 bytes: over a quarter
+    with staged(1000, torch.int64, ring, None, Copy) as host:  # 8,000 bytes: over a quarter
         assert host.numel() == 1000
     assert not ring.regions
 
@@ -157,6 +157,14 @@ def test_to_host_packs_the_outputs_in_one_region_until_read():
     read.read = True
     ring.take(8)
     assert ring.regions[0][2] is not read  # retired once read
+
+
+def test_to_host_fences_its_region_when_a_copy_fails():
+    ring = StagingRing(4096, pin=False)
+    with pytest.raises(NotImplementedError):
+        to_host([torch.ones(4), torch.empty(4, device="meta")], ring)
+    assert len(ring.regions) == 1 and ring.regions[0][2].query()
+    assert ring.take(1024) is not None
 
 
 def test_to_host_without_room_copies_as_before():

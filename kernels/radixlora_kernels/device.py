@@ -98,12 +98,13 @@ def staging_ring() -> StagingRing:
 
 
 @contextmanager
-def staged(numel: int, dtype: torch.dtype, ring: StagingRing | None,
+def staged(numel: int, dtype: torch.dtype, ring: StagingRing | None, stream=None,
            new_event: Callable[[], torch.cuda.Event] = torch.cuda.Event) -> Iterator[torch.Tensor]:
-    """A 1-D host tensor of `numel` values to fill and copy to the device (non_blocking) inside
-    the block: a region of `ring`, whose event is recorded on the current stream as the block
-    ends (also when it raises: a copy may have been queued), or, with no ring or no room in it,
-    a new tensor, pinned as the ring is (without a ring: pageable)."""
+    """A 1-D host tensor of `numel` values to fill and copy to the device (non_blocking, on
+    `stream`) inside the block: a region of `ring`, whose event is recorded on `stream` (None:
+    the current device's current stream) as the block ends (also when it raises: a copy may
+    have been queued), or, with no ring or no room in it, a new tensor, pinned as the ring is
+    (without a ring: pageable)."""
     nbytes = numel * dtype.itemsize
     region = ring.take(nbytes) if ring is not None else None
     if region is None:
@@ -113,7 +114,7 @@ def staged(numel: int, dtype: torch.dtype, ring: StagingRing | None,
         yield region[:nbytes].view(dtype)
     finally:
         event = new_event()
-        event.record()
+        event.record(stream)
         ring.fence(event)
 
 
@@ -125,7 +126,9 @@ def to_device(values, dtype: torch.dtype, device: torch.device,
     array = np.asarray(values)
     if device.type != "cuda":
         return torch.as_tensor(array, dtype=dtype).to(device)
-    with staged(array.size, dtype, ring or staging_ring()) as host:
+    # the copy runs on the device's current stream, which need not be the current device's
+    with staged(array.size, dtype, ring or staging_ring(),
+                torch.cuda.current_stream(device)) as host:
         host.copy_(torch.as_tensor(array).reshape(-1))
         return host.view(array.shape).to(device, non_blocking=True)
 
@@ -142,14 +145,22 @@ def to_host(tensors: Sequence[torch.Tensor],
     region = ring.take(sum(steps)) if ring is not None else None
     if region is None:
         return [t.to("cpu", non_blocking=True) for t in tensors], None
-    out, at = [], 0
-    for t, n, step in zip(tensors, sizes, steps):
-        host = region[at : at + n].view(t.dtype).view(t.shape)
-        host.copy_(t, non_blocking=True)
-        out.append(host)
-        at += step
-    read = HostRead()
-    ring.fence(read)
+    out, at, read = [], 0, HostRead()
+    try:
+        for t, n, step in zip(tensors, sizes, steps):
+            host = region[at : at + n].view(t.dtype).view(t.shape)
+            host.copy_(t, non_blocking=True)
+            out.append(host)
+            at += step
+    except BaseException:  # nothing is read: the region is free once the copies queued end
+        if tensors[0].is_cuda:
+            read = torch.cuda.Event()
+            read.record(torch.cuda.current_stream(tensors[0].device))
+        else:
+            read.read = True
+        raise
+    finally:
+        ring.fence(read)
     return out, read
 
 

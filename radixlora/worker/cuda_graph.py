@@ -500,7 +500,9 @@ class PackedInputs:
             table[row] = src, self.offsets[name], len(words)
             src += len(words)
         # pinned, so the copy is queued behind the step in flight, not waited on
-        with staged(src, torch.int32, staging_ring() if self.words.is_cuda else None) as packed:
+        cuda = self.words.is_cuda
+        with staged(src, torch.int32, staging_ring() if cuda else None,
+                    torch.cuda.current_stream(self.words.device) if cuda else None) as packed:
             np.concatenate([table.reshape(-1), *payload], out=packed.numpy())
             self.inbox[:src].copy_(packed, non_blocking=True)
         scatter_words(self.inbox, self.words, len(values), max(map(len, payload), default=0))

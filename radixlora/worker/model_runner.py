@@ -500,7 +500,7 @@ class ModelRunner:
                 setattr(step, name, copy)
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
-            step.done.record()
+            step.done.record(torch.cuda.current_stream(self.device))
         return step
 
     def _resolve_placeholders(self, input_ids: torch.Tensor) -> None:
