@@ -161,8 +161,8 @@ def test_to_host_packs_the_outputs_in_one_region_until_read():
 
 def test_to_host_fences_its_region_when_a_copy_fails():
     ring = StagingRing(4096, pin=False)
-    with pytest.raises(NotImplementedError):
-        to_host([torch.ones(4), torch.empty(4, device="meta")], ring)
+    with pytest.raises(NotImplementedError):  # torch cannot copy out of a meta tensor
+        to_host([torch.ones(4), torch.empty(4, device="meta")], ring)  # the first one copied
     assert len(ring.regions) == 1 and ring.regions[0][2].query()
     assert ring.take(1024) is not None
 

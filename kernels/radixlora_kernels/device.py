@@ -15,6 +15,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from radixlora_kernels.triton_compat import cdiv
+
 REGION_ALIGN = 64  # bytes: every region starts here, so any dtype's view of it is aligned
 STAGING_BYTES = 128 << 20  # the process's host-to-device ring (on CUDA, at its first transfer)
 
@@ -43,7 +45,7 @@ class StagingRing:
         """A uint8 view of at least `nbytes` bytes starting REGION_ALIGN-aligned, to be fenced
         (`fence`) before the next take; None when it is over a quarter of the ring or the
         regions in use leave no room."""
-        size = -(-max(nbytes, 1) // REGION_ALIGN) * REGION_ALIGN
+        size = cdiv(max(nbytes, 1), REGION_ALIGN) * REGION_ALIGN
         if size > self.capacity // 4:
             return None
         self._retire()
@@ -141,7 +143,7 @@ def to_host(tensors: Sequence[torch.Tensor],
     if not tensors:
         return [], None
     sizes = [t.numel() * t.element_size() for t in tensors]
-    steps = [-(-n // REGION_ALIGN) * REGION_ALIGN for n in sizes]
+    steps = [cdiv(n, REGION_ALIGN) * REGION_ALIGN for n in sizes]
     region = ring.take(sum(steps)) if ring is not None else None
     if region is None:
         return [t.to("cpu", non_blocking=True) for t in tensors], None
@@ -172,7 +174,7 @@ def int32_parts_to_device(parts, device: torch.device) -> list[torch.Tensor]:
     16-byte aligned: Triton specializes a pointer argument on 16-byte alignment, so a view at
     an offset that follows the lengths before it would make kernel variants of its own."""
     sizes = [len(part) for part in parts]
-    starts = np.cumsum([0, *(-(-n // ALIGN_WORDS) * ALIGN_WORDS for n in sizes)])
+    starts = np.cumsum([0, *(cdiv(n, ALIGN_WORDS) * ALIGN_WORDS for n in sizes)])
     words = np.zeros(int(starts[-1]), np.int32)
     for start, part in zip(starts, parts):
         words[start : start + len(part)] = part
